@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python3.12) $(shell command -v python3.12))
+VENV := .venv
+PY := $(VENV)/bin/python
+RUN_MODEL := build/random-tiny-v3
+PROMPT ?= def fibonacci(n):
+
+.PHONY: run test install lint clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found (pyenv's 3.12 or python3.12 on PATH)"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Until the embedded trained model lands, `make run` generates with a random tiny DeepSeek-V3 made on the fly.
+$(RUN_MODEL)/config.json: | install
+	$(PY) -m hcfjax.random_model $(RUN_MODEL) --preset tiny-v3
+
+run: install $(RUN_MODEL)/config.json
+	$(VENV)/bin/hcfjax generate --model $(RUN_MODEL) --prompt "$(PROMPT)" --max-new-tokens 48 --stats
+
+test: install
+	$(PY) -m pytest tests
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build

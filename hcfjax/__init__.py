@@ -1,0 +1,14 @@
+"""hcfjax: DeepSeek-V3/R1-class MoE inference in JAX and Pallas.
+
+model = hcfjax.load("path/to/checkpoint")
+out = hcfjax.generate(model, ["def fib(n):"], max_new_tokens=64)
+print(out.text[0], out.stats)
+"""
+
+from hcfjax.api import load, save
+from hcfjax.config import ModelConfig
+from hcfjax.generate import GenerationResult, forward, generate
+from hcfjax.model import Model
+from hcfjax.sampling import SamplingParams
+
+__all__ = ["GenerationResult", "Model", "ModelConfig", "SamplingParams", "forward", "generate", "load", "save"]

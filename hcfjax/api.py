@@ -1,0 +1,54 @@
+"""load / save: a checkpoint directory in the HuggingFace layout <-> Model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+from tokenizers import Tokenizer
+
+from hcfjax.checkpoint import load_params, save_params
+from hcfjax.config import ModelConfig
+from hcfjax.model import Model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def load(path: str | Path, dtype=jnp.bfloat16, mtp: bool = True) -> Model:
+    """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
+    tokenizer.json (if present) from a checkpoint directory. `mtp=False` skips the MTP layers."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
+    cfg = ModelConfig.from_json(path)
+    params = load_params(path, cfg, dtype=dtype, mtp=mtp)
+    tok_file = path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+    return Model(cfg, params, tokenizer, str(path))
+
+
+def save(model: Model, path: str | Path, dtype=None) -> None:
+    """Writes config.json, safetensors weights and the tokenizer files, loadable by `load` and by transformers."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    if "mtp" not in model.params and cfg.num_mtp_layers:
+        cfg = _without_mtp(cfg)
+    d = cfg.to_dict()
+    d["torch_dtype"] = str(jnp.dtype(dtype or model.dtype))
+    (path / "config.json").write_text(json.dumps(d, indent=1))
+    save_params(model.params, cfg, path, dtype=dtype)
+    if model.tokenizer is not None:
+        model.tokenizer.save(str(path / "tokenizer.json"))
+    if model.path:
+        for name in TOKENIZER_FILES[1:]:
+            src = Path(model.path) / name
+            if src.is_file() and src.resolve() != (path / name).resolve():
+                shutil.copy(src, path / name)
+
+
+def _without_mtp(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, num_mtp_layers=0)

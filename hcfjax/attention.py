@@ -1,0 +1,102 @@
+"""Multi-head latent attention (MLA) in its two equivalent forms.
+
+expanded (prefill): K and V are up-projected from the latent per head and attention runs over H heads of
+                    qk_head_dim / v_head_dim, as in the paper.
+absorbed (decode):  W_UK is folded into the query and attention runs in the C-wide latent space directly over the
+                    cached c_kv, with W_UV applied after; per step it reads only the latent cache.
+
+Dimension letters: B batch, T query tokens, S key tokens, D hidden, H heads, N qk_nope, R rope, C kv_lora, V v_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax import cache as kvcache
+from hcfjax.config import ModelConfig
+from hcfjax.layers import apply_rope, rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CacheContext:
+    """What a cached forward needs besides the tokens: the cache and the batch's view of it."""
+
+    cache: kvcache.KVCache
+    page_table: jax.Array  # [B, max_pages] int32
+    kv_len: jax.Array  # [B] tokens in the cache after this step (keys at positions >= kv_len are masked)
+    valid: jax.Array  # [B, T] bool: which query tokens are real (others write nothing)
+
+
+def project_q(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped)."""
+    if cfg.q_lora_rank:
+        q = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("BTQ,QHK->BTHK", q, p["q_b"])
+    else:
+        q = jnp.einsum("BTD,DHK->BTHK", x, p["q"])
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    return q_nope, apply_rope(q_pe, positions, cfg.rope)
+
+
+def project_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] -> c_kv [B, T, C] (normed latent), k_pe [B, T, R] (roped, shared by all heads)."""
+    kv = x @ p["kv_a"]
+    ckv = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
+    return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope)
+
+
+def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    # A finite floor keeps rows with no visible key (mock requests) NaN-free; they are discarded anyway.
+    scores = jnp.where(mask[:, None], scores, -1e30)  # mask [B, T, S] -> [B, 1, T, S]
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attend_expanded(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Array:
+    """Per-head attention with K/V up-projected from the latent.  -> [B, T, H, V]"""
+    kv = jnp.einsum("BSC,CHK->BSHK", ckv, p["kv_b"])
+    k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+    scores = jnp.einsum("BTHN,BSHN->BHTS", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)
+    probs = _softmax(scores * cfg.softmax_scale, mask).astype(v.dtype)
+    return jnp.einsum("BHTS,BSHV->BTHV", probs, v)
+
+
+def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Array:
+    """Attention in the latent space: q_nope . W_UK against c_kv, then W_UV.  -> [B, T, H, V]"""
+    w_uk = p["kv_b"][..., : cfg.qk_nope_head_dim]  # [C, H, N]
+    w_uv = p["kv_b"][..., cfg.qk_nope_head_dim :]  # [C, H, V]
+    q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
+    scores = jnp.einsum("BTHC,BSC->BHTS", q_lat, ckv, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)
+    probs = _softmax(scores * cfg.softmax_scale, mask).astype(ckv.dtype)
+    o_lat = jnp.einsum("BHTS,BSC->BTHC", probs, ckv)
+    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
+
+
+def mla(
+    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, ctx: CacheContext | None, layer, absorbed: bool
+) -> tuple[jax.Array, CacheContext | None]:
+    """x [B, T, D] at positions [B, T] -> ([B, T, D], ctx with this layer's new entries written).
+
+    Without a cache context the keys are the T tokens themselves (teacher forcing); with one, the new latents are
+    written to the pages first and the keys are every cached position below kv_len (chunked prefill, decode and
+    speculative verification are all this one case).
+    """
+    q_nope, q_pe = project_q(p, cfg, x, positions)
+    ckv, kpe = project_kv(p, cfg, x, positions)
+    if ctx is None:
+        key_pos = positions[:, None, :]  # [B, 1, S=T]
+        mask = key_pos <= positions[:, :, None]
+    else:
+        cache = kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
+        ctx = dataclasses.replace(ctx, cache=cache)
+        ckv, kpe = kvcache.read(cache, layer, ctx.page_table, cfg.kv_lora_rank, x.dtype)
+        key_pos = jnp.arange(ckv.shape[1])[None, None, :]  # [1, 1, S]
+        mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
+    attend = attend_absorbed if absorbed else attend_expanded
+    out = attend(p, cfg, q_nope, q_pe, ckv, kpe, mask)  # [B, T, H, V]
+    return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx

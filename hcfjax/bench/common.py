@@ -1,0 +1,68 @@
+"""Shared pieces of the benchmark scripts: ceilings measured in the same run, timing, and the results header."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def timed(fn, *args, reps: int = 10) -> float:
+    """Median seconds of fn(*args) after one warm-up call (which also compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes/s of an XLA elementwise pass over a large buffer, counting read + write (XLA's own copy ceiling)."""
+    n = int(gib * 2**30) // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    f = jax.jit(lambda x: x * 2)
+    return 2 * x.nbytes / timed(f, x)
+
+
+def torch_copy_bandwidth(gib: float = 2.0) -> float | None:
+    """Bytes/s of torch's device-to-device copy_ (the card's practical copy ceiling), if torch with CUDA is here."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / sorted(times)[5]
+
+
+def matmul_flops(n: int = 8192) -> float:
+    """FLOP/s of a bf16 n x n x n matmul through XLA."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * n**3 / timed(f, a, b)
+
+
+def header() -> str:
+    dev = jax.devices()[0]
+    return f"date {datetime.date.today().isoformat()}, device {dev.device_kind} ({dev.platform}), jax {jax.__version__}"

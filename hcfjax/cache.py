@@ -1,0 +1,92 @@
+"""The paged latent KV cache.
+
+Per token and layer the cache holds only MLA's latent c_kv (kv_lora_rank = C) followed by the roped key k_pe
+(qk_rope_head_dim = R), in fixed-size pages:
+
+    kv     [L, P, page_size, C + R]   bf16/f32, or int8
+    scale  [L, P, page_size, 2]       f32 per-token scales of (c_kv, k_pe), int8 caches only
+
+A sequence owns a list of pages (its row of a page table [B, max_pages]); token at position t lives in page
+page_table[b, t // page_size], slot t % page_size, in every layer. Prefill and decode write it, attention and the
+MLA kernel read it, KV transfer moves whole pages. Positions a sequence has not reached are never read (attention
+masks them), so rolling back is just a shorter length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    kv: jax.Array  # [L, P, page_size, C + R]
+    scale: jax.Array | None = None  # [L, P, page_size, 2] when kv is int8
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv.dtype == jnp.int8
+
+
+def init_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, num_layers: int | None = None
+) -> KVCache:
+    """An empty cache; `num_layers` defaults to the main model's (MTP layers add theirs on top)."""
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+    shape = (layers, num_pages, page_size, cfg.kv_dim)
+    if jnp.dtype(dtype) == jnp.int8:
+        return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:3] + (2,), jnp.float32))
+    return KVCache(jnp.zeros(shape, dtype))
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric per-token int8: x [..., K] -> (q [..., K] int8, scale [...] f32)."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-8) / 127.0
+    q = jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def write(
+    cache: KVCache, layer, ckv: jax.Array, kpe: jax.Array, positions: jax.Array, valid: jax.Array, page_table: jax.Array
+) -> KVCache:
+    """Stores c_kv [B, T, C] and k_pe [B, T, R] of tokens at positions [B, T] (only where valid [B, T])."""
+    ps = cache.page_size
+    rows = jnp.arange(positions.shape[0])[:, None]
+    page = page_table[rows, jnp.clip(positions // ps, 0, page_table.shape[1] - 1)]
+    # Invalid tokens (padding, mock rows) get an out-of-range page and are dropped by the scatter.
+    page = jnp.where(valid, page, cache.num_pages)
+    slot = positions % ps
+    if not cache.quantized:
+        entry = jnp.concatenate([ckv, kpe], axis=-1).astype(cache.kv.dtype)
+        return KVCache(cache.kv.at[layer, page, slot].set(entry, mode="drop"))
+    qc, sc = quantize_int8(ckv)
+    qr, sr = quantize_int8(kpe)
+    kv = cache.kv.at[layer, page, slot].set(jnp.concatenate([qc, qr], axis=-1), mode="drop")
+    scale = cache.scale.at[layer, page, slot].set(jnp.stack([sc, sr], axis=-1), mode="drop")
+    return KVCache(kv, scale)
+
+
+def read(cache: KVCache, layer, page_table: jax.Array, c: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Gathers every page of the page table: (c_kv [B, S, C], k_pe [B, S, R]) in `dtype`, S = pages * page_size."""
+    b, n = page_table.shape
+    entry = cache.kv[layer, page_table]  # [B, n, page, C + R]
+    entry = entry.reshape(b, n * cache.page_size, -1)
+    if not cache.quantized:
+        return entry[..., :c].astype(dtype), entry[..., c:].astype(dtype)
+    scale = cache.scale[layer, page_table].reshape(b, n * cache.page_size, 2)
+    ef = entry.astype(jnp.float32)
+    return (ef[..., :c] * scale[..., :1]).astype(dtype), (ef[..., c:] * scale[..., 1:]).astype(dtype)

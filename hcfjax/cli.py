@@ -1,0 +1,100 @@
+"""The `hcfjax` command line.
+
+hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
+hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def _generate(args) -> int:
+    import jax.numpy as jnp
+
+    import hcfjax
+
+    if args.model is None:
+        print("error: --model PATH is required (no embedded default model yet)", file=sys.stderr)
+        return 2
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        sampling = hcfjax.SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype]))
+    prompts = args.prompt
+    try:
+        out = hcfjax.generate(
+            model,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+            cache_dtype=jnp.int8 if args.kv_cache == "int8" else None,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, prompt in enumerate(prompts):
+        text = out.text[i] if out.text is not None else " ".join(map(str, out.tokens[i]))
+        print(f"{prompt}{text}")
+        if i + 1 < len(prompts):
+            print("-" * 40)
+    if args.stats:
+        print(json.dumps(out.stats, indent=1), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from one or more prompts")
+    g.add_argument("--model", help="checkpoint directory (HF layout)")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    g.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
+    g.add_argument("--stats", action="store_true", help="print timing statistics (JSON) to stderr")
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (run on the GPU machine)")
+    b.add_argument("which", choices=["generate"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
+    return ap
+
+
+def _bench(args) -> int:
+    from hcfjax.bench import generate as bench_generate
+
+    bench_generate.main(args.rest)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) < 1:
+        print("error: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

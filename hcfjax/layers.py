@@ -1,0 +1,67 @@
+"""Small building blocks: RMSNorm, rotary embedding (default and YaRN), SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hcfjax.config import RopeConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalises in float32, then scales in the input dtype (as DeepSeek and transformers do)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Inverse frequencies [R/2] (float32), with YaRN's blend of interpolated and extrapolated frequencies."""
+    pos_freqs = rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
+    if rope.type != "yarn":
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 - ramp
+    interp = (1.0 / (rope.factor * pos_freqs)).astype(np.float32)
+    return (interp * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotates x [B, T, ..., R] at integer positions [B, T].
+
+    The output is laid out as (rotated first elements of each pair, rotated second elements): for interleaved pairs
+    this permutes the R dims, identically for q and k, so every q.k product equals DeepSeek's interleaved rotation.
+    """
+    r = x.shape[-1]
+    inv_freq = jnp.asarray(rope_inv_freq(rope, r))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+    angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
+    cos = (jnp.cos(angles) * rope.attention_factor).astype(x.dtype)
+    sin = (jnp.sin(angles) * rope.attention_factor).astype(x.dtype)
+    if rope.interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., : r // 2], x[..., r // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def mlp(p: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up)).  x [..., D]; gate/up [D, F]; down [F, D]."""
+    h = jax.nn.silu(x @ p["gate"]) * (x @ p["up"])
+    return h @ p["down"]

@@ -1,0 +1,144 @@
+"""The DeepSeek model as pure functions over a params pytree: decoder layers, the layer stack, MTP modules.
+
+params = {
+  "embed": [V, D], "norm": [D], "lm_head": [D, V] (absent when tied),
+  "segments": [ {layer params stacked over a run of layers of one kind}, ... ],   # cfg.layer_segments
+  "mtp": [ {"enorm", "hnorm", "eh_proj" [2D, D], "layer": {...}, "head_norm", "head" [D, V]}, ... ],
+}
+A layer is {"attn_norm", "mlp_norm", "attn": {...}, "mlp": {...}} (checkpoint.layer_specs lists every leaf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax.attention import CacheContext, mla
+from hcfjax.checkpoint import stacked_shapes, tensor_specs, to_pytree
+from hcfjax.config import ModelConfig
+from hcfjax.layers import mlp, rms_norm
+from hcfjax.moe import moe
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model: config, params pytree, and the tokenizer when the checkpoint has one."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any = None
+    path: str | None = None
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+def decoder_layer(p: dict, cfg: ModelConfig, x, positions, ctx, layer, is_moe: bool, absorbed: bool):
+    """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D]."""
+    h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed)
+    x = x + h
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h))
+    return x, ctx
+
+
+def run_layers(params: dict, cfg: ModelConfig, x, positions, ctx: CacheContext | None, absorbed: bool):
+    """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx)."""
+    for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
+
+        def body(carry, xs, is_moe=is_moe):
+            x, ctx = carry
+            p, layer = xs
+            x, ctx = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed)
+            return (x, ctx), None
+
+        (x, ctx), _ = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
+    return x, ctx
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def final_hidden(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+
+
+def logits(params: dict, h: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., D] -> float32 logits [..., V]."""
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.einsum("...D,DV->...V", h, head, preferred_element_type=jnp.float32)
+
+
+def hidden_states(
+    params: dict, cfg: ModelConfig, tokens, positions, ctx: CacheContext | None = None, absorbed: bool = False
+):
+    """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx)."""
+    x, ctx = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed)
+    return final_hidden(params, cfg, x), ctx
+
+
+def mtp_module(
+    p: dict,
+    cfg: ModelConfig,
+    k: int,
+    h_prev,
+    next_tokens,
+    positions,
+    embed_table,
+    ctx: CacheContext | None = None,
+    absorbed: bool = False,
+):
+    """MTP module k (DeepSeek-V3 section 2.2): combines the previous depth's hidden state h_prev [B, T, D] for token
+    t with the embedding of token t+1 (next_tokens [B, T], at `positions` = t+1), runs one decoder block, and
+    returns (hidden [B, T, D] for the next depth, float32 logits [B, T, V] for token t+2, ctx).
+
+    h_prev at depth 0 is the main model's final-normed hidden state (as vLLM and SGLang feed DeepSeek's MTP layer).
+    The block's KV entries live in cache layer num_hidden_layers + k.
+    """
+    e = rms_norm(embed_table[next_tokens], p["enorm"], cfg.rms_norm_eps)
+    h = rms_norm(h_prev, p["hnorm"], cfg.rms_norm_eps)
+    x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]
+    layer = cfg.num_hidden_layers + k
+    x, ctx = decoder_layer(p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed)
+    out = jnp.einsum(
+        "...D,DV->...V", rms_norm(x, p["head_norm"], cfg.rms_norm_eps), p["head"], preferred_element_type=jnp.float32
+    )
+    return x, out, ctx
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool = True) -> dict:
+    """Random params with the checkpoint's structure (benchmarks, tests, a model made on the fly).
+
+    Matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), router bias ~ U(0, 0.1): activations stay O(1) through
+    any depth, and routing is far from uniform.
+    """
+    shapes = stacked_shapes(tensor_specs(cfg, mtp=mtp))
+    keys = jax.random.split(key, len(shapes))
+
+    @jax.jit
+    def make(keys):
+        out = {}
+        for k, (path, (shape, fp32)) in zip(keys, sorted(shapes.items(), key=str), strict=True):
+            name = path[-1]
+            dt = jnp.float32 if fp32 else dtype
+            if "norm" in name:
+                out[path] = (1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+            elif name == "router_bias":
+                out[path] = 0.1 * jax.random.uniform(k, shape, jnp.float32)
+            else:
+                fan_in = cfg.hidden_size if name == "embed" else _fan_in(name, shape)
+                out[path] = (jax.random.normal(k, shape, jnp.float32) * fan_in**-0.5).astype(dt)
+        return out
+
+    return to_pytree(make(keys))
+
+
+def _fan_in(name: str, shape: tuple[int, ...]) -> int:
+    """Input width of a stored [in, out...] matrix: the first non-stacking dim, found from the end."""
+    per_head = {"kv_b": 3, "q_b": 3, "q": 3}  # [.., in, H, K]
+    return shape[-per_head.get(name, 2)]

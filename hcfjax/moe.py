@@ -1,0 +1,66 @@
+"""Mixture of experts: DeepSeek routing (greedy, group-limited greedy, noaux_tc) and grouped expert matmuls.
+
+Experts run as `jax.lax.ragged_dot` over the token copies sorted by expert: no loop over experts, no padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax.config import ModelConfig
+from hcfjax.layers import mlp
+
+
+def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k expert choice per token.  x [N, D] -> (weights [N, K] f32, expert ids [N, K] int32)."""
+    logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # [N, E]
+    n, e = logits.shape
+    g = cfg.n_group
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores + p["router_bias"] if "router_bias" in p else scores  # bias steers choice, not weights
+
+    if cfg.topk_method != "greedy" and g > 1 and cfg.topk_group < g:
+        grouped = choice.reshape(n, g, e // g)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [N, G]
+        else:
+            group_scores = grouped.max(-1)
+        top_groups = jax.lax.top_k(group_scores, cfg.topk_group)[1]  # [N, topk_group]
+        keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
+
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D]."""
+    n, k = ids.shape
+    num_experts = p["gate"].shape[0]
+    flat = ids.reshape(-1)  # [N*K]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # source token of each sorted copy
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    xs = x[token]  # [N*K, D]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], group_sizes)) * jax.lax.ragged_dot(xs, p["up"], group_sizes)
+    y = jax.lax.ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """x [..., D] -> routed experts + shared experts."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    weights, ids = route(p, cfg, flat)
+    out = experts(p["experts"], flat, weights, ids)
+    if "shared" in p:
+        out = out + mlp(p["shared"], flat)
+    return out.reshape(shape)

@@ -1,0 +1,85 @@
+"""Per-request sampling: greedy, temperature, top-k, top-p, min-p, as pure functions of (logits, params, rng)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not (
+            isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch:
+    """SamplingParams of a batch as arrays [B], so one compiled step serves any mix of requests."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> SamplingBatch:
+        col = lambda f, dt: jnp.asarray(np.array([getattr(p, f) for p in params], dt))
+        return cls(
+            col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32), col("min_p", np.float32)
+        )
+
+
+def filtered_logprobs(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """Temperature-scaled log-probabilities [B, V] with top-k / top-p / min-p filtered tokens at -inf.
+
+    Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax).
+    """
+    temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
+    v = logits.shape[-1]
+    sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]  # descending
+    # top-k: keep values >= the k-th largest.
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logp, (k - 1)[:, None], axis=-1)
+    keep = logp >= kth
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    cum = jnp.cumsum(jnp.exp(sorted_logp), axis=-1)
+    last = jnp.sum(cum - jnp.exp(sorted_logp) < sp.top_p[:, None], axis=-1)  # tokens needed, >= 1
+    pth = jnp.take_along_axis(sorted_logp, (jnp.maximum(last, 1) - 1)[:, None], axis=-1)
+    keep &= logp >= pth
+    # min-p: keep tokens with p >= min_p * p_max.
+    min_p_floor = sorted_logp[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
+    keep &= (sp.min_p[:, None] <= 0) | (logp >= min_p_floor)
+    return jnp.where(keep, logp, -jnp.inf)
+
+
+def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array) -> jax.Array:
+    """logits [B, V] -> tokens [B] int32."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, filtered_logprobs(logits, sp), axis=-1).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, drawn, greedy)

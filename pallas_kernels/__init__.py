@@ -1,0 +1,1 @@
+"""Pallas kernels for Hopper (Mosaic GPU), each beside its pure-jnp reference and benchmark."""

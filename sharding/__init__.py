@@ -1,0 +1,1 @@
+"""Sharding plans: meshes, partition rules, EP dispatch, DP-attention padding, EPLB, multi-host start-up."""

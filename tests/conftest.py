@@ -1,0 +1,35 @@
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import hcfjax  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PARITY = ["tiny_v3", "tiny_v2_lite", "tiny_v2_grouped"]
+
+
+@pytest.fixture(scope="session", params=PARITY)
+def parity_case(request):
+    """(model in float32, transformers reference arrays) for each fixture checkpoint."""
+    name = request.param
+    model = hcfjax.load(FIXTURES / name, dtype=jnp.float32)
+    return model, dict(np.load(FIXTURES / name / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def v3_model():
+    return hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+jax.config.update("jax_default_matmul_precision", "highest")

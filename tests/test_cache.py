@@ -1,0 +1,93 @@
+"""Paged latent cache: cached prefill + decode equals teacher forcing; absorbed MLA equals expanded; page size and
+page order do not change results."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hcfjax
+from hcfjax import cache as kvcache
+from hcfjax.attention import CacheContext
+from hcfjax.model import hidden_states, logits
+from tests.conftest import rel_err
+
+step = jax.jit(hidden_states, static_argnames=("cfg", "absorbed"))
+
+
+def run_cached(
+    model, ids, prefix, page_size, page_order, absorbed_decode=True, prefill_absorbed=False, cache_dtype=jnp.float32
+):
+    """Prefill ids[:, :prefix] then decode one token at a time; returns logits [B, T, V] for every position."""
+    cfg, p = model.cfg, model.params
+    b, t = ids.shape
+    pages = -(-t // page_size)
+    table = jnp.asarray(page_order[: b * pages].reshape(b, pages))
+    cache = kvcache.init_cache(cfg, len(page_order), page_size, cache_dtype)
+    pos = jnp.broadcast_to(jnp.arange(prefix), (b, prefix))
+    lens = jnp.full((b,), prefix)
+    ctx = CacheContext(cache, table, lens, jnp.ones((b, prefix), bool))
+    h, ctx = step(p, cfg, ids[:, :prefix], pos, ctx, absorbed=prefill_absorbed)
+    out = [logits(p, h)]
+    for i in range(prefix, t):
+        ctx = CacheContext(ctx.cache, table, jnp.full((b,), i + 1), jnp.ones((b, 1), bool))
+        h, ctx = step(p, cfg, ids[:, i : i + 1], jnp.full((b, 1), i), ctx, absorbed=absorbed_decode)
+        out.append(logits(p, h))
+    return jnp.concatenate(out, axis=1), ctx.cache
+
+
+@pytest.mark.parametrize("page_size,shuffle", [(4, False), (8, True), (16, True)])
+def test_prefill_then_decode_equals_teacher_forcing(v3_model, page_size, shuffle):
+    ids = jnp.asarray(np.load("tests/fixtures/tiny_v3/reference.npz")["ids"][:2, :21])
+    ref = hcfjax.forward(v3_model, ids)
+    n_pages = 2 * -(-21 // page_size) + 3
+    order = np.random.default_rng(page_size).permutation(n_pages) if shuffle else np.arange(n_pages)
+    got, _ = run_cached(v3_model, ids, prefix=9, page_size=page_size, page_order=order)
+    assert rel_err(got, ref) < 1e-4
+    assert bool(jnp.all(jnp.argmax(got, -1) == jnp.argmax(ref, -1)))
+
+
+def test_absorbed_equals_expanded(v3_model):
+    ids = jnp.asarray(np.load("tests/fixtures/tiny_v3/reference.npz")["ids"][:2, :16])
+    order = np.arange(8)
+    expanded, _ = run_cached(v3_model, ids, prefix=10, page_size=4, page_order=order, absorbed_decode=False)
+    absorbed, _ = run_cached(
+        v3_model, ids, prefix=10, page_size=4, page_order=order, absorbed_decode=True, prefill_absorbed=True
+    )
+    assert rel_err(absorbed, expanded) < 1e-5
+
+
+def test_int8_cache_error_is_quantisation_sized(v3_model):
+    """Per-token int8 has about 3x the rounding error of bf16 on Gaussian-like latents; the logits' error through
+    the whole (chaotic, random) model must stay within that ratio's neighbourhood, not blow up."""
+    ids = jnp.asarray(np.load("tests/fixtures/tiny_v3/reference.npz")["ids"][:2, :16])
+    ref = hcfjax.forward(v3_model, ids)
+    run = lambda dt: run_cached(v3_model, ids, prefix=8, page_size=4, page_order=np.arange(8), cache_dtype=dt)
+    got8, cache = run(jnp.int8)
+    got16, _ = run(jnp.bfloat16)
+    assert cache.kv.dtype == jnp.int8 and cache.scale.shape[-1] == 2
+    print("int8", rel_err(got8, ref), "bf16", rel_err(got16, ref))
+    assert rel_err(got8, ref) < 6 * rel_err(got16, ref)
+
+
+def test_int8_quantisation_round_trip():
+    x = jax.random.normal(jax.random.key(0), (5, 7, 64)) * jnp.linspace(0.1, 10, 7)[:, None]
+    q, s = kvcache.quantize_int8(x)
+    back = q.astype(jnp.float32) * s[..., None]
+    assert q.dtype == jnp.int8 and s.shape == (5, 7)
+    assert float(jnp.max(jnp.abs(back - x) / s[..., None])) <= 0.5 + 1e-5  # within half a quantisation step
+
+
+def test_padding_and_mock_rows_never_write(v3_model):
+    """Tokens marked invalid (right padding, idle rows) leave every page untouched."""
+    cfg = v3_model.cfg
+    cache = kvcache.init_cache(cfg, 4, 4, jnp.float32)
+    poison = jnp.full_like(cache.kv, 7.0)
+    table = jnp.array([[0, 1], [2, 3]])
+    valid = jnp.array([[True] * 3 + [False] * 5, [False] * 8])
+    ctx = CacheContext(kvcache.KVCache(poison), table, jnp.array([3, 0]), valid)
+    ids = jnp.ones((2, 8), jnp.int32) * 5
+    _, ctx = hidden_states(v3_model.params, cfg, ids, jnp.broadcast_to(jnp.arange(8), (2, 8)), ctx)
+    kv = np.asarray(ctx.cache.kv)
+    assert not np.any(kv[:, 0, :3] == 7.0)  # the 3 valid tokens were written
+    assert np.all(kv[:, 0, 3:] == 7.0) and np.all(kv[:, 1:] == 7.0)  # nothing else was

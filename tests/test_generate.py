@@ -1,0 +1,157 @@
+"""generate(): ragged batches, stop tokens, sampling filters, bad input, and the CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hcfjax
+from hcfjax import cli
+from hcfjax.random_model import preset_config, random_model
+from hcfjax.sampling import SamplingBatch, SamplingParams, filtered_logprobs, sample
+
+
+def test_ragged_batch_equals_each_prompt_alone(v3_model):
+    prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
+    together = hcfjax.generate(v3_model, prompts, max_new_tokens=6, stop_token_ids=[])
+    for p, toks in zip(prompts, together.tokens, strict=False):
+        alone = hcfjax.generate(v3_model, [p], max_new_tokens=6, stop_token_ids=[])
+        assert alone.tokens[0] == toks
+    # prefill in groups of one row (16 padded tokens each) changes nothing
+    assert (
+        hcfjax.generate(v3_model, prompts, max_new_tokens=6, stop_token_ids=[], max_prefill_tokens=16).tokens
+        == together.tokens
+    )
+    ref = hcfjax.forward(v3_model, [prompts[1] + together.tokens[1][:-1]])
+    assert list(np.asarray(jnp.argmax(ref[0, len(prompts[1]) - 1 :], -1))) == together.tokens[1]
+
+
+def test_stop_tokens_end_a_row(v3_model):
+    free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=8, stop_token_ids=[])
+    stop = free.tokens[0][3]
+    out = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=8, stop_token_ids=[stop])
+    first = free.tokens[0].index(stop)
+    assert out.tokens[0] == free.tokens[0][: first + 1]
+    assert out.stats["new_tokens"] == first + 1
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([[]], "prompt 0 is empty"),
+        ([[1, 2, 10_000]], "token id 10000 outside"),
+        ([[-1]], "token id -1 outside"),
+        ([[1] * 600], "exceeds the model's context"),
+        ("text", "need a tokenizer"),
+        ([], "non-empty"),
+    ],
+)
+def test_bad_prompts_raise_clear_errors(v3_model, bad, match):
+    with pytest.raises(ValueError, match=match):
+        hcfjax.generate(v3_model, bad, max_new_tokens=4)
+
+
+def test_bad_generation_arguments(v3_model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hcfjax.generate(v3_model, [[1, 2]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="one per prompt"):
+        hcfjax.generate(v3_model, [[1, 2]], sampling=[SamplingParams(), SamplingParams()])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=1.0), "min_p"),
+    ],
+)
+def test_invalid_sampling_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_filters_on_a_known_distribution():
+    probs = jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4)
+    sp = SamplingBatch.of(
+        [
+            SamplingParams(1.0, top_k=2),
+            SamplingParams(1.0, top_p=0.8),
+            SamplingParams(1.0, min_p=0.25),
+            SamplingParams(1.0),
+        ]
+    )
+    kept = np.isfinite(np.asarray(filtered_logprobs(jnp.log(probs), sp)))
+    assert kept.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))
+    sp = SamplingBatch.of([SamplingParams(temperature=1.0, top_k=2)])
+    draws = jax.vmap(lambda k: sample(logits, sp, k))(jax.random.split(jax.random.key(0), 4000))[:, 0]
+    freq = np.bincount(np.asarray(draws), minlength=3) / 4000
+    assert freq[2] == 0 and abs(freq[0] - 0.625) < 0.03  # renormalised 0.5 / 0.8
+    greedy = SamplingBatch.of([SamplingParams()])
+    assert int(sample(logits, greedy, jax.random.key(1))[0]) == 0
+
+
+def test_seeded_sampling_is_reproducible(v3_model):
+    sp = SamplingParams(temperature=1.0, top_p=0.9)
+    a = hcfjax.generate(v3_model, [[3, 4, 5]], max_new_tokens=6, sampling=sp, seed=7, stop_token_ids=[])
+    b = hcfjax.generate(v3_model, [[3, 4, 5]], max_new_tokens=6, sampling=sp, seed=7, stop_token_ids=[])
+    assert a.tokens == b.tokens
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    hcfjax.save(random_model(preset_config("tiny-v3", num_hidden_layers=2), seed=3), path)
+    return path
+
+
+def test_cli_generates_text(random_ckpt, capsys):
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                str(random_ckpt),
+                "--prompt",
+                "def f(x):",
+                "--max-new-tokens",
+                "5",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("def f(x):")
+
+
+def test_string_prompts_use_the_tokenizer(random_ckpt):
+    m = hcfjax.load(random_ckpt, dtype=jnp.float32)
+    out = hcfjax.generate(m, ["hello", "import os"], max_new_tokens=4, stop_token_ids=[])
+    ids = m.tokenizer.encode("hello").ids
+    assert out.text[0] == m.tokenizer.decode(out.tokens[0])
+    assert (
+        out.tokens[0] == hcfjax.generate(m, [[m.cfg.bos_token_id] + ids], max_new_tokens=4, stop_token_ids=[]).tokens[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "/no/such/dir", "--prompt", "x"], "not a checkpoint directory"),
+        (["--prompt", "x", "--temperature", "-1", "--model", "{ckpt}"], "temperature"),
+        (["--prompt", "", "--model", "{ckpt}"], "empty"),
+    ],
+)
+def test_cli_bad_arguments(random_ckpt, capsys, argv, message):
+    argv = [a.replace("{ckpt}", str(random_ckpt)) for a in argv]
+    assert cli.main(["generate", *argv]) == 2
+    assert message in capsys.readouterr().err
