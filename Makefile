@@ -2,7 +2,6 @@
 PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python3.12) $(shell command -v python3.12))
 VENV := .venv
 PY := $(VENV)/bin/python
-RUN_MODEL := build/random-tiny-v3
 PROMPT ?= def fibonacci(n):
 
 .PHONY: run test install lint clean
@@ -16,12 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Until the embedded trained model lands, `make run` generates with a random tiny DeepSeek-V3 made on the fly.
-$(RUN_MODEL)/config.json: | install
-	$(PY) -m hcfjax.random_model $(RUN_MODEL) --preset tiny-v3
-
-run: install $(RUN_MODEL)/config.json
-	$(VENV)/bin/hcfjax generate --model $(RUN_MODEL) --prompt "$(PROMPT)" --max-new-tokens 48 --stats
+# Generation with the embedded model (hcfjax/assets/stdlib-v3), sampled, then greedy.
+run: install
+	$(VENV)/bin/hcfjax generate --prompt "$(PROMPT)" --prompt "class LRUCache:" --max-new-tokens 96 \
+		--temperature 0.7 --top-p 0.9 --stats
 
 test: install
 	$(PY) -m pytest tests

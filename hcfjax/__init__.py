@@ -5,10 +5,20 @@ out = hcfjax.generate(model, ["def fib(n):"], max_new_tokens=64)
 print(out.text[0], out.stats)
 """
 
-from hcfjax.api import load, save
+from hcfjax.api import DEFAULT_MODEL, load, save
 from hcfjax.config import ModelConfig
 from hcfjax.generate import GenerationResult, forward, generate
 from hcfjax.model import Model
 from hcfjax.sampling import SamplingParams
 
-__all__ = ["GenerationResult", "Model", "ModelConfig", "SamplingParams", "forward", "generate", "load", "save"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "GenerationResult",
+    "Model",
+    "ModelConfig",
+    "SamplingParams",
+    "forward",
+    "generate",
+    "load",
+    "save",
+]

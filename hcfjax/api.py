@@ -14,13 +14,18 @@ from hcfjax.checkpoint import load_params, save_params
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model
 
+# The embedded model: a small DeepSeek-V3-architecture model trained on the Python standard library, with one jointly
+# trained MTP layer (train_mtp/pretrain.py made it; train_mtp/RESULTS.md has its numbers).
+DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, mtp: bool = True) -> Model:
+def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool = True) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
-    tokenizer.json (if present) from a checkpoint directory. `mtp=False` skips the MTP layers."""
-    path = Path(path)
+    tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
+    `mtp=False` skips the MTP layers."""
+    path = Path(DEFAULT_MODEL if path is None else path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)

@@ -20,10 +20,7 @@ def _generate(args) -> int:
 
     import hcfjax
 
-    if args.model is None:
-        print("error: --model PATH is required (no embedded default model yet)", file=sys.stderr)
-        return 2
-    path = Path(args.model)
+    path = Path(args.model or hcfjax.DEFAULT_MODEL)
     if not (path / "config.json").is_file():
         print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
@@ -61,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from one or more prompts")
-    g.add_argument("--model", help="checkpoint directory (HF layout)")
+    g.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
