@@ -10,6 +10,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.generate import GenerationResult, forward, generate
 from hcfjax.model import Model
 from hcfjax.sampling import SamplingParams
+from hcfjax.speculative import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -17,6 +18,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "SamplingParams",
+    "SpeculativeConfig",
     "forward",
     "generate",
     "load",

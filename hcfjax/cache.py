@@ -67,8 +67,9 @@ def write(
     ps = cache.page_size
     rows = jnp.arange(positions.shape[0])[:, None]
     page = page_table[rows, jnp.clip(positions // ps, 0, page_table.shape[1] - 1)]
-    # Invalid tokens (padding, mock rows) get an out-of-range page and are dropped by the scatter.
-    page = jnp.where(valid, page, cache.num_pages)
+    # Invalid tokens (padding, mock rows) and positions past the page table get an out-of-range page, which the
+    # scatter drops.
+    page = jnp.where(valid & (positions // ps < page_table.shape[1]), page, cache.num_pages)
     slot = positions % ps
     if not cache.quantized:
         entry = jnp.concatenate([ckv, kpe], axis=-1).astype(cache.kv.dtype)

@@ -17,6 +17,7 @@ from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model, hidden_states, logits
 from hcfjax.sampling import SamplingBatch, SamplingParams, sample
+from hcfjax.speculative import SpeculativeConfig, speculative_decode
 
 PAD = -1  # marks unused slots of the output buffer
 
@@ -66,15 +67,19 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill(params, cfg: ModelConfig, tokens, lengths, cache, page_table, sp: SamplingBatch, key):
-    """tokens [B, T] (right-padded to lengths [B]) -> (first generated token [B], cache with the prompts)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden"), donate_argnames=("cache",))
+def prefill(
+    params, cfg: ModelConfig, tokens, lengths, cache, page_table, sp: SamplingBatch, key, return_hidden: bool = False
+):
+    """tokens [B, T] (right-padded to lengths [B]) -> (first generated token [B], cache with the prompts), and the
+    final-normed hidden states [B, T, D] when return_hidden (speculative decoding drafts from them)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     ctx = CacheContext(cache, page_table, lengths, positions < lengths[:, None])
     h, ctx = hidden_states(params, cfg, tokens, positions, ctx, absorbed=False)
     last = h[jnp.arange(b), lengths - 1]  # [B, D]
-    return sample(logits(params, last), sp, key), ctx.cache
+    first = sample(logits(params, last), sp, key)
+    return (first, ctx.cache, h) if return_hidden else (first, ctx.cache)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"), donate_argnames=("cache",))
@@ -137,6 +142,7 @@ def generate(
     page_size: int = 64,
     cache_dtype=None,
     max_prefill_tokens: int = 16384,
+    speculative: SpeculativeConfig | None = None,
 ) -> GenerationResult:
     """Generates continuations of a ragged batch of prompts.
 
@@ -145,6 +151,8 @@ def generate(
     cache_dtype: the KV cache's dtype (default the model's; jnp.int8 for the quantised cache).
     max_prefill_tokens: prompts are prefilled in groups of rows holding at most this many (padded) tokens, which
     bounds prefill activation memory for large batches.
+    speculative: draft with the checkpoint's MTP modules and verify (hcfjax.speculative.SpeculativeConfig); the
+    stats then carry acceptance_per_depth and mean_accepted_length, overall and per request.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -156,25 +164,29 @@ def generate(
         raise ValueError("sampling must be a SamplingParams or a list of one per prompt")
     stops = list(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     cfg = model.cfg
+    if speculative is not None and not model.params.get("mtp"):
+        raise ValueError("speculative decoding needs MTP layers, and this model has none (loaded with mtp=False?)")
+    k = speculative.num_draft_tokens if speculative else 0
+    n_layers = cfg.num_hidden_layers + (len(model.params["mtp"]) if speculative else 0)
 
     lengths = np.array([len(p) for p in ids], np.int32)
     t = bucket(int(lengths.max()))
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
-    pages_per_seq = math.ceil((max(t, int(lengths.max()) + max_new_tokens)) / page_size)
+    pages_per_seq = math.ceil((max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
     page_table = np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
-    cache = kvcache.init_cache(cfg, b * pages_per_seq, page_size, cache_dtype or model.dtype)
+    cache = kvcache.init_cache(cfg, b * pages_per_seq, page_size, cache_dtype or model.dtype, num_layers=n_layers)
     sp = SamplingBatch.of(per_req)
     k_prefill, k_decode = jax.random.split(jax.random.key(seed))
     stop_arr = jnp.asarray(np.array(stops or [PAD], np.int32))
 
     t0 = time.perf_counter()
     rows = max(1, max_prefill_tokens // t)
-    firsts = []
+    firsts, hiddens = [], []
     for r0 in range(0, b, rows):
         part = slice(r0, r0 + rows)
-        f, cache = prefill(
+        f, cache, *h = prefill(
             model.params,
             cfg,
             jnp.asarray(tokens[part]),
@@ -183,27 +195,27 @@ def generate(
             jnp.asarray(page_table[part]),
             jax.tree.map(lambda x, part=part: x[part], sp),
             jax.random.fold_in(k_prefill, r0),
+            return_hidden=speculative is not None,
         )
         firsts.append(f)
+        hiddens += h
     first = jnp.concatenate(firsts)
     first.block_until_ready()
     t1 = time.perf_counter()
-    out, cache = decode(
-        model.params,
-        cfg,
-        first,
-        jnp.asarray(lengths),
-        cache,
-        jnp.asarray(page_table),
-        sp,
-        k_decode,
-        stop_arr,
-        max_new_tokens,
-    )
-    out = np.asarray(out)
+    args = (jnp.asarray(lengths), cache, jnp.asarray(page_table), sp, k_decode, stop_arr, max_new_tokens)
+    spec_stats = {}
+    if speculative is None:
+        out, cache = decode(model.params, cfg, first, *args)
+        out = np.asarray(out)
+        result = [[int(x) for x in row if x != PAD] for row in out]
+    else:
+        h = jnp.concatenate(hiddens)
+        out, counts, cache = speculative_decode(model.params, cfg, speculative, h, jnp.asarray(tokens), first, *args)
+        out, counts = np.asarray(out), jax.tree.map(np.asarray, counts)
+        result = [[int(x) for x in row[:c]] for row, c in zip(out, counts["count"], strict=True)]
+        spec_stats = speculative_stats(counts)
     t2 = time.perf_counter()
 
-    result = [[int(x) for x in row if x != PAD] for row in out]
     n_new = sum(len(r) for r in result)
     text = None
     if model.tokenizer is not None:
@@ -216,5 +228,25 @@ def generate(
         "decode_s": t2 - t1,
         "prefill_tokens_per_s": float(lengths.sum()) / (t1 - t0),
         "decode_tokens_per_s": (n_new - b) / (t2 - t1) if n_new > b else 0.0,
+        **spec_stats,
     }
     return GenerationResult(result, text, stats)
+
+
+def speculative_stats(counts: dict) -> dict:
+    """Acceptance per depth (conditional on earlier depths) and tokens emitted per target forward, overall and per
+    request, from the per-row counters of speculative_decode."""
+
+    def summarise(steps, evaluated, accepted, emitted):
+        return {
+            "acceptance_per_depth": [float(a / e) if e else 0.0 for a, e in zip(accepted, evaluated, strict=True)],
+            "mean_accepted_length": float(emitted / steps) if steps else 0.0,
+            "verify_steps": int(steps),
+        }
+
+    emitted = counts["count"] - 1  # the first token comes from prefill
+    overall = summarise(counts["steps"].sum(), counts["evaluated"].sum(0), counts["accepted"].sum(0), emitted.sum())
+    per_request = [
+        summarise(*row) for row in zip(counts["steps"], counts["evaluated"], counts["accepted"], emitted, strict=True)
+    ]
+    return {**overall, "per_request": per_request}

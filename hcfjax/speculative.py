@@ -1,0 +1,337 @@
+"""Multi-layer MTP speculative decoding: a whole speculative step is one function, the whole decode one while_loop.
+
+A step, for a batch of rows, each with its newest token `last` at position L (not yet in the target's cache) and k
+drafts for positions L+1..L+k:
+  1. target forward over [last, d_1..d_k] at positions L..L+k (absorbed MLA; writes their KV);
+  2. verification (hcfjax.verify): n accepted drafts and one more token, so n+1 tokens are emitted;
+  3. rollback: the row's length becomes L+n+1; cache entries past it are simply never read (pages stay valid);
+  4. MTP extend: the MTP modules re-run over the newly verified positions with the target's hidden states, so their
+     own KV caches hold what they saw in training (module i at position p: the chain from anchor p-i);
+  5. drafting: depth 1 from the target's hidden state at L+n and the new token, depths 2..k autoregressively from
+     the previous depth's hidden state (module i at depth i when the checkpoint has k modules; otherwise the
+     modules it has, the last one reused).
+Cache layers: the main model's L layers, then one per MTP module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax.attention import CacheContext
+from hcfjax.config import ModelConfig
+from hcfjax.model import hidden_states, logits, mtp_module
+from hcfjax.sampling import SamplingBatch, filtered_logprobs
+from hcfjax.verify import METHODS, verify
+
+SPEC_METHODS = (*METHODS, "tuned")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with the checkpoint's MTP modules.
+
+    num_draft_tokens: k drafts per step (the MTP depth).
+    method: exact | rejection | typical | tuned (see hcfjax.verify for the first three).
+    draft_temperature_scale: drafts are sampled at this multiple of the request's temperature (0: greedy drafts).
+    typical_epsilon, typical_delta: the typical-acceptance threshold min(epsilon, delta * exp(-H(p))).
+    position_methods: `tuned` only: the verification method of each draft position (default all `typical`).
+    `tuned` defaults draft_temperature_scale to 0.5: less random drafts are accepted more often.
+    """
+
+    num_draft_tokens: int = 2
+    method: str = "exact"
+    draft_temperature_scale: float | None = None
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    position_methods: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 16):
+            raise ValueError(f"num_draft_tokens must be an integer in 1..16, got {self.num_draft_tokens!r}")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.draft_temperature_scale is not None and not self.draft_temperature_scale >= 0:
+            raise ValueError(f"draft_temperature_scale must be >= 0, got {self.draft_temperature_scale!r}")
+        if not (0 < self.typical_epsilon <= 1 and 0 < self.typical_delta):
+            raise ValueError("typical_epsilon must be in (0, 1] and typical_delta > 0")
+        if self.position_methods is not None:
+            if self.method != "tuned":
+                raise ValueError("position_methods is for method='tuned'")
+            if len(self.position_methods) != self.num_draft_tokens or any(
+                m not in METHODS for m in self.position_methods
+            ):
+                raise ValueError(f"position_methods needs {self.num_draft_tokens} entries from {METHODS}")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        if self.method != "tuned":
+            return (self.method,) * self.num_draft_tokens
+        return self.position_methods or ("typical",) * self.num_draft_tokens
+
+    @property
+    def draft_scale(self) -> float:
+        if self.draft_temperature_scale is not None:
+            return self.draft_temperature_scale
+        return 0.5 if self.method == "tuned" else 1.0
+
+
+def probs(lg: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """Sampling distribution [B, T, V] of logits [B, T, V] under per-row params (one-hot for greedy rows)."""
+    p = jax.vmap(lambda x: jnp.exp(filtered_logprobs(x, sp)), in_axes=1, out_axes=1)(lg)
+    greedy = jax.nn.one_hot(jnp.argmax(lg, -1), lg.shape[-1], dtype=p.dtype)
+    return jnp.where((sp.temperature > 0)[:, None, None], p, greedy)
+
+
+def scaled(sp: SamplingBatch, scale: float) -> SamplingBatch:
+    return dataclasses.replace(sp, temperature=sp.temperature * scale)
+
+
+def mtp_extend(
+    params: dict,
+    cfg: ModelConfig,
+    cache,
+    page_table,
+    h: jax.Array,
+    tok1: jax.Array,
+    anchor_pos: jax.Array,
+    anchor_ok: jax.Array,
+    last_pos: jax.Array,
+    depths: int,
+):
+    """Runs MTP depths 1..depths over anchors (teacher forcing on verified tokens), writing the modules' KV.
+
+    h [B, R, D]: the target's hidden states at anchor positions anchor_pos [B, R] (consecutive per row);
+    tok1 [B, R]: the token at anchor + 1; last_pos [B]: the newest verified position (module i writes only
+    anchor + i <= last_pos). Returns (chain hidden of depth 1 [B, R, D], depth-1 logits [B, R, V], cache).
+    """
+    modules = params["mtp"]
+    r = h.shape[1]
+    x, first = h, None
+    for i in range(1, depths + 1):
+        m = min(i, len(modules)) - 1
+        tok = jnp.concatenate([tok1[:, i - 1 :], jnp.zeros((tok1.shape[0], i - 1), tok1.dtype)], axis=1)[:, :r]
+        pos = anchor_pos + i
+        valid = anchor_ok & (pos <= last_pos[:, None])
+        ctx = CacheContext(cache, page_table, last_pos + 1, valid)
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, absorbed=True)
+        cache = ctx.cache
+        if first is None:
+            first = (x, lg)
+    return first[0], first[1], cache
+
+
+def draft_chain(
+    params: dict,
+    cfg: ModelConfig,
+    cache,
+    page_table,
+    x1: jax.Array,
+    lg1: jax.Array,
+    anchor: jax.Array,
+    sp_draft: SamplingBatch,
+    k: int,
+    valid: jax.Array,
+    key,
+):
+    """Drafts k tokens from anchor A [B]: depth 1 is given (x1 [B, D], lg1 [B, V]), depths 2..k run one row each.
+
+    Returns (drafts [B, k], draft distributions q [B, k, V], cache)."""
+    modules = params["mtp"]
+    keys = jax.random.split(key, k)
+    q = probs(lg1[:, None], sp_draft)[:, 0]
+    d = _draw(keys[0], q)
+    ds, qs, x = [d], [q], x1[:, None]
+    for i in range(2, k + 1):
+        m = min(i, len(modules)) - 1
+        pos = (anchor + i)[:, None]
+        ctx = CacheContext(cache, page_table, anchor + i + 1, valid[:, None])
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, params["embed"], ctx, absorbed=True)
+        cache = ctx.cache
+        q = probs(lg, sp_draft)[:, 0]
+        ds.append(_draw(keys[i - 1], q))
+        qs.append(q)
+    return jnp.stack(ds, 1), jnp.stack(qs, 1), cache
+
+
+def _draw(key, q):
+    return jax.random.categorical(key, jnp.log(jnp.maximum(q, 0.0)), axis=-1).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: object
+    last: jax.Array  # [B] newest token, at position pos (not yet in the target's cache)
+    pos: jax.Array  # [B]
+    drafts: jax.Array  # [B, k]
+    q: jax.Array  # [B, k, V]
+    hist_h: jax.Array  # [B, R, D] target hidden states of anchors pos-R .. pos-1
+    hist_tok: jax.Array  # [B, R] token at anchor + 1 (the last one is `last`)
+    out: jax.Array  # [B, max_new + k + 1] emitted tokens
+    count: jax.Array  # [B] tokens emitted so far
+    done: jax.Array  # [B]
+    steps: jax.Array  # [B] verification steps taken
+    evaluated: jax.Array  # [B, k] times depth i was verified (all earlier drafts accepted)
+    accepted: jax.Array  # [B, k]
+    key: jax.Array
+
+
+def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Per-row gather along axis 1: x [B, N, ...], idx [B, M] -> [B, M, ...]."""
+    idx = jnp.clip(idx, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new_tokens"), donate_argnames=("cache",))
+def speculative_decode(
+    params,
+    cfg: ModelConfig,
+    spec: SpeculativeConfig,
+    h_prompt,
+    tokens,
+    first,
+    lengths,
+    cache,
+    page_table,
+    sp: SamplingBatch,
+    key,
+    stop_ids,
+    max_new_tokens: int,
+):
+    """Decodes with MTP drafts after a prefill.
+
+    h_prompt [B, T, D]: the target's hidden states of the prompts; tokens [B, T] (right-padded to lengths);
+    first [B]: the token sampled at prefill. Returns (out [B, max_new_tokens], stats dict of per-row arrays).
+    """
+    k = spec.num_draft_tokens
+    n_mod = len(params["mtp"])
+    extend_depths = min(n_mod, k)
+    b, t = tokens.shape
+    r = 2 * k + 1
+    rows = jnp.arange(b)
+    sp_draft = scaled(sp, spec.draft_scale)
+    key, k_draft = jax.random.split(key)
+
+    # MTP prefill: the modules see every prompt position; then the first drafts from anchor lengths - 1.
+    tok1 = jnp.where(
+        jnp.arange(t)[None] == (lengths - 1)[:, None],
+        first[:, None],
+        jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1),
+    )
+    anchor_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x1, lg1, cache = mtp_extend(
+        params,
+        cfg,
+        cache,
+        page_table,
+        h_prompt,
+        tok1,
+        anchor_pos,
+        anchor_pos < lengths[:, None],
+        lengths,
+        extend_depths,
+    )
+    done = jnp.isin(first, stop_ids) | (max_new_tokens <= 1)
+    drafts, q, cache = draft_chain(
+        params,
+        cfg,
+        cache,
+        page_table,
+        x1[rows, lengths - 1],
+        lg1[rows, lengths - 1],
+        lengths - 1,
+        sp_draft,
+        k,
+        ~done,
+        k_draft,
+    )
+    hist_idx = lengths[:, None] - r + jnp.arange(r)
+    out = jnp.zeros((b, max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
+    state = SpecState(
+        cache,
+        first,
+        lengths,
+        drafts,
+        q,
+        _take_rows(h_prompt, hist_idx),
+        _take_rows(tok1, hist_idx),
+        out,
+        jnp.ones((b,), jnp.int32),
+        done,
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b, k), jnp.int32),
+        jnp.zeros((b, k), jnp.int32),
+        key,
+    )
+
+    def body(s: SpecState) -> SpecState:
+        key, k_verify, k_draft = jax.random.split(s.key, 3)
+        live = ~s.done
+        # 1. target forward over [last, drafts]
+        toks = jnp.concatenate([s.last[:, None], s.drafts], axis=1)  # [B, k+1]
+        pos = s.pos[:, None] + jnp.arange(k + 1)
+        ctx = CacheContext(s.cache, page_table, s.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
+        h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True)
+        # 2. verification
+        p = probs(logits(params, h), sp)
+        n, extra = verify(spec.methods, p, s.q, s.drafts, k_verify, spec.typical_epsilon, spec.typical_delta)
+        j = jnp.arange(k + 1)[None]
+        emitted = jnp.where(j < n[:, None], jnp.concatenate([s.drafts, s.drafts[:, :1]], 1), extra[:, None])
+        n_emit = n + 1
+        is_stop = jnp.isin(emitted, stop_ids) & (j < n_emit[:, None])
+        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1) + 1, n_emit)
+        n_emit = jnp.minimum(jnp.minimum(n_emit, first_stop), max_new_tokens - s.count)
+        n_emit = jnp.where(live, n_emit, 0)
+        slot = jnp.where(j < n_emit[:, None], s.count[:, None] + j, s.out.shape[1])
+        out = s.out.at[rows[:, None], slot].set(emitted, mode="drop")
+        count = s.count + n_emit
+        done = s.done | is_stop.any(1) | (count >= max_new_tokens)
+        evaluated = s.evaluated + (live[:, None] & (n[:, None] >= jnp.arange(k)[None])).astype(jnp.int32)
+        accepted = s.accepted + (live[:, None] & (n[:, None] >= jnp.arange(1, k + 1)[None])).astype(jnp.int32)
+        # 3. rollback is the new position; 4. MTP extend over the window of anchors ending at the new anchor
+        new_pos = s.pos + n + 1
+        all_h = jnp.concatenate([s.hist_h, h], axis=1)  # anchors pos-R .. pos+k
+        all_tok = jnp.concatenate([s.hist_tok, emitted], axis=1)
+        idx = n[:, None] + 1 + jnp.arange(r)
+        hist_h, hist_tok = _take_rows(all_h, idx), _take_rows(all_tok, idx)
+        anchor_pos = new_pos[:, None] - r + jnp.arange(r)
+        x1, lg1, cache = mtp_extend(
+            params,
+            cfg,
+            ctx.cache,
+            page_table,
+            hist_h,
+            hist_tok,
+            anchor_pos,
+            (anchor_pos >= 0) & ~done[:, None],
+            new_pos,
+            extend_depths,
+        )
+        # 5. drafts for the next step
+        drafts, q, cache = draft_chain(
+            params, cfg, cache, page_table, x1[:, -1], lg1[:, -1], new_pos - 1, sp_draft, k, ~done, k_draft
+        )
+        return SpecState(
+            cache,
+            extra,
+            new_pos,
+            drafts,
+            q,
+            hist_h,
+            hist_tok,
+            out,
+            count,
+            done,
+            s.steps + live.astype(jnp.int32),
+            evaluated,
+            accepted,
+            key,
+        )
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    stats = {"steps": state.steps, "evaluated": state.evaluated, "accepted": state.accepted, "count": state.count}
+    return state.out[:, :max_new_tokens], stats, state.cache
