@@ -39,6 +39,9 @@ class SpeculativeConfig:
     draft_temperature_scale: drafts are sampled at this multiple of the request's temperature (0: greedy drafts).
     typical_epsilon, typical_delta: the typical-acceptance threshold min(epsilon, delta * exp(-H(p))).
     position_methods: `tuned` only: the verification method of each draft position (default all `typical`).
+    dynamic_temperature: `tuned` only, (t_min, t_max): the target is sampled at a temperature that follows its own
+        normalised entropy at each position, t_min + (t_max - t_min) * H(p) / log(V), instead of the request's
+        (greedy requests stay greedy). Confident positions get sharper, uncertain ones keep their spread.
     `tuned` defaults draft_temperature_scale to 0.5: less random drafts are accepted more often.
     """
 
@@ -48,6 +51,7 @@ class SpeculativeConfig:
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     position_methods: tuple[str, ...] | None = None
+    dynamic_temperature: tuple[float, float] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 16):
@@ -65,6 +69,11 @@ class SpeculativeConfig:
                 m not in METHODS for m in self.position_methods
             ):
                 raise ValueError(f"position_methods needs {self.num_draft_tokens} entries from {METHODS}")
+
+        if self.dynamic_temperature is not None:
+            lo, hi = self.dynamic_temperature
+            if self.method != "tuned" or not 0 < lo <= hi:
+                raise ValueError("dynamic_temperature=(t_min, t_max) with 0 < t_min <= t_max, for method='tuned'")
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -84,6 +93,15 @@ def probs(lg: jax.Array, sp: SamplingBatch) -> jax.Array:
     p = jax.vmap(lambda x: jnp.exp(filtered_logprobs(x, sp)), in_axes=1, out_axes=1)(lg)
     greedy = jax.nn.one_hot(jnp.argmax(lg, -1), lg.shape[-1], dtype=p.dtype)
     return jnp.where((sp.temperature > 0)[:, None, None], p, greedy)
+
+
+def dynamic_probs(lg: jax.Array, sp: SamplingBatch, t_min: float, t_max: float) -> jax.Array:
+    """probs() at a per-position temperature t_min + (t_max - t_min) * normalised entropy of softmax(lg)."""
+    logp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+    h = -jnp.sum(jnp.exp(logp) * logp, axis=-1) / jnp.log(lg.shape[-1])  # [B, T] in [0, 1]
+    temp = t_min + (t_max - t_min) * h
+    unit = dataclasses.replace(sp, temperature=jnp.where(sp.temperature > 0, 1.0, 0.0))
+    return probs(lg / temp[..., None], unit)
 
 
 def scaled(sp: SamplingBatch, scale: float) -> SamplingBatch:
@@ -277,7 +295,8 @@ def speculative_decode(
         ctx = CacheContext(s.cache, page_table, s.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
         h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True)
         # 2. verification
-        p = probs(logits(params, h), sp)
+        lg = logits(params, h)
+        p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
         n, extra = verify(spec.methods, p, s.q, s.drafts, k_verify, spec.typical_epsilon, spec.typical_delta)
         j = jnp.arange(k + 1)[None]
         emitted = jnp.where(j < n[:, None], jnp.concatenate([s.drafts, s.drafts[:, :1]], 1), extra[:, None])

@@ -10,7 +10,7 @@ from hcfjax import cache as kvcache
 from hcfjax.generate import bucket, prefill
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams
-from hcfjax.speculative import SpeculativeConfig, speculative_decode
+from hcfjax.speculative import SpeculativeConfig, dynamic_probs, speculative_decode
 from hcfjax.verify import typical_threshold, verify
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
@@ -127,9 +127,27 @@ def test_typical_acceptance_rule():
     assert int(n[0]) == 2
 
 
-@pytest.mark.parametrize("method", ["rejection", "typical", "tuned"])
-def test_sampled_methods_run_and_report(embedded, method):
-    spec = SpeculativeConfig(num_draft_tokens=3, method=method)
+def test_dynamic_temperature_sharpens_confident_positions():
+    lg = jnp.log(jnp.array([[[0.9, 0.05, 0.03, 0.02], [0.3, 0.25, 0.25, 0.2]]]))
+    sp = SamplingBatch.of([SamplingParams(temperature=1.0)])
+    p = dynamic_probs(lg, sp, 0.3, 1.5)
+    # confident row: normalised entropy 0.31 -> temperature 0.67 -> sharper; flat row: ~1.5 -> flatter
+    assert float(p[0, 0, 0]) > 0.97 and float(p[0, 1, 0]) < 0.29
+    greedy = dynamic_probs(lg, SamplingBatch.of([SamplingParams()]), 0.3, 1.5)
+    assert np.array_equal(np.asarray(greedy[0, :, 0]), [1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("rejection", {}),
+        ("typical", {}),
+        ("tuned", {}),
+        ("tuned", dict(dynamic_temperature=(0.5, 1.0), position_methods=("typical", "rejection", "exact"))),
+    ],
+)
+def test_sampled_methods_run_and_report(embedded, method, extra):
+    spec = SpeculativeConfig(num_draft_tokens=3, method=method, **extra)
     out = hcfjax.generate(
         embedded,
         PROMPTS[:3],

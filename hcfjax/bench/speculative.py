@@ -78,9 +78,11 @@ def run(args) -> str:
                     same = "yes" if spec.tokens == plain.tokens else "NO"
                     acc = " / ".join(f"{a:.2f}" for a in s["acceptance_per_depth"])
                     ll = log_likelihood(model, ps, spec.tokens)
-                    rows.append(f"| {label} | {b} | {method} | {k} | {t_plain * 1e3:.2f} | {t_spec * 1e3:.2f} | "
-                                f"{t_plain / t_spec:.2f}x | {s['mean_accepted_length']:.2f} | {acc} | "
-                                f"{ll_plain:.3f} / {ll:.3f} | {same if greedy else '-'} |")
+                    rows.append(
+                        f"| {label} | {b} | {method} | {k} | {t_plain * 1e3:.2f} | {t_spec * 1e3:.2f} | "
+                        f"{t_plain / t_spec:.2f}x | {s['mean_accepted_length']:.2f} | {acc} | "
+                        f"{ll_plain:.3f} / {ll:.3f} | {same if greedy else '-'} |"
+                    )
                     print(rows[-1], flush=True)
     lines = [
         "## `python -m hcfjax.bench.speculative`",
