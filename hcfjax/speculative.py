@@ -25,7 +25,7 @@ from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import hidden_states, logits, mtp_module
 from hcfjax.sampling import SamplingBatch, filtered_logprobs
-from hcfjax.verify import METHODS, verify
+from hcfjax.verify import METHODS, sample_probs, verify
 
 SPEC_METHODS = (*METHODS, "tuned")
 
@@ -161,7 +161,7 @@ def draft_chain(
     modules = params["mtp"]
     keys = jax.random.split(key, k)
     q = probs(lg1[:, None], sp_draft)[:, 0]
-    d = _draw(keys[0], q)
+    d = sample_probs(keys[0], q)
     ds, qs, x = [d], [q], x1[:, None]
     for i in range(2, k + 1):
         m = min(i, len(modules)) - 1
@@ -170,13 +170,9 @@ def draft_chain(
         x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, params["embed"], ctx, absorbed=True)
         cache = ctx.cache
         q = probs(lg, sp_draft)[:, 0]
-        ds.append(_draw(keys[i - 1], q))
+        ds.append(sample_probs(keys[i - 1], q))
         qs.append(q)
     return jnp.stack(ds, 1), jnp.stack(qs, 1), cache
-
-
-def _draw(key, q):
-    return jax.random.categorical(key, jnp.log(jnp.maximum(q, 0.0)), axis=-1).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass

@@ -41,6 +41,30 @@ class TrainConfig:
     time_limit_s: float = 0.0  # stop (and checkpoint) after this long; 0 = no limit
 
 
+def add_train_args(ap, steps: int, lr: float) -> None:
+    """The command-line flags every training script shares."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--time-limit", type=float, default=0.0, help="seconds; stop and save when reached")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def train_config(args, warmup: int, **overrides) -> TrainConfig:
+    """TrainConfig from add_train_args' flags, warmup capped at a tenth of the steps."""
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        time_limit_s=args.time_limit,
+        warmup=min(warmup, args.steps // 10),
+        **overrides,
+    )
+
+
 def windows(tokens: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
     """`batch` random windows of `length` tokens from one token stream -> int32 [batch, length]."""
     if tokens.size < length + 1:

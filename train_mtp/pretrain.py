@@ -26,7 +26,7 @@ import hcfjax
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model, hidden_states, init_params, logits, mtp_module
 from train_mtp import corpus
-from train_mtp.common import TrainConfig, cross_entropy, train
+from train_mtp.common import TrainConfig, add_train_args, cross_entropy, train, train_config
 
 ARCH = dict(
     model_type="deepseek_v3",
@@ -134,22 +134,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="checkpoint directory to write (HF layout)")
     ap.add_argument("--workdir", default="build/pretrain")
     ap.add_argument("--data", help="corpus directory (default: built under workdir)")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--time-limit", type=float, default=0.0, help="seconds; stop and save when reached")
-    ap.add_argument("--seed", type=int, default=0)
+    add_train_args(ap, steps=3000, lr=3e-3)
     args = ap.parse_args(argv)
-    tc = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        time_limit_s=args.time_limit,
-        warmup=min(200, args.steps // 10),
-    )
+    tc = train_config(args, warmup=200)
     print(json.dumps(run(args.out, args.workdir, tc, args.data), indent=1))
 
 

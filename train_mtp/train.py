@@ -23,7 +23,7 @@ import numpy as np
 
 import hcfjax
 from train_mtp import corpus
-from train_mtp.common import TrainConfig, train
+from train_mtp.common import TrainConfig, add_train_args, train, train_config
 from train_mtp.heads import chain_loss
 
 MODES = ("shared", "independent")
@@ -73,21 +73,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workdir")
     ap.add_argument("--data", help="corpus directory (default: built under workdir)")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    add_train_args(ap, steps=600, lr=1e-3)
     args = ap.parse_args(argv)
-    tc = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        warmup=min(50, args.steps // 10),
-        eval_every=max(1, args.steps // 5),
-    )
+    tc = train_config(args, warmup=50, eval_every=max(1, args.steps // 5))
     base = args.base or hcfjax.DEFAULT_MODEL
     workdir = args.workdir or f"build/mtp-{args.mode}-{args.depth}"
     print(json.dumps(run(base, args.depth, args.mode, args.out, tc, workdir, args.data), indent=1))
