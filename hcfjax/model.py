@@ -37,23 +37,23 @@ class Model:
         return self.params["embed"].dtype
 
 
-def decoder_layer(p: dict, cfg: ModelConfig, x, positions, ctx, layer, is_moe: bool, absorbed: bool):
+def decoder_layer(p: dict, cfg: ModelConfig, x, positions, ctx, layer, is_moe: bool, absorbed: bool, experts_fn=None):
     """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D]."""
     h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed)
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe(p["mlp"], cfg, h) if is_moe else mlp(p["mlp"], h))
+    x = x + (moe(p["mlp"], cfg, h, experts_fn) if is_moe else mlp(p["mlp"], h))
     return x, ctx
 
 
-def run_layers(params: dict, cfg: ModelConfig, x, positions, ctx: CacheContext | None, absorbed: bool):
+def run_layers(params: dict, cfg: ModelConfig, x, positions, ctx: CacheContext | None, absorbed: bool, experts_fn=None):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx)."""
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
 
         def body(carry, xs, is_moe=is_moe):
             x, ctx = carry
             p, layer = xs
-            x, ctx = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed)
+            x, ctx = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn)
             return (x, ctx), None
 
         (x, ctx), _ = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
@@ -75,10 +75,18 @@ def logits(params: dict, h: jax.Array) -> jax.Array:
 
 
 def hidden_states(
-    params: dict, cfg: ModelConfig, tokens, positions, ctx: CacheContext | None = None, absorbed: bool = False
+    params: dict,
+    cfg: ModelConfig,
+    tokens,
+    positions,
+    ctx: CacheContext | None = None,
+    absorbed: bool = False,
+    experts_fn=None,
 ):
-    """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx)."""
-    x, ctx = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed)
+    """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx).
+
+    experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one)."""
+    x, ctx = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn)
     return final_hidden(params, cfg, x), ctx
 
 

@@ -55,12 +55,15 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """x [..., D] -> routed experts + shared experts."""
+def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None) -> jax.Array:
+    """x [..., D] -> routed experts + shared experts.
+
+    experts_fn runs the routed experts (default: all experts local, `experts`); an expert-parallel plan passes its
+    own (sharding/ep.py) with the same contract."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(p, cfg, flat)
-    out = experts(p["experts"], flat, weights, ids)
+    out = (experts_fn or experts)(p["experts"], flat, weights, ids)
     if "shared" in p:
         out = out + mlp(p["shared"], flat)
     return out.reshape(shape)

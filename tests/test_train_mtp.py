@@ -1,4 +1,6 @@
-"""train_mtp end to end on a tiny slice (CPU): corpus, joint pretraining, MTP-head training, evaluation."""
+"""train_mtp end to end on a tiny slice (CPU): corpus, joint pretraining, MTP-head training, evaluation.
+
+The suite runs with 8 fake CPU devices, so every training step here is data parallel over an 8-device mesh."""
 
 import math
 
@@ -30,7 +32,7 @@ def pretrained(tmp_path_factory):
     from train_mtp import corpus
 
     corpus.build(tmp / "data", vocab_size=300, root=make_lib(tmp, n=30))
-    tc = TrainConfig(steps=40, batch_size=4, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
+    tc = TrainConfig(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
     summary = pretrain.run(tmp / "ckpt", tmp / "work", tc, data_dir=tmp / "data", arch_overrides=TINY)
     return tmp, summary
 
@@ -48,7 +50,7 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint(pretrained):
 
 def test_resume_continues_from_the_checkpoint(pretrained):
     tmp, _ = pretrained
-    tc = TrainConfig(steps=45, batch_size=4, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
+    tc = TrainConfig(steps=45, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
     summary = pretrain.run(tmp / "ckpt2", tmp / "work", tc, data_dir=tmp / "data", arch_overrides=TINY)
     assert summary["steps"] == 45  # 5 more steps, not 45 from scratch
     lines = (tmp / "work" / "log.jsonl").read_text().splitlines()
@@ -58,7 +60,7 @@ def test_resume_continues_from_the_checkpoint(pretrained):
 @pytest.mark.parametrize("mode,modules", [("shared", 1), ("independent", 3)])
 def test_mtp_heads_train_and_plug_into_the_checkpoint(pretrained, mode, modules):
     tmp, _ = pretrained
-    tc = TrainConfig(steps=12, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_batches=2)
+    tc = TrainConfig(steps=12, batch_size=8, seq_len=32, lr=3e-3, warmup=2, eval_batches=2)
     out = tmp / f"heads-{mode}"
     summary = train.run(tmp / "ckpt", 3, mode, out, tc, tmp / f"w-{mode}", data_dir=tmp / "data")
     assert {f"val_depth{k}_loss" for k in (1, 2, 3)} <= set(summary)

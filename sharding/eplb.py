@@ -1,0 +1,137 @@
+"""Expert-parallel load balancing (EPLB) with redundant experts, with the semantics of DeepSeek's public EPLB.
+
+rebalance_experts(weight [L, E], num_replicas, num_groups, num_nodes, num_gpus) -> (phy2log, log2phy, logcnt)
+  phy2log [L, num_replicas]: the logical expert in each physical slot; slot s lives on GPU s // (num_replicas /
+      num_gpus) and node s // (num_replicas / num_nodes).
+  log2phy [L, E, max replicas]: the slots of each logical expert, -1 padded.
+  logcnt [L, E]: replicas per logical expert (>= 1).
+
+Hierarchical when num_groups is divisible by num_nodes (DeepSeek's expert groups): groups are packed onto nodes so
+node loads balance, experts are replicated within each node (hottest first, by load per replica), and the replicas
+are packed onto the node's GPUs. Otherwise global: one node, one group.
+Loads are numpy arrays of tokens per expert (from the routing counters, sharding.eplb.LoadWindow).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packs n items per row into num_packs packs of n / num_packs items each, heaviest first onto the lightest pack
+    with room. weight [L, n] -> (pack [L, n], rank within pack [L, n])."""
+    layers, n = weight.shape
+    if n % num_packs:
+        raise ValueError(f"{n} items do not split into {num_packs} equal packs")
+    per_pack = n // num_packs
+    pack = np.zeros((layers, n), np.int64)
+    rank = np.zeros((layers, n), np.int64)
+    for layer in range(layers):
+        load = np.zeros(num_packs)
+        count = np.zeros(num_packs, np.int64)
+        for item in np.argsort(-weight[layer], kind="stable"):
+            open_packs = np.flatnonzero(count < per_pack)
+            p = open_packs[np.argmin(load[open_packs])]
+            pack[layer, item], rank[layer, item] = p, count[p]
+            load[p] += weight[layer, item]
+            count[p] += 1
+    return pack, rank
+
+
+def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gives every expert one slot, then each extra slot to the expert with the highest load per replica.
+    weight [L, n] -> (phy2log [L, num_phy], replica rank [L, num_phy], logcnt [L, n])."""
+    layers, n = weight.shape
+    if num_phy < n:
+        raise ValueError(f"{num_phy} physical slots cannot hold {n} experts")
+    phy2log = np.zeros((layers, num_phy), np.int64)
+    phyrank = np.zeros((layers, num_phy), np.int64)
+    logcnt = np.ones((layers, n), np.int64)
+    phy2log[:, :n] = np.arange(n)
+    for s in range(n, num_phy):
+        hot = np.argmax(weight / logcnt, axis=1)
+        phy2log[:, s] = hot
+        phyrank[:, s] = logcnt[np.arange(layers), hot]
+        logcnt[np.arange(layers), hot] += 1
+    return phy2log, phyrank, logcnt
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
+    return inv
+
+
+def rebalance_hierarchical(weight: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, num_gpus: int):
+    layers, n_log = weight.shape
+    if n_log % num_groups or num_groups % num_nodes or num_gpus % num_nodes or num_phy % num_gpus:
+        raise ValueError(
+            f"incompatible sizes: experts={n_log}, groups={num_groups}, nodes={num_nodes}, "
+            f"gpus={num_gpus}, replicas={num_phy}"
+        )
+    group_size = n_log // num_groups
+    groups_per_node = num_groups // num_nodes
+    # 1. groups onto nodes
+    group_load = weight.reshape(layers, num_groups, group_size).sum(-1)
+    g_pack, g_rank = balanced_packing(group_load, num_nodes)
+    # "mlog": logical experts renumbered so that each node's groups are contiguous
+    group_slot = g_pack * groups_per_node + g_rank  # [L, groups]
+    log2mlog = (group_slot[:, :, None] * group_size + np.arange(group_size)).reshape(layers, n_log)
+    mlog2log = _inverse(log2mlog)
+    # 2. replicate within each node
+    mlog_load = np.take_along_axis(weight, mlog2log, axis=1).reshape(layers * num_nodes, n_log // num_nodes)
+    phy2mlog, phyrank, mlogcnt = replicate_experts(mlog_load, num_phy // num_nodes)
+    # 3. replicas onto the node's GPUs
+    per_replica = np.take_along_axis(mlog_load / mlogcnt, phy2mlog, axis=1)
+    p_pack, p_rank = balanced_packing(per_replica, num_gpus // num_nodes)
+    phy_per_gpu = num_phy // num_gpus
+    pphy2phy = _inverse(p_pack * phy_per_gpu + p_rank)
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)  # within-node mlog ids
+    pphy2mlog = (
+        pphy2mlog.reshape(layers, num_nodes, -1) + (np.arange(num_nodes) * (n_log // num_nodes))[None, :, None]
+    ).reshape(layers, -1)
+    pphy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+    pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(layers, -1)
+    logcnt = np.take_along_axis(mlogcnt.reshape(layers, -1), log2mlog, axis=1)
+    return pphy2log, pphyrank, logcnt
+
+
+def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
+    """DeepSeek EPLB: (phy2log [L, R], log2phy [L, E, max count] -1 padded, logcnt [L, E])."""
+    weight = np.asarray(weight, np.float64)
+    if num_groups % num_nodes == 0:
+        phy2log, phyrank, logcnt = rebalance_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    else:
+        phy2log, phyrank, logcnt = rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)
+    layers, n_log = weight.shape
+    log2phy = np.full((layers, n_log, int(logcnt.max())), -1, np.int64)
+    for layer in range(layers):
+        log2phy[layer, phy2log[layer], phyrank[layer]] = np.arange(num_replicas)
+    return phy2log, log2phy, logcnt
+
+
+def gpu_loads(weight: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Tokens per GPU [L, G] when each expert's tokens spread evenly over its replicas."""
+    layers = weight.shape[0]
+    per_slot = np.take_along_axis(weight / logcnt, phy2log, axis=1)
+    return per_slot.reshape(layers, num_gpus, -1).sum(-1)
+
+
+def imbalance(loads: np.ndarray) -> float:
+    """Mean over layers of max / mean tokens per rank."""
+    return float(np.mean(loads.max(1) / loads.mean(1)))
+
+
+class LoadWindow:
+    """Expert-load counters aggregated over a sliding window of steps: add per-step counts [L, E], read the sum."""
+
+    def __init__(self, layers: int, experts: int, window: int):
+        self.counts = np.zeros((window, layers, experts), np.int64)
+        self.step = 0
+
+    def add(self, counts) -> None:
+        self.counts[self.step % len(self.counts)] = np.asarray(counts)
+        self.step += 1
+
+    def total(self) -> np.ndarray:
+        return self.counts.sum(0)

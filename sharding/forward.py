@@ -1,0 +1,51 @@
+"""The model's forward under a plan: jit shardings for the prefill plan, shard_map with explicit EP for decode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hcfjax.config import ModelConfig
+from hcfjax.model import hidden_states, logits
+from sharding.ep import ep_experts
+from sharding.plans import Plan, param_specs
+
+
+def pad_rows(x: np.ndarray, multiple: int, fill=0) -> tuple[np.ndarray, int]:
+    """Pads the batch with mock rows so every rank gets the same number; returns (padded, real rows)."""
+    b = x.shape[0]
+    pad = -b % multiple
+    return np.concatenate([x, np.full((pad,) + x.shape[1:], fill, x.dtype)]) if pad else x, b
+
+
+def prefill_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens) -> jax.Array:
+    """Teacher-forced logits [B, T, V] with params laid out by the prefill plan (XLA inserts the TP collectives)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    with jax.set_mesh(plan.mesh):
+        return _logits(params, cfg, tokens, positions)
+
+
+@jax.jit(static_argnames=("cfg",))
+def _logits(params, cfg, tokens, positions):
+    return logits(params, hidden_states(params, cfg, tokens, positions)[0])
+
+
+def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens) -> jax.Array:
+    """Teacher-forced logits under the decode plan: each rank runs attention on its own rows (mock rows pad the
+    batch to a multiple of the ranks) and the MoE exchanges routed tokens with all_to_all."""
+    ranks = plan.mesh.shape["ep"]
+    tokens, b = pad_rows(np.asarray(tokens, np.int32), ranks)
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    specs = param_specs(params, plan)
+
+    def local(p, t, pos):
+        h, _ = hidden_states(p, cfg, t, pos, experts_fn=ep_experts("ep"))
+        return logits(p, h)
+
+    fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P("ep"), P("ep")), out_specs=P("ep")))
+    rows = NamedSharding(plan.mesh, P("ep"))
+    return fn(params, jax.device_put(tokens, rows), jax.device_put(positions, rows))[:b]

@@ -1,0 +1,65 @@
+"""EPLB: the placement's invariants on random loads, and the imbalance it removes on skewed (Zipf) loads."""
+
+import numpy as np
+import pytest
+
+from sharding.eplb import LoadWindow, balanced_packing, gpu_loads, imbalance, rebalance_experts
+
+
+def zipf_loads(layers, experts, seed, a=1.2):
+    """Token counts per expert with a different hot set in every layer."""
+    rng = np.random.default_rng(seed)
+    base = 1.0 / np.arange(1, experts + 1) ** a
+    return np.stack([rng.permutation(base) * 100000 for _ in range(layers)]).round()
+
+
+@pytest.mark.parametrize(
+    "experts,replicas,groups,nodes,gpus",
+    [(16, 24, 4, 2, 8), (64, 80, 8, 2, 16), (32, 48, 4, 4, 8), (16, 20, 3, 2, 4), (256, 288, 8, 4, 32)],
+)
+def test_placement_invariants(experts, replicas, groups, nodes, gpus):
+    if experts % groups:
+        groups = 1
+    w = np.random.default_rng(experts + replicas).integers(0, 1000, (3, experts))
+    phy2log, log2phy, logcnt = rebalance_experts(w, replicas, groups, nodes, gpus)
+    assert phy2log.shape == (3, replicas) and logcnt.shape == (3, experts)
+    for layer in range(3):
+        assert np.array_equal(np.bincount(phy2log[layer], minlength=experts), logcnt[layer])  # counts agree
+        assert logcnt[layer].min() >= 1 and logcnt[layer].sum() == replicas
+        for e in range(experts):
+            slots = log2phy[layer, e][log2phy[layer, e] >= 0]
+            assert len(slots) == logcnt[layer, e] and np.all(phy2log[layer, slots] == e)
+            if groups % nodes == 0:  # hierarchical: every replica of an expert on one node
+                assert len(set(slots // (replicas // nodes))) == 1
+    # every GPU holds the same number of slots by construction of the slot -> GPU map
+    assert replicas % gpus == 0
+
+
+def test_packing_is_balanced_and_full():
+    w = np.array([[10, 9, 8, 7, 1, 1, 1, 1.0]])
+    pack, rank = balanced_packing(w, 4)
+    assert np.all(np.bincount(pack[0], minlength=4) == 2)
+    loads = np.bincount(pack[0], weights=w[0], minlength=4)
+    assert sorted(loads) == [8, 9, 10, 11]  # heaviest first, each onto the lightest pack with room
+
+
+def test_eplb_brings_skewed_imbalance_down():
+    layers, experts, gpus = 6, 64, 8
+    w = zipf_loads(layers, experts, seed=0)
+    no_eplb = imbalance(w.reshape(layers, gpus, -1).sum(-1))  # experts in order, 8 per GPU, no replicas
+    phy2log, _, logcnt = rebalance_experts(w, experts + 16, 8, 1, gpus)
+    balanced = imbalance(gpu_loads(w, phy2log, logcnt, gpus))
+    print(f"imbalance without EPLB {no_eplb:.2f}, with {balanced:.2f}")
+    assert no_eplb > 2.0 and balanced < 1.3
+
+
+def test_load_window():
+    win = LoadWindow(2, 4, window=3)
+    for i in range(5):
+        win.add(np.full((2, 4), i))
+    assert np.all(win.total() == 2 + 3 + 4)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError):
+        rebalance_experts(np.ones((1, 16)), 12, 4, 2, 4)  # fewer slots than experts
