@@ -53,6 +53,41 @@ def _generate(args) -> int:
     return 0
 
 
+def parse_meshes(specs: list[str]) -> dict[str, dict[str, int]]:
+    """["prefill:tp=4,ep=2", "decode:dp=4,ep=4"] -> {"prefill": {"tp": 4, "ep": 2}, "decode": {...}}."""
+    plans: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        name, _, sizes = spec.partition(":")
+        if name not in ("prefill", "decode") or not sizes:
+            raise ValueError(f"bad --mesh {spec!r}: expected prefill:tp=N,ep=M or decode:dp=N,ep=N")
+        try:
+            plans[name] = {k: int(v) for k, v in (kv.split("=") for kv in sizes.split(","))}
+        except ValueError:
+            raise ValueError(f"bad --mesh {spec!r}: sizes are name=integer pairs") from None
+        allowed = {"prefill": {"tp", "ep"}, "decode": {"dp", "ep"}}[name]
+        if set(plans[name]) - allowed:
+            raise ValueError(f"bad --mesh {spec!r}: {name} takes {sorted(allowed)}")
+    if plans and "decode" not in plans:
+        raise ValueError("--mesh needs a decode plan (decode:dp=N,ep=N)")
+    return plans
+
+
+def _generate_planned(model, prompts, plans, args, sampling):
+    from sharding.generate import generate_planned
+    from sharding.plans import decode_plan, prefill_plan
+
+    pre = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
+    return generate_planned(
+        model,
+        prompts,
+        decode_plan(**plans["decode"]),
+        pre,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -69,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     g.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
     g.add_argument("--stats", action="store_true", help="print timing statistics (JSON) to stderr")
+    g.add_argument(
+        "--mesh",
+        action="append",
+        metavar="PLAN",
+        help="run under sharding plans, e.g. --mesh prefill:tp=4,ep=2 --mesh decode:dp=4,ep=4",
+    )
+    g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="benchmarks (run on the GPU machine)")
@@ -87,6 +129,11 @@ def _bench(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "cpu_devices", None):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     if getattr(args, "max_new_tokens", 1) < 1:
         print("error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2

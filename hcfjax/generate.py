@@ -82,22 +82,40 @@ def prefill(
     return (first, ctx.cache, h) if return_hidden else (first, ctx.cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"), donate_argnames=("cache",))
-def decode(
-    params, cfg: ModelConfig, first, lengths, cache, page_table, sp: SamplingBatch, key, stop_ids, max_new_tokens: int
+def decode_loop(
+    params,
+    cfg: ModelConfig,
+    first,
+    lengths,
+    cache,
+    page_table,
+    sp: SamplingBatch,
+    key,
+    stop_ids,
+    max_new_tokens: int,
+    idle=None,
+    experts_fn=None,
+    axis: str | None = None,
 ):
     """Decodes up to max_new_tokens per row in one while_loop (absorbed MLA over the paged cache).
 
     first [B] is the token sampled at prefill; rows stop at a token in stop_ids [S] (padded with PAD).
+    idle [B] marks mock rows, which never write the cache. Under a data-parallel plan (axis set, inside shard_map)
+    every rank keeps stepping until all ranks are done, since the MoE exchange needs all of them each step.
     Returns (tokens [B, max_new_tokens] with PAD after a row stops, cache).
     """
     b = first.shape[0]
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, stop_ids)
+    done = jnp.isin(first, stop_ids) | (False if idle is None else idle)
+    if axis is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
 
     def cond(state):
         i, _, done, _, _ = state
-        return (i < max_new_tokens) & ~jnp.all(done)
+        running = jnp.sum(~done)
+        if axis is not None:
+            running = jax.lax.psum(running, axis)  # all ranks agree on the number of live requests
+        return (i < max_new_tokens) & (running > 0)
 
     def body(state):
         i, out, done, cache, key = state
@@ -105,13 +123,16 @@ def decode(
         tok = out[:, i - 1]
         pos = (lengths + i - 1)[:, None]  # [B, 1]
         ctx = CacheContext(cache, page_table, lengths + i, ~done[:, None])
-        h, ctx = hidden_states(params, cfg, tok[:, None], pos, ctx, absorbed=True)
+        h, ctx = hidden_states(params, cfg, tok[:, None], pos, ctx, absorbed=True, experts_fn=experts_fn)
         nxt = sample(logits(params, h[:, 0]), sp, sub)
         out = out.at[:, i].set(jnp.where(done, PAD, nxt))
         return i + 1, out, done | jnp.isin(nxt, stop_ids), ctx.cache, key
 
     _, out, _, cache, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, done, cache, key))
     return out, cache
+
+
+decode = jax.jit(decode_loop, static_argnames=("cfg", "max_new_tokens"), donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
