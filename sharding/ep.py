@@ -23,15 +23,21 @@ def ep_experts(axis: str):
     """An experts function (same contract as hcfjax.moe.experts) that runs the routed experts over `axis`.
 
     p: this rank's experts {gate, up: [E_l, D, F], down: [E_l, F, D]}; x [N, D] this rank's tokens;
-    weights, ids [N, K] with global expert ids.
+    weights, ids [N, K] with global expert ids. With an EPLB placement (sharding.eplb.apply_placement) p also has
+    log2phy [E, M] and logcnt [E], and the slots are physical replicas.
     """
 
     def run(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         n_ranks = jax.lax.axis_size(axis)
-        e_local = p["gate"].shape[0]
+        e_local = p["gate"].shape[0]  # expert slots per rank
         n, k = ids.shape
         cap = n * min(k, e_local)
-        flat = ids.reshape(-1)  # [N*K]
+        flat = ids.reshape(-1)  # [N*K] logical experts
+        if "log2phy" in p:
+            # EPLB placement: copy c of logical expert e goes to replica c mod count(e), so an expert's tokens
+            # spread over its replicas; slots are physical from here on.
+            copy = jnp.arange(n * k) + jax.lax.axis_index(axis) * n * k
+            flat = p["log2phy"][flat, copy % p["logcnt"][flat]]  # distinct experts -> distinct slots: cap holds
         dest = flat // e_local
         # slot of each copy inside its destination's block: rank among copies to the same destination
         order = jnp.argsort(dest, stable=True)
@@ -49,7 +55,12 @@ def ep_experts(axis: str):
         rows_e = recv_e.reshape(-1)
         valid = rows_e >= 0
         # Each received row is one routed copy for one local expert: weight 1, combined at the source.
-        y = local_experts(p, rows_x, valid[:, None].astype(jnp.float32), jnp.where(valid, rows_e, 0)[:, None])
+        y = local_experts(
+            {w: p[w] for w in ("gate", "up", "down")},
+            rows_x,
+            valid[:, None].astype(jnp.float32),
+            jnp.where(valid, rows_e, 0)[:, None],
+        )
         y = jnp.where(valid[:, None], y, 0).reshape(n_ranks, cap, -1)
 
         back = jax.lax.all_to_all(y, axis, 0, 0, tiled=False)  # [n_ranks (destination), cap, D]

@@ -135,3 +135,37 @@ class LoadWindow:
 
     def total(self) -> np.ndarray:
         return self.counts.sum(0)
+
+
+def apply_placement(params: dict, cfg, phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> dict:
+    """Re-lays out every MoE layer's routed experts into physical slots [R, ...] (replicas copied) and stores the
+    layer's placement beside them (experts/log2phy [E, M], experts/logcnt [E]); sharding/ep.py routes each token
+    copy to one replica of its expert, spreading an expert's tokens over its replicas.
+
+    phy2log, log2phy, logcnt: rebalance_experts' output for the MoE layers in order (L = number of MoE layers).
+    log2phy is padded to R - E + 1 columns (the most replicas one expert can get), so every placement with the
+    same replica count has the same shapes and applying a new one needs no recompilation.
+    """
+    import jax.numpy as jnp
+
+    n_rep, n_log = phy2log.shape[1], log2phy.shape[1]
+    log2phy = np.pad(log2phy, ((0, 0), (0, 0), (0, n_rep - n_log + 1 - log2phy.shape[2])), constant_values=-1)
+
+    out = dict(params)
+    out["segments"] = list(params["segments"])
+    moe_layer = 0
+    for s, (_, count, is_moe) in enumerate(cfg.layer_segments):
+        if not is_moe:
+            continue
+        seg = dict(params["segments"][s])
+        mlp = dict(seg["mlp"])
+        ex = mlp["experts"]
+        idx = jnp.asarray(phy2log[moe_layer : moe_layer + count])  # [count, R]
+        new = {k: jnp.take_along_axis(ex[k], idx[:, :, None, None], axis=1) for k in ("gate", "up", "down")}
+        new["log2phy"] = jnp.asarray(log2phy[moe_layer : moe_layer + count], jnp.int32)
+        new["logcnt"] = jnp.asarray(logcnt[moe_layer : moe_layer + count], jnp.int32)
+        mlp["experts"] = new
+        seg["mlp"] = mlp
+        out["segments"][s] = seg
+        moe_layer += count
+    return out
