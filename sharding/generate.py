@@ -3,6 +3,7 @@ decode plan (attention data parallel over the ranks' own requests, experts over 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -65,28 +66,11 @@ def generate_planned(
     stop_arr = jnp.asarray(np.array(stops or [PAD], np.int32))
     k_prefill, k_decode = jax.random.split(jax.random.key(seed))
 
-    if prefill_plan is not None:
-        with jax.set_mesh(prefill_plan.mesh):
-            first, cache = prefill(
-                shard_params(model.params, prefill_plan),
-                cfg,
-                jnp.asarray(tokens),
-                jnp.asarray(lengths),
-                cache,
-                jnp.asarray(global_table),
-                sp,
-                k_prefill,
-            )
-    else:
+    # prefill under the prefill plan (jit shardings), or unsharded without one
+    params = model.params if prefill_plan is None else shard_params(model.params, prefill_plan)
+    with jax.set_mesh(prefill_plan.mesh) if prefill_plan is not None else contextlib.nullcontext():
         first, cache = prefill(
-            model.params,
-            cfg,
-            jnp.asarray(tokens),
-            jnp.asarray(lengths),
-            cache,
-            jnp.asarray(global_table),
-            sp,
-            k_prefill,
+            params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), cache, jnp.asarray(global_table), sp, k_prefill
         )
     cache = handoff(cache, decode_plan)
 
