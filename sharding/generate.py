@@ -105,6 +105,10 @@ def generate_planned(
     out, _ = fn(
         params, put(first), put(lengths), cache, put(local_table), jax.tree.map(put, sp), k_decode, stop_arr, put(idle)
     )
+    if not out.is_fully_addressable:  # multi-process: every process gets all rows
+        from jax.experimental import multihost_utils
+
+        out = multihost_utils.process_allgather(out, tiled=True)
     result = [[int(x) for x in r if x != PAD] for r in np.asarray(out)[:b_real]]
     text = None
     if model.tokenizer is not None:
