@@ -37,26 +37,61 @@ class Model:
         return self.params["embed"].dtype
 
 
-def decoder_layer(p: dict, cfg: ModelConfig, x, positions, ctx, layer, is_moe: bool, absorbed: bool, experts_fn=None):
-    """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D]."""
+def decoder_layer(
+    p: dict,
+    cfg: ModelConfig,
+    x,
+    positions,
+    ctx,
+    layer,
+    is_moe: bool,
+    absorbed: bool,
+    experts_fn=None,
+    with_load: bool = False,
+):
+    """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D].
+
+    Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load."""
     h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed)
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (moe(p["mlp"], cfg, h, experts_fn) if is_moe else mlp(p["mlp"], h))
-    return x, ctx
+    if not is_moe:
+        return x + mlp(p["mlp"], h), ctx
+    if with_load:
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load=True)
+        return x + y, ctx, load
+    return x + moe(p["mlp"], cfg, h, experts_fn), ctx
 
 
-def run_layers(params: dict, cfg: ModelConfig, x, positions, ctx: CacheContext | None, absorbed: bool, experts_fn=None):
-    """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx)."""
+def run_layers(
+    params: dict,
+    cfg: ModelConfig,
+    x,
+    positions,
+    ctx: CacheContext | None,
+    absorbed: bool,
+    experts_fn=None,
+    with_load: bool = False,
+):
+    """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
+    plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
+    layer on the side of the forward)."""
+    loads = []
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
+        collect = with_load and is_moe
 
-        def body(carry, xs, is_moe=is_moe):
+        def body(carry, xs, is_moe=is_moe, collect=collect):
             x, ctx = carry
             p, layer = xs
-            x, ctx = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn)
-            return (x, ctx), None
+            x, ctx, *load = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, collect)
+            return (x, ctx), (load[0] if collect else None)
 
-        (x, ctx), _ = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
+        (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
+        if collect:
+            loads.append(load)
+    if with_load:
+        e = cfg.n_routed_experts
+        return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)
     return x, ctx
 
 
@@ -82,12 +117,14 @@ def hidden_states(
     ctx: CacheContext | None = None,
     absorbed: bool = False,
     experts_fn=None,
+    with_load: bool = False,
 ):
     """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx).
 
-    experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one)."""
-    x, ctx = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn)
-    return final_hidden(params, cfg, x), ctx
+    experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one).
+    with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]."""
+    x, ctx, *load = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load)
+    return (final_hidden(params, cfg, x), ctx, *load)
 
 
 def mtp_module(

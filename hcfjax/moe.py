@@ -55,8 +55,8 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None) -> jax.Array:
-    """x [..., D] -> routed experts + shared experts.
+def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load: bool = False):
+    """x [..., D] -> routed experts + shared experts (and, with_load, tokens routed to each expert [E] for EPLB).
 
     experts_fn runs the routed experts (default: all experts local, `experts`); an expert-parallel plan passes its
     own (sharding/ep.py) with the same contract."""
@@ -66,4 +66,6 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None) -> jax.Array:
     out = (experts_fn or experts)(p["experts"], flat, weights, ids)
     if "shared" in p:
         out = out + mlp(p["shared"], flat)
+    if with_load:
+        return out.reshape(shape), jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts).astype(jnp.int32)
     return out.reshape(shape)

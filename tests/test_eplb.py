@@ -63,3 +63,31 @@ def test_load_window():
 def test_bad_sizes():
     with pytest.raises(ValueError):
         rebalance_experts(np.ones((1, 16)), 12, 4, 2, 4)  # fewer slots than experts
+
+
+def test_routing_load_counters_feed_the_balancer():
+    """The forward pass counts tokens per expert per MoE layer; a window of them drives the placement."""
+    import jax
+    import jax.numpy as jnp
+
+    import hcfjax
+    from hcfjax.model import hidden_states
+    from tests.conftest import FIXTURES
+
+    model = hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32)
+    cfg = model.cfg
+    ids = jnp.asarray(np.load(FIXTURES / "tiny_v3" / "reference.npz")["ids"])
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    step = jax.jit(hidden_states, static_argnames=("cfg", "with_load"))
+    h, _, load = step(model.params, cfg, ids, pos, with_load=True)
+    h_plain, _ = step(model.params, cfg, ids, pos)
+    assert np.array_equal(np.asarray(h), np.asarray(h_plain))  # counting changes nothing
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    assert load.shape == (n_moe, cfg.n_routed_experts)
+    assert np.all(np.asarray(load).sum(1) == ids.size * cfg.num_experts_per_tok)
+    window = LoadWindow(n_moe, cfg.n_routed_experts, window=4)
+    window.add(load)
+    w = window.total()
+    phy2log, _, logcnt = rebalance_experts(w, cfg.n_routed_experts + 8, cfg.n_group, 1, 4)
+    hottest = w.argmax(1)
+    assert np.all(logcnt[np.arange(n_moe), hottest] >= 2)
