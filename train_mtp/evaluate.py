@@ -85,44 +85,43 @@ def report(results: dict[str, dict], depth: int, commands: list[str]) -> str:
         f"test split, {next(iter(results.values()))['anchors']} anchors per model.",
         "",
     ]
-    head = "| heads | " + " | ".join(f"depth {k}" for k in range(1, depth + 1)) + " |"
-    sep = "|---" * (depth + 1) + "|"
-    lines += [
-        "Conditional greedy acceptance per depth (depth k counted only when depths < k were accepted):",
-        "",
-        head,
-        sep,
-    ]
-    lines += [f"| {n} | " + " | ".join(f"{a:.3f}" for a in results[n]["acceptance_per_depth"]) + " |" for n in labels]
-    lines += [
-        "",
-        "Mean tokens emitted per verification step with k drafts (1 + expected accepted drafts):",
-        "",
-        "| heads | " + " | ".join(f"k={k}" for k in range(1, depth + 1)) + " |",
-        sep,
-    ]
-    lines += [f"| {n} | " + " | ".join(f"{a:.3f}" for a in results[n]["mean_accepted_length"]) + " |" for n in labels]
+    depths = [f"depth {k}" for k in range(1, depth + 1)]
+    ks = [f"k={k}" for k in range(1, depth + 1)]
+    fmt = lambda key: {n: [f"{a:.3f}" for a in results[n][key]] for n in labels}
     base = labels[0]
+    gains = {
+        n: [
+            f"{results[n]['mean_accepted_length'][k] / results[base]['mean_accepted_length'][k] - 1:+.1%}"
+            for k in range(depth)
+        ]
+        for n in labels[1:]
+    }
+    lines += _table(
+        "Conditional greedy acceptance per depth (depth k counted only when depths < k were accepted):",
+        depths,
+        fmt("acceptance_per_depth"),
+    )
     lines += [
         "",
-        f"Gain in tokens per step over `{base}` at the same k:",
-        "",
-        "| heads | " + " | ".join(f"k={k}" for k in range(1, depth + 1)) + " |",
-        sep,
+        *_table(
+            "Mean tokens emitted per verification step with k drafts (1 + expected accepted drafts):",
+            ks,
+            fmt("mean_accepted_length"),
+        ),
     ]
-    for n in labels[1:]:
-        g = [results[n]["mean_accepted_length"][k] / results[base]["mean_accepted_length"][k] - 1 for k in range(depth)]
-        lines.append(f"| {n} | " + " | ".join(f"{x:+.1%}" for x in g) + " |")
+    lines += ["", *_table(f"Gain in tokens per step over `{base}` at the same k:", ks, gains)]
     lines += [
         "",
-        "Held-out cross-entropy per depth (nats/token, teacher forcing):",
-        "",
-        "| heads | " + " | ".join(f"depth {k}" for k in range(1, depth + 1)) + " |",
-        sep,
+        *_table("Held-out cross-entropy per depth (nats/token, teacher forcing):", depths, fmt("loss_per_depth")),
     ]
-    lines += [f"| {n} | " + " | ".join(f"{a:.3f}" for a in results[n]["loss_per_depth"]) + " |" for n in labels]
     lines += ["", "Commands:", "", "```", *commands, "```"]
     return "\n".join(lines)
+
+
+def _table(title: str, columns: list[str], rows: dict[str, list[str]]) -> list[str]:
+    """A titled markdown table with one row per label."""
+    out = [title, "", "| heads | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    return out + [f"| {n} | " + " | ".join(cells) + " |" for n, cells in rows.items()]
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
