@@ -1,0 +1,534 @@
+"""Absorbed-MLA decode attention over the paged latent cache: a Mosaic GPU (Hopper) kernel, its wrapper, a pure-jnp
+reference, and the one place that picks between them (`decode_attention`).
+
+Per query token the heads attend in the latent space: scores = q_lat . c_kv + q_pe . k_pe over the cached tokens,
+out = softmax(scores * sm_scale) @ c_kv, with q_lat = q_nope @ W_UK already folded in by the caller.
+
+Kernel layout (one CTA = 64 heads of one query token of one sequence, over one split of its cache):
+  WG2 (producer)  TMA-loads 64-token blocks of the pages ([64, C+R] each, page table read per block) into a ring of
+                  smem slots; for an int8 cache it loads int8 blocks and converts them to bf16 slots itself.
+  WG0 (leader)    S = Q [64, C+R] @ K^T (wgmma), mask, online softmax; publishes P (bf16) and the row rescale in
+                  smem, then O[:, :C/2] += P @ V[:, :C/2].
+  WG1             waits for P, rescales and accumulates O[:, C/2:].
+The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512, hence the two column halves; scores are
+computed once (no redundant Q.K work). Splits of the sequence (flash-decoding) write normalized bf16 partial outputs
+and their log-sum-exp; `_combine` merges them in jnp.
+
+int8 caches: per-token scales of c_kv and k_pe are applied to the score columns (S = cs * Q_c.K_c + ps * Q_r.K_r) and
+to P before P @ V, so the in-kernel conversion is a plain int8 -> bf16 cast (exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 64  # tokens per pipeline step, and query heads per CTA (the wgmma M dimension)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_I8_LOAD = os.environ.get("HCFJAX_MLA_I8_LOAD", "wgmma")  # development switch for the int8 tile load
+
+
+def visible_keys(lengths: jax.Array, t: int, positions: jax.Array | None = None) -> jax.Array:
+    """[B, T] number of cache positions each query sees: query t of row b sits at lengths[b]-T+t (or at
+    positions[b, t] when given, for ragged chunks) and sees keys at positions <= its own and < lengths[b]."""
+    own = lengths[:, None] - t + jnp.arange(t)[None, :] if positions is None else positions
+    return jnp.minimum(own + 1, lengths[:, None]).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+
+
+def mla_decode_reference(
+    q_nope,
+    q_pe,
+    kv_pages,
+    page_table,
+    lengths,
+    sm_scale,
+    *,
+    scales=None,
+    kv_lora_rank=None,
+    num_splits=None,
+    return_lse=False,
+    positions=None,
+    layer=None,
+    interpret=False,
+):
+    """The same function as `mla_decode`, in plain jnp over the gathered cache (the XLA baseline)."""
+    del num_splits, interpret
+    c = q_nope.shape[-1] if kv_lora_rank is None else kv_lora_rank
+    b, t = q_nope.shape[:2]
+    if layer is not None:
+        kv_pages = kv_pages[layer]
+        scales = None if scales is None else scales[layer]
+    n, ps = page_table.shape[1], kv_pages.shape[1]
+    entry = kv_pages[page_table].reshape(b, n * ps, -1)  # [B, S, C+R]
+    dt = q_nope.dtype
+    if scales is None:
+        ckv, kpe = entry[..., :c].astype(dt), entry[..., c:].astype(dt)
+    else:
+        sc = scales[page_table].reshape(b, n * ps, 2)
+        ef = entry.astype(jnp.float32)
+        ckv, kpe = (ef[..., :c] * sc[..., :1]).astype(dt), (ef[..., c:] * sc[..., 1:]).astype(dt)
+    s = jnp.einsum("BTHC,BSC->BTHS", q_nope, ckv, preferred_element_type=jnp.float32)
+    s = (s + jnp.einsum("BTHR,BSR->BTHS", q_pe, kpe, preferred_element_type=jnp.float32)) * sm_scale
+    vis = visible_keys(lengths, t, positions)  # [B, T]
+    mask = jnp.arange(n * ps)[None, None, None, :] < vis[:, :, None, None]  # [B, T, 1, S]
+    m = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows with no visible key: all-zero output, lse -inf
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    probs = (p / jnp.where(denom > 0, denom, 1.0)).astype(ckv.dtype)
+    out = jnp.einsum("BTHS,BSC->BTHC", probs, ckv, preferred_element_type=jnp.float32).astype(dt)
+    if not return_lse:
+        return out
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(jnp.maximum(denom[..., 0], 1e-37)), -jnp.inf)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    c: int  # kv_lora_rank
+    r: int  # rope dim
+    t: int  # query tokens per row
+    heads: int  # padded to a multiple of BLOCK
+    page_size: int
+    blocks_per_split: int
+    splits: int
+    quant: bool
+    stages: int  # smem slots of bf16 K blocks
+    stages8: int  # smem slots of int8 blocks (int8 caches)
+    sm_scale: float
+    interpret: bool
+
+    @property
+    def k(self) -> int:
+        return self.c + self.r
+
+
+def _pv(acc, p_smem, v_smem, interpret: bool):
+    """acc + P @ V with P, V in smem. On the GPU the accumulator is fed to wgmma in place (pl.run_state); GPU interpret
+    mode has no run_state, so there it is a fresh accumulator added in registers (the same arithmetic)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if interpret:
+
+        def fresh(r):
+            plgpu.wgmma(r, p_smem, v_smem)
+            return r[...]
+
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(lambda r: plgpu.wgmma(r, p_smem, v_smem))(plgpu.ACC.init(acc))
+
+
+def _kernel(spec: _Spec, *refs):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if spec.quant:
+        q_ref, kv_ref, sc_ref, pt_ref, pts_ref, vis_ref, o_ref, lse_ref, *scratch = refs
+    else:
+        q_ref, kv_ref, pt_ref, vis_ref, o_ref, lse_ref, *scratch = refs
+        sc_ref = pts_ref = None
+    (q_smem, kv_smem, p_smem, alpha_smem, lse_smem, i8_smem, sc_smem), bars = scratch[0], scratch[1]
+    q_bar, full, consumed, p_ready, p_free, i8_full, sc_full = bars
+
+    c, half, ns = spec.c, spec.c // 2, spec.stages
+    n_ht = spec.heads // BLOCK
+    qt, split, b = lax.axis_index("qt"), lax.axis_index("split"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    t = lax.div(qt, n_ht)
+    h0 = lax.rem(qt, n_ht) * BLOCK
+    vis = vis_ref[b, t]
+    start = split * (spec.blocks_per_split * BLOCK)
+    n_steps = jnp.minimum(lax.div(jnp.maximum(vis - start, 0) + (BLOCK - 1), BLOCK), spec.blocks_per_split)
+    row = plgpu.Layout.WGMMA.reduce(1)
+    col = plgpu.Layout.WGMMA.reduce(0)
+
+    def block_page(i, table):
+        tok = start + i * BLOCK
+        return table[b, lax.div(tok, spec.page_size)], lax.rem(tok, spec.page_size)
+
+    def store_out(acc, inv_l, cols):
+        out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(q_smem.dtype)
+        q_smem.at[:, cols][...] = out  # Q is dead by now: its smem stages the output
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[:, cols], o_ref.at[b, t, split, pl.ds(h0, BLOCK), cols])
+
+    @pl.when(wg == 0)
+    def _leader():
+        plgpu.set_max_registers(232 if spec.quant else 240, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, t, pl.ds(h0, BLOCK)], q_smem, q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        m0 = plgpu.layout_cast(jnp.full((BLOCK,), -1e30, jnp.float32), row)
+        l0 = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row)
+        acc0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, carry):
+            acc, m, den = carry
+            slot = lax.rem(i, ns)
+            plgpu.barrier_wait(full.at[slot])
+            k_blk = kv_smem.at[slot]
+            if spec.quant:
+                plgpu.barrier_wait(sc_full.at[slot])
+
+                def qk(s_ref, r_ref):
+                    plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, c)], k_blk.at[:, pl.ds(0, c)].transpose((1, 0)))
+                    plgpu.wgmma(r_ref, q_smem.at[:, pl.ds(c, spec.r)], k_blk.at[:, pl.ds(c, spec.r)].transpose((1, 0)))
+                    return s_ref[...], r_ref[...]
+
+                s_c, s_r = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
+                cs = plgpu.load(sc_smem.at[slot, 0], layout=col)
+                ps = plgpu.load(sc_smem.at[slot, 1], layout=col)
+                cs_b = lax.broadcast_in_dim(cs, (BLOCK, BLOCK), [1])
+                s = s_c * cs_b + s_r * lax.broadcast_in_dim(ps, (BLOCK, BLOCK), [1])
+            else:
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_blk.transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK)))
+            key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA) + (start + i * BLOCK)
+            s = jnp.where(key < vis, s * (spec.sm_scale * _LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            den = den * alpha + p.sum(axis=1)
+            if spec.quant:
+                p = p * cs_b  # c_kv's per-token scale folded into P
+
+            @pl.when(i > 0)
+            def _():
+                plgpu.barrier_wait(p_free.at[0])  # WG1 is done with the previous P and alpha
+
+            p_smem[...] = p.astype(p_smem.dtype)
+            alpha_smem[...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[0])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv(acc, p_smem, k_blk.at[:, pl.ds(0, half)], spec.interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, den
+
+        acc, m, den = lax.fori_loop(0, n_steps, step, (acc0, m0, l0))
+
+        @pl.when(n_steps > 0)
+        def _():
+            plgpu.barrier_wait(p_free.at[0])
+
+        inv_l = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
+        alpha_smem[...] = inv_l
+        lse_smem[...] = jnp.where(den > 0, (m + jnp.log2(jnp.maximum(den, 1e-30))) * _LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready.at[0])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, t, split, pl.ds(h0, BLOCK)])
+        store_out(acc, inv_l, pl.ds(0, half))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _second():
+        plgpu.set_max_registers(184 if spec.quant else 232, action="increase")
+        acc0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, acc):
+            slot = lax.rem(i, ns)
+            plgpu.barrier_wait(full.at[slot])
+            plgpu.barrier_wait(p_ready.at[0])
+            alpha = plgpu.load(alpha_smem, layout=row)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv(acc, p_smem, kv_smem.at[slot, :, pl.ds(half, half)], spec.interpret)
+            plgpu.barrier_arrive(p_free.at[0])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, n_steps, step, acc0)
+        plgpu.barrier_wait(p_ready.at[0])
+        inv_l = plgpu.load(alpha_smem, layout=row)
+        store_out(acc, inv_l, pl.ds(half, half))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        if not spec.quant:
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n_steps)
+            def _(i):
+                slot = lax.rem(i, ns)
+
+                @pl.when(i >= ns)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                page, off = block_page(i, pt_ref)
+                plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(off, BLOCK)], kv_smem.at[slot], full.at[slot])
+
+            return
+
+        plgpu.set_max_registers(96, action="decrease")
+        ns8 = spec.stages8
+
+        def issue8(i):
+            page, off = block_page(i, pt_ref)
+            s8 = lax.rem(i, ns8)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(off, BLOCK)], i8_smem.at[s8], i8_full.at[s8])
+
+        for j in range(ns8):
+            pl.when(j < n_steps)(functools.partial(issue8, j))
+
+        @pl.loop(0, n_steps)
+        def _(i):
+            slot, s8 = lax.rem(i, ns), lax.rem(i, ns8)
+
+            @pl.when(i >= ns)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            page, off = block_page(i, pts_ref)
+            plgpu.copy_gmem_to_smem(sc_ref.at[page, :, pl.ds(off, BLOCK)], sc_smem.at[slot], sc_full.at[slot])
+            plgpu.barrier_wait(i8_full.at[s8])
+            for j in range(spec.k // BLOCK):  # int8 -> bf16, exact; 64 columns at a time to bound registers
+                cols = pl.ds(j * BLOCK, BLOCK)
+                if _I8_LOAD == "wgmma":
+                    x = plgpu.load(i8_smem.at[s8, :, cols], layout=plgpu.Layout.WGMMA)
+                else:
+                    x = i8_smem.at[s8, :, cols][...]
+                kv_smem.at[slot, :, cols][...] = x.astype(kv_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(full.at[slot])
+
+            @pl.when(i + ns8 < n_steps)
+            def _():
+                issue8(i + ns8)
+
+
+def _call_kernel(spec: _Spec, q, kv, sc, pt, pts, vis):
+    import jax.experimental.pallas as pl  # noqa: F401
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b = q.shape[0]
+    bf16 = jnp.bfloat16
+    t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = [
+        plgpu.SMEM((BLOCK, spec.k), bf16, transforms=t128),  # Q, then the output staging
+        plgpu.SMEM((spec.stages, BLOCK, spec.k), bf16, transforms=t128),  # K blocks (bf16)
+        plgpu.SMEM((BLOCK, BLOCK), bf16, transforms=t128),  # P
+        plgpu.SMEM((BLOCK,), jnp.float32),  # alpha per step, 1/l at the end
+        plgpu.SMEM((BLOCK,), jnp.float32),  # lse staging
+        None,
+        None,
+    ]
+    bars = [
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=spec.stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=spec.stages),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=1),
+        None,
+        None,
+    ]
+    if spec.quant:
+        smem[5] = plgpu.SMEM(
+            (spec.stages8, BLOCK, spec.k),
+            jnp.int8,
+            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)),
+        )
+        smem[6] = plgpu.SMEM((spec.stages, 2, BLOCK), jnp.float32)
+        bars[5] = plgpu.Barrier(num_barriers=spec.stages8)
+        bars[6] = plgpu.Barrier(num_barriers=spec.stages)
+    out_type = (
+        jax.ShapeDtypeStruct((b, spec.t, spec.splits, spec.heads, spec.c), bf16),
+        jax.ShapeDtypeStruct((b, spec.t, spec.splits, spec.heads), jnp.float32),
+    )
+    kern = plgpu.kernel(
+        lambda *refs: _kernel(spec, *refs),
+        out_type=out_type,
+        scratch_types=(tuple(smem), tuple(bars)),
+        grid=(spec.t * (spec.heads // BLOCK), spec.splits, b),
+        grid_names=("qt", "split", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    args = (q, kv, sc, pt, pts, vis) if spec.quant else (q, kv, pt, vis)
+    if spec.interpret:
+        with plgpu.force_gpu_interpret_mode():
+            return kern(*args)
+    return kern(*args)
+
+
+def _combine(o, lse):
+    """Merges split partials o [B, T, S, H, C] (each normalized) with their lse [B, T, S, H]."""
+    if o.shape[2] == 1:
+        return o[:, :, 0].astype(jnp.float32), lse[:, :, 0]
+    m = jnp.max(lse, axis=2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # [B, T, S, H]; 0 for empty splits
+    tot = jnp.sum(w, axis=2)
+    out = jnp.einsum("BTSH,BTSHC->BTHC", w, o.astype(jnp.float32)) / jnp.where(tot > 0, tot, 1.0)[..., None]
+    return out, jnp.where(tot > 0, m[:, :, 0] + jnp.log(jnp.maximum(tot, 1e-37)), -jnp.inf)
+
+
+def default_splits(batch_rows: int, max_blocks: int, num_sms: int = 132) -> int:
+    """Flash-decoding splits: enough CTAs for about one wave of the chip, at least 2 blocks per split."""
+    if batch_rows >= num_sms:
+        return 1
+    return max(1, min(num_sms // batch_rows, max_blocks // 2))
+
+
+def check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer) -> None:
+    """Raises ValueError naming the first shape, dtype or alignment the kernel cannot take."""
+    if q_nope.ndim != 4 or q_pe.ndim != 4:
+        raise ValueError(f"q_nope and q_pe must be [B, T, H, *], got {q_nope.shape} and {q_pe.shape}")
+    b, t, h, c = q_nope.shape
+    if q_pe.shape[:3] != (b, t, h):
+        raise ValueError(f"q_pe {q_pe.shape} does not match q_nope {q_nope.shape} in [B, T, H]")
+    if kv_lora_rank is not None and kv_lora_rank != c:
+        raise ValueError(f"q_nope's last dim {c} must be kv_lora_rank {kv_lora_rank} (absorb W_UK first)")
+    want_rank = 3 if layer is None else 4
+    if kv_pages.ndim != want_rank:
+        raise ValueError(
+            f"kv_pages must have rank {want_rank} ({'[L, ' if layer is not None else '['}P, page, C+R]), "
+            f"got {kv_pages.shape}"
+        )
+    r = q_pe.shape[-1]
+    if kv_pages.shape[-1] != c + r:
+        raise ValueError(f"kv_pages' last dim {kv_pages.shape[-1]} must be C+R = {c}+{r}")
+    if c % 128:
+        raise ValueError(f"kv_lora_rank {c} must be a multiple of 128 (two 64-aligned output halves)")
+    if (c + r) % 64:
+        raise ValueError(f"C+R = {c + r} must be a multiple of 64 (128-byte swizzled tiles)")
+    if kv_pages.shape[-2] % BLOCK:
+        raise ValueError(f"page size {kv_pages.shape[-2]} must be a multiple of {BLOCK}")
+    if kv_pages.dtype == jnp.int8:
+        if scales is None or scales.shape != kv_pages.shape[:-1] + (2,) or scales.dtype != jnp.float32:
+            got = None if scales is None else (scales.shape, scales.dtype)
+            raise ValueError(f"an int8 cache needs f32 scales of shape {kv_pages.shape[:-1] + (2,)}, got {got}")
+    elif kv_pages.dtype != jnp.bfloat16:
+        raise ValueError(f"kv_pages must be bfloat16 or int8, got {kv_pages.dtype}")
+    elif scales is not None:
+        raise ValueError("scales are only for an int8 cache")
+    if page_table.ndim != 2 or page_table.shape[0] != b or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be integer [B={b}, max_pages], got {page_table.shape} {page_table.dtype}")
+    if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be integer [B={b}], got {lengths.shape} {lengths.dtype}")
+
+
+def mla_decode(
+    q_nope,
+    q_pe,
+    kv_pages,
+    page_table,
+    lengths,
+    sm_scale,
+    *,
+    scales=None,
+    kv_lora_rank=None,
+    num_splits=None,
+    return_lse=False,
+    positions=None,
+    layer=None,
+    interpret=False,
+    num_sms=None,
+):
+    """Absorbed-MLA decode attention with the Mosaic GPU kernel.
+
+    q_nope [B, T, H, C] (absorbed latent query), q_pe [B, T, H, R]; kv_pages [P, page, C+R] bf16 or int8 (with
+    scales [P, page, 2] f32), or the whole cache [L, P, page, C+R] with `layer`; page_table [B, max_pages];
+    lengths [B] cache tokens including the T queries, which sit at the last T positions (or at `positions` [B, T]).
+    -> out [B, T, H, C] in q's dtype (and lse [B, T, H] f32).  `interpret` runs Mosaic GPU's interpreter (CPU tests).
+    """
+    check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
+    b, t, h, c = q_nope.shape
+    r = q_pe.shape[-1]
+    quant = kv_pages.dtype == jnp.int8
+    ps = kv_pages.shape[-2]
+    n_pages = kv_pages.shape[-3]
+    pt = page_table.astype(jnp.int32)
+    pts = pt
+    if layer is not None:
+        # Index the whole cache in the kernel (page + layer * P) instead of slicing out a layer copy.
+        pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
+        kv_pages = kv_pages.reshape(-1, ps, c + r)
+        if quant:
+            scales = lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False)
+    heads = -(-h // BLOCK) * BLOCK
+    q = jnp.concatenate([q_nope, q_pe], axis=-1).astype(jnp.bfloat16)
+    if heads != h:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
+    max_blocks = page_table.shape[1] * ps // BLOCK
+    if num_splits is None:
+        if num_sms is None:
+            num_sms = getattr(jax.devices()[0], "core_count", 132) or 132
+        num_splits = default_splits(b * t * (heads // BLOCK), max_blocks, num_sms)
+    bps = -(-max_blocks // max(1, min(num_splits, max_blocks)))
+    spec = _Spec(
+        c=c,
+        r=r,
+        t=t,
+        heads=heads,
+        page_size=ps,
+        blocks_per_split=bps,
+        splits=-(-max_blocks // bps),
+        quant=quant,
+        stages=2,
+        stages8=2,
+        sm_scale=float(sm_scale),
+        interpret=interpret,
+    )
+    vis = visible_keys(lengths.astype(jnp.int32), t, positions)
+    # Scales as [P, 2, page]: a 64-token TMA box needs the token axis innermost.
+    sc = jnp.swapaxes(scales, 1, 2) if quant else None
+    o, lse = _call_kernel(spec, q, kv_pages, sc, pt, pts, vis)
+    out, lse = _combine(o, lse)
+    out = out[:, :, :h].astype(q_nope.dtype)
+    return (out, lse[:, :, :h]) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selection
+
+
+def kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_lora_rank=None, layer=None) -> bool:
+    try:
+        check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
+    except ValueError:
+        return False
+    return True
+
+
+def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs):
+    """The model's absorbed decode attention: the kernel on a GPU when the shapes suit it, the jnp reference elsewhere.
+    HCFJAX_MLA=reference|kernel|interpret overrides (kernel/interpret raise on unsupported shapes)."""
+    mode = os.environ.get("HCFJAX_MLA", "auto")
+    if mode == "auto":
+        ok = jax.default_backend() == "gpu" and kernel_applies(
+            q_nope,
+            q_pe,
+            kv_pages,
+            page_table,
+            lengths,
+            kwargs.get("scales"),
+            kwargs.get("kv_lora_rank"),
+            kwargs.get("layer"),
+        )
+        mode = "kernel" if ok else "reference"
+    if mode == "reference":
+        return mla_decode_reference(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs)
+    if mode not in ("kernel", "interpret"):
+        raise ValueError(f"HCFJAX_MLA must be auto, reference, kernel or interpret, got {mode!r}")
+    return mla_decode(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", **kwargs)
