@@ -137,22 +137,23 @@ def mtp_module(
     embed_table,
     ctx: CacheContext | None = None,
     absorbed: bool = False,
+    head_norm: bool = True,
 ):
     """MTP module k (DeepSeek-V3 section 2.2): combines the previous depth's hidden state h_prev [B, T, D] for token
     t with the embedding of token t+1 (next_tokens [B, T], at `positions` = t+1), runs one decoder block, and
     returns (hidden [B, T, D] for the next depth, float32 logits [B, T, V] for token t+2, ctx).
 
     h_prev at depth 0 is the main model's final-normed hidden state (as vLLM and SGLang feed DeepSeek's MTP layer).
-    The block's KV entries live in cache layer num_hidden_layers + k.
+    The block's KV entries live in cache layer num_hidden_layers + k. head_norm=False skips the RMSNorm before the
+    shared LM head (the open-source baseline the reference compared against; DeepSeek's checkpoints carry the norm).
     """
     e = rms_norm(embed_table[next_tokens], p["enorm"], cfg.rms_norm_eps)
     h = rms_norm(h_prev, p["hnorm"], cfg.rms_norm_eps)
     x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]
     layer = cfg.num_hidden_layers + k
     x, ctx = decoder_layer(p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed)
-    out = jnp.einsum(
-        "...D,DV->...V", rms_norm(x, p["head_norm"], cfg.rms_norm_eps), p["head"], preferred_element_type=jnp.float32
-    )
+    y = rms_norm(x, p["head_norm"], cfg.rms_norm_eps) if head_norm else x
+    out = jnp.einsum("...D,DV->...V", y, p["head"], preferred_element_type=jnp.float32)
     return x, out, ctx
 
 

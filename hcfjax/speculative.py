@@ -42,6 +42,8 @@ class SpeculativeConfig:
     dynamic_temperature: `tuned` only, (t_min, t_max): the target is sampled at a temperature that follows its own
         normalised entropy at each position, t_min + (t_max - t_min) * H(p) / log(V), instead of the request's
         (greedy requests stay greedy). Confident positions get sharper, uncertain ones keep their spread.
+    mtp_head_norm: the RMSNorm before the MTP modules' LM head (the reference added it to vLLM's MTP for +2%
+        acceptance; DeepSeek ships its weight as shared_head.norm). False drops it, to measure what it buys.
     `tuned` defaults draft_temperature_scale to 0.5: less random drafts are accepted more often.
     """
 
@@ -52,6 +54,7 @@ class SpeculativeConfig:
     typical_delta: float = 0.3
     position_methods: tuple[str, ...] | None = None
     dynamic_temperature: tuple[float, float] | None = None
+    mtp_head_norm: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 16):
@@ -119,6 +122,7 @@ def mtp_extend(
     anchor_ok: jax.Array,
     last_pos: jax.Array,
     depths: int,
+    head_norm: bool = True,
 ):
     """Runs MTP depths 1..depths over anchors (teacher forcing on verified tokens), writing the modules' KV.
 
@@ -135,7 +139,7 @@ def mtp_extend(
         pos = anchor_pos + i
         valid = anchor_ok & (pos <= last_pos[:, None])
         ctx = CacheContext(cache, page_table, last_pos + 1, valid)
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, absorbed=True)
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, True, head_norm)
         cache = ctx.cache
         if first is None:
             first = (x, lg)
@@ -154,6 +158,7 @@ def draft_chain(
     k: int,
     valid: jax.Array,
     key,
+    head_norm: bool = True,
 ):
     """Drafts k tokens from anchor A [B]: depth 1 is given (x1 [B, D], lg1 [B, V]), depths 2..k run one row each.
 
@@ -167,7 +172,7 @@ def draft_chain(
         m = min(i, len(modules)) - 1
         pos = (anchor + i)[:, None]
         ctx = CacheContext(cache, page_table, anchor + i + 1, valid[:, None])
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, params["embed"], ctx, absorbed=True)
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, params["embed"], ctx, True, head_norm)
         cache = ctx.cache
         q = probs(lg, sp_draft)[:, 0]
         ds.append(sample_probs(keys[i - 1], q))
@@ -248,6 +253,7 @@ def speculative_decode(
         anchor_pos < lengths[:, None],
         lengths,
         extend_depths,
+        spec.mtp_head_norm,
     )
     done = jnp.isin(first, stop_ids) | (max_new_tokens <= 1)
     drafts, q, cache = draft_chain(
@@ -262,6 +268,7 @@ def speculative_decode(
         k,
         ~done,
         k_draft,
+        spec.mtp_head_norm,
     )
     hist_idx = lengths[:, None] - r + jnp.arange(r)
     out = jnp.zeros((b, max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
@@ -325,10 +332,22 @@ def speculative_decode(
             (anchor_pos >= 0) & ~done[:, None],
             new_pos,
             extend_depths,
+            spec.mtp_head_norm,
         )
         # 5. drafts for the next step
         drafts, q, cache = draft_chain(
-            params, cfg, cache, page_table, x1[:, -1], lg1[:, -1], new_pos - 1, sp_draft, k, ~done, k_draft
+            params,
+            cfg,
+            cache,
+            page_table,
+            x1[:, -1],
+            lg1[:, -1],
+            new_pos - 1,
+            sp_draft,
+            k,
+            ~done,
+            k_draft,
+            spec.mtp_head_norm,
         )
         return SpecState(
             cache,

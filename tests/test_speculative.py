@@ -46,6 +46,15 @@ def test_greedy_exact_equals_plain_greedy(embedded, k):
     assert s["acceptance_per_depth"][0] > 0.3  # the trained joint MTP layer does draft real tokens
 
 
+def test_mtp_head_norm_flag_changes_drafts_not_outputs(embedded):
+    kw = dict(max_new_tokens=24, stop_token_ids=[])
+    plain = hcfjax.generate(embedded, PROMPTS, **kw)
+    normed = hcfjax.generate(embedded, PROMPTS, **kw, speculative=SpeculativeConfig(2))
+    bare = hcfjax.generate(embedded, PROMPTS, **kw, speculative=SpeculativeConfig(2, mtp_head_norm=False))
+    assert bare.tokens == plain.tokens
+    assert bare.stats["acceptance_per_depth"] != normed.stats["acceptance_per_depth"]
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_exact_with_independent_modules_and_stops(three_heads, k):
     prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
