@@ -83,3 +83,12 @@ def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array) -> jax.Array:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key, filtered_logprobs(logits, sp), axis=-1).astype(jnp.int32)
     return jnp.where(sp.temperature > 0, drawn, greedy)
+
+
+def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Array:
+    """logits [B, V] -> tokens [B] int32 with one rng key per row (keys [B]), so a request's draws do not depend on
+    which other requests share its batch (the serving engine's case)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
+    drawn = jnp.argmax(filtered_logprobs(logits, sp) + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, drawn, greedy)

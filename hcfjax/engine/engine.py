@@ -1,0 +1,318 @@
+"""The engine loop: admit, plan, dispatch, stream, with host work overlapping the device.
+
+Each iteration: take new requests and aborts from the inbox, plan the next step (scheduler), dispatch it (an
+asynchronous jitted call), and only then read back the previous step's sampled tokens, stream them and retire
+finished requests. The host's bookkeeping for step n therefore runs while the device computes step n + 1. The price
+is one step of lag: a request that finished in step n still runs (and is discarded) in step n + 1, which its pages
+allow for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hcfjax.engine.request import FinishReason, Output, Request
+from hcfjax.engine.runner import Dispatched, ModelRunner
+from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
+from hcfjax.model import Model
+from hcfjax.sampling import SamplingParams
+from hcfjax.speculative import SpeculativeConfig
+
+log = logging.getLogger("hcfjax.engine")
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages
+    per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
+    prefill chunks); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
+    the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
+    least_pages; cache_dtype: auto (the model's) or int8."""
+
+    max_slots: int = 8
+    dp: int = 1
+    num_pages: int | None = None
+    page_size: int = 16
+    max_model_len: int | None = None
+    token_budget: int = 256
+    max_prefill_rows: int = 4
+    max_queue: int = 256
+    spf_window_s: float = 0.05
+    max_wait_s: float = 2.0
+    balance: str = "round_robin"
+    speculative: SpeculativeConfig | None = None
+    cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
+        if self.speculative is not None:
+            raise NotImplementedError("speculative decoding in the engine is not wired yet")
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
+        self.model, self.config, self.cfg = model, config, model.cfg
+        c = config
+        self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
+        step_tokens = 1
+        max_pages = math.ceil((self.max_model_len + 2 * step_tokens) / c.page_size)
+        num_pages = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                c.dp,
+                c.max_slots,
+                num_pages,
+                c.page_size,
+                c.token_budget,
+                c.max_prefill_rows,
+                step_tokens,
+                c.spf_window_s,
+                c.max_wait_s,
+                c.balance,
+            )
+        )
+        dtype = jnp.int8 if c.cache_dtype == "int8" else model.dtype
+        self.runner = ModelRunner(model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype)
+        self.total_pages = c.dp * num_pages
+        self.clock = time.monotonic
+        self._requests: dict[str, Request] = {}
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Condition()
+        self._ids = itertools.count()
+        self._pending: Dispatched | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # -- the caller's side (any thread) ----------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if self.model.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: send token ids")
+        ids = self.model.tokenizer.encode(text).ids
+        bos = self.cfg.bos_token_id
+        return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: list[int] | None = None,
+        seed: int = 0,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queues a request (never blocks). Raises InvalidRequest, QueueFull or EngineStopped."""
+        ids = self._validate(prompt, sampling, max_new_tokens, stop_token_ids, seed)
+        stops = self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            queued = len(self._inbox) + len(self.scheduler.waiting)
+            if queued >= self.config.max_queue:
+                raise QueueFull(f"{queued} requests are waiting (max_queue={self.config.max_queue}); retry later")
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise InvalidRequest(f"request id {rid!r} is in use")
+            req = Request(rid, ids, sampling or SamplingParams(), max_new_tokens, frozenset(stops), seed, self.clock())
+            self._requests[rid] = req
+            self._inbox.append(req)
+            self._lock.notify()
+        return req
+
+    def _validate(self, prompt, sampling, max_new_tokens, stop_token_ids, seed) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InvalidRequest("the prompt is empty")
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidRequest("sampling must be a SamplingParams")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(ids) > self.max_model_len - 1:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len}")
+        if len(ids) + max_new_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the context of "
+                f"{self.max_model_len}"
+            )
+        bad = [t for t in (stop_token_ids or []) if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary")
+        if not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise InvalidRequest(f"seed must be an integer in [0, 2^32), got {seed!r}")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def stream(self, request: Request, timeout: float | None = None) -> Iterator[Output]:
+        """The request's Output events until the one with `finish` set."""
+        while True:
+            out = request.events.get(timeout=timeout)
+            yield out
+            if out.finish is not None:
+                return
+
+    def snapshot(self) -> dict:
+        s = self.scheduler
+        free = sum(a.num_free for a in s.alloc)
+        return {
+            "queued": len(s.waiting) + len(self._inbox),
+            "running": len(s.running),
+            "free_pages": free,
+            "total_pages": self.total_pages,
+            "cache_used": 1 - free / self.total_pages,
+            "steps": self.steps,
+            "compiles": len(self.runner.compiles),
+            "preemptions": s.preemptions,
+            "should_grow": s.should_grow,
+            "expected_output": s.expected_output,
+        }
+
+    # -- the loop (one thread) -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hcfjax-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops taking requests, aborts the ones in flight (each gets a terminal Output) and stops the loop."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        else:
+            self._abort_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self.has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            self.step()
+        self._abort_all()
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or self._pending)
+
+    def _abort_all(self) -> None:
+        if self._pending is not None:
+            self._pending = None
+        with self._lock:
+            self._aborts += list(self._requests)
+        self._take_inbox()
+
+    def step(self) -> None:
+        """One iteration: plan and dispatch step n + 1, then process step n's outputs."""
+        self._take_inbox()
+        plan = self.scheduler.schedule(self.clock())
+        current = None
+        if not plan.empty:
+            try:
+                current = self.runner.dispatch(plan, self.config.max_prefill_rows, self.config.token_budget)
+                self.steps += 1
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                self._fail(plan, e)
+        if self._pending is not None:
+            self._process(self._pending)
+        self._pending = current
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        for req in inbox:
+            self.scheduler.add(req)
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None and not req.done:
+                self._finish(req, FinishReason.ABORT)
+
+    def _fail(self, plan, err: Exception) -> None:
+        for req in [c.req for c in plan.chunks] + plan.decode:
+            if not req.done:
+                self._finish(req, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+
+    def _process(self, d: Dispatched) -> None:
+        now = self.clock()
+        first = np.asarray(jax.device_get(d.first)) if d.first is not None else None
+        nxt = np.asarray(jax.device_get(d.nxt)) if d.nxt is not None else None
+        new: dict[str, list[int]] = {}
+        for i, (c, epoch) in enumerate(zip(d.plan.chunks, d.chunk_epochs, strict=True)):
+            if c.final and not c.req.done and c.req.epoch == epoch:
+                new[c.req.id] = [int(first[i])]
+        for req, slot, epoch in d.decode_slots:
+            if not req.done and req.epoch == epoch:  # a request preempted since dispatch drops its token
+                new[req.id] = [int(nxt[slot])]
+        for rid, toks in new.items():
+            req = self._requests[rid]
+            for t in toks:
+                if req.done:
+                    break
+                req.output.append(t)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+                if t in req.stop_ids:
+                    self._finish(req, FinishReason.STOP, emit_tokens=[t])
+                elif len(req.output) >= req.max_new_tokens:
+                    self._finish(req, FinishReason.LENGTH, emit_tokens=[t])
+                else:
+                    self._emit(req, [t], None)
+
+    def _emit(self, req: Request, tokens: list[int], finish: FinishReason | None, error: str | None = None) -> None:
+        text = ""
+        tok = self.model.tokenizer
+        if tok is not None:
+            full = tok.decode([t for t in req.output if t not in req.stop_ids])
+            if finish is not None or not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                text, req.sent_text = full[len(req.sent_text) :], full
+        req.events.put(Output(req.id, tokens, text, finish, req.usage(), error))
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None, emit_tokens=()) -> None:
+        self.scheduler.finish(req, reason)
+        self._requests.pop(req.id, None)
+        self._emit(req, list(emit_tokens), reason, error)

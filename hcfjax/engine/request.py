@@ -1,0 +1,90 @@
+"""A request's lifecycle and the events it streams back to its caller."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import queue
+
+from hcfjax.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token was generated (it is the last output token)
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # cancelled by the caller, deadline passed, or the engine shut down
+    ERROR = "error"  # the engine failed while running the request
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None  # arrival -> first token
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_draft_tokens: int = 0  # of which accepted
+
+
+@dataclasses.dataclass
+class Output:
+    """One streamed event: new tokens (and their text) since the last event; `finish` is set on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish: FinishReason | None
+    usage: Usage
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    seed: int
+    arrival: float
+    status: Status = Status.QUEUED
+    output: list[int] = dataclasses.field(default_factory=list)
+    # Tokens to prefill: the prompt, or prompt + output after a preemption (recompute).
+    fill: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens of `fill` already in the cache
+    rank: int = -1  # decode (DP) rank
+    slot: int = -1  # decode slot (global index over ranks)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    epoch: int = 0  # bumped by each preemption: outputs of steps dispatched before it are dropped
+    cached_bound: int = 0  # upper bound of positions the dispatched steps will have written
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish: FinishReason | None = None
+    drafts: int = 0
+    accepted: int = 0
+    sent_text: str = ""
+    events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+
+    def __post_init__(self):
+        if not self.fill:
+            self.fill = list(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence so far (prompt + output)."""
+        return len(self.prompt) + len(self.output)
+
+    def usage(self) -> Usage:
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        return Usage(len(self.prompt), len(self.output), ttft, self.drafts, self.accepted)

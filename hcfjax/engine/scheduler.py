@@ -1,0 +1,193 @@
+"""What runs in the next step: decode rows, chunked-prefill work, admissions and preemptions.
+
+Pure host logic over Requests and page allocators, driven by a `now` the caller passes in (the engine's clock, or
+a simulator's), so the same code runs live and simulated.
+
+- Token budget: every decoding request costs `step_tokens` (1, or 1 + k drafts); prefill chunks fill the rest.
+- Prefill: requests already prefilling continue first (oldest first). New ones are admitted shortest prompt first
+  among those that arrived in the same window of `spf_window_s`; a request that has waited `max_wait_s` goes ahead
+  of every shorter one, so long prompts never starve.
+- Admission: a request needs a decode slot on some rank and the pages its prompt plus its expected output will take
+  there. The expected output is the mean of recent requests' output lengths (a sliding window), capped by its
+  max_new_tokens; pages promised to running requests the same way are not counted as free. When the head of the
+  queue cannot be admitted, `should_grow` says capacity is short.
+- Preemption: when a decoding request needs a page and none is free, the most recently admitted request on that
+  rank gives back its pages and slot and is re-queued first; it is recomputed later from prompt + output.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from hcfjax.engine.balance import Balancer, RankLoad
+from hcfjax.engine.pages import PageAllocator
+from hcfjax.engine.request import FinishReason, Request, Status
+
+
+@dataclasses.dataclass
+class Chunk:
+    req: Request
+    start: int  # first position of the chunk
+    n: int  # tokens in the chunk
+    final: bool  # the chunk ends the prompt: the step samples the request's next token
+
+
+@dataclasses.dataclass
+class StepPlan:
+    chunks: list[Chunk]
+    decode: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.decode
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    dp: int = 1
+    max_slots: int = 8  # per rank
+    num_pages: int = 256  # per rank
+    page_size: int = 16
+    token_budget: int = 256
+    max_prefill_rows: int = 4
+    step_tokens: int = 1  # cache positions a decode step writes per request (1 + k with speculation)
+    spf_window_s: float = 0.05
+    max_wait_s: float = 2.0
+    balance: str = "round_robin"
+    output_window: int = 64  # finished requests in the sliding mean of output lengths
+    default_output_len: int = 128  # the mean before any request finished
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.alloc = [PageAllocator(cfg.num_pages, cfg.page_size, base=r * cfg.num_pages) for r in range(cfg.dp)]
+        self.free_slots = [list(range((r + 1) * cfg.max_slots - 1, r * cfg.max_slots - 1, -1)) for r in range(cfg.dp)]
+        self.balancer = Balancer(cfg.balance, cfg.dp)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # holding a slot, in admission order
+        self.out_lens: collections.deque[int] = collections.deque(maxlen=cfg.output_window)
+        self.should_grow = False
+        self.preemptions = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Ends a request wherever it is; its pages and slot are free for the next plan."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self._release(req)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.out_lens.append(len(req.output))
+        req.finish = reason
+        req.status = Status.FINISHED if reason in (FinishReason.STOP, FinishReason.LENGTH) else Status.ABORTED
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.alloc[req.rank].release(req.pages)
+        self.free_slots[req.rank].append(req.slot)
+        req.pages, req.slot, req.rank = [], -1, -1
+
+    @property
+    def expected_output(self) -> float:
+        return sum(self.out_lens) / len(self.out_lens) if self.out_lens else self.cfg.default_output_len
+
+    def _expected_pages(self, req: Request, tokens: int) -> int:
+        """Pages `req` will hold at the end if it produces the expected output, at least for `tokens` positions."""
+        a = self.alloc[0]
+        out = min(req.max_new_tokens, max(self.expected_output, len(req.output) + 1))
+        return max(a.pages_for(len(req.prompt) + int(out) + self.cfg.step_tokens), a.pages_for(tokens))
+
+    def loads(self) -> list[RankLoad]:
+        out = []
+        for r in range(self.cfg.dp):
+            reqs = [q for q in self.running if q.rank == r]
+            promised = sum(max(0, self._expected_pages(q, q.cached_bound) - len(q.pages)) for q in reqs)
+            out.append(RankLoad(r, len(reqs), len(self.free_slots[r]), self.alloc[r].num_free - promised))
+        return out
+
+    def _grow(self, req: Request, tokens: int) -> bool:
+        """Gives req pages for `tokens` positions; False when its rank is out of pages."""
+        a = self.alloc[req.rank]
+        need = a.pages_for(tokens) - len(req.pages)
+        if need > a.num_free:
+            return False
+        if need > 0:
+            req.pages += a.allocate(need)
+        return True
+
+    # -- the plan --------------------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        cfg = self.cfg
+        decode = self._plan_decode()
+        budget = cfg.token_budget - len(decode) * cfg.step_tokens
+        chunks: list[Chunk] = []
+        for req in [q for q in self.running if q.status == Status.PREFILLING]:
+            if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
+                break
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].n
+        self.should_grow = False
+        for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
+            if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
+                break
+            if not self._admit(req):
+                self.should_grow = True
+                break
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].n
+        return StepPlan(chunks, decode)
+
+    def _priority(self, req: Request, now: float):
+        starving = now - req.arrival >= self.cfg.max_wait_s
+        window = int(req.arrival // self.cfg.spf_window_s) if self.cfg.spf_window_s > 0 else 0
+        return (not starving, req.arrival if starving else window, len(req.fill), req.arrival)
+
+    def _plan_decode(self) -> list[Request]:
+        decode = []
+        for req in list(self.running):
+            if req.status != Status.DECODING or req not in self.running:
+                continue
+            target = req.cached_bound + self.cfg.step_tokens
+            while not self._grow(req, target):
+                victim = [q for q in self.running if q.rank == req.rank][-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req in self.running:
+                req.cached_bound = target
+                decode.append(req)
+        return [q for q in decode if q in self.running]
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status, req.computed, req.cached_bound = Status.QUEUED, 0, 0
+        req.epoch += 1
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _admit(self, req: Request) -> bool:
+        req.fill = req.prompt + req.output  # a preempted request recomputes what it already produced
+        rank = self.balancer.choose(self.loads(), self._expected_pages(req, len(req.fill)))
+        if rank is None:
+            return False
+        req.rank, req.slot = rank, self.free_slots[rank].pop()
+        if not self._grow(req, len(req.fill)):  # loads() promised these pages: cannot fail
+            raise AssertionError("admission found pages that are not there")
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.PREFILLING
+        return True
+
+    def _chunk(self, req: Request, budget: int) -> Chunk:
+        n = min(len(req.fill) - req.computed, budget)
+        chunk = Chunk(req, req.computed, n, req.computed + n == len(req.fill))
+        req.computed += n
+        req.cached_bound = req.computed
+        if chunk.final:
+            req.status = Status.DECODING
+        return chunk
