@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= def fibonacci(n):
 
-.PHONY: run test install lint clean
+.PHONY: run test install lint clean proto
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found (pyenv's 3.12 or python3.12 on PATH)"; exit 1; }
@@ -28,3 +28,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build
+
+# The gRPC modules in hcfjax/serving/ (committed) from hcfjax.proto, with the pinned grpcio-tools.
+proto: install
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. hcfjax/serving/hcfjax.proto
