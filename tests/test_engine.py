@@ -1,0 +1,202 @@
+"""The serving engine: outputs equal hcfjax.generate under continuous batching, chunking, DP ranks and preemption;
+pages always come back; the scheduler's policies do what they claim (fake clock)."""
+
+import jax.numpy as jnp
+import pytest
+
+import hcfjax
+from hcfjax.engine import Engine, EngineConfig, FinishReason, InvalidRequest, QueueFull
+from hcfjax.engine.balance import Balancer, RankLoad
+from hcfjax.engine.pages import OutOfPages, PageAllocator
+from hcfjax.engine.request import Request, Status
+from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
+from hcfjax.sampling import SamplingParams
+
+PROMPTS = [
+    "def fib(n):",
+    "import os\n",
+    "class Foo:\n    def __init__(self):",
+    "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 4,
+    "for i in range(10):\n    ",
+    "return",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hcfjax.load(dtype=jnp.float32)
+
+
+def run_all(engine: Engine) -> None:
+    while engine.has_work() or engine._inbox:
+        engine.step()
+
+
+def collect(engine: Engine, req) -> tuple[list[int], str, FinishReason]:
+    outs = list(engine.stream(req, timeout=0))
+    return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs), outs[-1].finish
+
+
+def assert_all_free(engine: Engine) -> None:
+    snap = engine.snapshot()
+    assert snap["free_pages"] == snap["total_pages"] and snap["running"] == 0 and snap["queued"] == 0
+    assert all(len(f) == engine.config.max_slots for f in engine.scheduler.free_slots)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(max_slots=2, dp=2, token_budget=32, balance="least_pages"),  # queueing, chunks, two ranks
+        EngineConfig(max_slots=4, num_pages=12, page_size=8, token_budget=64),  # too few pages: preemption
+    ],
+    ids=["chunked-dp2", "preempt"],
+)
+def test_concurrent_requests_equal_generate(model, config):
+    n = 24
+    ref = hcfjax.generate(model, PROMPTS, max_new_tokens=n)  # stops at eos like the engine's default
+    engine = Engine(model, config)
+    engine.scheduler.out_lens.append(1)  # recent outputs look short: admission over-commits, decode must preempt
+    reqs = [engine.submit(p, max_new_tokens=n) for p in PROMPTS]
+    run_all(engine)
+    for i, r in enumerate(reqs):
+        toks, text, finish = collect(engine, r)
+        assert toks == ref.tokens[i], i
+        assert text == ref.text[i]
+        assert finish == (FinishReason.STOP if toks[-1] in model.cfg.eos_token_ids else FinishReason.LENGTH)
+    assert engine.snapshot()["compiles"] <= 8
+    if config.num_pages == 12:
+        assert engine.scheduler.preemptions > 0
+    assert_all_free(engine)
+
+
+def test_sampled_request_does_not_depend_on_its_batch(model):
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+    alone = Engine(model, EngineConfig(max_slots=4))
+    r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
+    run_all(alone)
+    crowd = Engine(model, EngineConfig(max_slots=4))
+    others = [crowd.submit(p, sampling=sp, seed=i, max_new_tokens=12) for i, p in enumerate(PROMPTS[1:3])]
+    r2 = crowd.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
+    run_all(crowd)
+    assert collect(alone, r)[0] == collect(crowd, r2)[0]
+    assert collect(crowd, others[0])[0] != collect(crowd, others[1])[0]
+
+
+def test_abort_and_shutdown_free_everything(model):
+    engine = Engine(model, EngineConfig(max_slots=2))
+    a = engine.submit(PROMPTS[1], max_new_tokens=50, stop_token_ids=[])
+    b = engine.submit(PROMPTS[2], max_new_tokens=50, stop_token_ids=[])
+    c = engine.submit(PROMPTS[3], max_new_tokens=50, stop_token_ids=[])  # waits for a slot
+    for _ in range(4):
+        engine.step()
+    engine.abort(a.id)
+    engine.step()
+    assert collect(engine, a)[2] == FinishReason.ABORT and a.status == Status.ABORTED
+    engine.start()
+    engine.shutdown()
+    for r in (b, c):
+        assert list(engine.stream(r, timeout=1))[-1].finish == FinishReason.ABORT
+    assert_all_free(engine)
+    with pytest.raises(Exception, match="shutting down"):
+        engine.submit("x")
+
+
+def test_bad_requests_are_refused(model):
+    engine = Engine(model, EngineConfig(max_queue=2, max_model_len=64))
+    for kw, match in [
+        (dict(prompt=""), "empty"),
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[1, model.cfg.vocab_size]), "outside the vocabulary"),
+        (dict(prompt=[5] * 100), "the context is 64"),
+        (dict(prompt="x", max_new_tokens=100), "exceed the context"),
+        (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt="x", max_new_tokens=4, seed=-1), "seed"),
+        (dict(prompt="x", max_new_tokens=4, stop_token_ids=[-3]), "stop token"),
+    ]:
+        with pytest.raises(InvalidRequest, match=match):
+            engine.submit(**kw)
+    engine.submit("a", max_new_tokens=2)
+    engine.submit("b", max_new_tokens=2)
+    with pytest.raises(QueueFull):
+        engine.submit("c", max_new_tokens=2)
+    run_all(engine)
+    assert_all_free(engine)
+
+
+# -- host-side units ---------------------------------------------------------------------------------------------
+def test_page_allocator_reference_counts():
+    a = PageAllocator(4, 16, base=8)
+    p = a.allocate(3)
+    assert sorted(p) == [8, 9, 10] and a.num_free == 1 and a.pages_for(33) == 3
+    a.share(p[:1])
+    a.release(p)
+    assert a.num_free == 3 and a.refcount(p[0]) == 1
+    a.release(p[:1])
+    assert a.num_free == 4
+    with pytest.raises(ValueError, match="twice"):
+        a.release(p[:1])
+    with pytest.raises(OutOfPages):
+        a.allocate(5)
+    with pytest.raises(ValueError, match="range"):
+        a.release([3])
+
+
+def make_req(rid, n, arrival, max_new=8):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(), max_new, frozenset(), 0, arrival)
+
+
+def test_shortest_prompt_first_within_a_window_and_bounded_wait():
+    s = Scheduler(SchedulerConfig(max_slots=8, token_budget=1000, max_prefill_rows=1, spf_window_s=1.0, max_wait_s=5))
+    long_, short = make_req("long", 50, 0.1), make_req("short", 5, 0.2)
+    later = make_req("later", 2, 1.5)  # shorter, but arrived in the next window
+    for r in (long_, later, short):
+        s.add(r)
+    order = [s.schedule(now=2.0).chunks[0].req.id for _ in range(3)]
+    assert order == ["short", "long", "later"]
+
+    s = Scheduler(SchedulerConfig(max_slots=8, token_budget=1000, max_prefill_rows=1, spf_window_s=1.0, max_wait_s=5))
+    old = make_req("old", 50, 0.0)
+    s.add(old)
+    for i in range(3):
+        s.add(make_req(f"s{i}", 3, 0.5))
+    assert s.schedule(now=1.0).chunks[0].req.id == "s0"  # not yet starving
+    assert s.schedule(now=6.0).chunks[0].req.id == "old"  # waited max_wait_s: goes first
+
+
+def test_token_budget_and_chunking():
+    s = Scheduler(SchedulerConfig(max_slots=4, token_budget=20, max_prefill_rows=4))
+    a, b = make_req("a", 30, 0.0), make_req("b", 4, 0.0)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule(0.0)
+    assert [(c.req.id, c.start, c.n, c.final) for c in plan.chunks] == [("b", 0, 4, True), ("a", 0, 16, False)]
+    plan = s.schedule(0.0)  # b decodes (1 token of budget), a continues
+    assert [r.id for r in plan.decode] == ["b"] and [(c.start, c.n, c.final) for c in plan.chunks] == [(16, 14, True)]
+
+
+def test_admission_uses_expected_output_and_reports_growth():
+    cfg = SchedulerConfig(max_slots=8, num_pages=10, page_size=10, token_budget=1000, max_prefill_rows=8)
+    s = Scheduler(cfg)
+    s.out_lens.extend([40] * 4)  # recent requests produced 40 tokens
+    reqs = [make_req(f"r{i}", 10, 0.0, max_new=100) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    plan = s.schedule(0.0)
+    # each needs pages for 10 + 40 + 1 tokens = 6 pages; 10 pages admit one, the second would need 12
+    assert len(plan.chunks) == 1 and s.should_grow
+    s.out_lens.extend([5] * 64)  # outputs got short: 10 + 5 + 1 tokens = 2 pages each
+    plan = s.schedule(0.0)
+    assert len(plan.chunks) == 3 and not s.should_grow
+
+
+@pytest.mark.parametrize(
+    "policy,expected",
+    [("round_robin", [1, 2, 0, 1]), ("fewest_requests", [2, 2, 2, 2]), ("least_pages", [0, 0, 0, 0])],
+)
+def test_balance_policies(policy, expected):
+    b = Balancer(policy, 3)
+    b._next = 1
+    loads = [RankLoad(0, 5, 2, 90), RankLoad(1, 3, 1, 40), RankLoad(2, 1, 3, 10)]
+    assert [b.choose(loads, 5) for _ in range(4)] == expected
+    assert b.choose(loads, 95) is None
+    assert Balancer(policy, 3).choose([RankLoad(0, 0, 0, 100), RankLoad(1, 9, 1, 1), RankLoad(2, 0, 4, 0)], 1) == 1
