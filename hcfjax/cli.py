@@ -2,6 +2,10 @@
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                 [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
+hcfjax serve [--model PATH] [--host 127.0.0.1] --port P [--metrics-port M] [--max-slots N] [--dp N] [...]
+             (the gRPC server, hcfjax/serving/; SIGINT/SIGTERM shut it down gracefully)
+hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
+             (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
 """
 
@@ -88,6 +92,88 @@ def _generate_planned(model, prompts, plans, args, sampling):
     )
 
 
+def _serve(args) -> int:
+    import jax.numpy as jnp
+
+    import hcfjax
+    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.serving.server import serve
+
+    path = Path(args.model or hcfjax.DEFAULT_MODEL)
+    if not (path / "config.json").is_file():
+        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        spec = None
+        if args.speculative:
+            spec = hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
+        config = EngineConfig(
+            max_slots=args.max_slots,
+            dp=args.dp,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_model_len=args.max_model_len,
+            token_budget=args.token_budget,
+            max_queue=args.max_queue,
+            balance=args.balance,
+            speculative=spec,
+            cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        )
+        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), config)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _client(args) -> int:
+    import grpc
+
+    from hcfjax.serving import client
+    from hcfjax.serving import hcfjax_pb2 as pb
+
+    channel, stub = client.connect(args.host, args.port)
+    last = None
+    try:
+        call = client.generate_stream(
+            stub,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+        for chunk in call:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+    except grpc.RpcError as e:
+        if last is not None:
+            print()  # end the partial text's line
+        print(f"{e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    print()
+    if args.usage and last is not None:
+        u = last.usage
+        usage = {f: getattr(u, f) for f in ("prompt_tokens", "output_tokens", "draft_tokens", "accepted_draft_tokens")}
+        usage["ttft_s"] = u.ttft_s if u.HasField("ttft_s") else None
+        print(json.dumps(usage), file=sys.stderr)
+    if last is None or last.finish_reason == pb.FINISH_REASON_ABORT:
+        print("the server aborted the request (shutting down)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -112,6 +198,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve the model over gRPC (hcfjax.v1.Generation, health, reflection)")
+    s.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    s.add_argument("--port", type=int, required=True, help="gRPC port (0: a free one, printed at start)")
+    s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    s.add_argument("--max-slots", type=int, default=8, help="decode slots per DP rank")
+    s.add_argument("--dp", type=int, default=1, help="decode (attention-DP) ranks")
+    s.add_argument("--num-pages", type=int, help="KV cache pages per rank (default: from --max-slots)")
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--max-model-len", type=int, help="context length (default: min(the model's, 4096))")
+    s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+    s.add_argument("--balance", default="round_robin", choices=["round_robin", "fewest_requests", "least_pages"])
+    s.add_argument("--speculative", type=int, default=0, metavar="K", help="K MTP draft tokens per step (0: off)")
+    s.add_argument("--spec-method", default="exact", choices=["exact", "rejection", "typical", "tuned"])
+    s.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
+    s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("client", help="stream a generation from a running `hcfjax serve`")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--min-p", type=float, default=0.0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--timeout", type=float, help="deadline in seconds")
+    c.add_argument("--usage", action="store_true", help="print the final usage (JSON) to stderr")
+    c.set_defaults(func=_client)
 
     b = sub.add_parser("bench", help="benchmarks (run on the GPU machine)")
     b.add_argument("which", choices=["generate"])

@@ -1,0 +1,86 @@
+"""A small client of the Generation service.
+
+    channel, stub = connect("127.0.0.1", 50051)
+    for chunk in generate_stream(stub, "def fib(n):", max_new_tokens=32):
+        print(chunk.text, end="")
+    result = generate(stub, "class LRUCache:", max_new_tokens=32, temperature=0.7, seed=1)
+
+Errors arrive as grpc.RpcError (e.code(), e.details()) when the stream is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import grpc
+
+from hcfjax.serving import hcfjax_pb2 as pb
+from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
+
+
+def connect(host: str = "127.0.0.1", port: int = 50051, *, ready_timeout: float | None = None):
+    """(channel, stub) for host:port; with ready_timeout, waits that long for the server (grpc.FutureTimeoutError)."""
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    if ready_timeout is not None:
+        grpc.channel_ready_future(channel).result(timeout=ready_timeout)
+    return channel, pb_grpc.GenerationStub(channel)
+
+
+def make_request(
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    min_p: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest: prompt is text or token ids; None leaves a field at the server's default."""
+    req = pb.GenerateRequest(
+        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+        stop_token_ids=stop_token_ids or [],
+        ignore_eos=ignore_eos,
+        seed=seed,
+        request_id=request_id,
+        max_new_tokens=max_new_tokens,
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def generate_stream(stub, prompt: str | Sequence[int], *, timeout: float | None = None, **params):
+    """Starts a Generate call and returns it: an iterator of GenerateResponse chunks (the last has finish_reason
+    set) that is also the grpc call, so `.cancel()` ends it. params: those of make_request."""
+    return stub.Generate(make_request(prompt, **params), timeout=timeout)
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort
+    usage: pb.Usage
+    chunks: int
+
+
+def generate(stub, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
+    """Runs a Generate call to its end and joins the chunks."""
+    text, ids, last, n = [], [], None, 0
+    for chunk in generate_stream(stub, prompt, timeout=timeout, **params):
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        last, n = chunk, n + 1
+    reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return Completion("".join(text), ids, reason, last.usage, n)
+
+
+def tokenize(stub, text: str, *, timeout: float | None = None) -> list[int]:
+    return list(stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout).token_ids)

@@ -1,0 +1,281 @@
+"""gRPC serving end to end: the server in-process over the real Engine with the embedded model, and `hcfjax serve` /
+`hcfjax client` as subprocesses. Every test leaves the engine with all its pages free."""
+
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.request
+
+import grpc
+import jax.numpy as jnp
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+import hcfjax
+from hcfjax.engine import Engine, EngineConfig
+from hcfjax.serving import client
+from hcfjax.serving import hcfjax_pb2 as pb
+from hcfjax.serving.metrics import Metrics
+from hcfjax.serving.server import SERVICE_NAME, Server
+
+MAX_LEN = 256
+CONFIG = EngineConfig(max_slots=4, max_queue=4, max_model_len=MAX_LEN, token_budget=64)
+PROMPTS = ["def fibonacci(n):", "class LRUCache:", "import os\n", "for i in range(10):\n    "]
+LONG = dict(max_new_tokens=200, ignore_eos=True)  # ~2 s of decoding on CPU: still running when we act on it
+CLI = [sys.executable, "-m", "hcfjax.cli"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hcfjax.load(dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = Engine(model, CONFIG)
+    metrics = Metrics(engine)
+    server = Server(engine, metrics=metrics).start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    yield types.SimpleNamespace(engine=engine, server=server, metrics=metrics, channel=channel, stub=stub)
+    channel.close()
+    server.shutdown()
+    assert_idle(engine, timeout=0)
+
+
+def assert_idle(engine: Engine, timeout: float = 10.0) -> None:
+    """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.snapshot()
+        if s["queued"] == s["running"] == 0 and s["free_pages"] == s["total_pages"]:
+            return
+        assert time.monotonic() < deadline, f"engine not idle: {s}"
+        time.sleep(0.02)
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value
+
+
+def test_concurrent_streams_equal_generate(served, model):
+    n = 24
+    results = [None] * len(PROMPTS)
+
+    def run(i):
+        chunks = list(client.generate_stream(served.stub, PROMPTS[i], max_new_tokens=n))
+        results[i] = chunks
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for prompt, chunks in zip(PROMPTS, results, strict=True):
+        ref = hcfjax.generate(model, prompt, max_new_tokens=n)  # alone, greedy, stops at eos like the server
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == list(ref.tokens[0])
+        assert "".join(c.text for c in chunks) == ref.text[0]
+        assert len(chunks) > 1 and all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+        last = chunks[-1]
+        stopped = tokens[-1] in model.cfg.eos_token_ids
+        assert last.finish_reason == (pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH)
+        u = last.usage
+        assert u.output_tokens == len(tokens) and u.prompt_tokens == len(served.engine.tokenize(prompt))
+        assert u.HasField("ttft_s") and u.ttft_s > 0
+    # A prompt given as token ids is the same request.
+    ids = client.tokenize(served.stub, PROMPTS[0])
+    by_ids = client.generate(served.stub, ids, max_new_tokens=n)
+    assert by_ids.token_ids == [t for c in results[0] for t in c.token_ids]
+    assert_idle(served.engine)
+
+
+BAD = [
+    (dict(prompt=""), "empty"),
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[5] * (MAX_LEN + 10)), "context"),
+    (dict(prompt="word " * 400), "context"),  # 800 tokens
+    (dict(prompt="x", temperature=-1.0), "temperature"),
+    (dict(prompt="x", temperature=math.nan), "temperature"),
+    (dict(prompt="x", top_p=0.0), "top_p"),
+    (dict(prompt="x", top_p=1.5), "top_p"),
+    (dict(prompt="x", top_k=-1), "top_k"),
+    (dict(prompt="x", min_p=1.0), "min_p"),
+    (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt="x", max_new_tokens=MAX_LEN), "context"),
+    (dict(prompt=[5, 99999]), "99999"),
+    (dict(prompt=[5, -3]), "-3"),
+    (dict(prompt="x", stop_token_ids=[10**6]), "stop token"),
+]
+
+
+@pytest.mark.parametrize("params,words", BAD, ids=[f"{w}-{i}" for i, (_, w) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument(served, params, words):
+    err = rpc_error(lambda: client.generate(served.stub, **params))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.details(), err.details()
+    # The server keeps serving.
+    assert client.generate(served.stub, "x = 1", max_new_tokens=2).finish_reason in ("stop", "length")
+    assert_idle(served.engine)
+
+
+def test_full_queue_is_resource_exhausted(served):
+    """Long requests fill the decode slots (or the pages) and then the queue; the next one is refused at once."""
+    calls, refused = [], None
+    for i in range(CONFIG.max_slots + CONFIG.max_queue + 1):
+        call = client.generate_stream(served.stub, f"x = {i}", **LONG)
+        deadline = time.monotonic() + 10
+        while True:  # wait until the engine holds this request, or the call has failed
+            s = served.engine.snapshot()
+            if s["queued"] + s["running"] == len(calls) + 1 or call.done():
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.01)
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            refused = call
+            break
+        calls.append(call)
+    assert refused is not None, "the queue never filled"
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue" in refused.details()
+    assert served.engine.snapshot()["queued"] >= CONFIG.max_queue
+    for call in calls:
+        assert call.cancel()
+    assert_idle(served.engine)
+
+
+def aborted(served) -> float:
+    return served.metrics.registry.get_sample_value("hcfjax_requests_total", {"finish_reason": "abort"}) or 0
+
+
+def assert_aborted(served, before: float, steps_before: int) -> None:
+    """The engine dropped the request (finish ABORT) rather than decoding it to its end, and freed its pages."""
+    assert_idle(served.engine)
+    deadline = time.monotonic() + 5
+    while aborted(served) != before + 1:  # recorded when the call ends, just after the abort
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert served.engine.snapshot()["steps"] - steps_before < LONG["max_new_tokens"]
+
+
+def test_cancelled_stream_frees_its_pages(served):
+    before, steps = aborted(served), served.engine.snapshot()["steps"]
+    call = client.generate_stream(served.stub, "def f(x):", **LONG)
+    first = [next(call), next(call)]
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in first)
+    assert served.engine.snapshot()["running"] == 1
+    call.cancel()
+    err = rpc_error(lambda: list(call))
+    assert err.code() == grpc.StatusCode.CANCELLED
+    assert_aborted(served, before, steps)
+
+
+def test_passed_deadline_aborts(served):
+    before, steps = aborted(served), served.engine.snapshot()["steps"]
+    err = rpc_error(lambda: client.generate(served.stub, "def f(x):", timeout=0.5, **LONG))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_aborted(served, before, steps)
+
+
+def test_tokenize_health_and_reflection(served):
+    assert client.tokenize(served.stub, "def f():") == served.engine.tokenize("def f():")
+    health = health_pb2_grpc.HealthStub(served.channel)
+    for name in ("", SERVICE_NAME):
+        status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    db = ProtoReflectionDescriptorDatabase(served.channel)
+    assert SERVICE_NAME in db.get_services() and "grpc.health.v1.Health" in db.get_services()
+    methods = [m.name for m in db.FindFileContainingSymbol(SERVICE_NAME).service[0].method]
+    assert methods == ["Generate", "Tokenize"]
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_metrics(served):
+    port = served.metrics.serve(0)
+    try:
+        before = scrape(port)
+        client.generate(served.stub, "import sys\n", max_new_tokens=8, ignore_eos=True)
+        rpc_error(lambda: client.generate(served.stub, "x", top_p=0.0))
+        after = scrape(port)
+    finally:
+        served.metrics.close()
+    delta = lambda k: after.get(k, 0) - before.get(k, 0)
+    assert delta("hcfjax_requests_total{finish_reason=length}") == 1
+    assert delta("hcfjax_rejected_requests_total{code=INVALID_ARGUMENT}") == 1
+    assert delta("hcfjax_time_to_first_token_seconds_count") == 1
+    assert delta("hcfjax_time_per_output_token_seconds_count") == 1
+    assert 0 < after["hcfjax_time_per_output_token_seconds_sum"] < 60
+    assert delta("hcfjax_output_tokens_total") == 8
+    assert after["hcfjax_queue_length"] == after["hcfjax_running_requests"] == 0
+    assert after["hcfjax_cache_usage_ratio"] == 0 and after["hcfjax_free_pages"] > 0
+    assert after["hcfjax_engine_steps_total"] > 0 and math.isnan(after["hcfjax_draft_acceptance_rate"])
+
+
+def test_cli_client(served):
+    port = str(served.server.port)
+    args = ["client", "--port", port, "--prompt", "def add(a, b):", "--max-new-tokens", "12"]
+    good = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    bad = subprocess.Popen(
+        CLI + args + ["--temperature", "-1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    out, err = good.communicate(timeout=60)
+    assert good.returncode == 0, err
+    assert out == client.generate(served.stub, "def add(a, b):", max_new_tokens=12).text + "\n"
+    out, err = bad.communicate(timeout=60)
+    assert bad.returncode == 1 and out.strip() == ""
+    assert "INVALID_ARGUMENT" in err and "temperature" in err
+    assert_idle(served.engine)
+
+
+def read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+def test_serve_shuts_down_gracefully_on_sigterm():
+    cmd = CLI + ["serve", "--port", "0", "--max-slots", "2", "--max-model-len", "256", "--grace", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        port, log = None, []
+        while port is None:
+            log.append(lines.get(timeout=60))
+            if "listening on" in log[-1]:
+                port = int(log[-1].rsplit(":", 1)[1])
+        channel, stub = client.connect("127.0.0.1", port, ready_timeout=10)
+        call = client.generate_stream(stub, "def f(x):", **LONG)
+        chunks = [next(call), next(call)]  # decoding (both step shapes compiled)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        chunks += list(call)  # the stream ends with a terminal response, not an error
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 5
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_ABORT
+        assert 2 <= chunks[-1].usage.output_tokens < LONG["max_new_tokens"]
+        err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2, timeout=5))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
