@@ -182,27 +182,139 @@ def draft_chain(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class SpecState:
-    cache: object
+class Drafts:
+    """A row's speculative state between steps."""
+
     last: jax.Array  # [B] newest token, at position pos (not yet in the target's cache)
     pos: jax.Array  # [B]
     drafts: jax.Array  # [B, k]
-    q: jax.Array  # [B, k, V]
-    hist_h: jax.Array  # [B, R, D] target hidden states of anchors pos-R .. pos-1
+    q: jax.Array  # [B, k, V] the distributions the drafts were sampled from
+    hist_h: jax.Array  # [B, R] x [D] target hidden states of anchors pos-R .. pos-1
     hist_tok: jax.Array  # [B, R] token at anchor + 1 (the last one is `last`)
-    out: jax.Array  # [B, max_new + k + 1] emitted tokens
-    count: jax.Array  # [B] tokens emitted so far
-    done: jax.Array  # [B]
-    steps: jax.Array  # [B] verification steps taken
-    evaluated: jax.Array  # [B, k] times depth i was verified (all earlier drafts accepted)
-    accepted: jax.Array  # [B, k]
-    key: jax.Array
 
 
 def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     """Per-row gather along axis 1: x [B, N, ...], idx [B, M] -> [B, M, ...]."""
     idx = jnp.clip(idx, 0, x.shape[1] - 1)
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def spec_prefill(
+    params,
+    cfg: ModelConfig,
+    spec: SpeculativeConfig,
+    h_prompt,
+    tokens,
+    first,
+    lengths,
+    cache,
+    page_table,
+    sp,
+    live,
+    key,
+) -> tuple[Drafts, object]:
+    """After a prefill: the MTP modules see every prompt position, then the first k drafts from anchor lengths - 1.
+
+    h_prompt [B, T, D]: the target's final-normed hidden states of the prompts; tokens [B, T] (right-padded to
+    lengths [B]); first [B]: the token sampled at prefill; live [B]: rows that will decode.
+    """
+    k = spec.num_draft_tokens
+    b, t = tokens.shape
+    r = 2 * k + 1
+    rows = jnp.arange(b)
+    tok1 = jnp.where(
+        jnp.arange(t)[None] == (lengths - 1)[:, None],
+        first[:, None],
+        jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1),
+    )
+    anchor_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    depths = min(len(params["mtp"]), k)
+    x1, lg1, cache = mtp_extend(
+        params,
+        cfg,
+        cache,
+        page_table,
+        h_prompt,
+        tok1,
+        anchor_pos,
+        anchor_pos < lengths[:, None],
+        lengths,
+        depths,
+        spec.mtp_head_norm,
+    )
+    x1, lg1 = x1[rows, lengths - 1], lg1[rows, lengths - 1]
+    sp_draft = scaled(sp, spec.draft_scale)
+    drafts, q, cache = draft_chain(
+        params, cfg, cache, page_table, x1, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm
+    )
+    hist_idx = lengths[:, None] - r + jnp.arange(r)
+    return Drafts(first, lengths, drafts, q, _take_rows(h_prompt, hist_idx), _take_rows(tok1, hist_idx)), cache
+
+
+def spec_step(params, cfg: ModelConfig, spec: SpeculativeConfig, d: Drafts, cache, page_table, sp, live, stops, key):
+    """One speculative step for every row: target forward over [last, drafts] (writing their KV), verification,
+    the bonus or recovered token, rollback (the new position), MTP extend and the next k drafts.
+
+    live [B]: rows that step; stops(emitted [B, k+1], n_emit [B]) -> (n_emit, done [B]) applies the caller's
+    stopping rules to the tokens this step emits. Returns (drafts state, cache, emitted [B, k+1], n_emit [B],
+    done [B], drafts accepted [B]).
+    """
+    k = spec.num_draft_tokens
+    r = 2 * k + 1
+    k_verify, k_draft = jax.random.split(key)
+    # 1. target forward over [last, drafts]
+    toks = jnp.concatenate([d.last[:, None], d.drafts], axis=1)  # [B, k+1]
+    pos = d.pos[:, None] + jnp.arange(k + 1)
+    ctx = CacheContext(cache, page_table, d.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
+    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True)
+    # 2. verification
+    lg = logits(params, h)
+    p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
+    n, extra = verify(spec.methods, p, d.q, d.drafts, k_verify, spec.typical_epsilon, spec.typical_delta)
+    j = jnp.arange(k + 1)[None]
+    emitted = jnp.where(j < n[:, None], jnp.concatenate([d.drafts, d.drafts[:, :1]], 1), extra[:, None])
+    n_emit, done = stops(emitted, jnp.where(live, n + 1, 0))
+    # 3. rollback is the new position; 4. MTP extend over the window of anchors ending at the new anchor
+    new_pos = d.pos + n + 1
+    all_h = jnp.concatenate([d.hist_h, h], axis=1)  # anchors pos-R .. pos+k
+    all_tok = jnp.concatenate([d.hist_tok, emitted], axis=1)
+    idx = n[:, None] + 1 + jnp.arange(r)
+    hist_h, hist_tok = _take_rows(all_h, idx), _take_rows(all_tok, idx)
+    anchor_pos = new_pos[:, None] - r + jnp.arange(r)
+    depths = min(len(params["mtp"]), k)
+    x1, lg1, cache = mtp_extend(
+        params,
+        cfg,
+        ctx.cache,
+        page_table,
+        hist_h,
+        hist_tok,
+        anchor_pos,
+        (anchor_pos >= 0) & ~done[:, None],
+        new_pos,
+        depths,
+        spec.mtp_head_norm,
+    )
+    # 5. drafts for the next step
+    sp_draft = scaled(sp, spec.draft_scale)
+    drafts, q, cache = draft_chain(
+        params,
+        cfg,
+        cache,
+        page_table,
+        x1[:, -1],
+        lg1[:, -1],
+        new_pos - 1,
+        sp_draft,
+        k,
+        ~done,
+        k_draft,
+        spec.mtp_head_norm,
+    )
+    new = Drafts(extra, new_pos, drafts, q, hist_h, hist_tok)
+    keep = lambda a, b: jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 1)), a, b)
+    state = jax.tree.map(keep, new, d)  # rows that did not step keep their state (a slot filled this step)
+    return state, cache, emitted, n_emit, done, jnp.where(live, n, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new_tokens"), donate_argnames=("cache",))
@@ -221,151 +333,47 @@ def speculative_decode(
     stop_ids,
     max_new_tokens: int,
 ):
-    """Decodes with MTP drafts after a prefill.
+    """Decodes with MTP drafts after a prefill, the whole decode in one while_loop.
 
     h_prompt [B, T, D]: the target's hidden states of the prompts; tokens [B, T] (right-padded to lengths);
-    first [B]: the token sampled at prefill. Returns (out [B, max_new_tokens], stats dict of per-row arrays).
+    first [B]: the token sampled at prefill. Returns (out [B, max_new_tokens], stats dict of per-row arrays, cache).
     """
     k = spec.num_draft_tokens
-    n_mod = len(params["mtp"])
-    extend_depths = min(n_mod, k)
-    b, t = tokens.shape
-    r = 2 * k + 1
+    b = tokens.shape[0]
     rows = jnp.arange(b)
-    sp_draft = scaled(sp, spec.draft_scale)
     key, k_draft = jax.random.split(key)
-
-    # MTP prefill: the modules see every prompt position; then the first drafts from anchor lengths - 1.
-    tok1 = jnp.where(
-        jnp.arange(t)[None] == (lengths - 1)[:, None],
-        first[:, None],
-        jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1),
-    )
-    anchor_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x1, lg1, cache = mtp_extend(
-        params,
-        cfg,
-        cache,
-        page_table,
-        h_prompt,
-        tok1,
-        anchor_pos,
-        anchor_pos < lengths[:, None],
-        lengths,
-        extend_depths,
-        spec.mtp_head_norm,
-    )
     done = jnp.isin(first, stop_ids) | (max_new_tokens <= 1)
-    drafts, q, cache = draft_chain(
-        params,
-        cfg,
-        cache,
-        page_table,
-        x1[rows, lengths - 1],
-        lg1[rows, lengths - 1],
-        lengths - 1,
-        sp_draft,
-        k,
-        ~done,
-        k_draft,
-        spec.mtp_head_norm,
-    )
-    hist_idx = lengths[:, None] - r + jnp.arange(r)
+    d, cache = spec_prefill(params, cfg, spec, h_prompt, tokens, first, lengths, cache, page_table, sp, ~done, k_draft)
     out = jnp.zeros((b, max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
-    state = SpecState(
-        cache,
-        first,
-        lengths,
-        drafts,
-        q,
-        _take_rows(h_prompt, hist_idx),
-        _take_rows(tok1, hist_idx),
-        out,
-        jnp.ones((b,), jnp.int32),
-        done,
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b, k), jnp.int32),
-        jnp.zeros((b, k), jnp.int32),
-        key,
-    )
+    zeros_k = jnp.zeros((b, k), jnp.int32)
+    count, steps = jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
+    carry = (d, cache, out, count, done, steps, zeros_k, zeros_k, key)
 
-    def body(s: SpecState) -> SpecState:
-        key, k_verify, k_draft = jax.random.split(s.key, 3)
-        live = ~s.done
-        # 1. target forward over [last, drafts]
-        toks = jnp.concatenate([s.last[:, None], s.drafts], axis=1)  # [B, k+1]
-        pos = s.pos[:, None] + jnp.arange(k + 1)
-        ctx = CacheContext(s.cache, page_table, s.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
-        h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True)
-        # 2. verification
-        lg = logits(params, h)
-        p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
-        n, extra = verify(spec.methods, p, s.q, s.drafts, k_verify, spec.typical_epsilon, spec.typical_delta)
+    def body(carry):
+        d, cache, out, count, done, steps, evaluated, accepted, key = carry
+        key, sub = jax.random.split(key)
+        live = ~done
+
+        def stops(emitted, n_emit):
+            j = jnp.arange(k + 1)[None]
+            is_stop = jnp.isin(emitted, stop_ids) & (j < n_emit[:, None])
+            first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1) + 1, n_emit)
+            n_emit = jnp.minimum(jnp.minimum(n_emit, first_stop), max_new_tokens - count)
+            n_emit = jnp.where(live, n_emit, 0)
+            return n_emit, done | is_stop.any(1) | (count + n_emit >= max_new_tokens)
+
+        d, cache, emitted, n_emit, new_done, n = spec_step(
+            params, cfg, spec, d, cache, page_table, sp, live, stops, sub
+        )
         j = jnp.arange(k + 1)[None]
-        emitted = jnp.where(j < n[:, None], jnp.concatenate([s.drafts, s.drafts[:, :1]], 1), extra[:, None])
-        n_emit = n + 1
-        is_stop = jnp.isin(emitted, stop_ids) & (j < n_emit[:, None])
-        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1) + 1, n_emit)
-        n_emit = jnp.minimum(jnp.minimum(n_emit, first_stop), max_new_tokens - s.count)
-        n_emit = jnp.where(live, n_emit, 0)
-        slot = jnp.where(j < n_emit[:, None], s.count[:, None] + j, s.out.shape[1])
-        out = s.out.at[rows[:, None], slot].set(emitted, mode="drop")
-        count = s.count + n_emit
-        done = s.done | is_stop.any(1) | (count >= max_new_tokens)
-        evaluated = s.evaluated + (live[:, None] & (n[:, None] >= jnp.arange(k)[None])).astype(jnp.int32)
-        accepted = s.accepted + (live[:, None] & (n[:, None] >= jnp.arange(1, k + 1)[None])).astype(jnp.int32)
-        # 3. rollback is the new position; 4. MTP extend over the window of anchors ending at the new anchor
-        new_pos = s.pos + n + 1
-        all_h = jnp.concatenate([s.hist_h, h], axis=1)  # anchors pos-R .. pos+k
-        all_tok = jnp.concatenate([s.hist_tok, emitted], axis=1)
-        idx = n[:, None] + 1 + jnp.arange(r)
-        hist_h, hist_tok = _take_rows(all_h, idx), _take_rows(all_tok, idx)
-        anchor_pos = new_pos[:, None] - r + jnp.arange(r)
-        x1, lg1, cache = mtp_extend(
-            params,
-            cfg,
-            ctx.cache,
-            page_table,
-            hist_h,
-            hist_tok,
-            anchor_pos,
-            (anchor_pos >= 0) & ~done[:, None],
-            new_pos,
-            extend_depths,
-            spec.mtp_head_norm,
-        )
-        # 5. drafts for the next step
-        drafts, q, cache = draft_chain(
-            params,
-            cfg,
-            cache,
-            page_table,
-            x1[:, -1],
-            lg1[:, -1],
-            new_pos - 1,
-            sp_draft,
-            k,
-            ~done,
-            k_draft,
-            spec.mtp_head_norm,
-        )
-        return SpecState(
-            cache,
-            extra,
-            new_pos,
-            drafts,
-            q,
-            hist_h,
-            hist_tok,
-            out,
-            count,
-            done,
-            s.steps + live.astype(jnp.int32),
-            evaluated,
-            accepted,
-            key,
-        )
+        slot = jnp.where(j < n_emit[:, None], count[:, None] + j, out.shape[1])
+        out = out.at[rows[:, None], slot].set(emitted, mode="drop")
+        evaluated = evaluated + (live[:, None] & (n[:, None] >= jnp.arange(k)[None])).astype(jnp.int32)
+        accepted = accepted + (live[:, None] & (n[:, None] >= jnp.arange(1, k + 1)[None])).astype(jnp.int32)
+        steps = steps + live.astype(jnp.int32)
+        return d, cache, out, count + n_emit, new_done, steps, evaluated, accepted, key
 
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    stats = {"steps": state.steps, "evaluated": state.evaluated, "accepted": state.accepted, "count": state.count}
-    return state.out[:, :max_new_tokens], stats, state.cache
+    carry = jax.lax.while_loop(lambda c: ~jnp.all(c[4]), body, carry)
+    _, cache, out, count, _, steps, evaluated, accepted, _ = carry
+    stats = {"steps": steps, "evaluated": evaluated, "accepted": accepted, "count": count}
+    return out[:, :max_new_tokens], stats, cache

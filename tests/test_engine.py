@@ -69,6 +69,21 @@ def test_concurrent_requests_equal_generate(model, config):
     assert_all_free(engine)
 
 
+def test_speculative_engine_equals_plain_greedy(model):
+    """exact verification with greedy sampling: the same tokens as plain decoding, also in reused slots and pages
+    (two slots for three requests), with acceptance counted in the usage."""
+    ref = hcfjax.generate(model, PROMPTS[:3], max_new_tokens=16)
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=32, speculative=hcfjax.SpeculativeConfig(2)))
+    reqs = [engine.submit(p, max_new_tokens=16) for p in PROMPTS[:3]]
+    run_all(engine)
+    for i, r in enumerate(reqs):
+        outs = list(engine.stream(r, timeout=0))
+        assert [t for o in outs for t in o.token_ids] == ref.tokens[i]
+        usage = outs[-1].usage
+        assert usage.draft_tokens > 0 and 0 < usage.accepted_draft_tokens <= usage.draft_tokens
+    assert_all_free(engine)
+
+
 def test_sampled_request_does_not_depend_on_its_batch(model):
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     alone = Engine(model, EngineConfig(max_slots=4))

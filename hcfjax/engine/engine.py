@@ -71,8 +71,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.cache_dtype not in ("auto", "int8"):
             raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
-        if self.speculative is not None:
-            raise NotImplementedError("speculative decoding in the engine is not wired yet")
 
 
 class Engine:
@@ -80,25 +78,31 @@ class Engine:
         self.model, self.config, self.cfg = model, config, model.cfg
         c = config
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
-        step_tokens = 1
-        max_pages = math.ceil((self.max_model_len + 2 * step_tokens) / c.page_size)
+        spec = c.speculative
+        if spec is not None and not model.params.get("mtp"):
+            raise ValueError("speculative decoding needs MTP layers, and this model has none")
+        k = spec.num_draft_tokens if spec else 0
+        # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
+        max_pages = math.ceil((self.max_model_len + 2 * (2 * k + 1)) / c.page_size)
         num_pages = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                c.dp,
-                c.max_slots,
-                num_pages,
-                c.page_size,
-                c.token_budget,
-                c.max_prefill_rows,
-                step_tokens,
-                c.spf_window_s,
-                c.max_wait_s,
-                c.balance,
+                dp=c.dp,
+                max_slots=c.max_slots,
+                num_pages=num_pages,
+                page_size=c.page_size,
+                token_budget=c.token_budget,
+                max_prefill_rows=c.max_prefill_rows,
+                step_tokens=k + 1,
+                page_slack=k,
+                whole_prompts=spec is not None,
+                spf_window_s=c.spf_window_s,
+                max_wait_s=c.max_wait_s,
+                balance=c.balance,
             )
         )
         dtype = jnp.int8 if c.cache_dtype == "int8" else model.dtype
-        self.runner = ModelRunner(model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype)
+        self.runner = ModelRunner(model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype, spec)
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
         self._requests: dict[str, Request] = {}
@@ -279,29 +283,39 @@ class Engine:
     def _process(self, d: Dispatched) -> None:
         now = self.clock()
         first = np.asarray(jax.device_get(d.first)) if d.first is not None else None
-        nxt = np.asarray(jax.device_get(d.nxt)) if d.nxt is not None else None
+        nxt = jax.device_get(d.nxt) if d.nxt is not None else None
+        spec = self.config.speculative
         new: dict[str, list[int]] = {}
         for i, (c, epoch) in enumerate(zip(d.plan.chunks, d.chunk_epochs, strict=True)):
             if c.final and not c.req.done and c.req.epoch == epoch:
                 new[c.req.id] = [int(first[i])]
         for req, slot, epoch in d.decode_slots:
-            if not req.done and req.epoch == epoch:  # a request preempted since dispatch drops its token
+            if req.done or req.epoch != epoch:  # a request preempted since dispatch drops its token
+                continue
+            if spec is None:
                 new[req.id] = [int(nxt[slot])]
+                continue
+            emitted, n_emit, n_acc = nxt
+            new[req.id] = [int(t) for t in emitted[slot, : n_emit[slot]]]
+            req.drafts += spec.num_draft_tokens
+            req.accepted += int(n_acc[slot])
         for rid, toks in new.items():
             req = self._requests[rid]
+            kept, reason = [], None
             for t in toks:
-                if req.done:
+                kept.append(t)
+                if t in req.stop_ids or len(req.output) + len(kept) >= req.max_new_tokens:
+                    reason = FinishReason.STOP if t in req.stop_ids else FinishReason.LENGTH
                     break
-                req.output.append(t)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.last_token_time = now
-                if t in req.stop_ids:
-                    self._finish(req, FinishReason.STOP, emit_tokens=[t])
-                elif len(req.output) >= req.max_new_tokens:
-                    self._finish(req, FinishReason.LENGTH, emit_tokens=[t])
-                else:
-                    self._emit(req, [t], None)
+            req.output += kept
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            if reason is not None:
+                self._finish(req, reason, emit_tokens=kept)
+                continue
+            self._emit(req, kept, None)
+            if spec is not None:  # the bound assumed every draft accepted: correct it (one step in flight)
+                req.cached_bound = req.length - 1 + spec.num_draft_tokens + 1
 
     def _emit(self, req: Request, tokens: list[int], finish: FinishReason | None, error: str | None = None) -> None:
         text = ""

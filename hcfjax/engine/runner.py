@@ -26,6 +26,7 @@ from hcfjax.engine.scheduler import StepPlan
 from hcfjax.generate import bucket
 from hcfjax.model import Model, hidden_states, logits
 from hcfjax.sampling import SamplingBatch, sample_rows
+from hcfjax.speculative import Drafts, SpeculativeConfig, spec_prefill, spec_step
 
 log = logging.getLogger("hcfjax.engine")
 
@@ -37,6 +38,7 @@ class SlotState:
     tok: jax.Array  # [S] the slot's newest token, not yet in the cache
     length: jax.Array  # [S] tokens of the slot's sequence in the cache
     count: jax.Array  # [S] tokens sampled for the slot's request (its rng counter)
+    drafts: Drafts | None = None  # [S] speculative state (then `tok` and `length` are unused)
 
 
 @jax.tree_util.register_dataclass
@@ -65,11 +67,32 @@ def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def engine_step(params, cfg: ModelConfig, state: SlotState, pre: PrefillInputs | None, dec: DecodeInputs | None):
-    """-> (state, first tokens [Bp] of the prefill rows (None without prefill), next tokens [S] (None))."""
-    cache, tok, length, count = state.cache, state.tok, state.length, state.count
+def _clear_mtp_head(cache: kvcache.KVCache, first_mtp_layer: int, page, ok, spec) -> kvcache.KVCache:
+    """Zeroes positions 0..k of the MTP layers in each new sequence's first page. Module m's entries start at
+    position m + 1, so these positions are read but never written: a fresh cache holds zeros there, and a reused
+    page must too, or a sequence would attend to the previous owner's entries."""
+    page = jnp.where(ok, page, cache.num_pages)  # rows without a sequence: out of range, dropped
+    n = spec.num_draft_tokens + 1
+    kv = cache.kv.at[first_mtp_layer:, page, :n].set(0, mode="drop")
+    scale = None if cache.scale is None else cache.scale.at[first_mtp_layer:, page, :n].set(0, mode="drop")
+    return kvcache.KVCache(kv, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("state",))
+def engine_step(
+    params,
+    cfg: ModelConfig,
+    state: SlotState,
+    pre: PrefillInputs | None,
+    dec: DecodeInputs | None,
+    step,
+    spec: SpeculativeConfig | None = None,
+):
+    """-> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
+    decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]))."""
+    cache, tok, length, count, drafts = state.cache, state.tok, state.length, state.count, state.drafts
     first = nxt = None
+    key = jax.random.fold_in(jax.random.key(0), step)
     if pre is not None:
         b, t = pre.tokens.shape
         pos = pre.start[:, None] + jnp.arange(t)
@@ -81,7 +104,20 @@ def engine_step(params, cfg: ModelConfig, state: SlotState, pre: PrefillInputs |
         tok = tok.at[pre.slot].set(first, mode="drop")
         length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
         count = count.at[pre.slot].set(pre.count + 1, mode="drop")
-    if dec is not None:
+        if spec is not None:  # prompts come whole (start 0): the MTP modules see every anchor
+            cache = _clear_mtp_head(cache, cfg.num_hidden_layers, pre.page_table[:, 0], pre.n > 0, spec)
+            key, sub = jax.random.split(key)
+            d, cache = spec_prefill(
+                params, cfg, spec, h, pre.tokens, first, pre.n, cache, pre.page_table, pre.sp, pre.n > 0, sub
+            )
+            drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
+    if dec is not None and spec is not None:
+        no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # the host applies stops
+        drafts, cache, emitted, n_emit, _, n_acc = spec_step(
+            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, key
+        )
+        nxt = (emitted, n_emit, n_acc)
+    elif dec is not None:
         ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
         h, ctx = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, absorbed=True)
         cache = ctx.cache
@@ -89,7 +125,7 @@ def engine_step(params, cfg: ModelConfig, state: SlotState, pre: PrefillInputs |
         tok = jnp.where(dec.active, nxt, tok)
         length = length + dec.active
         count = count + dec.active
-    return SlotState(cache, tok, length, count), first, nxt
+    return SlotState(cache, tok, length, count, drafts), first, nxt
 
 
 @dataclasses.dataclass
@@ -104,11 +140,29 @@ class Dispatched:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, num_slots: int, num_pages: int, page_size: int, max_pages: int, cache_dtype):
-        self.model, self.cfg = model, model.cfg
+    def __init__(
+        self,
+        model: Model,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        max_pages: int,
+        cache_dtype,
+        spec: SpeculativeConfig | None = None,
+    ):
+        self.model, self.cfg, self.spec = model, model.cfg, spec
         self.num_slots, self.max_pages = num_slots, max_pages
-        cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype)
-        self.state = SlotState(cache, *(jnp.zeros((num_slots,), jnp.int32) for _ in range(3)))
+        layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
+        cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
+        drafts = None
+        if spec is not None:
+            k, r, s = spec.num_draft_tokens, 2 * spec.num_draft_tokens + 1, num_slots
+            i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
+            hist_h = jnp.zeros((s, r, self.cfg.hidden_size), model.dtype)
+            q = jnp.zeros((s, k, self.cfg.vocab_size), jnp.float32)
+            drafts = Drafts(i32(s), i32(s), i32(s, k), q, hist_h, i32(s, r))
+        self.state = SlotState(cache, *(jnp.zeros((num_slots,), jnp.int32) for _ in range(3)), drafts)
+        self.steps = 0
         self.shapes: set = set()
         self.compiles: list[tuple[tuple, float]] = []  # (shape key, seconds of the first call)
 
@@ -117,7 +171,8 @@ class ModelRunner:
         dec = self._decode_inputs(plan) if plan.decode else None
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
-        self.state, first, nxt = engine_step(self.model.params, self.cfg, self.state, pre, dec)
+        self.state, first, nxt = engine_step(self.model.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
+        self.steps += 1
         if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
             self.shapes.add(key)
             self.compiles.append((key, time.perf_counter() - t0))

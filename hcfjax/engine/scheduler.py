@@ -11,6 +11,8 @@ a simulator's), so the same code runs live and simulated.
   there. The expected output is the mean of recent requests' output lengths (a sliding window), capped by its
   max_new_tokens; pages promised to running requests the same way are not counted as free. When the head of the
   queue cannot be admitted, `should_grow` says capacity is short.
+- Speculative decoding prefills each prompt whole (the MTP modules' caches need every anchor); a prompt longer
+  than what is left of the budget waits for the next step unless it is the step's first chunk.
 - Preemption: when a decoding request needs a page and none is free, the most recently admitted request on that
   rank gives back its pages and slot and is re-queued first; it is recomputed later from prompt + output.
 """
@@ -51,7 +53,9 @@ class SchedulerConfig:
     page_size: int = 16
     token_budget: int = 256
     max_prefill_rows: int = 4
-    step_tokens: int = 1  # cache positions a decode step writes per request (1 + k with speculation)
+    step_tokens: int = 1  # tokens a decode step costs per request (1 + k with speculation)
+    page_slack: int = 0  # positions past the step's tokens that a step may write (the MTP drafts: k)
+    whole_prompts: bool = False  # prefill prompts in one chunk (speculation: the MTP modules need every anchor)
     spf_window_s: float = 0.05
     max_wait_s: float = 2.0
     balance: str = "round_robin"
@@ -135,6 +139,8 @@ class Scheduler:
         for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
             if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
                 break
+            if cfg.whole_prompts and chunks and len(req.prompt) + len(req.output) > budget:
+                break
             if not self._admit(req):
                 self.should_grow = True
                 break
@@ -153,7 +159,7 @@ class Scheduler:
             if req.status != Status.DECODING or req not in self.running:
                 continue
             target = req.cached_bound + self.cfg.step_tokens
-            while not self._grow(req, target):
+            while not self._grow(req, target + self.cfg.page_slack):
                 victim = [q for q in self.running if q.rank == req.rank][-1]
                 self._preempt(victim)
                 if victim is req:
@@ -176,7 +182,7 @@ class Scheduler:
         if rank is None:
             return False
         req.rank, req.slot = rank, self.free_slots[rank].pop()
-        if not self._grow(req, len(req.fill)):  # loads() promised these pages: cannot fail
+        if not self._grow(req, len(req.fill) + self.cfg.page_slack):  # loads() promised these: cannot fail
             raise AssertionError("admission found pages that are not there")
         self.waiting.remove(req)
         self.running.append(req)
@@ -184,7 +190,8 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, budget: int) -> Chunk:
-        n = min(len(req.fill) - req.computed, budget)
+        n = len(req.fill) - req.computed
+        n = n if self.cfg.whole_prompts else min(n, budget)
         chunk = Chunk(req, req.computed, n, req.computed + n == len(req.fill))
         req.computed += n
         req.cached_bound = req.computed
