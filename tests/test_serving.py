@@ -29,7 +29,7 @@ from hcfjax.serving.server import SERVICE_NAME, Server
 MAX_LEN = 256
 CONFIG = EngineConfig(max_slots=4, max_queue=4, max_model_len=MAX_LEN, token_budget=64)
 PROMPTS = ["def fibonacci(n):", "class LRUCache:", "import os\n", "for i in range(10):\n    "]
-LONG = dict(max_new_tokens=200, ignore_eos=True)  # ~2 s of decoding on CPU: still running when we act on it
+LONG = dict(max_new_tokens=240, ignore_eos=True)  # ~3 s of decoding on CPU: still running when we act on it
 CLI = [sys.executable, "-m", "hcfjax.cli"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -132,24 +132,26 @@ def test_bad_input_is_invalid_argument(served, params, words):
 def test_full_queue_is_resource_exhausted(served):
     """Long requests fill the decode slots (or the pages) and then the queue; the next one is refused at once."""
     calls, refused = [], None
-    for i in range(CONFIG.max_slots + CONFIG.max_queue + 1):
-        call = client.generate_stream(served.stub, f"x = {i}", **LONG)
-        deadline = time.monotonic() + 10
-        while True:  # wait until the engine holds this request, or the call has failed
-            s = served.engine.snapshot()
-            if s["queued"] + s["running"] == len(calls) + 1 or call.done():
+    try:
+        for i in range(CONFIG.max_slots + CONFIG.max_queue + 1):
+            call = client.generate_stream(served.stub, f"x = {i}", **LONG)
+            deadline = time.monotonic() + 10
+            while True:  # wait until the engine holds this request, or the call has failed
+                s = served.engine.snapshot()
+                if s["queued"] + s["running"] == len(calls) + 1 or call.done():
+                    break
+                assert time.monotonic() < deadline, s
+                time.sleep(0.01)
+            if call.done() and call.code() != grpc.StatusCode.OK:
+                refused = call
                 break
-            assert time.monotonic() < deadline, s
-            time.sleep(0.01)
-        if call.done() and call.code() != grpc.StatusCode.OK:
-            refused = call
-            break
-        calls.append(call)
-    assert refused is not None, "the queue never filled"
-    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue" in refused.details()
-    assert served.engine.snapshot()["queued"] >= CONFIG.max_queue
-    for call in calls:
-        assert call.cancel()
+            calls.append(call)
+        assert refused is not None, "the queue never filled"
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue" in refused.details()
+        assert len(calls) >= CONFIG.max_queue
+    finally:
+        for call in calls:
+            call.cancel()
     assert_idle(served.engine)
 
 
@@ -196,6 +198,36 @@ def test_tokenize_health_and_reflection(served):
     assert SERVICE_NAME in db.get_services() and "grpc.health.v1.Health" in db.get_services()
     methods = [m.name for m in db.FindFileContainingSymbol(SERVICE_NAME).service[0].method]
     assert methods == ["Generate", "Tokenize"]
+
+
+def test_engine_error_stopped_engine_and_health_at_shutdown(model):
+    """A failing engine step answers INTERNAL; a stopped engine UNAVAILABLE; shutdown turns health NOT_SERVING."""
+    engine = Engine(model, EngineConfig(max_slots=2, max_model_len=64))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device on fire")
+
+    engine.runner.dispatch = broken  # every step fails, and nothing compiles
+    server = Server(engine).start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    try:
+        err = rpc_error(lambda: client.generate(stub, "x = 1", max_new_tokens=4))
+        assert err.code() == grpc.StatusCode.INTERNAL and "device on fire" in err.details()
+        assert_idle(engine)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        engine.shutdown()
+        err = rpc_error(lambda: client.generate(stub, "x = 1", max_new_tokens=4))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+        stopper = threading.Thread(target=server.shutdown, kwargs=dict(grace=1.0))
+        stopper.start()
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        stopper.join(10)
+        assert not stopper.is_alive()
+    finally:
+        channel.close()
+        server.shutdown(grace=0)
+    assert_idle(engine, timeout=0)
 
 
 def scrape(port: int) -> dict[str, float]:
