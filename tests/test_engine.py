@@ -84,6 +84,17 @@ def test_speculative_engine_equals_plain_greedy(model):
     assert_all_free(engine)
 
 
+def test_after_warmup_serving_never_compiles(model):
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1))
+    engine.warmup()
+    compiled = engine.snapshot()["compiles"]
+    assert compiled == 1 + 2 * 2  # decode alone; chunks {16, 24 (the budget)} with and without decode
+    reqs = [engine.submit(p, max_new_tokens=6) for p in PROMPTS]
+    run_all(engine)
+    assert engine.snapshot()["compiles"] == compiled
+    assert all(list(engine.stream(r, timeout=0))[-1].finish is not None for r in reqs)
+
+
 def test_sampled_request_does_not_depend_on_its_batch(model):
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     alone = Engine(model, EngineConfig(max_slots=4))

@@ -49,7 +49,8 @@ class EngineConfig:
     per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
     prefill chunks); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
     the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
-    least_pages; cache_dtype: auto (the model's) or int8."""
+    least_pages; cache_dtype: auto (the model's) or int8; min_prefill_bucket: the smallest prefill chunk shape
+    (chunks are padded to powers of two from here: larger means fewer compiled shapes, more padding)."""
 
     max_slots: int = 8
     dp: int = 1
@@ -64,6 +65,7 @@ class EngineConfig:
     balance: str = "round_robin"
     speculative: SpeculativeConfig | None = None
     cache_dtype: str = "auto"
+    min_prefill_bucket: int = 16
 
     def __post_init__(self):
         for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
@@ -102,7 +104,9 @@ class Engine:
             )
         )
         dtype = jnp.int8 if c.cache_dtype == "int8" else model.dtype
-        self.runner = ModelRunner(model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype, spec)
+        self.runner = ModelRunner(
+            model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype, spec, c.min_prefill_bucket
+        )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
         self._requests: dict[str, Request] = {}
@@ -236,6 +240,12 @@ class Engine:
                     break
             self.step()
         self._abort_all()
+
+    def warmup(self) -> float:
+        """Compiles every step shape before serving (call before start()); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.runner.warmup(self.config.max_prefill_rows, self.config.token_budget)
+        return time.perf_counter() - t0
 
     def has_work(self) -> bool:
         s = self.scheduler

@@ -25,7 +25,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.generate import bucket
 from hcfjax.model import Model, hidden_states, logits
-from hcfjax.sampling import SamplingBatch, sample_rows
+from hcfjax.sampling import SamplingBatch, SamplingParams, sample_rows
 from hcfjax.speculative import Drafts, SpeculativeConfig, spec_prefill, spec_step
 
 log = logging.getLogger("hcfjax.engine")
@@ -149,9 +149,10 @@ class ModelRunner:
         max_pages: int,
         cache_dtype,
         spec: SpeculativeConfig | None = None,
+        min_bucket: int = 16,
     ):
-        self.model, self.cfg, self.spec = model, model.cfg, spec
-        self.num_slots, self.max_pages = num_slots, max_pages
+        self.model, self.cfg, self.spec, self.min_bucket = model, model.cfg, spec, min_bucket
+        self.num_slots, self.max_pages, self.cache_page_size = num_slots, max_pages, page_size
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
         drafts = None
@@ -169,6 +170,11 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, max_prefill_rows: int, max_chunk: int) -> Dispatched:
         pre = self._prefill_inputs(plan, max_prefill_rows, max_chunk) if plan.chunks else None
         dec = self._decode_inputs(plan) if plan.decode else None
+        first, nxt = self._call(pre, dec)
+        epochs = [c.req.epoch for c in plan.chunks]
+        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode])
+
+    def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
         self.state, first, nxt = engine_step(self.model.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
@@ -177,8 +183,37 @@ class ModelRunner:
             self.shapes.add(key)
             self.compiles.append((key, time.perf_counter() - t0))
             log.info("compiled step for prefill %s, decode %s in %.1f s", key[0], key[1], self.compiles[-1][1])
-        epochs = [c.req.epoch for c in plan.chunks]
-        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode])
+        return first, nxt
+
+    def warmup(self, max_rows: int, max_chunk: int) -> None:
+        """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without
+        decode, and decode alone) on inputs that touch nothing, so serving never stops to compile."""
+        s, m = self.num_slots, self.max_pages
+        rows = sorted({min(bucket(b, 1), max_rows) for b in range(1, max_rows + 1)})
+        cap = None if self.spec is not None else max(max_chunk, self.min_bucket)  # speculation: whole prompts
+        top = self.max_pages * self.cache_page_size if cap is None else cap
+        sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
+        fit = (lambda t: t) if cap is None else (lambda t: min(t, cap))
+        chunks = sorted({fit(bucket(n, self.min_bucket)) for n in sizes})
+        sp = lambda n: SamplingBatch.of([SamplingParams()] * n)
+        i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
+        dec = DecodeInputs(jnp.zeros(s, bool), i32(s, m), sp(s), jnp.zeros(s, jnp.uint32))
+        shapes = [(None, True)] + [((b, t), d) for b in rows for t in chunks for d in (False, True)]
+        for shape, with_decode in shapes:
+            pre = None
+            if shape is not None:
+                b, t = shape
+                pre = PrefillInputs(
+                    i32(b, t),
+                    i32(b),
+                    i32(b),
+                    i32(b, m),
+                    jnp.full(b, s, jnp.int32),
+                    sp(b),
+                    jnp.zeros(b, jnp.uint32),
+                    i32(b),
+                )
+            self._call(pre, dec if with_decode else None)
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -189,7 +224,8 @@ class ModelRunner:
     def _prefill_inputs(self, plan: StepPlan, max_rows: int, max_chunk: int) -> PrefillInputs:
         chunks = plan.chunks
         b = min(bucket(len(chunks), 1), max_rows)
-        t = min(bucket(max(c.n for c in chunks)), max(max_chunk, 16))
+        t = bucket(max(c.n for c in chunks), self.min_bucket)
+        t = t if self.spec is not None else min(t, max(max_chunk, self.min_bucket))
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         slot, seed, count = np.full(b, self.num_slots, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
         for i, c in enumerate(chunks):
