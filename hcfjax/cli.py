@@ -114,6 +114,7 @@ def _serve(args) -> int:
             page_size=args.page_size,
             max_model_len=args.max_model_len,
             token_budget=args.token_budget,
+            max_prefill_rows=args.max_prefill_rows,
             max_queue=args.max_queue,
             balance=args.balance,
             speculative=spec,
@@ -124,7 +125,7 @@ def _serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace)
+        serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace, warmup=args.warmup)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, default=16)
     s.add_argument("--max-model-len", type=int, help="context length (default: min(the model's, 4096))")
     s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
+    s.add_argument("--max-prefill-rows", type=int, default=4, help="prompts prefilled together in one step")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get RESOURCE_EXHAUSTED")
     s.add_argument("--balance", default="round_robin", choices=["round_robin", "fewest_requests", "least_pages"])
     s.add_argument("--speculative", type=int, default=0, metavar="K", help="K MTP draft tokens per step (0: off)")
@@ -217,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
     s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
+    s.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip compiling every step shape before listening (faster start; first requests wait for compiles)",
+    )
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("client", help="stream a generation from a running `hcfjax serve`")

@@ -206,13 +206,18 @@ def serve(
     *,
     metrics_port: int | None = None,
     grace: float = 3.0,
+    warmup: bool = True,
     announce=lambda line: print(line, flush=True),
 ) -> None:
     """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread).
 
+    warmup: compile every engine step shape before listening, so no request waits for a compile.
     announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them)."""
     metrics = Metrics(engine)
     server = Server(engine, host, port, metrics=metrics)
+    if warmup:
+        announce("hcfjax serve: compiling the engine's step shapes")
+        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
