@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,15 @@ def run_one(stub, prompt, max_new, t_arrival, record):
             "end": time.perf_counter(),
         }
     )
+
+
+def shown_args(argv) -> str:
+    """The command line without --out (the heading names the command that made the table)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in args:
+        i = args.index("--out")
+        del args[i : i + 2]
+    return " ".join(a for a in args if not a.startswith("--out="))
 
 
 def pct(xs, q):
@@ -150,7 +160,7 @@ def main(argv=None) -> None:
         else f"model {Path(args.model or hcfjax.DEFAULT_MODEL).name}"
     )
     lines = [
-        "## `python -m hcfjax.bench.serve " + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`",
+        f"## `python -m hcfjax.bench.serve {shown_args(argv)}`",
         "",
         f"{header()}; {what}; {n} requests, Poisson {args.rate}/s; lengths = reference x {args.scale} "
         f"(input mean {ins.mean():.0f}, max {ins.max()}; output mean {outs.mean():.0f}, max {outs.max()}); "
