@@ -227,6 +227,9 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # a step (a compile?) outlasted the timeout: end the streams from here
+                for req in list(self._requests.values()):
+                    req.events.put(Output(req.id, [], "", FinishReason.ABORT, req.usage(), "engine shut down"))
             self._thread = None
         else:
             self._abort_all()
