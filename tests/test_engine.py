@@ -69,6 +69,22 @@ def test_concurrent_requests_equal_generate(model, config):
     assert_all_free(engine)
 
 
+def test_engine_under_the_decode_plan(model):
+    """Two DP ranks on two devices: each rank's attention over its own slots and pages, experts over EP with the
+    all_to_all exchange, mock rows on the rank with less work; same tokens as generate."""
+    from sharding.plans import decode_plan
+
+    ref = hcfjax.generate(model, PROMPTS[:5], max_new_tokens=10)
+    config = EngineConfig(max_slots=2, dp=2, token_budget=32, balance="fewest_requests")
+    engine = Engine(model, config, decode_plan=decode_plan(2))
+    reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:5]]
+    run_all(engine)
+    assert [collect(engine, r)[0] for r in reqs] == ref.tokens[:5]
+    assert_all_free(engine)
+    with pytest.raises(ValueError, match="dp=1"):
+        Engine(model, EngineConfig(), decode_plan=decode_plan(2))
+
+
 def test_speculative_engine_equals_plain_greedy(model):
     """exact verification with greedy sampling: the same tokens as plain decoding, also in reused slots and pages
     (two slots for three requests), with acceptance counted in the usage."""

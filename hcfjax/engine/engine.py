@@ -76,9 +76,13 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), decode_plan=None):
+        """decode_plan (sharding.plans.decode_plan): run the dp ranks on the plan's devices, attention data
+        parallel and experts over EP; config.dp must equal the plan's size. Without one all ranks share a device."""
         self.model, self.config, self.cfg = model, config, model.cfg
         c = config
+        if decode_plan is not None and decode_plan.mesh.shape["ep"] != c.dp:
+            raise ValueError(f"config.dp={c.dp} but the decode plan has {decode_plan.mesh.shape['ep']} ranks")
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
         spec = c.speculative
         if spec is not None and not model.params.get("mtp"):
@@ -105,7 +109,15 @@ class Engine:
         )
         dtype = jnp.int8 if c.cache_dtype == "int8" else model.dtype
         self.runner = ModelRunner(
-            model, c.dp * c.max_slots, c.dp * num_pages, c.page_size, max_pages, dtype, spec, c.min_prefill_bucket
+            model,
+            c.dp * c.max_slots,
+            c.dp * num_pages,
+            c.page_size,
+            max_pages,
+            dtype,
+            spec,
+            c.min_prefill_bucket,
+            decode_plan,
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
@@ -299,9 +311,9 @@ class Engine:
         nxt = jax.device_get(d.nxt) if d.nxt is not None else None
         spec = self.config.speculative
         new: dict[str, list[int]] = {}
-        for i, (c, epoch) in enumerate(zip(d.plan.chunks, d.chunk_epochs, strict=True)):
+        for c, epoch, row in zip(d.plan.chunks, d.chunk_epochs, d.chunk_rows, strict=True):
             if c.final and not c.req.done and c.req.epoch == epoch:
-                new[c.req.id] = [int(first[i])]
+                new[c.req.id] = [int(first[row])]
         for req, slot, epoch in d.decode_slots:
             if req.done or req.epoch != epoch:  # a request preempted since dispatch drops its token
                 continue

@@ -11,13 +11,14 @@ tables and masks, and reads the sampled tokens back one step later (see engine.p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
@@ -78,8 +79,7 @@ def _clear_mtp_head(cache: kvcache.KVCache, first_mtp_layer: int, page, ok, spec
     return kvcache.KVCache(kv, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("state",))
-def engine_step(
+def step_body(
     params,
     cfg: ModelConfig,
     state: SlotState,
@@ -87,8 +87,11 @@ def engine_step(
     dec: DecodeInputs | None,
     step,
     spec: SpeculativeConfig | None = None,
+    experts_fn=None,
 ):
-    """-> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
+    """One engine step; experts_fn runs the routed experts (sharding.ep.ep_experts under the decode plan).
+
+    -> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
     decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]))."""
     cache, tok, length, count, drafts = state.cache, state.tok, state.length, state.count, state.drafts
     first = nxt = None
@@ -97,7 +100,7 @@ def engine_step(
         b, t = pre.tokens.shape
         pos = pre.start[:, None] + jnp.arange(t)
         ctx = CacheContext(cache, pre.page_table, pre.start + pre.n, jnp.arange(t)[None] < pre.n[:, None])
-        h, ctx = hidden_states(params, cfg, pre.tokens, pos, ctx, absorbed=False)
+        h, ctx = hidden_states(params, cfg, pre.tokens, pos, ctx, absorbed=False, experts_fn=experts_fn)
         cache = ctx.cache
         last = h[jnp.arange(b), jnp.maximum(pre.n - 1, 0)]
         first = sample_rows(logits(params, last), pre.sp, _keys(pre.seed, pre.count))
@@ -119,13 +122,42 @@ def engine_step(
         nxt = (emitted, n_emit, n_acc)
     elif dec is not None:
         ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
-        h, ctx = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, absorbed=True)
+        h, ctx = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, absorbed=True, experts_fn=experts_fn)
         cache = ctx.cache
         nxt = sample_rows(logits(params, h[:, 0]), dec.sp, _keys(dec.seed, count))
         tok = jnp.where(dec.active, nxt, tok)
         length = length + dec.active
         count = count + dec.active
     return SlotState(cache, tok, length, count, drafts), first, nxt
+
+
+engine_step = jax.jit(step_body, static_argnames=("cfg", "spec", "experts_fn"), donate_argnames=("state",))
+
+
+def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill: bool, with_decode: bool):
+    """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
+    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens with
+    all_to_all. Every rank runs every step; rows without work are mock rows that write nothing."""
+    from sharding.ep import ep_experts
+    from sharding.plans import param_specs
+
+    row, pages = P("ep"), P(None, "ep")
+    state_spec = SlotState(jax.tree.map(lambda _: pages, state.cache), row, row, row, None)
+    pre_spec = PrefillInputs(row, row, row, row, row, SamplingBatch(row, row, row, row), row, row)
+    dec_spec = DecodeInputs(row, row, SamplingBatch(row, row, row, row), row)
+
+    def local(params, state, pre, dec, step):
+        return step_body(params, cfg, state, pre, dec, step, None, ep_experts("ep"))
+
+    specs = (
+        param_specs(params, plan),
+        state_spec,
+        pre_spec if with_prefill else None,
+        dec_spec if with_decode else None,
+        P(),
+    )
+    out = (state_spec, row if with_prefill else None, row if with_decode else None)
+    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -137,6 +169,7 @@ class Dispatched:
     nxt: jax.Array | None
     chunk_epochs: list[int]  # each chunk's request epoch at dispatch (a preemption starts a new one)
     decode_slots: list[tuple]  # (request, slot, epoch) of the decode rows
+    chunk_rows: list[int]  # the prefill row of each chunk
 
 
 class ModelRunner:
@@ -150,8 +183,14 @@ class ModelRunner:
         cache_dtype,
         spec: SpeculativeConfig | None = None,
         min_bucket: int = 16,
+        plan=None,
     ):
-        self.model, self.cfg, self.spec, self.min_bucket = model, model.cfg, spec, min_bucket
+        self.model, self.cfg, self.spec, self.min_bucket, self.plan = model, model.cfg, spec, min_bucket, plan
+        # device ranks: slots and pages are rank major, each rank's share on its device under a decode plan
+        self.ranks = 1 if plan is None else plan.mesh.shape["ep"]
+        if plan is not None and spec is not None:
+            raise ValueError("speculative decoding under a decode plan is not supported yet (MTP layers need EP too)")
+        self.slots_per_rank, self.pages_per_rank = num_slots // self.ranks, num_pages // self.ranks
         self.num_slots, self.max_pages, self.cache_page_size = num_slots, max_pages, page_size
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
@@ -163,21 +202,38 @@ class ModelRunner:
             q = jnp.zeros((s, k, self.cfg.vocab_size), jnp.float32)
             drafts = Drafts(i32(s), i32(s), i32(s, k), q, hist_h, i32(s, r))
         self.state = SlotState(cache, *(jnp.zeros((num_slots,), jnp.int32) for _ in range(3)), drafts)
+        self.params = model.params
+        self._planned: dict = {}
+        if plan is not None:
+            from sharding.plans import shard_params
+
+            self.params = shard_params(model.params, plan)
+            rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
+            self.state = SlotState(
+                jax.device_put(cache, pages), *(jax.device_put(x, rows) for x in jax.tree.leaves(self.state)[-3:])
+            )
         self.steps = 0
         self.shapes: set = set()
         self.compiles: list[tuple[tuple, float]] = []  # (shape key, seconds of the first call)
 
     def dispatch(self, plan: StepPlan, max_prefill_rows: int, max_chunk: int) -> Dispatched:
-        pre = self._prefill_inputs(plan, max_prefill_rows, max_chunk) if plan.chunks else None
+        pre, rows = self._prefill_inputs(plan, max_prefill_rows, max_chunk) if plan.chunks else (None, [])
         dec = self._decode_inputs(plan) if plan.decode else None
         first, nxt = self._call(pre, dec)
         epochs = [c.req.epoch for c in plan.chunks]
-        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode])
+        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows)
 
     def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
-        self.state, first, nxt = engine_step(self.model.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
+        if self.plan is None:
+            self.state, first, nxt = engine_step(self.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
+        else:
+            fn = self._planned.get(key[1:] + (pre is not None,))
+            if fn is None:
+                fn = planned_step(self.plan, self.cfg, self.params, self.state, pre is not None, dec is not None)
+                self._planned[key[1:] + (pre is not None,)] = fn
+            self.state, first, nxt = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
         self.steps += 1
         if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
             self.shapes.add(key)
@@ -195,24 +251,16 @@ class ModelRunner:
         sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
         fit = (lambda t: t) if cap is None else (lambda t: min(t, cap))
         chunks = sorted({fit(bucket(n, self.min_bucket)) for n in sizes})
-        sp = lambda n: SamplingBatch.of([SamplingParams()] * n)
-        i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
-        dec = DecodeInputs(jnp.zeros(s, bool), i32(s, m), sp(s), jnp.zeros(s, jnp.uint32))
-        shapes = [(None, True)] + [((b, t), d) for b in rows for t in chunks for d in (False, True)]
+        sp = lambda n: jax.tree.map(self._put, SamplingBatch.of([SamplingParams()] * n))
+        z = lambda *shape: self._put(np.zeros(shape, np.int32))
+        dec = DecodeInputs(self._put(np.zeros(s, bool)), z(s, m), sp(s), self._put(np.zeros(s, np.uint32)))
+        shapes = [(None, True)] + [((b * self.ranks, t), d) for b in rows for t in chunks for d in (False, True)]
         for shape, with_decode in shapes:
             pre = None
             if shape is not None:
                 b, t = shape
-                pre = PrefillInputs(
-                    i32(b, t),
-                    i32(b),
-                    i32(b),
-                    i32(b, m),
-                    jnp.full(b, s, jnp.int32),
-                    sp(b),
-                    jnp.zeros(b, jnp.uint32),
-                    i32(b),
-                )
+                drop = self._put(np.full(b, self.slots_per_rank, np.int32))
+                pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp(b), self._put(np.zeros(b, np.uint32)), z(b))
             self._call(pre, dec if with_decode else None)
 
     def _table(self, pages_list) -> np.ndarray:
@@ -221,23 +269,53 @@ class ModelRunner:
             table[i, : len(pages)] = pages
         return table
 
-    def _prefill_inputs(self, plan: StepPlan, max_rows: int, max_chunk: int) -> PrefillInputs:
+    def _rank(self, req) -> int:
+        return req.rank if self.plan is not None else 0
+
+    def _local_pages(self, req) -> list[int]:
+        base = self._rank(req) * self.pages_per_rank
+        return [p - base for p in req.pages]
+
+    def _prefill_inputs(self, plan: StepPlan, max_rows: int, max_chunk: int) -> tuple[PrefillInputs, list[int]]:
+        """Rows rank major (rank r's chunks in rows r * b .. r * b + b - 1), slots and pages rank local."""
         chunks = plan.chunks
-        b = min(bucket(len(chunks), 1), max_rows)
+        per_rank, index = [0] * self.ranks, []
+        for c in chunks:
+            r = self._rank(c.req)
+            index.append((r, per_rank[r]))
+            per_rank[r] += 1
+        b_local = min(bucket(max(per_rank), 1), max_rows)
+        rows = [r * b_local + i for r, i in index]
+        b = b_local * self.ranks
         t = bucket(max(c.n for c in chunks), self.min_bucket)
         t = t if self.spec is not None else min(t, max(max_chunk, self.min_bucket))
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        slot, seed, count = np.full(b, self.num_slots, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        for i, c in enumerate(chunks):
+        slot, seed, count = np.full(b, self.slots_per_rank, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        sampling = [chunks[0].req.sampling] * b
+        pages: list[list[int]] = [[] for _ in range(b)]
+        for i, c in zip(rows, chunks, strict=True):
             tokens[i, : c.n] = c.req.fill[c.start : c.start + c.n]
-            start[i], n[i], seed[i] = c.start, c.n, c.req.seed
+            start[i], n[i], seed[i], sampling[i], pages[i] = (
+                c.start,
+                c.n,
+                c.req.seed,
+                c.req.sampling,
+                self._local_pages(c.req),
+            )
             if c.final:
-                slot[i], count[i] = c.req.slot, len(c.req.output)
-        sp = SamplingBatch.of([c.req.sampling for c in chunks] + [chunks[0].req.sampling] * (b - len(chunks)))
-        table = self._table([c.req.pages for c in chunks] + [[]] * (b - len(chunks)))
-        return PrefillInputs(
-            *map(jnp.asarray, (tokens, start, n, table, slot)), sp, jnp.asarray(seed), jnp.asarray(count)
+                slot[i], count[i] = c.req.slot - self._rank(c.req) * self.slots_per_rank, len(c.req.output)
+        put = self._put
+        inputs = PrefillInputs(
+            *map(put, (tokens, start, n, self._table(pages), slot)),
+            jax.tree.map(put, SamplingBatch.of(sampling)),
+            put(seed),
+            put(count),
         )
+        return inputs, rows
+
+    def _put(self, x):
+        x = jnp.asarray(x)
+        return x if self.plan is None else jax.device_put(x, NamedSharding(self.plan.mesh, P("ep")))
 
     def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
         s = self.num_slots
@@ -245,12 +323,9 @@ class ModelRunner:
         pages: list[list[int]] = [[] for _ in range(s)]
         sampling = [plan.decode[0].sampling] * s
         for req in plan.decode:
-            active[req.slot], seed[req.slot], pages[req.slot], sampling[req.slot] = (
-                True,
-                req.seed,
-                req.pages,
-                req.sampling,
-            )
+            active[req.slot], seed[req.slot], sampling[req.slot] = True, req.seed, req.sampling
+            pages[req.slot] = self._local_pages(req)
+        put = self._put
         return DecodeInputs(
-            jnp.asarray(active), jnp.asarray(self._table(pages)), SamplingBatch.of(sampling), jnp.asarray(seed)
+            put(active), put(self._table(pages)), jax.tree.map(put, SamplingBatch.of(sampling)), put(seed)
         )
