@@ -1,0 +1,493 @@
+"""The OpenAI-compatible HTTP front end over an Engine (FastAPI on uvicorn), beside the gRPC server.
+
+    engine = Engine(hcfjax.load(), EngineConfig(max_slots=16))
+    server = HTTPServer(engine, port=8000).start()       # starts the engine's loop too
+    # POST /v1/completions, /v1/chat/completions (streamed as server-sent events or not), GET /v1/models, /health
+    server.shutdown()
+
+Requests go to the same Engine as gRPC's (both can serve one engine, see serve()). The wait for a request's events
+(a queue.Queue the engine thread fills) runs on a thread pool sized like the gRPC server's, one thread per request.
+A client that disconnects has its request aborted, which frees its pages: a stream notices when its connection
+closes, a non-streamed request when it polls the connection (every POLL_S while it waits).
+
+Errors are OpenAI's error object {"error": {"message", "type", "param", "code"}}: 400 invalid_request_error for bad
+parameters (code context_length_exceeded for a prompt or max_tokens beyond the context), 401 without the
+--api-key bearer token, 404 model_not_found, 429 rate_limit_error when the queue is full, 503 unavailable while
+shutting down, 500 server_error when the engine fails the request. Once a stream has started, an error arrives as
+one more event, `data: {"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import queue
+import secrets
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent import futures
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+
+from hcfjax.engine import Engine, EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Request, Usage
+from hcfjax.sampling import SamplingParams
+from hcfjax.serving.chat_template import ChatTemplate, TemplateError
+from hcfjax.serving.metrics import Metrics
+from hcfjax.serving.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StopStrings,
+    bad_request,
+    message_text,
+)
+
+log = logging.getLogger("hcfjax.serving")
+
+POLL_S = 0.5  # how often a request waiting on the engine checks its client (non-streamed) or lets go of its thread
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+# HTTP refusals counted in Metrics.rejected under the gRPC server's code names, so both front ends share the counter
+REJECTED = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+}
+
+
+def usage_json(u: Usage) -> dict:
+    """OpenAI's usage, plus `speculative`: the request's verified and accepted MTP draft tokens (0 without)."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.output_tokens,
+        "total_tokens": u.prompt_tokens + u.output_tokens,
+        "speculative": {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens},
+    }
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Call:
+    """One request in flight: its engine request, stop strings, and the one metrics record of its end."""
+
+    def __init__(self, service: OpenAIService, req: Request, stops: list[str]):
+        self.service, self.req, self.stops = service, req, StopStrings(stops)
+        self._recorded = threading.Lock()
+
+    def end(self, finish: FinishReason, usage: Usage | None = None) -> None:
+        """Aborts the engine request if it still runs (client gone, stop string, error) and records how it ended."""
+        if not self.req.done:
+            self.service.engine.abort(self.req.id)
+        metrics = self.service.metrics
+        if metrics is not None and self._recorded.acquire(blocking=False):
+            out = Output(self.req.id, [], "", finish, usage or self.req.usage())
+            metrics.observe_finish(out, self.req)
+
+    async def pieces(self, http: HTTPRequest | None):
+        """(text, finish, usage) as the engine streams: finish is None until the last piece. Text held back by the stop
+        strings comes later. `http`: poll this connection and abort when its client has gone (non-streamed)."""
+        loop = asyncio.get_running_loop()
+        check = loop.time() + POLL_S
+        while True:
+            try:
+                out = await loop.run_in_executor(self.service.pool, self.req.events.get, True, POLL_S)
+            except queue.Empty:
+                out = None
+            if http is not None and loop.time() >= check:
+                check = loop.time() + POLL_S
+                if await http.is_disconnected():
+                    self.end(FinishReason.ABORT)
+                    return
+            if out is None:
+                continue
+            text, hit = self.stops.feed(out.text)
+            if hit:
+                usage = self.req.usage()
+                self.end(FinishReason.STOP, usage)
+                yield text, "stop", usage
+                return
+            if out.finish is None:
+                if text:
+                    yield text, None, None
+                continue
+            self.end(out.finish, out.usage)
+            if out.finish is FinishReason.ERROR:
+                raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")
+            if out.finish is FinishReason.ABORT:
+                raise APIError(503, "the server is shutting down", "unavailable", code="shutting_down")
+            yield text + self.stops.flush(), FINISH[out.finish], out.usage
+            return
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that ends its call however the stream ends (a client disconnect cancels the
+    stream between events, where the body generator's own cleanup would wait for garbage collection)."""
+
+    def __init__(self, content, call: _Call):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.call = call
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            self.call.end(FinishReason.ABORT)  # a no-op when it has ended already
+
+
+class OpenAIService:
+    """The endpoints' logic over one engine; create_app() routes to it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        chat_template: ChatTemplate | None = None,
+        metrics: Metrics | None = None,
+        api_key: str | None = None,
+    ):
+        self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
+        self.chat_template = chat_template or ChatTemplate()
+        c = engine.config
+        self.pool = futures.ThreadPoolExecutor(c.dp * c.max_slots + c.max_queue + 8, thread_name_prefix="hcfjax-http")
+        self.created = int(time.time())
+        self.stopping = False
+
+    # -- validation: request body -> engine.submit arguments -----------------------------------------------------
+    def check(self, http: HTTPRequest, body) -> None:
+        if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_request_error",
+                           code="invalid_api_key")  # fmt: skip
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", "unavailable", code="shutting_down")
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server has {self.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")  # fmt: skip
+        if body.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
+        if unsupported := body.unsupported():
+            raise bad_request(f"{unsupported[0]} is not supported by this server", unsupported[0])
+        if not (math.isfinite(body.temperature) and 0 <= body.temperature <= 2):
+            raise bad_request(f"temperature must be in [0, 2], got {body.temperature}", "temperature")
+        if not 0 < body.top_p <= 1:
+            raise bad_request(f"top_p must be in (0, 1], got {body.top_p}", "top_p")
+        if body.top_k < 0:
+            raise bad_request(f"top_k must be >= 0 (0 = off), got {body.top_k}", "top_k")
+        if not 0 <= body.min_p < 1:
+            raise bad_request(f"min_p must be in [0, 1), got {body.min_p}", "min_p")
+        if body.seed is not None and not 0 <= body.seed < 2**32:
+            raise bad_request(f"seed must be in [0, 2^32), got {body.seed}", "seed")
+        if any(not s for s in self.stops(body)):
+            raise bad_request("stop strings must not be empty", "stop")
+
+    @staticmethod
+    def stops(body) -> list[str]:
+        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise bad_request("one prompt per request (batches of prompts are not supported)", param)
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("the prompt is empty", param)
+        try:
+            ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        except InvalidRequest as e:
+            raise bad_request(str(e), param) from None
+        bad = [t for t in ids if not 0 <= t < self.engine.cfg.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.cfg.vocab_size})", param)
+        if len(ids) > self.engine.max_model_len - 1:
+            raise bad_request(f"the prompt has {len(ids)} tokens; the context is {self.engine.max_model_len}",
+                              param, "context_length_exceeded")  # fmt: skip
+        return ids
+
+    def submit(self, body, ids: list[int], max_tokens: int | None, request_id: str) -> _Call:
+        room = self.engine.max_model_len - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        if max_tokens > room:
+            raise bad_request(
+                f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context of "
+                f"{self.engine.max_model_len}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        stop_ids = [] if body.ignore_eos else list(self.engine.cfg.eos_token_ids)
+        try:
+            req = self.engine.submit(
+                ids,
+                sampling=SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p),
+                max_new_tokens=max_tokens,
+                stop_token_ids=stop_ids + list(body.stop_token_ids or []),
+                seed=secrets.randbelow(2**32) if body.seed is None else body.seed,
+                request_id=request_id,
+            )
+        except (InvalidRequest, ValueError) as e:
+            raise bad_request(str(e)) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), "unavailable", code="shutting_down") from None
+        return _Call(self, req, self.stops(body))
+
+    @contextlib.contextmanager
+    def refusals(self):
+        """Counts the requests refused before they reach the engine (create_app counts malformed bodies)."""
+        try:
+            yield
+        except APIError as e:
+            self.count_refusal(e.status)
+            raise
+
+    def count_refusal(self, status: int) -> None:
+        if self.metrics is not None and status in REJECTED:
+            self.metrics.rejected.labels(REJECTED[status]).inc()
+
+    # -- the endpoints ---------------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, http: HTTPRequest):
+        with self.refusals():
+            self.check(http, body)
+            ids = self.prompt_ids(body.prompt)
+            call = self.submit(body, ids, body.max_tokens, f"cmpl-{uuid.uuid4().hex}")
+        return await self.respond(call, body, "text_completion", chat=False, http=http)
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: HTTPRequest):
+        with self.refusals():
+            self.check(http, body)
+            if not body.messages:
+                raise bad_request("messages is empty", "messages")
+            messages = [{**m.model_dump(), "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+            try:
+                prompt = self.chat_template.render(messages)
+            except TemplateError as e:
+                raise bad_request(str(e), "messages") from None
+            ids = self.prompt_ids(prompt, "messages")
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            call = self.submit(body, ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self.respond(call, body, "chat.completion", chat=True, http=http)
+
+    async def respond(self, call: _Call, body, obj: str, chat: bool, http: HTTPRequest):
+        head = {"id": call.req.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _EventStream(self.events(call, head, chat, include_usage), call)
+        try:
+            pieces = [piece async for piece in call.pieces(http)]
+        finally:
+            call.end(FinishReason.ABORT)  # a no-op after a normal end; here when the handler is cancelled
+        if not pieces or pieces[-1][1] is None:  # the client went away: nobody reads this
+            return JSONResponse(bad_request("the client disconnected").body(), 499)
+        text, (_, finish, usage) = "".join(p[0] for p in pieces), pieces[-1]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        return JSONResponse({**head, "choices": [choice], "usage": usage_json(usage)})
+
+    async def events(self, call: _Call, head: dict, chat: bool, include_usage: bool):
+        head = head | {"object": "chat.completion.chunk"} if chat else head
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(text: str, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+                choice = {"index": 0, "delta": delta}
+            else:
+                choice = {"index": 0, "text": text}
+            return sse({**head, "choices": [choice | {"logprobs": None, "finish_reason": finish}], **extra})
+
+        try:
+            if chat:
+                yield chunk("", None, first=True)
+            last = None
+            async for text, finish, usage in call.pieces(None):
+                if text and finish is not None:  # the last text in its own chunk, then the finish reason
+                    yield chunk(text, None)
+                yield chunk("" if finish is not None else text, finish)
+                last = usage
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage_json(last)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield sse(e.body())
+
+    def models(self, http: HTTPRequest) -> dict:
+        if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "a valid API key is needed", "invalid_request_error", code="invalid_api_key")
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hcfjax"}
+        return {"object": "list", "data": [model | {"max_model_len": self.engine.max_model_len}]}
+
+
+def create_app(service: OpenAIService) -> FastAPI:
+    app = FastAPI(title="hcfjax", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        service.count_refusal(400)
+        return JSONResponse(bad_request(f"{param or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await service.completions(body, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        return await service.chat_completions(body, http)
+
+    @app.get("/v1/models")
+    async def models(http: HTTPRequest):
+        return service.models(http)
+
+    @app.get("/health")
+    async def health():
+        if service.stopping:
+            return JSONResponse({"status": "shutting_down"}, 503)
+        return {"status": "ok"}
+
+    return app
+
+
+class HTTPServer:
+    """uvicorn serving create_app() on a background thread, on host:port (0: a free one; `self.port` is the bound
+    port). model_name: what /v1/models lists and requests must name (default: the checkpoint directory's name)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        model_name: str | None = None,
+        chat_template: ChatTemplate | None = None,
+        metrics: Metrics | None = None,
+        api_key: str | None = None,
+    ):
+        self.engine = engine
+        path = engine.model.path
+        name = model_name or (path.rstrip("/").rsplit("/", 1)[-1] if path else "hcfjax")
+        template = chat_template or ChatTemplate.for_checkpoint(path)
+        self.service = OpenAIService(engine, name, template, metrics, api_key)
+        self.app = create_app(self.service)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+        self.host, self.port = host, self._sock.getsockname()[1]
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", timeout_graceful_shutdown=3)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self, timeout: float = 10.0) -> HTTPServer:
+        """Starts the engine's loop and the server; returns once it accepts connections."""
+        self.engine.start()
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._sock]}, name="hcfjax-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self, grace: float = 3.0, stop_engine: bool = True) -> None:
+        """New requests get 503 and /health says so; the engine aborts what is in flight, so each open stream gets
+        its error event and ends; connections still open after `grace` seconds are closed. stop_engine=False leaves
+        the engine running for its other front ends."""
+        if self._stopped:
+            return
+        self._stopped = self.service.stopping = True
+        if stop_engine:
+            self.engine.shutdown(timeout=grace)
+        self._uvicorn.config.timeout_graceful_shutdown = grace
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(grace + 2.0)
+        self.service.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    http_port: int | None = 0,
+    grpc_port: int | None = None,
+    *,
+    metrics_port: int | None = None,
+    grace: float = 3.0,
+    warmup: bool = True,
+    model_name: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+    announce=lambda line: print(line, flush=True),
+) -> None:
+    """Runs the HTTP server, and the gRPC server too when grpc_port is given, over one engine until SIGINT or SIGTERM
+    (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version."""
+    from hcfjax.serving.server import Server
+
+    metrics = Metrics(engine)
+    grpc_server = Server(engine, host, grpc_port, metrics=metrics) if grpc_port is not None else None
+    http = HTTPServer(
+        engine, host, http_port, model_name=model_name, chat_template=chat_template, metrics=metrics, api_key=api_key
+    )
+    if warmup:
+        announce("hcfjax serve: compiling the engine's step shapes")
+        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if grpc_server is not None:
+            grpc_server.start()
+            announce(f"hcfjax serve: listening on {host}:{grpc_server.port}")
+        http.start()
+        announce(
+            f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{http.port}/v1 (model {http.service.model_name!r})"
+        )
+        if metrics_port:
+            announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
+        while not stop.wait(0.5):  # a timed wait, so the signal handler gets to run
+            pass
+        announce("hcfjax serve: shutting down")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        http.service.stopping = True  # refuse new HTTP requests while gRPC drains
+        if grpc_server is not None:
+            grpc_server.shutdown(grace)  # shuts the engine down: every open stream, gRPC or HTTP, gets its end
+        http.shutdown(grace)
+        metrics.close()

@@ -1,0 +1,147 @@
+"""The OpenAI API's request bodies, error object and streamed stop strings, for hcfjax/serving/http.py.
+
+Only what the engine can do is accepted: n = 1, no logprobs, no penalties or logit bias, no tools. Parameters the
+OpenAI API has and hcfjax ignores are none; unknown ones are ignored (clients send many).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class APIError(Exception):
+    """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Parameters of both endpoints. The last group are extensions (as vLLM names them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # not supported: accepted only at their neutral values
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    # extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def unsupported(self) -> list[str]:
+        """Names of parameters set to something the engine cannot do."""
+        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
+        bad += [name for name in ("logit_bias", "logprobs") if getattr(self, name) not in (None, False, {}, 0)]
+        return bad
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the OpenAI default for completions
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        return bad + [
+            n for n, v in (("echo", self.echo), ("best_of", (self.best_of or 1) > 1), ("suffix", self.suffix)) if v
+        ]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.tools:
+            bad.append("tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            bad.append("response_format")
+        return bad + (["top_logprobs"] if self.top_logprobs else [])
+
+
+def message_text(m: ChatMessage, i: int) -> str:
+    """A message's content as text: a string, or the concatenated text of its {"type": "text"} parts."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class StopStrings:
+    """Finds stop strings in streamed text. feed(delta) returns the text that may be sent now and whether a stop
+    string was found (the text then ends just before it); text that could be the start of a stop string is held
+    back until the next delta shows it is not, or until flush() at the end of the request."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if not self.stops:
+            return delta, False
+        text = self.pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[: min(hits)], True
+        keep = 0  # the longest tail of text that is a proper prefix of a stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:n]):
+                    keep = n
+                    break
+        self.pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
