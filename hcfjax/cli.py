@@ -2,8 +2,9 @@
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                 [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
-hcfjax serve [--model PATH] [--host 127.0.0.1] --port P [--metrics-port M] [--max-slots N] [--dp N] [...]
-             (the gRPC server, hcfjax/serving/; SIGINT/SIGTERM shut it down gracefully)
+hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--metrics-port M] [--max-slots N] [...]
+             (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
+             down gracefully)
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,13 +99,19 @@ def _serve(args) -> int:
 
     import hcfjax
     from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.serving.chat_template import ChatTemplate
+    from hcfjax.serving.http import serve as serve_http
     from hcfjax.serving.server import serve
 
     path = Path(args.model or hcfjax.DEFAULT_MODEL)
     if not (path / "config.json").is_file():
         print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
+    if args.port is None and args.http_port is None:
+        print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
+        return 2
     try:
+        template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
         spec = None
         if args.speculative:
             spec = hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
@@ -121,11 +129,25 @@ def _serve(args) -> int:
             cache_dtype="int8" if args.kv_cache == "int8" else "auto",
         )
         engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), config)
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace, warmup=args.warmup)
+        if args.http_port is None:
+            serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace, warmup=args.warmup)
+        else:
+            serve_http(
+                engine,
+                args.host,
+                args.http_port,
+                args.port,
+                metrics_port=args.metrics_port,
+                grace=args.grace,
+                warmup=args.warmup,
+                model_name=args.served_model_name,
+                chat_template=template,
+                api_key=args.api_key,
+            )
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -200,10 +222,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC (hcfjax.v1.Generation, health, reflection)")
+    s = sub.add_parser("serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API")
     s.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    s.add_argument("--port", type=int, required=True, help="gRPC port (0: a free one, printed at start)")
+    s.add_argument("--port", type=int, help="gRPC port (0: a free one, printed at start)")
+    s.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (0: a free one, printed at start)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("HCFJAX_API_KEY"),
+        help="HTTP clients must send Authorization: Bearer KEY (default: $HCFJAX_API_KEY; unset: no auth)",
+    )
+    s.add_argument("--served-model-name", help="the HTTP API's model name (default: the checkpoint directory's)")
+    s.add_argument("--chat-template", help="a Jinja chat template file (default: the checkpoint's, else a plain one)")
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--max-slots", type=int, default=8, help="decode slots per DP rank")
     s.add_argument("--dp", type=int, default=1, help="decode (attention-DP) ranks")
