@@ -1,0 +1,329 @@
+"""The OpenAI-compatible HTTP front end end to end: the official `openai` client against HTTPServer on a loopback port,
+over the real Engine with the embedded model. Every test leaves the engine with all its pages free."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import jax.numpy as jnp
+import openai
+import pytest
+
+import hcfjax
+from hcfjax.engine import Engine, EngineConfig
+from hcfjax.serving.chat_template import ChatTemplate
+from hcfjax.serving.http import HTTPServer
+from hcfjax.serving.metrics import Metrics
+from hcfjax.serving.openai_protocol import StopStrings
+
+MAX_LEN = 256
+# one prefill row and one chunk bucket: three step shapes to compile (prefill, prefill + decode, decode)
+CONFIG = EngineConfig(
+    max_slots=4, max_queue=8, max_model_len=MAX_LEN, token_budget=64, max_prefill_rows=1, min_prefill_bucket=64
+)
+N = 16  # new tokens of the compared generations
+PROMPTS = ["def fibonacci(n):", "class LRUCache:"]
+CHATS = [
+    [{"role": "user", "content": "import os"}],
+    [{"role": "system", "content": "Python only."}, {"role": "user", "content": [{"type": "text", "text": "for i"}]}],
+]
+LONG = dict(max_tokens=200, extra_body={"ignore_eos": True})  # seconds of decoding on CPU: still running when we act
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hcfjax.load(dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = Engine(model, CONFIG)
+    metrics = Metrics(engine)
+    server = HTTPServer(engine, metrics=metrics).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=120)
+    yield server, client
+    client.close()
+    server.shutdown()
+    assert_idle(engine, timeout=0)
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    """Greedy hcfjax.generate of PROMPTS and of the templated CHATS (in that order), one batch."""
+    template = ChatTemplate()
+    chats = [template.render([{**m, "content": text_of(m)} for m in c]) for c in CHATS]
+    return hcfjax.generate(model, PROMPTS + chats, max_new_tokens=N)
+
+
+def text_of(message) -> str:
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(p["text"] for p in c)
+
+
+def assert_idle(engine: Engine, timeout: float = 10.0) -> None:
+    """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.snapshot()
+        if s["queued"] == s["running"] == 0 and s["free_pages"] == s["total_pages"]:
+            return
+        assert time.monotonic() < deadline, f"engine not idle: {s}"
+        time.sleep(0.02)
+
+
+def finished(server: HTTPServer, reason: str) -> float:
+    return server.service.metrics.registry.get_sample_value("hcfjax_requests_total", {"finish_reason": reason}) or 0
+
+
+def post(server: HTTPServer, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_concurrent_completions_and_chats_equal_generate(served, ref, model):
+    server, client = served
+
+    def completion(i, stream):
+        if not stream:
+            r = client.completions.create(model="stdlib-v3", prompt=PROMPTS[i], max_tokens=N, temperature=0)
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage
+        chunks = list(
+            client.completions.create(
+                model="stdlib-v3",
+                prompt=PROMPTS[i],
+                max_tokens=N,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+        return "".join(c.choices[0].text for c in chunks[:-1]), chunks[-2].choices[0].finish_reason, chunks[-1].usage
+
+    def chat(i, stream):
+        if not stream:
+            r = client.chat.completions.create(model="stdlib-v3", messages=CHATS[i], max_tokens=N, temperature=0)
+            assert r.choices[0].message.role == "assistant"
+            return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+        chunks = list(client.chat.completions.create(messages=CHATS[i], model="stdlib-v3", max_tokens=N, temperature=0,
+                                                     stream=True))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant" and all(c.usage is None for c in chunks)
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason, None
+
+    jobs = [(completion, i, s) for i in range(2) for s in (False, True)]
+    jobs += [(chat, i, s) for i in range(2) for s in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: j[0](j[1], j[2]), jobs))
+    for (fn, i, stream), (text, finish, usage) in zip(jobs, results, strict=True):
+        k = i if fn is completion else len(PROMPTS) + i
+        what = (fn.__name__, i, stream)
+        assert text == ref.text[k], what
+        tokens = ref.tokens[k]
+        assert finish == ("stop" if tokens[-1] in model.cfg.eos_token_ids else "length"), what
+        if usage is not None:
+            assert usage.completion_tokens == len(tokens), what
+            assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+            assert usage.model_extra["speculative"] == {"draft_tokens": 0, "accepted_draft_tokens": 0}
+    assert results[0][2].prompt_tokens == len(server.engine.tokenize(PROMPTS[0]))
+    assert_idle(server.engine)
+
+
+def test_stop_strings_truncate_the_text(served, ref):
+    server, client = served
+    text = ref.text[0]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    args = dict(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+    r = client.completions.create(stop=["@@never@@", stop], **args)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(stop=stop, stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+    r = client.completions.create(stop="@@never@@", **args)  # a stop string that never comes changes nothing
+    assert r.choices[0].text == text
+    assert_idle(server.engine)
+
+
+def test_stop_strings_hold_back_partial_matches():
+    s = StopStrings(["</end>", "xyz"])
+    assert s.feed("abc</e") == ("abc", False)  # "</e" may start "</end>"
+    assert s.feed("nx") == ("</en", False)  # "x" may start "xyz"
+    assert s.feed("xy") == ("x", False)
+    assert s.feed("z tail") == ("", True)
+    s = StopStrings(["</end>"])
+    assert s.feed("a</") == ("a", False) and s.flush() == "</"
+
+
+BAD = [
+    ("completion", dict(prompt=""), 400, "prompt", None),
+    ("completion", dict(prompt=[]), 400, "prompt", None),
+    ("completion", dict(prompt=["a", "b"]), 400, "prompt", None),
+    ("completion", dict(prompt=[5, 99999]), 400, "prompt", None),
+    ("completion", dict(prompt="word " * 400), 400, "prompt", "context_length_exceeded"),
+    ("completion", dict(max_tokens=0), 400, "max_tokens", None),
+    ("completion", dict(max_tokens=MAX_LEN), 400, "max_tokens", "context_length_exceeded"),
+    ("completion", dict(temperature=-1), 400, "temperature", None),
+    ("completion", dict(temperature=2.5), 400, "temperature", None),
+    ("completion", dict(temperature="hot"), 400, "temperature", None),
+    ("completion", dict(top_p=0), 400, "top_p", None),
+    ("completion", dict(top_p=1.5), 400, "top_p", None),
+    ("completion", dict(n=2), 400, "n", None),
+    ("completion", dict(seed=-1), 400, "seed", None),
+    ("completion", dict(stop=[""]), 400, "stop", None),
+    ("completion", dict(logprobs=2), 400, "logprobs", None),
+    ("completion", dict(model="gpt-4"), 404, "model", "model_not_found"),
+    ("chat", dict(messages=[]), 400, "messages", None),
+    ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages", None),
+    ("chat", dict(messages=[{"role": "user", "content": "hi " * 300}]), 400, "messages", "context_length_exceeded"),
+    ("chat", dict(frequency_penalty=0.5), 400, "frequency_penalty", None),
+    ("chat", dict(n=3), 400, "n", None),
+]
+
+
+@pytest.mark.parametrize("kind,params,status,param,code", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_parameters_give_openai_errors(served, kind, params, status, param, code):
+    server, client = served
+    if kind == "completion":
+        create, args = client.completions.create, dict(model="stdlib-v3", prompt="x = 1", max_tokens=2)
+    else:
+        create, args = client.chat.completions.create, dict(model="stdlib-v3", messages=CHATS[0], max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as e:
+        create(**(args | params))
+    assert e.value.status_code == status
+    body = e.value.body
+    assert set(body) == {"message", "type", "param", "code"} and body["message"], body
+    assert (body["param"], body["code"]) == (param, code), body
+    assert body["type"] == ("invalid_request_error")
+
+
+def test_error_body_and_server_keeps_serving(served):
+    server, client = served
+    status, body = post(server, "/v1/completions", {"model": "stdlib-v3", "prompt": "x", "top_p": 2})
+    assert status == 400
+    assert body == {"error": {"message": "top_p must be in (0, 1], got 2.0", "type": "invalid_request_error",
+                              "param": "top_p", "code": None}}  # fmt: skip
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"})[0] == 400
+    assert server.service.metrics.registry.get_sample_value(
+        "hcfjax_rejected_requests_total", {"code": "INVALID_ARGUMENT"}
+    )
+    r = client.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert_idle(server.engine)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(served):
+    server, client = served
+    before = finished(server, "abort")
+    stream = client.completions.create(model="stdlib-v3", prompt="x = 1", stream=True, **LONG)
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # decoding now
+    assert server.engine.snapshot()["free_pages"] < server.engine.snapshot()["total_pages"]
+    stream.close()
+    assert_idle(server.engine, timeout=5)
+    assert finished(server, "abort") == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(served):
+    server, client = served
+    before = finished(server, "abort")
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=1.0).completions.create(model="stdlib-v3", prompt="x = 2", **LONG)
+    assert_idle(server.engine, timeout=5)
+    assert finished(server, "abort") == before + 1
+
+
+def test_full_queue_is_429(served):
+    server, client = served
+    streams, refused = [], None
+    try:
+        for i in range(CONFIG.max_slots + CONFIG.max_queue + 1):
+            try:
+                streams.append(client.completions.create(model="stdlib-v3", prompt=f"x = {i}", stream=True, **LONG))
+            except openai.RateLimitError as e:
+                refused = e
+                break
+        assert refused is not None and len(streams) >= CONFIG.max_queue
+        assert refused.status_code == 429 and refused.body["type"] == "rate_limit_error"
+        assert refused.body["code"] == "queue_full" and "max_queue" in refused.body["message"]
+    finally:
+        for s in streams:
+            s.close()
+    assert_idle(server.engine)
+
+
+def test_models_and_health(served):
+    server, client = served
+    (m,) = client.models.list().data
+    assert (m.id, m.object, m.owned_by, m.model_extra["max_model_len"]) == ("stdlib-v3", "model", "hcfjax", MAX_LEN)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as r:
+        assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+
+
+def test_api_key_on_a_second_front_end_of_the_same_engine(served):
+    server, _ = served
+    second = HTTPServer(server.engine, api_key="sesame").start()
+    url = f"http://127.0.0.1:{second.port}/v1"
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
+        assert good.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        second.shutdown(stop_engine=False)
+    assert server.engine.snapshot()["steps"] > 0 and server.service.stopping is False
+    assert_idle(server.engine)
+
+
+def test_stopped_engine_is_503(model):
+    engine = Engine(model, EngineConfig(max_slots=1, max_model_len=64, token_budget=16))
+    engine.shutdown()
+    server = HTTPServer(engine).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "shutting_down"
+    finally:
+        server.shutdown()
+
+
+def test_chat_template_from_the_checkpoint(tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    conf = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    t = ChatTemplate.for_checkpoint(tmp_path)
+    assert t.render([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
+    assert ChatTemplate.for_checkpoint(hcfjax.DEFAULT_MODEL).is_default
+    rendered = ChatTemplate().render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert rendered == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+
+
+def test_shutdown_ends_open_streams(served):
+    """Last: shuts the module's server down while a stream is open."""
+    server, client = served
+    stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
+    chunks = iter(stream)
+    next(chunks)
+    server.shutdown()
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in chunks:
+            pass
+    assert_idle(server.engine, timeout=0)
+
+
+def test_serve_needs_a_port(capsys):
+    from hcfjax import cli
+
+    assert cli.main(["serve"]) == 2
+    assert "--http-port" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--http-port", "0"])
+    assert (args.http_port, args.port) == (0, None)
