@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import queue
 import secrets
 import signal
@@ -51,6 +49,8 @@ from hcfjax.serving.openai_protocol import (
     StopStrings,
     bad_request,
     message_text,
+    sse,
+    usage_json,
 )
 
 log = logging.getLogger("hcfjax.serving")
@@ -65,20 +65,6 @@ REJECTED = {
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
 }
-
-
-def usage_json(u: Usage) -> dict:
-    """OpenAI's usage, plus `speculative`: the request's verified and accepted MTP draft tokens (0 without)."""
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.output_tokens,
-        "total_tokens": u.prompt_tokens + u.output_tokens,
-        "speculative": {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens},
-    }
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _Call:
@@ -176,26 +162,7 @@ class OpenAIService:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server has {self.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")  # fmt: skip
-        if body.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
-        if unsupported := body.unsupported():
-            raise bad_request(f"{unsupported[0]} is not supported by this server", unsupported[0])
-        if not (math.isfinite(body.temperature) and 0 <= body.temperature <= 2):
-            raise bad_request(f"temperature must be in [0, 2], got {body.temperature}", "temperature")
-        if not 0 < body.top_p <= 1:
-            raise bad_request(f"top_p must be in (0, 1], got {body.top_p}", "top_p")
-        if body.top_k < 0:
-            raise bad_request(f"top_k must be >= 0 (0 = off), got {body.top_k}", "top_k")
-        if not 0 <= body.min_p < 1:
-            raise bad_request(f"min_p must be in [0, 1), got {body.min_p}", "min_p")
-        if body.seed is not None and not 0 <= body.seed < 2**32:
-            raise bad_request(f"seed must be in [0, 2^32), got {body.seed}", "seed")
-        if any(not s for s in self.stops(body)):
-            raise bad_request("stop strings must not be empty", "stop")
-
-    @staticmethod
-    def stops(body) -> list[str]:
-        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        body.check_params()
 
     def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -245,7 +212,7 @@ class OpenAIService:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
         except EngineStopped as e:
             raise APIError(503, str(e), "unavailable", code="shutting_down") from None
-        return _Call(self, req, self.stops(body))
+        return _Call(self, req, body.stops)
 
     @contextlib.contextmanager
     def refusals(self):

@@ -1,12 +1,15 @@
-"""The OpenAI API's request bodies, error object and streamed stop strings, for hcfjax/serving/http.py.
+"""The OpenAI API's request bodies and their checks, the error object, usage, server-sent events and streamed stop
+strings, for hcfjax/serving/http.py.
 
-Only what the engine can do is accepted: n = 1, no logprobs, no penalties or logit bias, no tools. Parameters the
-OpenAI API has and hcfjax ignores are none; unknown ones are ignored (clients send many).
+Only what the engine can do is accepted: n = 1, no logprobs, no penalties or logit bias, no tools; those are
+refused rather than ignored. Parameters the OpenAI API does not have are ignored (clients send many).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -54,6 +57,29 @@ class _Common(BaseModel):
     min_p: float = 0.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_params(self) -> None:
+        """The checks that need no engine; raises APIError (400) naming the parameter."""
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        if unsupported := self.unsupported():
+            raise bad_request(f"{unsupported[0]} is not supported by this server", unsupported[0])
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
+            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise bad_request(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
+        if not 0 <= self.min_p < 1:
+            raise bad_request(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise bad_request(f"seed must be in [0, 2^32), got {self.seed}", "seed")
+        if any(not s for s in self.stops):
+            raise bad_request("stop strings must not be empty", "stop")
 
     def unsupported(self) -> list[str]:
         """Names of parameters set to something the engine cannot do."""
@@ -113,7 +139,20 @@ def message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-FinishReason = Literal["stop", "length"]
+def usage_json(u) -> dict:
+    """OpenAI's usage from the engine's Usage, plus `speculative`: the request's verified and accepted MTP draft
+    tokens (0 without speculative decoding)."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.output_tokens,
+        "total_tokens": u.prompt_tokens + u.output_tokens,
+        "speculative": {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens},
+    }
+
+
+def sse(obj) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class StopStrings:
