@@ -22,7 +22,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hcfjax.config import ModelConfig
+from hcfjax.config import ModelConfig, QuantConfig
+from hcfjax.quant import QWeight, group_size
 
 FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
 
@@ -40,6 +41,8 @@ class TensorSpec:
     pshape: tuple[int, ...]  # params shape of this slice
     linear: bool  # [out, in] in the checkpoint, [in, out] (then reshaped to pshape) in params
     fp32: bool = False  # kept in float32 whatever the model dtype (router)
+    dtype: str | None = None  # stored and loaded in exactly this dtype (the parts of a quantised weight)
+    quant: tuple[int, str] | None = None  # (bits, activations) on the `q` part of a quantised weight
 
 
 def _linear(name, path, index, d_in, pshape_out) -> TensorSpec:
@@ -126,7 +129,39 @@ def tensor_specs(cfg: ModelConfig, mtp: bool = True) -> list[TensorSpec]:
                 _vector(p + "shared_head.norm.weight", path + ("head_norm",), (), d),
                 _linear(p + "shared_head.head.weight", path + ("head",), (), d, (v,)),
             ]
-    return specs
+    return quantized_specs(specs, cfg.quantization) if cfg.quantization else specs
+
+
+# Linears the model runs as `x @ W` (so a QWeight can stand in): MLPs (dense, shared, routed experts), MLA's down
+# projections, the MTP combiner. MLA's per-head q_b/q/kv_b/o run as einsums in attention.py and stay unquantised, as
+# do embeddings, LM heads, routers and norms.
+QUANTIZABLE = ("gate", "up", "down", "q_a", "kv_a", "eh_proj")
+_SCHEME_BITS = {"w4a16": (4, "bf16"), "w4a8": (4, "int8"), "w8a8": (8, "int8")}
+
+
+def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]:
+    """The name table of a quantised checkpoint: each quantised linear `X.weight` [N, K] becomes `X.weight` (int4
+    packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]), at params paths (..., 'q') and
+    (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
+    out = []
+    for s in specs:
+        scheme = q.experts if "experts" in s.path else q.linear
+        if not (s.linear and s.path[-1] in QUANTIZABLE and scheme):
+            out.append(s)
+            continue
+        bits, act = _SCHEME_BITS[scheme]
+        n, k = s.shape
+        qshape = (n, k // 2 if bits == 4 else k)
+        sshape = (n, k // group_size(k, bits, q.group_size))
+        scale_name = s.name[: -len("weight")] + "weight_scale"
+        out.append(
+            TensorSpec(s.name, s.path + ("q",), s.index, qshape, qshape, False, dtype=_QDTYPE[bits], quant=(bits, act))
+        )
+        out.append(TensorSpec(scale_name, s.path + ("scale",), s.index, sshape, sshape, False, dtype="float32"))
+    return out
+
+
+_QDTYPE = {4: "uint8", 8: "int8"}
 
 
 def stacked_shapes(specs: list[TensorSpec]) -> dict[tuple, tuple[tuple[int, ...], bool]]:
@@ -148,7 +183,7 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 def get_path(tree, path: tuple):
     for key in path:
-        tree = tree[key]
+        tree = getattr(tree, key) if isinstance(tree, QWeight) else tree[key]
     return tree
 
 
@@ -248,8 +283,10 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: boo
     specs = tensor_specs(cfg, mtp=mtp)
     by_name = {s.name: s for s in specs}
     np_dtype = np.dtype(jnp.dtype(dtype))
+    fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
     buffers = {
-        p: np.empty(shape, np.float32 if fp32 else np_dtype) for p, (shape, fp32) in stacked_shapes(specs).items()
+        p: np.empty(shape, fixed.get(p, np.float32 if fp32 else np_dtype))
+        for p, (shape, fp32) in stacked_shapes(specs).items()
     }
     seen: set[str] = set()
     for name, load, load_scale in iter_tensors(checkpoint_files(path)):
@@ -273,6 +310,10 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: boo
     params = {}
     for p in list(buffers):
         params[p] = jnp.asarray(buffers.pop(p))
+    for s in specs:
+        if s.quant and s.path in params:
+            w = s.path[:-1]
+            params[w] = QWeight(params.pop(s.path), params.pop(w + ("scale",)), *s.quant)
     return to_pytree(params)
 
 
@@ -299,7 +340,7 @@ def save_params(params: dict, cfg: ModelConfig, path: str | Path, dtype=None) ->
             host[s.path] = np.asarray(jax.device_get(get_path(params, s.path)))
         t = host[s.path][s.index]
         t = t.reshape(s.pshape[0], -1).T if s.linear else t
-        if dtype is not None and not s.fp32:
+        if dtype is not None and not s.fp32 and s.dtype is None:
             t = t.astype(np.dtype(jnp.dtype(dtype)))
         t = np.ascontiguousarray(t)
         if size + t.nbytes > SHARD_BYTES and shards[-1]:

@@ -12,6 +12,15 @@ SCORING = ("sigmoid", "softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 ROPE_TYPES = ("default", "yarn")
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+# Quantisation schemes: (routed experts, other `x @ W` linears, KV cache). Experts are int4 with group-wise scales
+# (w4a16: bf16 activations, w4a8: per-token int8 activations) or int8 per channel (w8a8); "w8a8" linears are int8 per
+# channel with int8 activations; None keeps them in the model dtype. hcfjax/quantize.py says which linears these are.
+QUANT_SCHEMES = {
+    "w4a16": ("w4a16", None, None),
+    "w4a8": ("w4a8", None, None),
+    "w4a8c8": ("w4a8", "w8a8", "int8"),
+    "w8a8": ("w8a8", "w8a8", None),
+}
 
 
 class ConfigError(ValueError):
@@ -46,6 +55,41 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """config.json's `quantization_config` for checkpoints written by `hcfjax quantize`."""
+
+    scheme: str
+    group_size: int = 128
+    experts: str = "w4a16"  # w4a16 | w4a8 | w8a8
+    linear: str | None = None  # w8a8 | None (kept in the model dtype)
+    kv_cache_dtype: str | None = None  # "int8": the scheme was chosen with the int8 latent cache
+
+    @classmethod
+    def for_scheme(cls, scheme: str, group_size: int = 128) -> QuantConfig:
+        if scheme not in QUANT_SCHEMES:
+            raise ConfigError(
+                f"quantisation scheme {scheme!r} is not supported (expected one of {list(QUANT_SCHEMES)})"
+            )
+        experts, linear, kv = QUANT_SCHEMES[scheme]
+        return cls(scheme, group_size, experts, linear, kv)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+        if d.get("quant_method") != "hcfjax":
+            raise ConfigError(f"quantization_config with quant_method={d.get('quant_method')!r} is not supported")
+        q = cls.for_scheme(d.get("scheme"), int(d.get("group_size", 128)))
+        return dataclasses.replace(
+            q,
+            experts=d.get("experts", q.experts),
+            linear=d.get("linear", q.linear),
+            kv_cache_dtype=d.get("kv_cache_dtype"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": "hcfjax", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -77,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None
 
     # ---- derived -------------------------------------------------------------------------------------------------
     @property
@@ -191,11 +236,16 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=QuantConfig.from_dict(d["quantization_config"]) if d.get("quantization_config") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """config.json contents (DeepSeek's original key names, which transformers also reads)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("rope", "eos_token_ids", "num_mtp_layers")}
+        d = {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in ("rope", "eos_token_ids", "num_mtp_layers", "quantization")
+        }
         d["architectures"] = ["DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"]
         d["num_key_value_heads"] = self.num_attention_heads
         d["num_nextn_predict_layers"] = self.num_mtp_layers
@@ -216,6 +266,8 @@ class ModelConfig:
                 mscale_all_dim=r.mscale_all_dim,
                 original_max_position_embeddings=r.original_max_position_embeddings,
             )
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_dict()
         return d
 
 

@@ -1,6 +1,8 @@
 """Mixture of experts: DeepSeek routing (greedy, group-limited greedy, noaux_tc) and grouped expert matmuls.
 
-Experts run as `jax.lax.ragged_dot` over the token copies sorted by expert: no loop over experts, no padding.
+Experts run as grouped matmuls over the token copies sorted by expert: no loop over experts, no padding.
+`quant.ragged_dot` picks how: `jax.lax.ragged_dot` for plain weights; for quantised experts (hcfjax/quant.py) the
+Pallas int4 kernel on GPU or the pure-jnp reference elsewhere.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import jax.numpy as jnp
 
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
+from hcfjax.quant import ragged_dot
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -41,7 +44,8 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-    """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D]."""
+    """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
+    QWeights of those logical shapes)."""
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
     flat = ids.reshape(-1)  # [N*K]
@@ -49,8 +53,8 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     token = order // k  # source token of each sorted copy
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
     xs = x[token]  # [N*K, D]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], group_sizes)) * jax.lax.ragged_dot(xs, p["up"], group_sizes)
-    y = jax.lax.ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
+    h = jax.nn.silu(ragged_dot(xs, p["gate"], group_sizes)) * ragged_dot(xs, p["up"], group_sizes)  # [N*K, F]
+    y = ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 

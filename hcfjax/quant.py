@@ -1,0 +1,182 @@
+"""Quantised weights: the pytree type, quantise/dequantise, and the matmuls that run them.
+
+A `QWeight` stands for a logical weight W [..., K, N] (the params' [in, out] convention; leading dims stack layers
+and experts). It is stored output-major, K contiguous, exactly as a checkpoint's [out, in] tensor:
+
+    int4 (bits=4):  q      uint8 [..., N, K/2]   byte j of row n holds W[2j, n] in its low nibble and W[2j+1, n] in
+                                                  its high nibble, two's complement, values in [-7, 7]
+                    scale  f32   [..., N, K/G]    symmetric: W[k, n] ~ q[n, k] * scale[n, k // G], G = group (128)
+    int8 (bits=8):  q      int8  [..., N, K]      per output channel: G = K, scale f32 [..., N, 1]
+
+Output-major storage makes a weight tile the A operand of the GPU kernel's transposed product (out^T = W^T x^T),
+which is what lets the kernel dequantise it in registers (pallas_kernels/moe_int4.py).
+
+`act` says what the activations do: "bf16" (weight-only: dequantise, then a float matmul) or "int8" (per-token
+dynamic symmetric int8 activations, int8 x int8 -> int32 per K group, the weight's group scales and the token's scale
+applied to the int32 partial sums). Dimension letters: M rows (tokens), K in, N out, E experts, G group size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hcfjax.cache import quantize_int8
+
+GROUP = 128  # int4 group size along K (symmetric scales)
+ACTS = ("bf16", "int8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QWeight:
+    q: jax.Array  # [..., N, K/2] uint8 (int4 packed) or [..., N, K] int8
+    scale: jax.Array  # [..., N, K/G] f32
+    bits: int = dataclasses.field(metadata=dict(static=True), default=4)
+    act: str = dataclasses.field(metadata=dict(static=True), default="bf16")
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[-1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def group(self) -> int:
+        return self.k // self.scale.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical weight's shape [..., K, N] (so code that reads `w.shape` works unchanged)."""
+        return (*self.q.shape[:-2], self.k, self.n)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        """x @ w, so that `x @ p["gate"]` in the model runs a quantised layer unchanged."""
+        return matmul(x, self)
+
+
+def group_size(k: int, bits: int, group: int = GROUP) -> int:
+    """The K group of a weight with K inputs: `group` (int4), K itself when K < group, or K (int8, per channel)."""
+    if bits == 8:
+        return k
+    g = min(group, k)
+    if k % g or k % 2:
+        raise ValueError(f"int4 weights need K (={k}) even and a multiple of the group size {g}")
+    return g
+
+
+def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP) -> QWeight:
+    """Symmetric quantisation of w [..., K, N] (float) to a QWeight (see the module docstring for the layout)."""
+    if bits not in (4, 8) or act not in ACTS:
+        raise ValueError(f"unsupported quantisation bits={bits} act={act!r}")
+    k = w.shape[-2]
+    g = group_size(k, bits, group)
+    qmax = 7 if bits == 4 else 127
+    wt = jnp.swapaxes(w.astype(jnp.float32), -1, -2)  # [..., N, K]
+    wg = wt.reshape(*wt.shape[:-1], k // g, g)
+    scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=-1), 1e-12) / qmax  # [..., N, K/G]
+    q = jnp.clip(jnp.round(wg / scale[..., None]), -qmax, qmax).astype(jnp.int8).reshape(wt.shape)
+    return QWeight(pack_int4(q) if bits == 4 else q, scale, bits, act)
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """int8 values in [-8, 7] [..., K] -> uint8 [..., K/2] (even k in the low nibble)."""
+    u = q.astype(jnp.uint8) & 0xF
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(p: jax.Array) -> jax.Array:
+    """uint8 [..., K/2] -> int8 [..., K] (sign-extended nibbles)."""
+    s = p.astype(jnp.int8)
+    lo = jnp.right_shift(jnp.left_shift(s, 4), 4)  # arithmetic shifts sign-extend
+    hi = jnp.right_shift(s, 4)
+    return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def int_values(w: QWeight) -> jax.Array:
+    """The integer weights, int8 [..., N, K]."""
+    return unpack_int4(w.q) if w.bits == 4 else w.q
+
+
+def dequantize(w: QWeight, dtype=jnp.float32) -> jax.Array:
+    """QWeight -> W [..., K, N] in dtype."""
+    q = int_values(w).astype(jnp.float32)
+    g = w.group
+    wf = (q.reshape(*q.shape[:-1], -1, g) * w.scale[..., None]).reshape(q.shape)
+    return jnp.swapaxes(wf, -1, -2).astype(dtype)
+
+
+def _grouped(x: jax.Array, g: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // g, g)  # [..., K] -> [..., K/G, G]
+
+
+def matmul(x: jax.Array, w: QWeight) -> jax.Array:
+    """x [..., K] @ W [K, N] -> [..., N] in x's dtype (one unstacked weight; dense layers)."""
+    if w.act == "bf16":
+        return jnp.einsum("...K,KN->...N", x, dequantize(w, x.dtype))
+    xq, xs = quantize_int8(x)  # [..., K] int8, [...] f32
+    g = w.group
+    acc = jnp.einsum(
+        "...GK,NGK->...GN", _grouped(xq, g), _grouped(int_values(w), g), preferred_element_type=jnp.int32
+    )  # int32 partial sums per K group
+    y = jnp.einsum("...GN,NG->...N", acc.astype(jnp.float32), w.scale) * xs[..., None]
+    return y.astype(x.dtype)
+
+
+def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> jax.Array:
+    """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference).
+
+    x [M, K] rows sorted by expert, w: QWeight of [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0)
+    -> [M, N] in x's dtype. w4a16/w8a16: dequantise, then a bf16 ragged_dot with f32 accumulation. int8
+    activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales.
+    """
+    if w.act == "bf16":
+        return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
+            x.dtype
+        )
+    g = w.group
+    xq, xs = quantize_int8(x)
+    wq = jnp.swapaxes(_grouped(int_values(w), g), -2, -3)  # [E, K/G, N, G]
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((2,), (3,)), ((1,), (1,))), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    acc = lax.ragged_dot_general(_grouped(xq, g), wq, group_sizes, dn, preferred_element_type=jnp.int32)  # [K/G, M, N]
+    # Each row's expert, to pick its weight scales [M, N, K/G]; rows past the groups map to a clamped expert (x 0).
+    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+    ws = w.scale[jnp.minimum(row_expert, w.scale.shape[0] - 1)]
+    y = jnp.einsum("GMN,MNG->MN", acc.astype(jnp.float32), ws) * xs[:, None]
+    return y.astype(x.dtype)
+
+
+def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul over experts, the one place that picks how: plain weights -> `jax.lax.ragged_dot`; int4
+    QWeights -> the Pallas Mosaic GPU kernel on a GPU, the jnp reference elsewhere; int8 QWeights -> the reference."""
+    if not isinstance(w, QWeight):
+        return lax.ragged_dot(x, w, group_sizes)
+    if w.bits == 4 and use_kernel():
+        from pallas_kernels.moe_int4 import int4_ragged_dot
+
+        return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act)
+    return ragged_dot_reference(x, w, group_sizes)
+
+
+def use_kernel() -> bool:
+    """True on a Hopper-class GPU backend, where the Mosaic GPU kernel runs."""
+    return jax.default_backend() == "gpu"
+
+
+def nbytes(w) -> int:
+    """Bytes a weight occupies (quantised values plus scales)."""
+    if isinstance(w, QWeight):
+        return w.q.nbytes + w.scale.nbytes
+    return math.prod(w.shape) * jnp.dtype(w.dtype).itemsize

@@ -1,0 +1,69 @@
+"""`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8).
+
+What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the linears):
+  w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
+  w4a8    routed experts int4, per-token dynamic int8 activations; everything else as it was.
+  w4a8c8  w4a8 experts; the other `x @ W` linears (dense and shared-expert MLPs, MLA's q_a/kv_a down projections,
+          the MTP combiner) int8 per output channel with int8 activations; the int8 latent KV cache
+          (`quantization_config.kv_cache_dtype`, see `default_cache_dtype`).
+  w8a8    every `x @ W` linear, experts included, int8 per output channel with int8 activations.
+Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head q_b/kv_b/o (einsums
+in attention.py; its absorbed decode folds kv_b into the query and the output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from hcfjax.checkpoint import get_path, quantized_specs, tensor_specs
+from hcfjax.config import QuantConfig
+from hcfjax.model import Model
+from hcfjax.quant import quantize
+
+
+def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
+    """The model with its weights quantised per `scheme`; its config carries the `quantization_config`."""
+    if model.cfg.quantization is not None:
+        raise ValueError(f"the model is already quantised ({model.cfg.quantization.scheme})")
+    qcfg = QuantConfig.for_scheme(scheme, group_size)
+    has_mtp = "mtp" in model.params and len(model.params["mtp"]) > 0
+    specs = quantized_specs(tensor_specs(model.cfg, mtp=has_mtp), qcfg)
+    params = _copy_tree(model.params)
+    done = set()
+    for s in specs:
+        if s.quant and s.path not in done:
+            done.add(s.path)
+            w = s.path[:-1]
+            bits, act = s.quant
+            get_path(params, w[:-1])[w[-1]] = quantize(get_path(model.params, w), bits, act, group_size)
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, quantization=qcfg), params=params)
+
+
+def _copy_tree(tree):
+    if isinstance(tree, dict):
+        return {k: _copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_tree(v) for v in tree]
+    return tree
+
+
+def default_cache_dtype(model: Model, requested=None):
+    """The KV cache dtype to run `model` with: `requested` if given, int8 when the checkpoint's quantisation scheme
+    says so (w4a8c8), else the model's dtype."""
+    if requested is not None:
+        return requested
+    q = model.cfg.quantization
+    return jnp.int8 if q is not None and q.kv_cache_dtype == "int8" else model.dtype
+
+
+def quantize_checkpoint(src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128) -> Model:
+    """Loads `src` (a checkpoint directory; None: the embedded model), quantises it and writes it to `out` as
+    safetensors with `quantization_config` in config.json, which `hcfjax.load` reads back."""
+    from hcfjax.api import load, save
+
+    model = quantize_model(load(src, dtype=jnp.bfloat16), scheme, group_size)
+    save(model, out)
+    return model
