@@ -8,6 +8,7 @@ hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--met
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
+hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8   (hcfjax/quantize.py)
 """
 
 from __future__ import annotations
@@ -275,7 +276,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["generate"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
+
+    q = sub.add_parser("quantize", help="write a quantised copy of a checkpoint (hcfjax/quantize.py)")
+    q.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
+    q.add_argument("--out", required=True, help="directory to write the quantised checkpoint to")
+    q.add_argument("--scheme", required=True, choices=["w4a8c8", "w4a16", "w4a8", "w8a8"])
+    q.add_argument("--group-size", type=int, default=128, help="int4 scale group along K")
+    q.set_defaults(func=_quantize)
     return ap
+
+
+def _quantize(args) -> int:
+    from hcfjax.quantize import quantize_checkpoint
+
+    try:
+        model = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.scheme} checkpoint to {args.out} ({model.cfg.quantization})")
+    return 0
 
 
 def _bench(args) -> int:
