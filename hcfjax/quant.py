@@ -19,6 +19,7 @@ applied to the int32 partial sums). Dimension letters: M rows (tokens), K in, N 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -75,6 +76,7 @@ def group_size(k: int, bits: int, group: int = GROUP) -> int:
     return g
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "act", "group"))
 def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP) -> QWeight:
     """Symmetric quantisation of w [..., K, N] (float) to a QWeight (see the module docstring for the layout)."""
     if bits not in (4, 8) or act not in ACTS:
@@ -108,6 +110,7 @@ def int_values(w: QWeight) -> jax.Array:
     return unpack_int4(w.q) if w.bits == 4 else w.q
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(w: QWeight, dtype=jnp.float32) -> jax.Array:
     """QWeight -> W [..., K, N] in dtype."""
     q = int_values(w).astype(jnp.float32)
