@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
 from hcfjax.layers import apply_rope, rms_norm
+from pallas_kernels.mla_decode import decode_attention
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +78,28 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Ar
     return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
 
 
+def attend_absorbed_paged(p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions) -> jax.Array:
+    """attend_absorbed straight over the paged cache (the MLA decode kernel on a GPU, its jnp reference elsewhere);
+    a query at positions [B, T] sees keys at positions <= its own and < kv_len.  -> [B, T, H, V]"""
+    w_uk = p["kv_b"][..., : cfg.qk_nope_head_dim]  # [C, H, N]
+    w_uv = p["kv_b"][..., cfg.qk_nope_head_dim :]  # [C, H, V]
+    q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
+    cache = ctx.cache
+    o_lat = decode_attention(
+        q_lat,
+        q_pe,
+        cache.kv,
+        ctx.page_table,
+        ctx.kv_len,
+        cfg.softmax_scale,
+        scales=cache.scale,
+        kv_lora_rank=cfg.kv_lora_rank,
+        positions=positions,
+        layer=layer,
+    )  # [B, T, H, C]
+    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
+
+
 def mla(
     p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, ctx: CacheContext | None, layer, absorbed: bool
 ) -> tuple[jax.Array, CacheContext | None]:
@@ -94,6 +117,9 @@ def mla(
     else:
         cache = kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
         ctx = dataclasses.replace(ctx, cache=cache)
+        if absorbed:
+            out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
+            return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx
         ckv, kpe = kvcache.read(cache, layer, ctx.page_table, cfg.kv_lora_rank, x.dtype)
         key_pos = jnp.arange(ckv.shape[1])[None, None, :]  # [1, 1, S]
         mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
