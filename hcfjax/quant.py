@@ -3,13 +3,15 @@
 A `QWeight` stands for a logical weight W [..., K, N] (the params' [in, out] convention; leading dims stack layers
 and experts). It is stored output-major, K contiguous, exactly as a checkpoint's [out, in] tensor:
 
-    int4 (bits=4):  q      uint8 [..., N, K/2]   byte j of row n holds W[2j, n] in its low nibble and W[2j+1, n] in
-                                                  its high nibble, two's complement, values in [-7, 7]
-                    scale  f32   [..., N, K/G]    symmetric: W[k, n] ~ q[n, k] * scale[n, k // G], G = group (128)
+    int4 (bits=4):  q      uint8 [..., N, K/2]   per K group of G (128) inputs, G/2 bytes: byte j of group i holds
+                                                  k = iG + j in its low nibble and k = iG + j + G/2 in its high
+                                                  nibble, two's complement, values in [-7, 7]
+                    scale  f32   [..., N, K/G]    symmetric: W[k, n] ~ q[n, k] * scale[n, k // G]
     int8 (bits=8):  q      int8  [..., N, K]      per output channel: G = K, scale f32 [..., N, 1]
 
 Output-major storage makes a weight tile the A operand of the GPU kernel's transposed product (out^T = W^T x^T),
-which is what lets the kernel dequantise it in registers (pallas_kernels/moe_int4.py).
+and packing a group's two halves (not neighbours) together lets the kernel unpack a tile into two contiguous K halves
+with two shifts (pallas_kernels/moe_int4.py).
 
 `act` says what the activations do: "bf16" (weight-only: dequantise, then a float matmul) or "int8" (per-token
 dynamic symmetric int8 activations, int8 x int8 -> int32 per K group, the weight's group scales and the token's scale
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -88,26 +91,27 @@ def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP)
     wg = wt.reshape(*wt.shape[:-1], k // g, g)
     scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=-1), 1e-12) / qmax  # [..., N, K/G]
     q = jnp.clip(jnp.round(wg / scale[..., None]), -qmax, qmax).astype(jnp.int8).reshape(wt.shape)
-    return QWeight(pack_int4(q) if bits == 4 else q, scale, bits, act)
+    return QWeight(pack_int4(q, g) if bits == 4 else q, scale, bits, act)
 
 
-def pack_int4(q: jax.Array) -> jax.Array:
-    """int8 values in [-8, 7] [..., K] -> uint8 [..., K/2] (even k in the low nibble)."""
-    u = q.astype(jnp.uint8) & 0xF
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+def pack_int4(q: jax.Array, group: int) -> jax.Array:
+    """int8 values in [-8, 7] [..., K] -> uint8 [..., K/2]: per group, the first half in the low nibbles."""
+    u = _grouped(q.astype(jnp.uint8) & 0xF, group)  # [..., K/G, G]
+    h = group // 2
+    return (u[..., :h] | (u[..., h:] << 4)).reshape(*q.shape[:-1], q.shape[-1] // 2)
 
 
-def unpack_int4(p: jax.Array) -> jax.Array:
-    """uint8 [..., K/2] -> int8 [..., K] (sign-extended nibbles)."""
-    s = p.astype(jnp.int8)
+def unpack_int4(p: jax.Array, group: int) -> jax.Array:
+    """uint8 [..., K/2] -> int8 [..., K] (sign-extended nibbles), the inverse of pack_int4."""
+    s = _grouped(p.astype(jnp.int8), group // 2)  # [..., K/G, G/2]
     lo = jnp.right_shift(jnp.left_shift(s, 4), 4)  # arithmetic shifts sign-extend
     hi = jnp.right_shift(s, 4)
-    return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return jnp.concatenate([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
 def int_values(w: QWeight) -> jax.Array:
     """The integer weights, int8 [..., N, K]."""
-    return unpack_int4(w.q) if w.bits == 4 else w.q
+    return unpack_int4(w.q, w.group) if w.bits == 4 else w.q
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
@@ -163,19 +167,23 @@ def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """Grouped matmul over experts, the one place that picks how: plain weights -> `jax.lax.ragged_dot`; int4
-    QWeights -> the Pallas Mosaic GPU kernel on a GPU, the jnp reference elsewhere; int8 QWeights -> the reference."""
+    QWeights -> the Pallas Mosaic GPU kernel on a GPU (shapes it supports), the jnp reference elsewhere; int8
+    QWeights -> the reference."""
     if not isinstance(w, QWeight):
         return lax.ragged_dot(x, w, group_sizes)
     if w.bits == 4 and use_kernel():
-        from pallas_kernels.moe_int4 import int4_ragged_dot
+        from pallas_kernels.moe_int4 import int4_ragged_dot, supports
 
-        return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act)
+        if supports(x, w.q, w.scale):
+            return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act)
     return ragged_dot_reference(x, w, group_sizes)
 
 
 def use_kernel() -> bool:
-    """True on a Hopper-class GPU backend, where the Mosaic GPU kernel runs."""
-    return jax.default_backend() == "gpu"
+    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in for now: the kernel matches the reference under Mosaic
+    GPU's interpreter but its first H200 run failed to lower (pallas_kernels/bench/RESULTS.md), so the default on
+    GPU is still the jnp reference."""
+    return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL") == "1"
 
 
 def nbytes(w) -> int:

@@ -20,11 +20,11 @@ from hcfjax.quantize import default_cache_dtype, quantize_model
 
 def test_int4_pack_round_trip():
     q = jnp.array(np.random.default_rng(0).integers(-8, 8, (3, 5, 64)), jnp.int8)
-    packed = quant.pack_int4(q)
+    packed = quant.pack_int4(q, 32)
     assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 32)
-    np.testing.assert_array_equal(quant.unpack_int4(packed), q)
-    # The documented layout: even k in the low nibble.
-    assert int(quant.pack_int4(jnp.array([[-1, 3]], jnp.int8))[0, 0]) == 0x3F
+    np.testing.assert_array_equal(quant.unpack_int4(packed, 32), q)
+    # The documented layout: per group, byte j holds k = j (low nibble) and k = j + G/2 (high nibble).
+    assert int(quant.pack_int4(jnp.array([[-1, 5, 3, 2]], jnp.int8), 4)[0, 0]) == 0x3F
 
 
 @pytest.mark.parametrize("bits, k, n", [(4, 256, 96), (4, 48, 40), (8, 256, 96), (8, 48, 40)])
@@ -139,3 +139,33 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     rel = float(np.sqrt(((lg - ref) ** 2).mean() / (ref**2).mean()))
     assert rel < 0.08, rel
     assert cli_main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
+
+
+@pytest.fixture
+def _reset_interpreter():
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    reset_gpu_interpret_mode_state()  # a failed interpreted kernel leaves state behind
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+@pytest.mark.parametrize(
+    "k, n, sizes, block_m",
+    [(256, 128, [5, 0, 20, 3], 16), (128, 64, [0, 17, 0, 40], None)],
+)
+def test_kernel_matches_reference_interpret(k, n, sizes, block_m, act):
+    """The Mosaic GPU kernel, run by its interpreter: empty groups, sizes not multiples of the token block, rows past
+    sum(group_sizes), several K/N. Equal to the reference up to one bf16 rounding of the output."""
+    from pallas_kernels.moe_int4 import int4_ragged_dot
+
+    e, m = len(sizes), sum(sizes) + 3
+    w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
+    x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    qw = quant.quantize(w, 4, act)
+    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, block_m=block_m), np.float32)
+    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
+    assert not y[sum(sizes) :].any()
