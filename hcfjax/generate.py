@@ -16,6 +16,7 @@ from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model, hidden_states, logits
+from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingBatch, SamplingParams, sample
 from hcfjax.speculative import SpeculativeConfig, speculative_decode
 
@@ -169,7 +170,7 @@ def generate(
 
     prompts: a string, a token list, or a list of either. sampling: one SamplingParams for all or one per prompt
     (default greedy). stop_token_ids: None stops at the checkpoint's eos tokens, [] never stops early.
-    cache_dtype: the KV cache's dtype (default the model's; jnp.int8 for the quantised cache).
+    cache_dtype: the KV cache's dtype (default the model's, or int8 for a w4a8c8 checkpoint; jnp.int8 asks for it).
     max_prefill_tokens: prompts are prefilled in groups of rows holding at most this many (padded) tokens, which
     bounds prefill activation memory for large batches.
     speculative: draft with the checkpoint's MTP modules and verify (hcfjax.speculative.SpeculativeConfig); the
@@ -197,7 +198,8 @@ def generate(
         tokens[i, : len(p)] = p
     pages_per_seq = math.ceil((max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
     page_table = np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
-    cache = kvcache.init_cache(cfg, b * pages_per_seq, page_size, cache_dtype or model.dtype, num_layers=n_layers)
+    dtype = default_cache_dtype(model, cache_dtype)
+    cache = kvcache.init_cache(cfg, b * pages_per_seq, page_size, dtype, num_layers=n_layers)
     sp = SamplingBatch.of(per_req)
     k_prefill, k_decode = jax.random.split(jax.random.key(seed))
     stop_arr = jnp.asarray(np.array(stops or [PAD], np.int32))

@@ -25,6 +25,7 @@ from hcfjax.engine.request import FinishReason, Output, Request
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.model import Model
+from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingParams
 from hcfjax.speculative import SpeculativeConfig
 
@@ -49,8 +50,9 @@ class EngineConfig:
     per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
     prefill chunks); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
     the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
-    least_pages; cache_dtype: auto (the model's) or int8; min_prefill_bucket: the smallest prefill chunk shape
-    (chunks are padded to powers of two from here: larger means fewer compiled shapes, more padding)."""
+    least_pages; cache_dtype: auto (the model's, int8 for a w4a8c8 checkpoint) or int8; min_prefill_bucket: the
+    smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
+    more padding)."""
 
     max_slots: int = 8
     dp: int = 1
@@ -107,7 +109,7 @@ class Engine:
                 balance=c.balance,
             )
         )
-        dtype = jnp.int8 if c.cache_dtype == "int8" else model.dtype
+        dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
         self.runner = ModelRunner(
             model,
             c.dp * c.max_slots,
