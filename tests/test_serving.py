@@ -51,7 +51,7 @@ def served(model):
     assert_idle(engine, timeout=0)
 
 
-def assert_idle(engine: Engine, timeout: float = 10.0) -> None:
+def assert_idle(engine: Engine, timeout: float = 60.0) -> None:
     """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
     deadline = time.monotonic() + timeout
     while True:
