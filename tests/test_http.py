@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP front end end to end: the official `openai` client against HTTPServer on a loopback port,
 over the real Engine with the embedded model. Every test leaves the engine with all its pages free."""
 
+import functools
 import json
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +17,7 @@ from hcfjax.serving.chat_template import ChatTemplate
 from hcfjax.serving.http import HTTPServer
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.openai_protocol import StopStrings
+from tests import engine_helpers
 
 MAX_LEN = 256
 # one prefill row and one chunk bucket: three step shapes to compile (prefill, prefill + decode, decode)
@@ -62,15 +63,7 @@ def text_of(message) -> str:
     return c if isinstance(c, str) else "".join(p["text"] for p in c)
 
 
-def assert_idle(engine: Engine, timeout: float = 10.0) -> None:
-    """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine.snapshot()
-        if s["queued"] == s["running"] == 0 and s["free_pages"] == s["total_pages"]:
-            return
-        assert time.monotonic() < deadline, f"engine not idle: {s}"
-        time.sleep(0.02)
+assert_idle = functools.partial(engine_helpers.assert_idle, timeout=10.0)
 
 
 def finished(server: HTTPServer, reason: str) -> float:

@@ -1,6 +1,7 @@
 """gRPC serving end to end: the server in-process over the real Engine with the embedded model, and `hcfjax serve` /
 `hcfjax client` as subprocesses. Every test leaves the engine with all its pages free."""
 
+import functools
 import math
 import os
 import queue
@@ -25,6 +26,7 @@ from hcfjax.serving import client
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.server import SERVICE_NAME, Server
+from tests import engine_helpers
 
 MAX_LEN = 256
 CONFIG = EngineConfig(max_slots=4, max_queue=4, max_model_len=MAX_LEN, token_budget=64)
@@ -51,15 +53,7 @@ def served(model):
     assert_idle(engine, timeout=0)
 
 
-def assert_idle(engine: Engine, timeout: float = 60.0) -> None:
-    """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine.snapshot()
-        if s["queued"] == s["running"] == 0 and s["free_pages"] == s["total_pages"]:
-            return
-        assert time.monotonic() < deadline, f"engine not idle: {s}"
-        time.sleep(0.02)
+assert_idle = functools.partial(engine_helpers.assert_idle, timeout=60.0)
 
 
 def rpc_error(fn) -> grpc.RpcError:
