@@ -269,8 +269,7 @@ class Engine:
         return bool(s.waiting or s.running or self._pending)
 
     def _abort_all(self) -> None:
-        if self._pending is not None:
-            self._pending = None
+        self._pending = None
         with self._lock:
             self._aborts += list(self._requests)
         self._take_inbox()

@@ -209,9 +209,7 @@ class ModelRunner:
 
             self.params = shard_params(model.params, plan)
             rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
-            self.state = SlotState(
-                jax.device_put(cache, pages), *(jax.device_put(x, rows) for x in jax.tree.leaves(self.state)[-3:])
-            )
+            self.state = jax.device_put(self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows))
         self.steps = 0
         self.shapes: set = set()
         self.compiles: list[tuple[tuple, float]] = []  # (shape key, seconds of the first call)
@@ -229,10 +227,10 @@ class ModelRunner:
         if self.plan is None:
             self.state, first, nxt = engine_step(self.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
         else:
-            fn = self._planned.get(key[1:] + (pre is not None,))
-            if fn is None:
-                fn = planned_step(self.plan, self.cfg, self.params, self.state, pre is not None, dec is not None)
-                self._planned[key[1:] + (pre is not None,)] = fn
+            parts = (pre is not None, dec is not None)
+            if parts not in self._planned:
+                self._planned[parts] = planned_step(self.plan, self.cfg, self.params, self.state, *parts)
+            fn = self._planned[parts]
             self.state, first, nxt = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
         self.steps += 1
         if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
