@@ -243,12 +243,11 @@ class ModelRunner:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without
         decode, and decode alone) on inputs that touch nothing, so serving never stops to compile."""
         s, m = self.num_slots, self.max_pages
-        rows = sorted({min(bucket(b, 1), max_rows) for b in range(1, max_rows + 1)})
-        cap = None if self.spec is not None else max(max_chunk, self.min_bucket)  # speculation: whole prompts
-        top = self.max_pages * self.cache_page_size if cap is None else cap
+        rows = sorted({self._rows_shape(b, max_rows) for b in range(1, max_rows + 1)})
+        # every chunk length up to the longest (a whole prompt with speculation) maps to one of these shapes
+        top = self.max_pages * self.cache_page_size if self.spec is not None else max(max_chunk, self.min_bucket)
         sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
-        fit = (lambda t: t) if cap is None else (lambda t: min(t, cap))
-        chunks = sorted({fit(bucket(n, self.min_bucket)) for n in sizes})
+        chunks = sorted({self._chunk_shape(n, max_chunk) for n in sizes})
         sp = lambda n: jax.tree.map(self._put, SamplingBatch.of([SamplingParams()] * n))
         z = lambda *shape: self._put(np.zeros(shape, np.int32))
         dec = DecodeInputs(self._put(np.zeros(s, bool)), z(s, m), sp(s), self._put(np.zeros(s, np.uint32)))
@@ -260,6 +259,17 @@ class ModelRunner:
                 drop = self._put(np.full(b, self.slots_per_rank, np.int32))
                 pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp(b), self._put(np.zeros(b, np.uint32)), z(b))
             self._call(pre, dec if with_decode else None)
+
+    @staticmethod
+    def _rows_shape(n: int, max_rows: int) -> int:
+        """Prefill rows per rank for n chunks: a power of two, at most max_rows."""
+        return min(bucket(n, 1), max_rows)
+
+    def _chunk_shape(self, n: int, max_chunk: int) -> int:
+        """Prefill tokens per row for a longest chunk of n: a power of two from min_bucket, capped at the chunk
+        budget (with speculation prompts come whole, so no cap)."""
+        t = bucket(n, self.min_bucket)
+        return t if self.spec is not None else min(t, max(max_chunk, self.min_bucket))
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -282,11 +292,10 @@ class ModelRunner:
             r = self._rank(c.req)
             index.append((r, per_rank[r]))
             per_rank[r] += 1
-        b_local = min(bucket(max(per_rank), 1), max_rows)
+        b_local = self._rows_shape(max(per_rank), max_rows)
         rows = [r * b_local + i for r, i in index]
         b = b_local * self.ranks
-        t = bucket(max(c.n for c in chunks), self.min_bucket)
-        t = t if self.spec is not None else min(t, max(max_chunk, self.min_bucket))
+        t = self._chunk_shape(max(c.n for c in chunks), max_chunk)
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         slot, seed, count = np.full(b, self.slots_per_rank, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
         sampling = [chunks[0].req.sampling] * b
