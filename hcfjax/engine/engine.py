@@ -347,9 +347,14 @@ class Engine:
         text = ""
         tok = self.model.tokenizer
         if tok is not None:
-            full = tok.decode([t for t in req.output if t not in req.stop_ids])
+            # Incremental detokenisation: decode only from prefix_offset (where the streamed text last ended on a
+            # whole character), and send what the tokens past read_offset add to it.
+            ids = [t for t in req.output if t not in req.stop_ids]
+            sent = tok.decode(ids[req.prefix_offset : req.read_offset])
+            full = tok.decode(ids[req.prefix_offset :])
             if finish is not None or not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                text, req.sent_text = full[len(req.sent_text) :], full
+                text = full[len(sent) :]
+                req.prefix_offset, req.read_offset = req.read_offset, len(ids)
         req.events.put(Output(req.id, tokens, text, finish, req.usage(), error))
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None, emit_tokens=()) -> None:

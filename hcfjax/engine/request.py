@@ -69,7 +69,8 @@ class Request:
     finish: FinishReason | None = None
     drafts: int = 0
     accepted: int = 0
-    sent_text: str = ""
+    prefix_offset: int = 0  # output tokens before the window the streamed text is decoded from
+    read_offset: int = 0  # output tokens whose text has been streamed
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
 
     def __post_init__(self):
