@@ -31,4 +31,4 @@ clean:
 
 # The gRPC modules in hcfjax/serving/ (committed) from hcfjax.proto, with the pinned grpcio-tools.
 proto: install
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. hcfjax/serving/hcfjax.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. hcfjax/serving/hcfjax.proto hcfjax/serving/pd.proto

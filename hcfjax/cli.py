@@ -5,6 +5,8 @@ hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T
 hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
              down gracefully)
+hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill ADDR] [--decode ADDR] [...]
+             (prefill/decode disaggregation, hcfjax/pd/: one process per role)
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
@@ -60,7 +62,7 @@ def _generate(args) -> int:
     return 0
 
 
-def parse_meshes(specs: list[str]) -> dict[str, dict[str, int]]:
+def parse_meshes(specs: list[str], need_decode: bool = True) -> dict[str, dict[str, int]]:
     """["prefill:tp=4,ep=2", "decode:dp=4,ep=4"] -> {"prefill": {"tp": 4, "ep": 2}, "decode": {...}}."""
     plans: dict[str, dict[str, int]] = {}
     for spec in specs:
@@ -74,7 +76,7 @@ def parse_meshes(specs: list[str]) -> dict[str, dict[str, int]]:
         allowed = {"prefill": {"tp", "ep"}, "decode": {"dp", "ep"}}[name]
         if set(plans[name]) - allowed:
             raise ValueError(f"bad --mesh {spec!r}: {name} takes {sorted(allowed)}")
-    if plans and "decode" not in plans:
+    if need_decode and plans and "decode" not in plans:
         raise ValueError("--mesh needs a decode plan (decode:dp=N,ep=N)")
     return plans
 
@@ -99,7 +101,7 @@ def _serve(args) -> int:
     import jax.numpy as jnp
 
     import hcfjax
-    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.engine import Engine
     from hcfjax.serving.chat_template import ChatTemplate
     from hcfjax.serving.http import serve as serve_http
     from hcfjax.serving.server import serve
@@ -111,25 +113,11 @@ def _serve(args) -> int:
     if args.port is None and args.http_port is None:
         print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
         return 2
+    if args.role != "colocated":
+        return _serve_role(args, path)
     try:
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
-        spec = None
-        if args.speculative:
-            spec = hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
-        config = EngineConfig(
-            max_slots=args.max_slots,
-            dp=args.dp,
-            num_pages=args.num_pages,
-            page_size=args.page_size,
-            max_model_len=args.max_model_len,
-            token_budget=args.token_budget,
-            max_prefill_rows=args.max_prefill_rows,
-            max_queue=args.max_queue,
-            balance=args.balance,
-            speculative=spec,
-            cache_dtype="int8" if args.kv_cache == "int8" else "auto",
-        )
-        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), config)
+        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), _engine_config(args))
     except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -152,6 +140,50 @@ def _serve(args) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _engine_config(args):
+    import hcfjax
+    from hcfjax.engine import EngineConfig
+
+    spec = None
+    if args.speculative:
+        spec = hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
+    return EngineConfig(
+        max_slots=args.max_slots,
+        dp=args.dp,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_model_len=args.max_model_len,
+        token_budget=args.token_budget,
+        max_prefill_rows=args.max_prefill_rows,
+        max_queue=args.max_queue,
+        balance=args.balance,
+        speculative=spec,
+        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+    )
+
+
+def _serve_role(args, path: Path) -> int:
+    from hcfjax.pd import roles
+
+    announce = lambda line: print(line, flush=True)
+    try:
+        plans = parse_meshes(args.mesh or [], need_decode=False)
+        if args.role == "router":
+            roles.run_router(args, announce)
+            return 0
+        model = roles.load_model(args)
+        if args.role == "prefill":
+            roles.run_prefill(model, args, plans, announce)
+        else:
+            if "decode" in plans:
+                args.dp = plans["decode"]["dp"]
+            roles.run_decode(model, args, plans, _engine_config(args), announce)
+    except (ValueError, NotImplementedError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -256,6 +288,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip compiling every step shape before listening (faster start; first requests wait for compiles)",
     )
+    pd = s.add_argument_group("prefill/decode disaggregation (hcfjax/pd/)")
+    pd.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode", "router"])
+    pd.add_argument("--transport", default="socket", choices=["socket", "jax"], help="KV transfer between workers")
+    pd.add_argument("--prefill", action="append", metavar="ADDR", help="prefill worker host:port (repeatable)")
+    pd.add_argument("--decode", action="append", metavar="ADDR", help="decode worker host:port (router; repeatable)")
+    pd.add_argument("--mesh", action="append", help="prefill:tp=N,ep=M (prefill role) or decode:dp=N,ep=N (decode)")
+    pd.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
+    pd.add_argument("--prefill-pages", type=int, default=1024, help="a prefill worker's scratch KV pages")
+    pd.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill forward chunk")
+    pd.add_argument("--layerwise-threshold", type=int, default=8192, help="prompts this long are sent layer by layer")
+    pd.add_argument("--layer-group", type=int, default=1, help="layers per piece in layerwise mode")
+    pd.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a prefill and its transfer may take")
+    pd.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds a request may take")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("client", help="stream a generation from a running `hcfjax serve`")

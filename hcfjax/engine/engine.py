@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.engine.request import FinishReason, Output, Request
+from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.model import Model
@@ -78,11 +78,18 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), decode_plan=None):
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), decode_plan=None, remote=None):
         """decode_plan (sharding.plans.decode_plan): run the dp ranks on the plan's devices, attention data
-        parallel and experts over EP; config.dp must equal the plan's size. Without one all ranks share a device."""
+        parallel and experts over EP; config.dp must equal the plan's size. Without one all ranks share a device.
+
+        remote (a PD decode worker, hcfjax.pd.decode): prompts are prefilled elsewhere. Each admitted request (its
+        slot and pages reserved) is handed to `remote.start(engine, request)`, which must not block; the prefill's
+        result comes back through `land` (or `land_failed`)."""
         self.model, self.config, self.cfg = model, config, model.cfg
+        self.remote = remote
         c = config
+        if remote is not None and c.speculative is not None:
+            raise ValueError("speculative decoding on a PD decode worker is not supported yet")
         if decode_plan is not None and decode_plan.mesh.shape["ep"] != c.dp:
             raise ValueError(f"config.dp={c.dp} but the decode plan has {decode_plan.mesh.shape['ep']} ranks")
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
@@ -107,6 +114,7 @@ class Engine:
                 spf_window_s=c.spf_window_s,
                 max_wait_s=c.max_wait_s,
                 balance=c.balance,
+                remote_prefill=remote is not None,
             )
         )
         dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
@@ -126,6 +134,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
+        self._landed: list[tuple] = []  # (request id, epoch, first token, kv, scale) or (request id, epoch, error)
+        self._idle = False  # the last step had nothing to run: wait for an event before the next
         self._lock = threading.Condition()
         self._ids = itertools.count()
         self._pending: Dispatched | None = None
@@ -204,6 +214,19 @@ class Engine:
             self._aborts.append(request_id)
             self._lock.notify()
 
+    def land(self, request_id: str, epoch: int, first_token: int, kv, scale=None) -> None:
+        """A remote prefill finished: kv [L, n_pages, page_size, D] (+ scale) for the request's reserved pages, in
+        order, and the first token it sampled. Ignored if the request ended or was preempted (epoch changed)."""
+        with self._lock:
+            self._landed.append((request_id, epoch, int(first_token), kv, scale))
+            self._lock.notify()
+
+    def land_failed(self, request_id: str, epoch: int, error: str) -> None:
+        """A remote prefill or its transfer failed: the request ends with an error and its pages are freed."""
+        with self._lock:
+            self._landed.append((request_id, epoch, error))
+            self._lock.notify()
+
     def stream(self, request: Request, timeout: float | None = None) -> Iterator[Output]:
         """The request's Output events until the one with `finish` set."""
         while True:
@@ -251,7 +274,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self.has_work()):
+                while not (self._stopping or self._inbox or self._aborts or self._landed or self._runnable()):
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -263,6 +286,11 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.warmup(self.config.max_prefill_rows, self.config.token_budget)
         return time.perf_counter() - t0
+
+    def _runnable(self) -> bool:
+        """Work a step can do now: not when the last step was empty (what waits is a remote prefill or a request
+        that does not fit), until an event (a request, an abort, a landed prefill) arrives."""
+        return self.has_work() and not self._idle
 
     def has_work(self) -> bool:
         s = self.scheduler
@@ -278,6 +306,8 @@ class Engine:
         """One iteration: plan and dispatch step n + 1, then process step n's outputs."""
         self._take_inbox()
         plan = self.scheduler.schedule(self.clock())
+        for req in plan.remote:
+            self.remote.start(self, req)
         current = None
         if not plan.empty:
             try:
@@ -286,20 +316,37 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 log.exception("engine step failed")
                 self._fail(plan, e)
+        self._idle = plan.empty and self._pending is None
         if self._pending is not None:
             self._process(self._pending)
         self._pending = current
 
     def _take_inbox(self) -> None:
         with self._lock:
-            inbox, aborts = self._inbox, self._aborts
-            self._inbox, self._aborts = [], []
+            inbox, aborts, landed = self._inbox, self._aborts, self._landed
+            self._inbox, self._aborts, self._landed = [], [], []
         for req in inbox:
             self.scheduler.add(req)
         for rid in aborts:
             req = self._requests.get(rid)
             if req is not None and not req.done:
                 self._finish(req, FinishReason.ABORT)
+        for rid, epoch, *result in landed:
+            req = self._requests.get(rid)
+            if req is None or req.done or req.epoch != epoch or req.status != Status.TRANSFERRING:
+                continue  # ended or preempted while its prefill ran: the result is stale
+            if len(result) == 1:
+                self._finish(req, FinishReason.ERROR, result[0])
+                continue
+            first, kv, scale = result
+            try:
+                self.runner.install(req, first, kv, scale)
+            except Exception as e:  # noqa: BLE001 - a bad transfer fails its request, not the worker
+                log.exception("installing the transferred cache of %s failed", rid)
+                self._finish(req, FinishReason.ERROR, f"{type(e).__name__}: {e}")
+                continue
+            self.scheduler.activate(req)
+            self._accept(req, [first], self.clock())
 
     def _fail(self, plan, err: Exception) -> None:
         for req in [c.req for c in plan.chunks] + plan.decode:
@@ -327,21 +374,27 @@ class Engine:
             req.accepted += int(n_acc[slot])
         for rid, toks in new.items():
             req = self._requests[rid]
-            kept, reason = [], None
-            for t in toks:
-                kept.append(t)
-                if t in req.stop_ids or len(req.output) + len(kept) >= req.max_new_tokens:
-                    reason = FinishReason.STOP if t in req.stop_ids else FinishReason.LENGTH
-                    break
-            req.output += kept
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
-            if reason is not None:
-                self._finish(req, reason, emit_tokens=kept)
-                continue
-            self._emit(req, kept, None)
-            if spec is not None:  # the bound assumed every draft accepted: correct it (one step in flight)
+            if self._accept(req, toks, now) and spec is not None:
+                # the bound assumed every draft accepted: correct it (one step in flight)
                 req.cached_bound = req.length - 1 + spec.num_draft_tokens + 1
+
+    def _accept(self, req: Request, toks: list[int], now: float) -> bool:
+        """Appends new tokens up to the first stop, streams them, finishes the request at a stop or its length;
+        -> whether it goes on."""
+        kept, reason = [], None
+        for t in toks:
+            kept.append(t)
+            if t in req.stop_ids or len(req.output) + len(kept) >= req.max_new_tokens:
+                reason = FinishReason.STOP if t in req.stop_ids else FinishReason.LENGTH
+                break
+        req.output += kept
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        if reason is not None:
+            self._finish(req, reason, emit_tokens=kept)
+            return False
+        self._emit(req, kept, None)
+        return True
 
     def _emit(self, req: Request, tokens: list[int], finish: FinishReason | None, error: str | None = None) -> None:
         text = ""
@@ -358,6 +411,8 @@ class Engine:
         req.events.put(Output(req.id, tokens, text, finish, req.usage(), error))
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None, emit_tokens=()) -> None:
+        if req.status == Status.TRANSFERRING and self.remote is not None:
+            self.remote.cancel(req)  # stop its prefill and transfer; its pages here are freed below
         self.scheduler.finish(req, reason)
         self._requests.pop(req.id, None)
         self._emit(req, list(emit_tokens), reason, error)

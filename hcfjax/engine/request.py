@@ -12,6 +12,7 @@ from hcfjax.sampling import SamplingParams
 class Status(enum.Enum):
     QUEUED = "queued"
     PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"  # admitted on a PD decode worker, its cache being prefilled and sent elsewhere
     DECODING = "decoding"
     FINISHED = "finished"
     ABORTED = "aborted"

@@ -160,6 +160,22 @@ def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill:
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
 
 
+def _install(state: SlotState, pages, kv, scale, slot, first, length, count) -> SlotState:
+    """Writes a remotely prefilled request's cache (kv [L, n, page, D] into `pages` [n]; padding pages are out of
+    range and dropped) and its slot's first token, length and rng counter."""
+    cache = state.cache
+    layers = kv.shape[0]
+    new_kv = cache.kv.at[:layers, pages].set(kv.astype(cache.kv.dtype), mode="drop")
+    new_scale = None if cache.scale is None else cache.scale.at[:layers, pages].set(scale, mode="drop")
+    return dataclasses.replace(
+        state,
+        cache=kvcache.KVCache(new_kv, new_scale),
+        tok=state.tok.at[slot].set(first),
+        length=state.length.at[slot].set(length),
+        count=state.count.at[slot].set(count),
+    )
+
+
 @dataclasses.dataclass
 class Dispatched:
     """A step in flight: its device outputs and which requests they belong to."""
@@ -210,6 +226,8 @@ class ModelRunner:
             self.params = shard_params(model.params, plan)
             rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
             self.state = jax.device_put(self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows))
+        shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
+        self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         self.shapes: set = set()
         self.compiles: list[tuple[tuple, float]] = []  # (shape key, seconds of the first call)
@@ -238,6 +256,35 @@ class ModelRunner:
             self.compiles.append((key, time.perf_counter() - t0))
             log.info("compiled step for prefill %s, decode %s in %.1f s", key[0], key[1], self.compiles[-1][1])
         return first, nxt
+
+    def install(self, req, first: int, kv, scale=None) -> None:
+        """Puts a remotely prefilled request's cache into its reserved pages and its first token into its slot.
+        kv [L, n_pages, page_size, D] for req.pages in order (L: the main model's layers); scale with an int8
+        cache. Page counts are padded to powers of two, so few shapes compile."""
+        cache = self.state.cache
+        n = len(req.pages)
+        want = (self.cfg.num_hidden_layers, n, self.cache_page_size, cache.kv.shape[-1])
+        if tuple(kv.shape) != want:
+            raise ValueError(f"transferred cache of {req.id} has shape {tuple(kv.shape)}, expected {want}")
+        if jnp.dtype(kv.dtype) != cache.kv.dtype or (scale is None) != (cache.scale is None):
+            raise ValueError(
+                f"transferred cache of {req.id} is {jnp.dtype(kv.dtype).name}"
+                f"{' with' if scale is not None else ' without'} scales; this worker's cache is {cache.kv.dtype.name}"
+            )
+        b = bucket(n, 1)
+        pages = np.full(b, cache.num_pages, np.int32)
+        pages[:n] = req.pages
+        pad = lambda x: jnp.pad(jnp.asarray(x), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
+        self.state = self._install(
+            self.state,
+            jnp.asarray(pages),
+            pad(kv),
+            None if scale is None else pad(scale),
+            jnp.int32(req.slot),
+            jnp.int32(first),
+            jnp.int32(len(req.fill)),
+            jnp.int32(len(req.output) + 1),
+        )
 
     def warmup(self, max_rows: int, max_chunk: int) -> None:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without

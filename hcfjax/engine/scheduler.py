@@ -15,6 +15,10 @@ a simulator's), so the same code runs live and simulated.
   than what is left of the budget waits for the next step unless it is the step's first chunk.
 - Preemption: when a decoding request needs a page and none is free, the most recently admitted request on that
   rank gives back its pages and slot and is re-queued first; it is recomputed later from prompt + output.
+- Remote prefill (a PD decode worker): admission reserves the slot and pages as above, but the prompt is prefilled
+  elsewhere: admitted requests go to `StepPlan.remote` (status TRANSFERRING, no local chunks, no token budget) until
+  `activate` says their cache has landed. A transferring request is never a preemption victim, since its pages are
+  about to be written.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Chunk:
 class StepPlan:
     chunks: list[Chunk]
     decode: list[Request]
+    remote: list[Request] = dataclasses.field(default_factory=list)  # admitted, to be prefilled elsewhere
 
     @property
     def empty(self) -> bool:
@@ -56,6 +61,7 @@ class SchedulerConfig:
     step_tokens: int = 1  # tokens a decode step costs per request (1 + k with speculation)
     page_slack: int = 0  # positions past the step's tokens that a step may write (the MTP drafts: k)
     whole_prompts: bool = False  # prefill prompts in one chunk (speculation: the MTP modules need every anchor)
+    remote_prefill: bool = False  # prompts are prefilled by another worker (PD): admit into StepPlan.remote
     spf_window_s: float = 0.05
     max_wait_s: float = 2.0
     balance: str = "round_robin"
@@ -136,6 +142,8 @@ class Scheduler:
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].n
         self.should_grow = False
+        if cfg.remote_prefill:
+            return StepPlan(chunks, decode, self._admit_remote(now))
         for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
             if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
                 break
@@ -147,6 +155,24 @@ class Scheduler:
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].n
         return StepPlan(chunks, decode)
+
+    def _admit_remote(self, now: float) -> list[Request]:
+        admitted = []
+        for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
+            if not self._admit(req):
+                self.should_grow = True
+                break
+            req.status = Status.TRANSFERRING
+            admitted.append(req)
+        return admitted
+
+    def activate(self, req: Request) -> None:
+        """A remotely prefilled request's cache has landed: it decodes from the next plan on (the caller appends
+        the token the prefill sampled to its output, as for a local final chunk)."""
+        if req.status != Status.TRANSFERRING:
+            raise ValueError(f"request {req.id} is {req.status.value}, not transferring")
+        req.computed = req.cached_bound = len(req.fill)
+        req.status = Status.DECODING
 
     def _priority(self, req: Request, now: float):
         starving = now - req.arrival >= self.cfg.max_wait_s
@@ -160,7 +186,7 @@ class Scheduler:
                 continue
             target = req.cached_bound + self.cfg.step_tokens
             while not self._grow(req, target + self.cfg.page_slack):
-                victim = [q for q in self.running if q.rank == req.rank][-1]
+                victim = [q for q in self.running if q.rank == req.rank and q.status != Status.TRANSFERRING][-1]
                 self._preempt(victim)
                 if victim is req:
                     break

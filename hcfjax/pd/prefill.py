@@ -1,0 +1,301 @@
+"""The prefill worker: whole prompts under the prefill plan, their latent KV cache sent to the decode rank that
+reserved pages for them.
+
+Jobs arrive from decode workers (each names where its cache must go). The worker batches them (up to max_rows
+rows and token_budget tokens; a prompt of `layerwise_threshold` tokens or more runs alone), runs the forward one
+layer at a time into its own scratch pages, samples each prompt's first token exactly as the colocated engine does
+(same keys, same sampling), and hands the pages to the transport:
+
+- whole mode (short prompts): after the last layer, one piece per request with every layer (the transport merges
+  pieces bound for the same decode worker into few large messages);
+- layerwise mode (long prompts): each group of `layer_group` layers is sent as soon as it is dispatched. Dispatch is
+  asynchronous, so the transport's thread waits for the layer while this thread dispatches the next ones: the
+  transfer of layer l overlaps the compute of layers l + 1 .. L - 1, and only the last group remains after it.
+
+Prompts longer than `chunk` tokens are run layer-major in chunks (every chunk through layer l, then layer l + 1),
+so attention memory stays bounded and layer l's cache is complete as soon as its last chunk ran. A job's scratch
+pages are released when its transfer is acknowledged or fails; the job's future then holds its first token or
+the error. Nothing here blocks on a transfer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import math
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hcfjax import cache as kvcache
+from hcfjax.attention import CacheContext
+from hcfjax.config import ModelConfig
+from hcfjax.engine.pages import PageAllocator
+from hcfjax.generate import bucket
+from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
+from hcfjax.pd.transport import Piece
+from hcfjax.quantize import default_cache_dtype
+from hcfjax.sampling import SamplingBatch, SamplingParams, sample_rows
+
+log = logging.getLogger("hcfjax.pd")
+
+
+@dataclasses.dataclass
+class PrefillJob:
+    key: str  # the transfer's key: the decode worker's request id and epoch
+    tokens: list[int]  # prompt (plus the output so far, for a request preempted on the decode side)
+    sampling: SamplingParams
+    seed: int
+    count: int  # the request's rng counter at this sample (its output tokens so far)
+    dest: str  # the decode worker's transport address
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    num_pages: int = 1024  # scratch pages (a job waits until its pages are free)
+    page_size: int = 16  # must equal the decode workers'
+    max_rows: int = 4
+    token_budget: int = 4096  # prompt tokens per batch (a longer prompt runs alone)
+    chunk: int = 2048  # tokens per forward chunk
+    layerwise_threshold: int = 8192  # prompts of this many tokens or more are sent layer by layer
+    layer_group: int = 1  # layers per piece in layerwise mode
+    transfer_timeout_s: float = 30.0
+    cache_dtype: str = "auto"  # auto (the model's) or int8: must match the decode workers'
+
+
+def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "is_moe"), donate_argnames=("cache",))
+def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n):
+    """Layer `layer` (params: row i of the stacked segment) over one chunk of x [B, Tc, D] at positions start.."""
+    p = jax.tree.map(lambda a: a[i], seg)
+    t = x.shape[1]
+    pos = start + jnp.arange(t)[None]
+    ctx = CacheContext(cache, table, jnp.minimum(start + t, n), pos < n[:, None])
+    x, ctx = decoder_layer(p, cfg, x, jnp.broadcast_to(pos, x.shape[:2]), ctx, layer, is_moe, absorbed=False)
+    return x, ctx.cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _sample_first(params, cfg: ModelConfig, x, n, sp: SamplingBatch, seed, count):
+    last = x[jnp.arange(x.shape[0]), jnp.maximum(n - 1, 0)]
+    return sample_rows(logits(params, final_hidden(params, cfg, last)), sp, _keys(seed, count))
+
+
+class PrefillWorker:
+    def __init__(self, model: Model, sender, config: PrefillConfig = PrefillConfig(), plan=None):
+        """sender: a hcfjax.pd.transport Sender; plan: a sharding.plans prefill plan (TP + small EP), or None."""
+        self.model, self.cfg, self.config, self.sender, self.plan = model, model.cfg, config, sender, plan
+        c = config
+        self.params = model.params
+        if plan is not None:
+            from sharding.plans import shard_params
+
+            self.params = shard_params(model.params, plan)
+        dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
+        self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype)  # + 1: padding rows' page
+        self.alloc = PageAllocator(c.num_pages, c.page_size)
+        self._pad_page = c.num_pages
+        self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._held: dict[str, list[int]] = {}  # job key -> scratch pages until its transfer ends
+        self._lock = threading.Lock()
+        self._pages_freed = threading.Condition(self._lock)
+        self._flushers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="hcfjax-prefill-flush")
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats = {"jobs": 0, "batches": 0, "layerwise": 0, "failed": 0}
+
+    # -- any thread ------------------------------------------------------------------------------------------------
+    def submit(self, job: PrefillJob) -> concurrent.futures.Future:
+        """Queues a job; its future gives the first token once the cache has been delivered (or the error)."""
+        if self._stopping:
+            raise RuntimeError("the prefill worker is shutting down")
+        if not job.tokens:
+            raise ValueError("a prefill job needs at least one token")
+        if self.alloc.pages_for(len(job.tokens)) > self.config.num_pages:
+            raise ValueError(f"a prompt of {len(job.tokens)} tokens needs more than the worker's scratch pages")
+        self._queue.put(job)
+        return job.future
+
+    @property
+    def pages_held(self) -> int:
+        return self.alloc.num_used
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hcfjax-prefill", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(10)
+        self._flushers.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop ----------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        pending: list[PrefillJob] = []
+        while not self._stopping:
+            if not pending:
+                job = self._queue.get()
+                if job is None:
+                    break
+                pending.append(job)
+            while True:  # everything that arrived meanwhile
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._stopping = True
+                    break
+                pending.append(job)
+            pending = [j for j in pending if not self._drop_cancelled(j)]
+            batch = self._take_batch(pending)
+            if not batch:
+                continue
+            pending = [j for j in pending if j not in batch]
+            try:
+                self._run(batch)
+            except Exception as e:  # noqa: BLE001 - a failed batch fails its jobs, not the worker
+                log.exception("prefill batch failed")
+                for j in batch:
+                    self._release(j)
+                    if not j.future.done():
+                        j.future.set_exception(e)
+        for j in pending:
+            j.future.set_exception(RuntimeError("the prefill worker shut down"))
+
+    def _drop_cancelled(self, job: PrefillJob) -> bool:
+        if job.cancelled.is_set():
+            job.future.cancel()
+            return True
+        return False
+
+    def _take_batch(self, pending: list[PrefillJob]) -> list[PrefillJob]:
+        """Shortest prompts first; a long (layerwise) prompt runs alone. Waits for scratch pages if the first job
+        does not fit; jobs after it that do not fit wait for the next batch."""
+        c = self.config
+        order = sorted(pending, key=lambda j: (len(j.tokens), j.arrival))
+        batch, tokens = [], 0
+        for j in order:
+            long = len(j.tokens) >= c.layerwise_threshold
+            if batch and (long or len(batch) >= c.max_rows or tokens + len(j.tokens) > c.token_budget):
+                break
+            need = self.alloc.pages_for(len(j.tokens))
+            with self._lock:
+                if not batch:
+                    while self.alloc.num_free < need and not self._stopping:
+                        self._pages_freed.wait(0.1)
+                    if self._stopping:
+                        return []
+                elif self.alloc.num_free < need:
+                    break
+                self._held[j.key] = self.alloc.allocate(need)
+            batch.append(j)
+            tokens += len(j.tokens)
+            if long:
+                break
+        return batch
+
+    def _release(self, job: PrefillJob) -> None:
+        with self._lock:
+            pages = self._held.pop(job.key, None)
+            if pages:
+                self.alloc.release(pages)
+                self._pages_freed.notify_all()
+
+    def _run(self, batch: list[PrefillJob]) -> None:
+        cfg, c = self.cfg, self.config
+        lens = [len(j.tokens) for j in batch]
+        b = bucket(len(batch), 1)
+        longest = max(lens)
+        tc = min(bucket(longest), c.chunk)  # chunk shape (a power of two, or `chunk`)
+        t = math.ceil(longest / tc) * tc
+        m = math.ceil(t / c.page_size)
+        tokens, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+        table = np.full((b, m), self._pad_page, np.int32)
+        seed, count = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        sampling = [SamplingParams()] * b
+        for i, j in enumerate(batch):
+            tokens[i, : lens[i]], n[i], seed[i], count[i], sampling[i] = j.tokens, lens[i], j.seed, j.count, j.sampling
+            pages = self._held[j.key]
+            table[i, : len(pages)] = pages
+        layerwise = longest >= c.layerwise_threshold
+        total = cfg.num_hidden_layers
+        with self._mesh():
+            x = _embed(self.params, jnp.asarray(tokens))
+            table_j, n_j = jnp.asarray(table), jnp.asarray(n)
+            sent_to = 0
+            for seg, (first, count_seg, is_moe) in zip(self.params["segments"], cfg.layer_segments, strict=True):
+                for i in range(count_seg):
+                    layer = first + i
+                    outs = []
+                    for s in range(0, t, tc):
+                        xo, self.cache = _layer(
+                            seg, i, cfg, is_moe, layer, x[:, s : s + tc], jnp.int32(s), self.cache, table_j, n_j
+                        )
+                        outs.append(xo)
+                    x = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+                    if layerwise and (layer + 1 - sent_to >= c.layer_group or layer + 1 == total):
+                        self._send(batch, sent_to, layer + 1)
+                        sent_to = layer + 1
+            first_tok = _sample_first(
+                self.params,
+                cfg,
+                x,
+                n_j,
+                jax.tree.map(jnp.asarray, SamplingBatch.of(sampling)),
+                jnp.asarray(seed),
+                jnp.asarray(count),
+            )
+            if not layerwise:
+                self._send(batch, 0, total)
+        self.stats["jobs"] += len(batch)
+        self.stats["batches"] += 1
+        self.stats["layerwise"] += len(batch) if layerwise else 0
+        for i, j in enumerate(batch):
+            self._flushers.submit(self._finish, j, first_tok, i)
+
+    def _mesh(self):
+        import contextlib
+
+        return jax.set_mesh(self.plan.mesh) if self.plan is not None else contextlib.nullcontext()
+
+    def _send(self, batch: list[PrefillJob], lo: int, hi: int) -> None:
+        total = self.cfg.num_hidden_layers
+        for j in batch:
+            pages = jnp.asarray(np.array(self._held[j.key], np.int32))
+            kv = self.cache.kv[lo:hi][:, pages]
+            scale = None if self.cache.scale is None else self.cache.scale[lo:hi][:, pages]
+            self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total))
+
+    def _finish(self, job: PrefillJob, first_tok: jax.Array, row: int) -> None:
+        """(a flusher thread) Waits for the job's transfer; frees its pages; resolves its future."""
+        try:
+            self.sender.flush(job.key, self.config.transfer_timeout_s)
+            if not job.future.done():
+                job.future.set_result(int(np.asarray(first_tok)[row]))
+        except Exception as e:  # noqa: BLE001 - the job's caller gets the error
+            self.stats["failed"] += 1
+            if not job.future.done():
+                job.future.set_exception(e)
+        finally:
+            self._release(job)
+
+
+@jax.jit
+def _embed(params, tokens):
+    return embed(params, tokens)

@@ -1,0 +1,106 @@
+"""`hcfjax serve --role prefill|decode|router`: each role as its own process, until SIGINT or SIGTERM.
+
+    hcfjax serve --role prefill --port 0 --transport socket --mesh prefill:tp=2 --cpu-devices 2
+    hcfjax serve --role decode  --port 0 --transport socket --mesh decode:dp=2 --cpu-devices 2 --max-slots 4
+    hcfjax serve --role router  --port 50051 --prefill HOST:PORT --decode HOST:PORT
+
+Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks a free port).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax.numpy as jnp
+
+
+def _until_signal(stop_fn, announce) -> None:
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+        announce("hcfjax serve: shutting down")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_fn()
+
+
+def run_prefill(model, args, plans, announce) -> None:
+    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+    from hcfjax.pd.service import prefill_server
+    from hcfjax.pd.transport import make_transport
+    from sharding.plans import prefill_plan
+
+    sender_factory, _ = make_transport(args.transport, host=args.host)
+    config = PrefillConfig(
+        num_pages=args.prefill_pages,
+        page_size=args.page_size,
+        max_rows=args.max_prefill_rows,
+        token_budget=max(args.token_budget, 1),
+        chunk=args.prefill_chunk,
+        layerwise_threshold=args.layerwise_threshold,
+        layer_group=args.layer_group,
+        transfer_timeout_s=args.transfer_timeout,
+        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+    )
+    plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
+    worker = PrefillWorker(model, sender_factory(), config, plan)
+    worker.start()
+    server = prefill_server(worker, args.transport, args.host, args.port).start()
+    announce(f"hcfjax serve: prefill worker listening on {server.address}")
+
+    def stop():
+        server.stop(args.grace)
+        worker.shutdown()
+        worker.sender.close()
+
+    _until_signal(stop, announce)
+
+
+def run_decode(model, args, plans, engine_config, announce) -> None:
+    from hcfjax.engine import Engine
+    from hcfjax.pd.decode import RemotePrefill
+    from hcfjax.pd.service import GrpcPrefill, decode_server
+    from hcfjax.pd.transport import make_transport
+    from sharding.plans import decode_plan
+
+    _, receiver_factory = make_transport(args.transport, host=args.host)
+    receiver = receiver_factory()
+    remote = RemotePrefill(receiver, [GrpcPrefill(a) for a in args.prefill or []], timeout_s=args.transfer_timeout)
+    remote.connect = GrpcPrefill
+    plan = decode_plan(**plans["decode"]) if "decode" in plans else None
+    engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
+    if args.warmup:
+        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
+    engine.start()
+    server = decode_server(engine, remote, args.transport, args.host, args.port).start()
+    announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
+
+    def stop():
+        server.stop(args.grace)
+        engine.shutdown(args.grace)
+        remote.shutdown()
+        receiver.close()
+
+    _until_signal(stop, announce)
+
+
+def run_router(args, announce) -> None:
+    from hcfjax.pd.router import Router, RouterServer
+
+    if not args.prefill or not args.decode:
+        raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
+    router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
+    server = RouterServer(router, args.host, args.port).start()
+    announce(f"hcfjax serve: router listening on {server.address}")
+    _until_signal(lambda: server.stop(args.grace), announce)
+
+
+def load_model(args):
+    import hcfjax
+    from hcfjax.cli import DTYPES
+
+    return hcfjax.load(args.model or hcfjax.DEFAULT_MODEL, dtype=getattr(jnp, DTYPES[args.dtype]))

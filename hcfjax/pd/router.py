@@ -1,0 +1,244 @@
+"""The router: the users' gRPC front end (hcfjax.v1.Generation) over prefill and decode workers.
+
+For each request it picks a decode worker with the engine's balance policy (over the loads the router itself
+tracks: requests it has in flight on each worker against the worker's slots) and the prefill worker with the
+fewest prompt tokens waiting for their first token, then relays the decode worker's stream. The decode worker
+reserves the request's pages before it asks the prefill worker for anything (hcfjax.pd.decode).
+
+Health: every worker's grpc.health.v1 is polled; one that fails `down_after` checks in a row is marked down (no
+new requests), one that answers again rejoins. A call that fails on a worker before any token was streamed is
+retried on another worker (up to `retries` times); after tokens were streamed it ends with UNAVAILABLE. Either
+way the upstream call is cancelled, which frees the request's pages on both sides. No call waits past its
+deadline or the router's `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hcfjax.engine.balance import Balancer, RankLoad
+from hcfjax.pd.service import PREFILL_METADATA
+from hcfjax.serving import hcfjax_pb2 as pb
+from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
+from hcfjax.serving import pd_pb2 as pdpb
+from hcfjax.serving import pd_pb2_grpc as pd_grpc
+from hcfjax.serving.server import SERVICE_NAME
+
+log = logging.getLogger("hcfjax.pd")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+@dataclasses.dataclass
+class WorkerState:
+    address: str
+    role: str
+    channel: grpc.Channel
+    up: bool = False
+    failures: int = 0
+    info: pdpb.WorkerInfo | None = None
+    in_flight: int = 0  # decode: requests streaming through it; prefill: requests before their first token
+    tokens: int = 0  # prefill: prompt tokens of those requests
+
+
+class Router(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        balance: str = "fewest_requests",
+        health_interval_s: float = 0.5,
+        down_after: int = 2,
+        retries: int = 1,
+        request_timeout_s: float = 600.0,
+    ):
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode worker")
+        mk = lambda a, role: WorkerState(a, role, grpc.insecure_channel(a))
+        self.prefill = [mk(a, "prefill") for a in prefill]
+        self.decode = [mk(a, "decode") for a in decode]
+        self.balancer = Balancer(balance, len(decode))
+        self.health_interval_s, self.down_after, self.retries = health_interval_s, down_after, retries
+        self.request_timeout_s = request_timeout_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._health = threading.Thread(target=self._watch, name="hcfjax-router-health", daemon=True)
+
+    # -- health --------------------------------------------------------------------------------------------------
+    def start(self) -> Router:
+        self.check_all()
+        self._health.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for w in self.prefill + self.decode:
+            w.channel.close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            self.check_all()
+
+    def check_all(self) -> None:
+        for w in self.prefill + self.decode:
+            self._check(w)
+
+    def _check(self, w: WorkerState) -> None:
+        try:
+            status = health_pb2_grpc.HealthStub(w.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=max(self.health_interval_s, 0.5)
+            )
+            ok = status.status == health_pb2.HealthCheckResponse.SERVING
+            if ok and (w.info is None or not w.up):
+                w.info = pd_grpc.WorkerStub(w.channel).Info(pdpb.InfoRequest(), timeout=2.0)
+        except grpc.RpcError:
+            ok = False
+        with self._lock:
+            if ok:
+                if not w.up:
+                    log.info("%s worker %s is up", w.role, w.address)
+                w.up, w.failures = True, 0
+            else:
+                w.failures += 1
+                if w.up and w.failures >= self.down_after:
+                    log.warning("%s worker %s is down", w.role, w.address)
+                    w.up = False
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                w.role + ":" + w.address: {"up": w.up, "in_flight": w.in_flight, "tokens": w.tokens}
+                for w in self.prefill + self.decode
+            }
+
+    # -- placement -----------------------------------------------------------------------------------------------
+    def _place(self, prompt_len: int, exclude: set[str]) -> tuple[WorkerState, WorkerState]:
+        with self._lock:
+            decode = [w for w in self.decode if w.up and w.address not in exclude]
+            prefill = [w for w in self.prefill if w.up and w.address not in exclude]
+            if not decode or not prefill:
+                missing = "decode" if not decode else "prefill"
+                raise LookupError(f"no {missing} worker is up")
+            loads = []
+            for i, w in enumerate(self.decode):
+                if w in decode:
+                    slots = w.info.dp * w.info.max_slots if w.info else 1
+                    free = w.info.free_pages if w.info else 0
+                    loads.append(RankLoad(i, w.in_flight, max(slots - w.in_flight, 0), free))
+            choice = self.balancer.choose(loads, 0)
+            d = self.decode[choice] if choice is not None else min(decode, key=lambda w: w.in_flight)
+            p = min(prefill, key=lambda w: (w.tokens, w.in_flight))
+            d.in_flight += 1
+            p.in_flight += 1
+            p.tokens += prompt_len
+            return d, p
+
+    def _prefill_done(self, p: WorkerState, prompt_len: int, done: list[bool]) -> None:
+        if not done[0]:
+            done[0] = True
+            with self._lock:
+                p.in_flight -= 1
+                p.tokens -= prompt_len
+
+    # -- the service ---------------------------------------------------------------------------------------------
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        if not request.request_id:
+            request.request_id = f"rt-{next(self._ids)}"
+        which = request.WhichOneof("prompt")
+        prompt_len = len(request.token_ids.ids) if which == "token_ids" else len(request.text) // 4 + 1
+        deadline = time.monotonic() + min(context.time_remaining() or self.request_timeout_s, self.request_timeout_s)
+        tried: set[str] = set()
+        streamed = False
+        for attempt in range(self.retries + 1):
+            try:
+                d, p = self._place(prompt_len, tried)
+            except LookupError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            call = pb_grpc.GenerationStub(d.channel).Generate(
+                request,
+                timeout=max(deadline - time.monotonic(), 0.1),
+                metadata=((PREFILL_METADATA, p.address),),
+            )
+            context.add_callback(call.cancel)  # the user went away: the decode worker aborts and frees pages
+            first = [False]
+            try:
+                for resp in call:
+                    if resp.token_ids:
+                        self._prefill_done(p, prompt_len, first)
+                        streamed = True
+                    yield resp
+                return
+            except grpc.RpcError as e:
+                code, detail = e.code(), e.details()
+                if code in (grpc.StatusCode.CANCELLED,) and not context.is_active():
+                    return
+                retry = code in RETRYABLE and not streamed and attempt < self.retries
+                log.warning(
+                    "request %s failed on decode %s / prefill %s: %s %s%s",
+                    request.request_id,
+                    d.address,
+                    p.address,
+                    code.name,
+                    detail,
+                    " (retrying)" if retry else "",
+                )
+                if not retry:
+                    if code in RETRYABLE:
+                        context.abort(
+                            grpc.StatusCode.UNAVAILABLE, f"decode worker {d.address} failed: {code.name}: {detail}"
+                        )
+                    context.abort(code, detail or code.name)
+                tried |= {d.address, p.address} if "prefill failed" in (detail or "") else {d.address}
+                request.request_id = f"{request.request_id}.r{attempt + 1}"
+            finally:
+                call.cancel()
+                self._prefill_done(p, prompt_len, first)
+                with self._lock:
+                    d.in_flight -= 1
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        with self._lock:
+            up = [w for w in self.decode if w.up]
+        if not up:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
+        try:
+            return pb_grpc.GenerationStub(up[0].channel).Tokenize(request, timeout=10.0)
+        except grpc.RpcError as e:
+            context.abort(e.code(), e.details() or e.code().name)
+
+
+class RouterServer:
+    """The router's gRPC server: Generation, health (SERVING while some prefill and decode worker is up)."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0, max_workers: int = 256):
+        self.router = router
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-router"),
+            maximum_concurrent_rpcs=max_workers,
+        )
+        pb_grpc.add_GenerationServicer_to_server(router, self._server)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> RouterServer:
+        self.router.start()
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait(grace + 1)
+        self.router.stop()

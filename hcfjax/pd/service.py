@@ -1,0 +1,194 @@
+"""The workers' gRPC side: the Prefill service over a PrefillWorker, the decode worker's Generation service (the
+colocated one, plus the router's choice of prefill worker from the call's metadata), Worker.Info on both, and
+GrpcPrefill, the decode worker's client of a remote prefill worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import jax.numpy as jnp
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hcfjax.pd.decode import RemotePrefill
+from hcfjax.pd.prefill import PrefillJob, PrefillWorker
+from hcfjax.pd.transport import TransferError
+from hcfjax.serving import hcfjax_pb2 as pb
+from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
+from hcfjax.serving import pd_pb2 as pdpb
+from hcfjax.serving import pd_pb2_grpc as pd_grpc
+from hcfjax.serving.server import GenerationService, sampling_of
+
+log = logging.getLogger("hcfjax.pd")
+
+PREFILL_METADATA = "hcfjax-prefill"  # the router's choice of prefill worker for a decode call
+
+
+def sampling_message(sp) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p)
+
+
+class PrefillService(pd_grpc.PrefillServicer, pd_grpc.WorkerServicer):
+    def __init__(self, worker: PrefillWorker, transport: str):
+        self.worker, self.transport = worker, transport
+        self._jobs: dict[str, PrefillJob] = {}
+
+    def Prefill(self, request: pdpb.PrefillRequest, context: grpc.ServicerContext) -> pdpb.PrefillReply:
+        try:
+            sampling = sampling_of(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        job = PrefillJob(request.key, list(request.tokens), sampling, request.seed, request.count, request.dest)
+        context.add_callback(job.cancelled.set)  # the decode worker gave up (or died): drop the job
+        self._jobs[job.key] = job
+        try:
+            fut = self.worker.submit(job)
+            remaining = context.time_remaining()
+            return pdpb.PrefillReply(first_token=fut.result(timeout=remaining))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except futures.TimeoutError:
+            job.cancelled.set()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the prefill and its transfer did not finish in time")
+        except futures.CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, "the job was cancelled")
+        except (TransferError, TimeoutError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the KV transfer failed: {e}")
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}")
+        finally:
+            self._jobs.pop(job.key, None)
+
+    def Cancel(self, request: pdpb.CancelRequest, context) -> pdpb.CancelReply:
+        job = self._jobs.get(request.key)
+        if job is not None:
+            job.cancelled.set()
+        return pdpb.CancelReply()
+
+    def Info(self, request, context) -> pdpb.WorkerInfo:
+        w = self.worker
+        return pdpb.WorkerInfo(
+            role="prefill",
+            page_size=w.config.page_size,
+            cache_dtype=jnp.dtype(w.cache.kv.dtype).name,
+            layers=w.cfg.num_hidden_layers,
+            transport=self.transport,
+            total_pages=w.config.num_pages,
+            free_pages=w.alloc.num_free,
+            queued=w._queue.qsize(),
+            pages_held=w.pages_held,
+        )
+
+
+class GrpcPrefill:
+    """A remote prefill worker, as a decode worker's PrefillClient."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pd_grpc.PrefillStub(self._channel)
+
+    def prefill(self, job: PrefillJob, timeout: float) -> int:
+        req = pdpb.PrefillRequest(
+            key=job.key,
+            tokens=job.tokens,
+            sampling=sampling_message(job.sampling),
+            seed=job.seed,
+            count=job.count,
+            dest=job.dest,
+        )
+        return self._stub.Prefill(req, timeout=timeout).first_token
+
+    def cancel(self, key: str) -> None:
+        try:
+            self._stub.Cancel(pdpb.CancelRequest(key=key), timeout=2.0)
+        except grpc.RpcError as e:  # best effort: a dead worker has dropped the job anyway
+            log.info("cancel of %s at %s failed: %s", key, self.address, e.code().name)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
+    """hcfjax.v1.Generation on a decode worker: the router's choice of prefill worker comes as call metadata."""
+
+    def __init__(self, engine, remote: RemotePrefill, transport: str, metrics=None):
+        super().__init__(engine, metrics)
+        self.remote, self.transport = remote, transport
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        addr = dict(context.invocation_metadata()).get(PREFILL_METADATA)
+        if addr and request.request_id:
+            self.remote.routes[request.request_id] = addr
+        yield from super().Generate(request, context)
+
+    def Info(self, request, context) -> pdpb.WorkerInfo:
+        e, snap = self.engine, self.engine.snapshot()
+        return pdpb.WorkerInfo(
+            role="decode",
+            page_size=e.config.page_size,
+            cache_dtype=jnp.dtype(e.runner.state.cache.kv.dtype).name,
+            layers=e.cfg.num_hidden_layers,
+            transport=self.transport,
+            dp=e.config.dp,
+            max_slots=e.config.max_slots,
+            total_pages=snap["total_pages"],
+            free_pages=snap["free_pages"],
+            running=snap["running"],
+            queued=snap["queued"],
+        )
+
+
+class WorkerServer:
+    """A worker's gRPC server: its services, health and a bound port (0 picks a free one)."""
+
+    def __init__(self, register, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128):
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-pd"),
+            maximum_concurrent_rpcs=max_workers,
+        )
+        register(self._server)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+        self.address = f"{host}:{self.port}"
+        self._stopped = threading.Event()
+
+    def start(self) -> WorkerServer:
+        self._server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self.health.enter_graceful_shutdown()
+            self._server.stop(grace).wait(grace + 1)
+
+
+def prefill_server(worker: PrefillWorker, transport: str, host="127.0.0.1", port=0) -> WorkerServer:
+    svc = PrefillService(worker, transport)
+
+    def register(server):
+        pd_grpc.add_PrefillServicer_to_server(svc, server)
+        pd_grpc.add_WorkerServicer_to_server(svc, server)
+
+    return WorkerServer(register, host, port)
+
+
+def decode_server(engine, remote: RemotePrefill, transport: str, host="127.0.0.1", port=0, metrics=None):
+    svc = DecodeGenerationService(engine, remote, transport, metrics)
+    c = engine.config
+    workers = c.dp * c.max_slots + c.max_queue + 8
+
+    def register(server):
+        pb_grpc.add_GenerationServicer_to_server(svc, server)
+        pd_grpc.add_WorkerServicer_to_server(svc, server)
+
+    return WorkerServer(register, host, port, max_workers=workers)
