@@ -106,15 +106,15 @@ def _serve(args) -> int:
     from hcfjax.serving.http import serve as serve_http
     from hcfjax.serving.server import serve
 
-    path = Path(args.model or hcfjax.DEFAULT_MODEL)
-    if not (path / "config.json").is_file():
-        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
-        return 2
     if args.port is None and args.http_port is None:
         print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
         return 2
     if args.role != "colocated":
-        return _serve_role(args, path)
+        return _serve_role(args)
+    path = Path(args.model or hcfjax.DEFAULT_MODEL)
+    if not (path / "config.json").is_file():
+        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
     try:
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
         engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), _engine_config(args))
@@ -165,7 +165,7 @@ def _engine_config(args):
     )
 
 
-def _serve_role(args, path: Path) -> int:
+def _serve_role(args) -> int:
     from hcfjax.pd import roles
 
     announce = lambda line: print(line, flush=True)

@@ -2,13 +2,17 @@
 
     python -m hcfjax.bench.serve [--model PATH | --preset v2-lite] [--requests 64] [--rate 2.0] [--scale 0.125]
         [--max-slots 32] [--page-size 64] [--token-budget 2048] [--max-model-len 4096] [--speculative K]
-        [--out FILE]
+        [--pd socket|jax] [--out FILE]
 
 Lengths follow the reference's workload (input mean 3.5k tokens, max 16k; output mean 1.2k, max 32k), each drawn
 from a log-normal with that mean (sigma 0.8), clipped at the max, and multiplied by --scale for small models.
 Prompts are random token ids and outputs ignore eos, so every request produces its drawn length. Reports QPM,
 output tokens/s, TTFT and TPOT percentiles, goodput under the SLO (TTFT < 2 s and TPOT < 50 ms), and the requests
 that got no terminal response (must be 0). Engine.warmup() compiles every step shape first, so compiles stay out.
+
+--pd runs the same workload against prefill/decode disaggregation (hcfjax/pd/): a prefill worker, a decode worker
+and the router as three processes (on one GPU they share it, each worker with 45% of its memory), the KV cache
+moved over the given transport; the prefill worker's shapes are compiled by a few warm-up prompts first.
 """
 
 from __future__ import annotations
@@ -72,6 +76,80 @@ def shown_args(argv) -> str:
     return " ".join(a for a in args if not a.startswith("--out="))
 
 
+def start_pd(args) -> tuple[list, int, float]:
+    """The three PD processes (`hcfjax serve --role ...`), the decode worker warmed up; -> (processes, the
+    router's port, seconds to start)."""
+    import os
+    import re
+    import subprocess
+
+    import hcfjax
+
+    t0 = time.perf_counter()
+    model = f"preset:{args.preset}" if args.preset else (args.model or str(hcfjax.DEFAULT_MODEL))
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45", "PYTHONUNBUFFERED": "1"}
+    common = ["--model", model, "--page-size", str(args.page_size), "--transport", args.pd, "--port", "0"]
+    procs = []
+
+    def launch(role_args, env):
+        cmd = [sys.executable, "-m", "hcfjax.cli", "serve", *role_args]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        procs.append(p)
+        for line in p.stdout:
+            print("  |", line.rstrip(), flush=True)
+            m = re.search(r"listening on (\S+)", line)
+            if m:
+                threading.Thread(target=lambda: [print("  |", x.rstrip()) for x in p.stdout], daemon=True).start()
+                return m.group(1)
+        stop_pd(procs)
+        raise SystemExit(f"{role_args[:2]} exited before listening")
+
+    pre = launch(
+        [
+            "--role",
+            "prefill",
+            *common,
+            "--token-budget",
+            str(max(args.token_budget, 4096)),
+            "--max-prefill-rows",
+            str(args.prefill_rows),
+        ],
+        env,
+    )
+    dec = launch(
+        [
+            "--role",
+            "decode",
+            *common,
+            "--max-slots",
+            str(args.max_slots),
+            "--token-budget",
+            str(args.token_budget),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-queue",
+            str(args.requests + 8),
+        ],
+        env,
+    )
+    router = launch(
+        ["--role", "router", "--prefill", pre, "--decode", dec, "--port", "0"], {**env, "JAX_PLATFORMS": "cpu"}
+    )
+    return procs, int(router.rsplit(":", 1)[1]), time.perf_counter() - t0
+
+
+def stop_pd(procs) -> None:
+    import signal
+
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except Exception:  # noqa: BLE001 - a stuck worker is killed
+            p.kill()
+
+
 def pct(xs, q):
     xs = [x for x in xs if x is not None]
     return float(np.percentile(xs, q)) if xs else float("nan")
@@ -92,6 +170,12 @@ def main(argv=None) -> None:
     ap.add_argument("--min-bucket", type=int, default=16, help="smallest prefill chunk shape (fewer compiles)")
     ap.add_argument("--speculative", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--pd",
+        choices=["socket", "jax"],
+        help="prefill/decode disaggregated instead of colocated: a prefill worker, a decode worker and the router as "
+        "three processes on this machine (sharing one GPU, memory split), the KV cache over this transport",
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -103,37 +187,53 @@ def main(argv=None) -> None:
     from hcfjax.serving.client import connect, generate
     from hcfjax.serving.server import Server
 
-    model = random_model(preset_config(args.preset), seed=0, dtype=jnp.bfloat16) if args.preset else None
-    model = model or hcfjax.load(args.model)
-    spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
-    config = EngineConfig(
-        max_slots=args.max_slots,
-        page_size=args.page_size,
-        token_budget=args.token_budget,
-        max_model_len=args.max_model_len,
-        max_prefill_rows=args.prefill_rows,
-        min_prefill_bucket=args.min_bucket,
-        max_queue=args.requests + 8,
-        speculative=spec,
-    )
-    engine = Engine(model, config)
-    warm = engine.warmup()
-    server = Server(engine).start()
-    channel, stub = connect("127.0.0.1", server.port, ready_timeout=30)
+    if args.pd:
+        from hcfjax.config import ModelConfig
+
+        path = Path(args.model or hcfjax.DEFAULT_MODEL)
+        cfg = preset_config(args.preset) if args.preset else ModelConfig.from_json(path / "config.json")
+        procs, port, warm = start_pd(args)
+        engine = None
+        limit = min(cfg.max_position_embeddings, args.max_model_len)
+    else:
+        model = random_model(preset_config(args.preset), seed=0, dtype=jnp.bfloat16) if args.preset else None
+        model = model or hcfjax.load(args.model)
+        cfg = model.cfg
+        spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
+        config = EngineConfig(
+            max_slots=args.max_slots,
+            page_size=args.page_size,
+            token_budget=args.token_budget,
+            max_model_len=args.max_model_len,
+            max_prefill_rows=args.prefill_rows,
+            min_prefill_bucket=args.min_bucket,
+            max_queue=args.requests + 8,
+            speculative=spec,
+        )
+        engine = Engine(model, config)
+        warm = engine.warmup()
+        server = Server(engine).start()
+        port = server.port
+        limit = engine.max_model_len
+    channel, stub = connect("127.0.0.1", port, ready_timeout=30)
 
     rng = np.random.default_rng(args.seed)
     n = args.requests
-    limit = engine.max_model_len
     ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], args.scale)
     outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], args.scale)
     ins = np.minimum(ins, limit // 2)
     outs = np.minimum(outs, limit - ins)
-    vocab = model.cfg.vocab_size
+    vocab = cfg.vocab_size
     prompts = [rng.integers(1, vocab, size=k).tolist() for k in ins]
     arrivals = np.cumsum(rng.exponential(1 / args.rate, n))
 
     generate(stub, [1, 2, 3], max_new_tokens=4, ignore_eos=True)  # the server answers
-    compiles_warm = engine.snapshot()["compiles"]
+    if args.pd:  # the prefill worker compiles its chunk shapes on first use: one prompt per shape, before timing
+        t0 = time.perf_counter()
+        for k in sorted({min(1 << i, limit // 2) for i in range(4, int(ins.max()).bit_length() + 1)}):
+            generate(stub, [1] * k, max_new_tokens=2, ignore_eos=True)
+        warm += time.perf_counter() - t0
+    compiles_warm = engine.snapshot()["compiles"] if engine else 0
 
     record: list[dict] = []
     start = time.perf_counter()
@@ -144,9 +244,13 @@ def main(argv=None) -> None:
                 time.sleep(delay)
             pool.submit(run_one, stub, prompts[i], outs[i], start + arrivals[i], record)
     wall = max(r["end"] for r in record) - start
-    snap = engine.snapshot()
-    server.shutdown()
     channel.close()
+    if engine is not None:
+        snap = engine.snapshot()
+        server.shutdown()
+    else:
+        snap = {"compiles": "n/a", "preemptions": "n/a"}
+        stop_pd(procs)
 
     ok = [r for r in record if r["finish"] == "length"]
     lost = n - len(record) + sum(r["finish"] is None for r in record)
@@ -165,9 +269,11 @@ def main(argv=None) -> None:
         f"{header()}; {what}; {n} requests, Poisson {args.rate}/s; lengths = reference x {args.scale} "
         f"(input mean {ins.mean():.0f}, max {ins.max()}; output mean {outs.mean():.0f}, max {outs.max()}); "
         f"engine: {args.max_slots} slots, page {args.page_size}, token budget {args.token_budget}"
-        + (f", speculative k={args.speculative}" if spec else "")
+        + (f", speculative k={args.speculative}" if args.speculative else "")
+        + (f"; PD: prefill, decode and router processes, KV over {args.pd}" if args.pd else "; colocated")
         + f". Warm-up {warm:.0f} s ({compiles_warm} compiles); compiles during the run: "
-        f"{snap['compiles'] - compiles_warm}; preemptions {snap['preemptions']}.",
+        + (f"{snap['compiles'] - compiles_warm}" if engine else "n/a")
+        + f"; preemptions {snap['preemptions']}.",
         "",
         "| QPM | output tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | goodput (TTFT<2s, TPOT<50ms) "
         "| finished / errors / lost |",

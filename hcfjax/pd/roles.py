@@ -34,7 +34,7 @@ def run_prefill(model, args, plans, announce) -> None:
     from hcfjax.pd.transport import make_transport
     from sharding.plans import prefill_plan
 
-    sender_factory, _ = make_transport(args.transport, host=args.host)
+    transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
     config = PrefillConfig(
         num_pages=args.prefill_pages,
         page_size=args.page_size,
@@ -47,7 +47,7 @@ def run_prefill(model, args, plans, announce) -> None:
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
     )
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    worker = PrefillWorker(model, sender_factory(), config, plan)
+    worker = PrefillWorker(model, transport.sender(), config, plan)
     worker.start()
     server = prefill_server(worker, args.transport, args.host, args.port).start()
     announce(f"hcfjax serve: prefill worker listening on {server.address}")
@@ -67,8 +67,7 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     from hcfjax.pd.transport import make_transport
     from sharding.plans import decode_plan
 
-    _, receiver_factory = make_transport(args.transport, host=args.host)
-    receiver = receiver_factory()
+    receiver = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout).receiver()
     remote = RemotePrefill(receiver, [GrpcPrefill(a) for a in args.prefill or []], timeout_s=args.transfer_timeout)
     remote.connect = GrpcPrefill
     plan = decode_plan(**plans["decode"]) if "decode" in plans else None
@@ -100,7 +99,19 @@ def run_router(args, announce) -> None:
 
 
 def load_model(args):
+    """--model PATH, or --model preset:NAME for a random model of that preset (seed 0: every worker gets the same
+    weights without a checkpoint on disk; for benchmarks)."""
+    from pathlib import Path
+
     import hcfjax
     from hcfjax.cli import DTYPES
 
-    return hcfjax.load(args.model or hcfjax.DEFAULT_MODEL, dtype=getattr(jnp, DTYPES[args.dtype]))
+    dtype = getattr(jnp, DTYPES[args.dtype])
+    if args.model and args.model.startswith("preset:"):
+        from hcfjax.random_model import preset_config, random_model
+
+        return random_model(preset_config(args.model.removeprefix("preset:")), seed=0, dtype=dtype)
+    path = Path(args.model or hcfjax.DEFAULT_MODEL)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint directory (no config.json)")
+    return hcfjax.load(path, dtype=dtype)

@@ -1,0 +1,211 @@
+"""Prefill/decode disaggregation: a prefill worker (prefill plan) and a decode worker (decode plan) give the same
+tokens as the colocated engine, with the cache sent whole or layer by layer over every transport; as separate
+processes behind the router too, where a decode worker killed mid-stream gives its client UNAVAILABLE and leaves
+no pages held on the prefill side."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jax.numpy as jnp
+import pytest
+
+import hcfjax
+from hcfjax.engine import Engine, EngineConfig
+from hcfjax.pd.decode import LocalPrefill, RemotePrefill
+from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+from hcfjax.pd.transport import make_transport
+from hcfjax.sampling import SamplingParams
+
+PROMPTS = [
+    "def fib(n):",
+    "import os\n",
+    "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 6,  # 200+ tokens: layerwise at a threshold of 64
+    "class Foo:\n    def __init__(self):",
+    "for i in range(10):\n    ",
+]
+N = 12
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hcfjax.load(dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def colocated(model):
+    """The colocated engine's tokens: greedy for every prompt, and one sampled request (seed 7)."""
+    engine = Engine(model, EngineConfig(max_slots=4, token_budget=64))
+    reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS]
+    reqs.append(engine.submit(PROMPTS[0], max_new_tokens=N, sampling=SAMPLED, seed=7))
+    while engine.has_work() or engine._inbox:
+        engine.step()
+    return [[t for o in engine.stream(r, timeout=0) for t in o.token_ids] for r in reqs]
+
+
+def run_pd(model, kind: str, plans: bool, merge: bool = True):
+    from sharding.plans import decode_plan, prefill_plan
+
+    transport = make_transport(kind, merge=merge)
+    receiver = transport.receiver()
+    config = PrefillConfig(num_pages=64, page_size=16, layerwise_threshold=64, layer_group=2, chunk=128)
+    worker = PrefillWorker(model, transport.sender(), config, prefill_plan(2) if plans else None)
+    worker.start()
+    remote = RemotePrefill(receiver, [LocalPrefill(worker)], timeout_s=60)
+    dp = 2 if plans else 1
+    engine = Engine(model, EngineConfig(max_slots=2, dp=dp), decode_plan(2) if plans else None, remote=remote)
+    engine.start()
+    try:
+        reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS]
+        reqs.append(engine.submit(PROMPTS[0], max_new_tokens=N, sampling=SAMPLED, seed=7))
+        outs = [list(engine.stream(r, timeout=120)) for r in reqs]
+        assert all(o[-1].error is None for o in outs), [o[-1].error for o in outs]
+        tokens = [[t for o in out for t in o.token_ids] for out in outs]
+        deadline = time.monotonic() + 10
+        while worker.pages_held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.pages_held == 0
+        snap = engine.snapshot()
+        assert snap["free_pages"] == snap["total_pages"] and snap["running"] == 0
+        return tokens, worker, worker.sender.stats
+    finally:
+        engine.shutdown()
+        worker.shutdown()
+        worker.sender.close()
+        receiver.close()
+        remote.shutdown()
+
+
+def test_pd_in_process_equals_colocated_under_both_plans(model, colocated):
+    """Prefill under TP=2, decode under DP=2 x EP=2; short prompts whole, the long one layer by layer (in pieces
+    of two layers, its prompt in two chunks); greedy and sampled requests equal the colocated engine's."""
+    tokens, worker, _ = run_pd(model, "inprocess", plans=True)
+    assert tokens == colocated
+    assert worker.stats["layerwise"] >= 1 and worker.stats["jobs"] == len(PROMPTS) + 1
+
+
+@pytest.mark.parametrize("kind", ["socket", "jax"])
+def test_pd_over_each_transport(model, colocated, kind):
+    tokens, _, stats = run_pd(model, kind, plans=False)
+    assert tokens == colocated
+    assert stats["messages"] >= 1
+
+
+# -- separate processes behind the router ----------------------------------------------------------------------------
+
+
+def start(args: list[str], name: str, env) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            return proc, m.group(1)
+    proc.kill()
+    raise RuntimeError(f"{name} did not start:\n{''.join(lines)}")
+
+
+def stream(addr: str, prompt, max_new: int, timeout: float = 120, on_token=None):
+    from hcfjax.serving import hcfjax_pb2 as pb
+    from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        req = pb.GenerateRequest(text=prompt, max_new_tokens=max_new)
+        out = []
+        for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=timeout):
+            out += r.token_ids
+            if on_token is not None and r.token_ids:
+                on_token()
+        return out
+
+
+def prefill_info(addr: str):
+    from hcfjax.serving import pd_pb2 as pdpb
+    from hcfjax.serving import pd_pb2_grpc as pd_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        return pd_grpc.WorkerStub(ch).Info(pdpb.InfoRequest(), timeout=10)
+
+
+def test_pd_processes_behind_the_router(model, colocated):
+    """Router + prefill (TP=2 on 2 fake devices) + decode (DP=2 x EP=2) as processes over the socket transport:
+    concurrent requests give the colocated tokens; then the decode worker is killed mid-stream and its client gets
+    UNAVAILABLE within the timeout, and the prefill worker holds no pages; a restarted decode worker rejoins."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    common = ["--dtype", "float32", "--cpu-devices", "2", "--page-size", "16", "--no-warmup"]
+    procs = []
+    try:
+        pre, pre_addr = start(
+            ["--role", "prefill", "--mesh", "prefill:tp=2", "--layerwise-threshold", "64", *common], "prefill", env
+        )
+        procs.append(pre)
+        decode_args = ["--role", "decode", "--mesh", "decode:dp=2", "--max-slots", "4", *common]
+        dec, dec_addr = start(decode_args, "decode", env)
+        procs.append(dec)
+        router, addr = start(
+            ["--role", "router", "--prefill", pre_addr, "--decode", dec_addr, "--request-timeout", "60"], "router", env
+        )
+        procs.append(router)
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: stream(addr, p, N), PROMPTS))
+        assert got == colocated[: len(PROMPTS)]
+
+        # kill the decode worker while a long generation streams
+        started = threading.Event()
+        fut = ThreadPoolExecutor(1).submit(stream, addr, PROMPTS[2], 400, 60, started.set)
+        assert started.wait(60)
+        dec.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            fut.result(timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 20
+        while prefill_info(pre_addr).pages_held and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert prefill_info(pre_addr).pages_held == 0
+        with pytest.raises(grpc.RpcError) as err:  # no decode worker is up
+            time.sleep(1.5)
+            stream(addr, PROMPTS[0], 4, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        # a decode worker restarted on the same address rejoins (the router's health checks see it)
+        dec2, _ = start([*decode_args, "--port", dec_addr.rsplit(":", 1)[1]], "decode", env)
+        procs.append(dec2)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert stream(addr, PROMPTS[0], N) == colocated[0]
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
