@@ -50,7 +50,7 @@ def supports(x, q, scale) -> bool:
     return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-1]) % 64 == 0
 
 
-def _block_m(m: int, e: int) -> int:
+def default_block_m(m: int, e: int) -> int:
     """Token block: about one block per expert (each block re-streams its expert's weights, so in the decode regime
     a second, nearly empty block would double the bytes), with headroom for uneven routing, at most 128."""
     per_expert = 1.25 * m / max(e, 1)
@@ -221,7 +221,7 @@ def int4_ragged_dot(
         raise ValueError(f"the kernel needs the int4 group (={g}) a multiple of 64 and N (={n}) of {BN}")
     if group_sizes.shape != (e,):
         raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
-    bm = block_m or _block_m(m, e)
+    bm = block_m or default_block_m(m, e)
     if bm % 16 or not 16 <= bm <= 256:
         raise ValueError(f"block_m must be a multiple of 16 in [16, 256], got {bm}")
     stages = stages or default_stages(act, bm, g)
