@@ -290,7 +290,10 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         spec = pending.pop(0)
         what = begun[1] if begun and begun[0] == spec else "case"
         hard = time.time() >= hard_stop
-        msg = f"no progress for {time.time() - last:.0f} s" if why == "stall" else f"worker exited ({proc.returncode})"
+        msg = f"no progress for {time.time() - last:.0f} s"
+        if why == "exit":  # it dumps its stack ('Timeout') and exits itself shortly before a stall would be seen here
+            stalled = f"a 'Timeout' stack dump above means no progress for {args.stall - 3:.0f} s"
+            msg = f"worker exited ({proc.returncode}; {stalled})"
         msg += " at the run's hard limit" if hard else ""
         log(f"  {spec}: {what}: {msg}; worker killed" if why == "stall" else f"  {spec}: {what}: {msg}")
         if what == "case":
