@@ -180,9 +180,9 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
 
 
 def use_kernel() -> bool:
-    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in for now: the kernel matches the reference under Mosaic
-    GPU's interpreter but its first H200 run failed to lower (pallas_kernels/bench/RESULTS.md), so the default on
-    GPU is still the jnp reference."""
+    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in until `python -m pallas_kernels.bench.moe` has checked
+    the kernel on a GPU: it matches the reference under Mosaic GPU's interpreter and lowers for sm_90 (CPU tests), but
+    its first H200 run failed to lower (pallas_kernels/NOTES.md), so the default on GPU is still the jnp reference."""
     return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL") == "1"
 
 
