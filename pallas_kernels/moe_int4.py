@@ -17,10 +17,12 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
            (wgmma_wait(2) keeps the last step's), so the next group's unpacking overlaps them; the token tiles are
            released one step late (delay_release=1) for the same reason.
     w4a8:  stored to smem as int8, two int8 wgmmas into a fresh int32 accumulator (tokens pre-quantised per token),
-           added to the f32 register accumulator times the group scales; the token scales multiply the output in
-           the wrapper.
+           added to the f32 register accumulator times the group scales; the token scales ([BM] f32, one more
+           pipelined block) multiply the accumulator at the end.
+  int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two accumulators and one token tile, and
+  writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
   The bf16 tile out^T [64, BM] goes back by TMA; the wrapper gathers the rows back (transpose + gather in XLA).
-Shared memory per CTA is `smem_bytes` (about 68 KiB at BM=16 up to 194 KiB at BM=128 for w4a16, 4 stages).
+Shared memory per CTA is `smem_bytes` (about 68 KiB at BM=16 up to 194 KiB at BM=128 for w4a16, 4 stages; NOTES.md).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ uniformly at random over the experts; the two headline cases (decode E=16 M=1024
 Each case first checks both kernels (w4a16, w4a8) against the exactly-quantised function computed in f32 (the max
 error over the max of the reference, and the norm-wise relative error), then times every implementation.
 
+Gate/up shapes also time the fused gate + up + SiLU kernel (int4_gated_ragged_dot; its bytes and FLOPs count both
+weights) against two kernel calls and XLA's SiLU-and-multiply.
+
 Per row: time (pipelined: `reps` calls back to back, then one wait, so dispatch overlaps execution; the kernel rows
 include the wrapper's XLA work: padding rows by expert, the activation quantisation, the gather back), weight bandwidth
 (bytes of the weights as stored, int4 + f32 scales or bf16, over the time) and TFLOP/s (2 M K N over the time; TOP/s
@@ -123,7 +126,13 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
 
     from hcfjax import quant
     from hcfjax.cache import quantize_int8
-    from pallas_kernels.moe_int4 import default_block_m, default_stages, int4_ragged_dot, smem_bytes
+    from pallas_kernels.moe_int4 import (
+        default_block_m,
+        default_stages,
+        int4_gated_ragged_dot,
+        int4_ragged_dot,
+        smem_bytes,
+    )
 
     e, m, k, n = map(int, spec.split("x"))
     w, x, gs = _problem(e, m, k, n)
@@ -140,17 +149,17 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
     }
     del wf, xq, xs
 
-    def row(name, fn, *args, nbytes, int8=False, act=None, config=None):
-        r = dict(name=name, nbytes=nbytes, int8=int8)
+    def row(name, fn, *args, nbytes, int8=False, act=None, config=None, ref=None, mult=1, nw=1):
+        """One timed row; kernels (act given) are first checked against ref (default: the plain product's)."""
+        r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
         _emit("BEGIN", spec, what=name)
         try:
             f = jax.jit(fn)
             if act is not None:  # a kernel: checked on this device before it is timed
                 bm, st = config
-                r["check"] = c = _errors(f(*args), refs[act])
-                c.update(
-                    ok=c["finite"] and c["max_rel"] < CHECK_TOL, block_m=bm, stages=st, smem=smem_bytes(act, bm, st)
-                )
+                r["check"] = c = _errors(f(*args), refs[act] if ref is None else ref)
+                smem = smem_bytes(act, bm, st, nw=nw)
+                c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, block_m=bm, stages=st, smem=smem)
             r["t"] = _timed(f, *args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
@@ -168,6 +177,51 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
             config = (bm or bm0, st or default_stages(act, bm or bm0))
             fn = functools.partial(int4_ragged_dot, act=act, block_m=bm, stages=st, interpret=interpret)
             row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, config=config)
+    if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
+        qu, su = (q4.q + jnp.uint8(0x35)), q4.scale * 0.5  # a second, different weight for "up"
+        wu = quant.dequantize(quant.QWeight(qu, su, 4, "bf16"), jnp.bfloat16).astype(jnp.float32)
+        for act in ("bf16", "int8"):
+            name = "w4a16" if act == "bf16" else "w4a8"
+            if name in skip:
+                continue
+            xr = x.astype(jnp.float32)
+            if act == "int8":
+                xq, xs = quantize_int8(x)
+                xr = xq.astype(jnp.float32) * xs[:, None]
+            ref = jax.nn.silu(refs[act]) * f32_dot(xr, wu, gs)
+            bm = default_block_m(m, e)
+            config = (bm, default_stages(act, bm, 128, 2))
+            fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret)
+            row(
+                f"{name} gate+up+SiLU fused",
+                fused,
+                x,
+                (q4.q, q4.scale),
+                (qu, su),
+                gs,
+                nbytes=2 * nb_int4,
+                int8=act == "int8",
+                act=act,
+                config=config,
+                ref=ref,
+                mult=2,
+                nw=2,
+            )
+            two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
+            unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
+            row(
+                f"{name} gate, up kernels + SiLU",
+                unfused,
+                x,
+                (q4.q, q4.scale),
+                (qu, su),
+                gs,
+                nbytes=2 * nb_int4,
+                int8=act == "int8",
+                mult=2,
+            )
+            del ref
+        del wu
     refs.clear()  # free the f32 references before the bf16 rows
     row("bf16 ragged_dot (XLA)", jax.lax.ragged_dot, x, w, gs, nbytes=nb_bf16)
     del w
@@ -343,11 +397,11 @@ def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
                 lines.append(f"{head} {r['name']} | error | | | | | | {chk} {r.get('error', '')[:160]} |")
                 continue
             t = r["t"]
-            tbs, flops = r["nbytes"] / t / 1e12, 2 * m * k * n / t / 1e12
+            tbs, flops = r["nbytes"] / t / 1e12, r.get("mult", 1) * 2 * m * k * n / t / 1e12
             ceiling = i8 if r.get("int8") else bf
             pc = f"{100 * r['nbytes'] / t / copy:.0f}%" if copy else ""
             pm = f"{100 * flops * 1e12 / ceiling:.0f}%" if ceiling else ""
-            vs = f"{t_bf16 / t:.2f}x" if t_bf16 else ""
+            vs = f"{r.get('mult', 1) * t_bf16 / t:.2f}x" if t_bf16 else ""  # fused rows: against two bf16 calls
             lines.append(f"{head} {r['name']} | {t * 1e6:.1f} | {tbs:.2f} | {pc} | {flops:.0f} | {pm} | {vs} | {chk} |")
         if "error" in res:
             lines.append(f"{head} (case) | error | | | | | | | {res['error'][:160]} |")
