@@ -179,10 +179,22 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return ragged_dot_reference(x, w, group_sizes)
 
 
+def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Array:
+    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: one fused Pallas
+    kernel for int4 QWeights of one kind on a GPU (HCFJAX_INT4_KERNEL=1, shapes it supports), else two ragged_dots."""
+    if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
+        if use_kernel():
+            from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
+
+            if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
+                return int4_gated_ragged_dot(x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act)
+    return jax.nn.silu(ragged_dot(x, gate, group_sizes)) * ragged_dot(x, up, group_sizes)
+
+
 def use_kernel() -> bool:
-    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in for now: the kernel matches the reference under Mosaic
-    GPU's interpreter but its first H200 run failed to lower (pallas_kernels/bench/RESULTS.md), so the default on
-    GPU is still the jnp reference."""
+    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in until `python -m pallas_kernels.bench.moe` has checked
+    the kernel on a GPU: it matches the reference under Mosaic GPU's interpreter and lowers for sm_90 (CPU tests), but
+    its first H200 run failed to lower (pallas_kernels/NOTES.md), so the default on GPU is still the jnp reference."""
     return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL") == "1"
 
 

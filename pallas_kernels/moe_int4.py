@@ -5,15 +5,24 @@ x [M, K] rows sorted by expert, q [E, N, K/2] packed int4, scale [E, N, K/G] f32
 hcfjax/quant.py documents the layout; within each K group of G, byte j holds k = j (low nibble) and k = j + G/2
 (high nibble), so one group's packed bytes unpack into two contiguous K halves without any shuffle.
 
-Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weight tile is wgmma's A operand):
+Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weight tile is wgmma's A operand and the
+token tile, read K-major, its B operand, as int8 wgmma requires):
   grid (N/64, padded token blocks). The wrapper pads each expert's rows to a multiple of the token block BM, so a
-  token block belongs to one expert (block_expert, -1 for unused blocks, which exit at once). Per K group a pipeline
-  step TMA-loads the packed tile [64, G/2], the scales [64] and the token tile [BM, G]; the tile is unpacked with two
-  arithmetic shifts in registers into the two K halves, then
-    w4a16: scaled in f32, rounded to bf16, stored to smem, two bf16 wgmmas into the f32 accumulator [64, BM];
+  token block belongs to one expert (block_expert, -1 for unused blocks, which exit at once). A pipeline of `stages`
+  steps over the K groups TMA-loads per group the packed tile [64, G/2], its scales [64] and the token tile [BM, G];
+  the packed tile is widened to int16 in registers (Mosaic GPU has no 8-bit shifts) and split by two arithmetic
+  shifts into the two K halves, then
+    w4a16: scaled in f32, rounded to bf16 (as the reference dequantises), stored to one of two smem slots, and two
+           bf16 wgmmas accumulate into an f32 accumulator ref that lives across the pipeline. They are left in flight
+           (wgmma_wait(2) keeps the last step's), so the next group's unpacking overlaps them; the token tiles are
+           released one step late (delay_release=1) for the same reason.
     w4a8:  stored to smem as int8, two int8 wgmmas into a fresh int32 accumulator (tokens pre-quantised per token),
-           added to the f32 accumulator times the group scales; the token scales multiply the output in the wrapper.
+           added to the f32 register accumulator times the group scales; the token scales ([BM] f32, one more
+           pipelined block) multiply the accumulator at the end.
+  int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two accumulators and one token tile, and
+  writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
   The bf16 tile out^T [64, BM] goes back by TMA; the wrapper gathers the rows back (transpose + gather in XLA).
+Shared memory per CTA is `smem_bytes` (about 68 KiB at BM=16 up to 194 KiB at BM=128 for w4a16, 4 stages; NOTES.md).
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ def supports(x, q, scale) -> bool:
     return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-1]) % 64 == 0
 
 
-def _block_m(m: int, e: int) -> int:
-    """Token block: small in the decode regime (few tokens per expert), large when the tensor cores are the bound."""
-    per_expert = m / max(e, 1)
-    return 16 if per_expert <= 16 else 64 if per_expert <= 64 else 128
+def default_block_m(m: int, e: int) -> int:
+    """Token block: about one block per expert (each block re-streams its expert's weights, so in the decode regime
+    a second, nearly empty block would double the bytes), with headroom for uneven routing, at most 128."""
+    per_expert = 1.25 * m / max(e, 1)
+    return next((b for b in (16, 32, 64) if per_expert <= b), 128)
 
 
 def _swizzle(row_bytes: int) -> int:
@@ -63,73 +73,106 @@ def _transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
 
 
-def _mma(acc, a_smem, b_smem, dtype, interpret: bool):
-    """acc + A @ B with A, B in smem. As in mla_decode: the accumulator is fed to wgmma in place on the GPU; GPU
-    interpret mode has no run_state, so there it is a fresh accumulator added in registers (the same arithmetic)."""
+def _unpack(p):
+    """int8 [BN, G/2] packed tile (WGMMA layout) -> its two K halves as int16 (k = j, k = j + G/2). Mosaic GPU has no
+    shifts on 8-bit registers, so the bytes are widened first (sign-extending: the high nibble is then one arithmetic
+    shift away)."""
+    p16 = p.astype(jnp.int16)
+    lo = lax.shift_right_arithmetic(lax.shift_left(p16, jnp.int16(12)), jnp.int16(12))
+    return lo, lax.shift_right_arithmetic(p16, jnp.int16(4))
+
+
+def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
+    """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if interpret:
-
-        def fresh(r):
-            plgpu.wgmma(r, a_smem, b_smem)
-            return r[...]
-
-        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, dtype))
-    return pl.run_state(lambda r: plgpu.wgmma(r, a_smem, b_smem))(plgpu.ACC.init(acc))
-
-
-def _kernel(act, g, bm, k_groups, interpret, block_expert_ref, w_ref, s_ref, x_ref, o_ref, wd_smem, o_smem):
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
+    w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
+    x_ref, *rest = refs[2 * nw :]
+    xs_ref, o_ref, wd_smem, o_smem = rest if act == "int8" else (None, *rest)
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
     e = block_expert_ref[mi]
     half = g // 2
-    wgmma_layout = plgpu.Layout.WGMMA
-    row = plgpu.Layout.WGMMA.reduce(1)
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def x_halves(x_smem):
+        # B operands [G/2, BM]: the token tile read K-major (as int8 wgmma requires).
+        return [x_smem.at[:, pl.ds(j * half, half)].transpose((1, 0)) for j in range(2)]
+
+    def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile, (int8) the token scales
+        return smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2], smems[2 * nw], smems[2 * nw + 1 :]
+
+    def bf16_step(acc_refs, idx, *smems):
+        # Dequantised halves go to wd_smem slot k % 2: the wgmmas of step k - 1 may still read the other slot; those
+        # of step k - 2 (same slot) are done (the wait below leaves only this step's 2 nw groups in flight).
+        w_smems, s_smems, x_smem, _ = split(smems)
+        slot = lax.rem(idx[0], 2)
+        for i in range(nw):
+            lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
+            s = lax.broadcast_in_dim(plgpu.load(s_smems[i].at[0], layout=row), (BN, half), [0])  # f32 [BN, G/2]
+            for j, v in enumerate((lo, hi)):
+                wd_smem[slot, i, j] = (v.astype(jnp.float32) * s).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        for i in range(nw):
+            for j, xh in enumerate(x_halves(x_smem)):
+                plgpu.wgmma(acc_refs[i], wd_smem.at[slot, i, j], xh)
+        plgpu.wgmma_wait(2 * nw)
+
+    def int8_step(idx, *smems_and_carry):
+        *smems, (accs, _) = smems_and_carry
+        w_smems, s_smems, x_smem, (xs_smem,) = split(smems)
+        for i in range(nw):
+            lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
+            wd_smem[0, i, 0] = lo.astype(jnp.int8)
+            wd_smem[0, i, 1] = hi.astype(jnp.int8)
+        plgpu.commit_smem()
+
+        def group(*rs):  # int8 x int8 -> int32 over this K group; the group scales apply to the int32 sums
+            for i in range(nw):
+                for j, xh in enumerate(x_halves(x_smem)):
+                    plgpu.wgmma(rs[i], wd_smem.at[0, i, j], xh)
+            return tuple(r[...] for r in rs)
+
+        parts = pl.run_scoped(group, *[plgpu.ACC((BN, bm), jnp.int32)] * nw)
+        new = []
+        for i in range(nw):
+            s = lax.broadcast_in_dim(plgpu.load(s_smems[i].at[0], layout=row), (BN, bm), [0])
+            new.append(accs[i] + parts[i].astype(jnp.float32) * s)
+        return tuple(new), plgpu.load(xs_smem, layout=col)  # the token scales [BM], applied after the last group
+
+    x_item = 2 if act == "bf16" else 1
+    rel = 1 if act == "bf16" else 0  # bf16: a slot is refilled only once the step after it has waited on its wgmmas
+    w_spec = plgpu.BlockSpec((BN, half), lambda k: (ni, k), transforms=_transforms(half, 1), delay_release=rel)
+    s_spec = plgpu.BlockSpec((1, BN), lambda k: (k, ni), delay_release=rel)
+    in_specs = [w_spec, s_spec] * nw
+    in_specs.append(
+        plgpu.BlockSpec((bm, g), lambda k: (mi, k), transforms=_transforms(half, x_item), delay_release=rel)
+    )
+    operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+    if act == "int8":
+        in_specs.append(plgpu.BlockSpec((bm,), lambda k: (mi,)))
+        operands.append(xs_ref)
 
     @pl.when(e >= 0)
     def _():
-        def step(_, w_smem, s_smem, x_smem, acc):
-            p = plgpu.load(w_smem, layout=wgmma_layout)  # int8 [BN, G/2], two int4 per byte
-            lo = lax.shift_right_arithmetic(lax.shift_left(p, jnp.int8(4)), jnp.int8(4))  # k = j
-            hi = lax.shift_right_arithmetic(p, jnp.int8(4))  # k = j + G/2
-            s = plgpu.load(s_smem.at[0], layout=row)  # f32 [BN]
-            x_lo = x_smem.at[:, pl.ds(0, half)].transpose((1, 0))
-            x_hi = x_smem.at[:, pl.ds(half, half)].transpose((1, 0))
-            if act == "bf16":
-                wd_smem[0] = (lo.astype(jnp.float32) * s[:, None]).astype(jnp.bfloat16)
-                wd_smem[1] = (hi.astype(jnp.float32) * s[:, None]).astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                acc = _mma(acc, wd_smem.at[0], x_lo, jnp.float32, interpret)
-                return _mma(acc, wd_smem.at[1], x_hi, jnp.float32, interpret)
-            wd_smem[0] = lo
-            wd_smem[1] = hi
-            plgpu.commit_smem()
+        if act == "bf16":
 
-            def group(r):
-                plgpu.wgmma(r, wd_smem.at[0], x_lo)
-                plgpu.wgmma(r, wd_smem.at[1], x_hi)
-                return r[...]
+            def scope(*acc_refs):
+                step = functools.partial(bf16_step, acc_refs)
+                plgpu.emit_pipeline(step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages)(*operands)
+                return tuple(r[...] for r in acc_refs)
 
-            part = pl.run_scoped(group, plgpu.ACC((BN, bm), jnp.int32))
-            return acc + part.astype(jnp.float32) * s[:, None]
-
-        x_item = 2 if act == "bf16" else 1
-        acc0 = plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), wgmma_layout)
-        acc = plgpu.emit_pipeline(
-            step,
-            grid=(k_groups,),
-            in_specs=[
-                plgpu.BlockSpec((BN, half), lambda k: (ni, k), transforms=_transforms(half, 1)),
-                plgpu.BlockSpec((1, BN), lambda k: (k, ni)),
-                plgpu.BlockSpec((bm, g), lambda k: (mi, k), transforms=_transforms(half, x_item)),
-            ],
-            max_concurrent_steps=2,
-            init_carry=acc0,
-        )(w_ref.at[e], s_ref.at[e], x_ref)
-        o_smem[...] = acc.astype(jnp.bfloat16)
+            accs = pl.run_scoped(scope, *[plgpu.ACC((BN, bm), jnp.float32)] * nw)
+        else:
+            zero = plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA)
+            init = ((zero,) * nw, plgpu.layout_cast(jnp.zeros((bm,), jnp.float32), col))
+            accs, xs = plgpu.emit_pipeline(
+                int8_step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=init
+            )(*operands)
+            xs = lax.broadcast_in_dim(xs, (BN, bm), [1])
+            accs = tuple(a * xs for a in accs)
+        out = accs[0] if nw == 1 else accs[0] * accs[1] / (1.0 + jnp.exp(-accs[0]))  # silu(gate) * up, in f32
+        o_smem[...] = out.astype(jnp.bfloat16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(ni * BN, BN), pl.ds(mi * bm, bm)])
         plgpu.wait_smem_to_gmem(0)
@@ -154,12 +197,30 @@ def _pad_rows(group_sizes, m: int, bm: int):
     return dst, block_expert, blocks
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m"))
-def int4_ragged_dot(x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, block_m: int | None = None):
-    """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, N, K/G] f32), group_sizes [E]) ->
-    [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
 
+
+def smem_bytes(act: str, bm: int, stages: int, g: int = 128, nw: int = 1) -> int:
+    """Shared memory of one CTA: per pipeline stage, per weight (nw: 2 for gate + up), the packed tile [64, G/2] int8
+    and its scales [64] f32, and the token tile [BM, G] (bf16 or int8; int8: its scales [BM] f32 too); per weight the
+    unpacked halves (bf16: two slots x two halves [64, G/2]; int8: one slot); the output tile [64, BM] bf16. An upper
+    bound on what Mosaic allocates (tests/test_quant.py checks it)."""
+    x_item = 2 if act == "bf16" else 1
+    per_stage = nw * (BN * g // 2 + BN * 4) + bm * g * x_item + (bm * 4 if act == "int8" else 0)
+    unpacked = nw * (2 if act == "bf16" else 1) * 2 * BN * (g // 2) * x_item
+    return stages * per_stage + unpacked + BN * bm * 2 + 1024  # + barriers and alignment (Mosaic adds < 600 B)
+
+
+def default_stages(act: str, bm: int, g: int = 128, nw: int = 1) -> int:
+    """Pipeline depth: 4 K groups in flight (enough bytes in flight to stream the weights in the decode regime),
+    fewer when the smem budget is smaller (emit_pipeline itself caps the depth at the number of K groups)."""
+    stages = 4
+    while stages > 2 and smem_bytes(act, bm, stages, g, nw) > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+def _check(x, q, scale, group_sizes, act):
     m, k = x.shape
     e, n, k2 = q.shape
     if act not in ACTS:
@@ -175,32 +236,86 @@ def int4_ragged_dot(x, q, scale, group_sizes, act: str = "bf16", interpret: bool
         raise ValueError(f"the kernel needs the int4 group (={g}) a multiple of 64 and N (={n}) of {BN}")
     if group_sizes.shape != (e,):
         raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
-    bm = block_m or _block_m(m, e)
+
+
+def _run(x, weights, group_sizes, act, interpret, block_m, stages):
+    """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    for q, scale in weights:
+        _check(x, q, scale, group_sizes, act)
+    if len(weights) == 2 and weights[0][0].shape != weights[1][0].shape:
+        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[1][0].shape}")
+    nw = len(weights)
+    m, k = x.shape
+    n = weights[0][0].shape[1]
+    g = k // weights[0][1].shape[2]
+    bm = block_m or default_block_m(m, group_sizes.shape[0])
+    if bm % 16 or not 16 <= bm <= 256:
+        raise ValueError(f"block_m must be a multiple of 16 in [16, 256], got {bm}")
+    stages = stages or default_stages(act, bm, g, nw)
+    if act == "bf16" and stages < 2:
+        raise ValueError("w4a16 needs stages >= 2 (a token tile is released one step late)")
+    if smem_bytes(act, bm, stages, g, nw) > SMEM_LIMIT:
+        raise ValueError(
+            f"block_m={bm}, stages={stages}: {smem_bytes(act, bm, stages, g, nw)} B of smem > {SMEM_LIMIT}"
+        )
     dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
+    args = [block_expert]
+    for q, scale in weights:
+        args.append(lax.bitcast_convert_type(q, jnp.int8))
+        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
     if act == "int8":
-        xq, xs = quantize_int8(x)
+        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
+        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
     else:
-        xq, xs = x, None
-    x_pad = jnp.zeros((blocks * bm, k), xq.dtype).at[dst].set(xq, mode="drop")
-    w = lax.bitcast_convert_type(q, jnp.int8)
-    st = jnp.swapaxes(scale, 1, 2)  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
+        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
     wd = jnp.bfloat16 if act == "bf16" else jnp.int8
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, bm, k // g, interpret),
+        functools.partial(_kernel, act, g, bm, k // g, stages, nw),
         out_type=jax.ShapeDtypeStruct((n, blocks * bm), jnp.bfloat16),
         grid=(n // BN, blocks),
         grid_names=("n", "m"),
         scratch_types=(
-            plgpu.SMEM((2, BN, g // 2), wd, transforms=_transforms(g // 2, jnp.dtype(wd).itemsize)),
+            plgpu.SMEM(
+                (2 if act == "bf16" else 1, nw, 2, BN, g // 2),
+                wd,
+                transforms=_transforms(g // 2, jnp.dtype(wd).itemsize),
+            ),
             plgpu.SMEM((BN, bm), jnp.bfloat16, transforms=_transforms(bm, 2)),
         ),
     )
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
-            out_t = kern(block_expert, w, st, x_pad)
+            out_t = kern(*args)
     else:
-        out_t = kern(block_expert, w, st, x_pad)
-    y = jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
-    if xs is not None:
-        y = (y.astype(jnp.float32) * xs[:, None]).astype(jnp.bfloat16)
-    return y
+        out_t = kern(*args)
+    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
+
+
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))
+def int4_ragged_dot(
+    x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, block_m: int | None = None, stages=None
+):
+    """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, N, K/G] f32), group_sizes [E]) ->
+    [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `block_m` (token
+    rows per CTA, 16..128, a multiple of 16) and `stages` (pipeline depth) default by the regime."""
+    return _run(x, ((q, scale),), group_sizes, act, interpret, block_m, stages)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))
+def int4_gated_ragged_dot(
+    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, block_m: int | None = None, stages=None
+):
+    """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel (an expert's gate/up projection): gate and up are
+    (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once."""
+    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, block_m, stages)
+
+
+def int4_gated_reference(x, gate, up, group_sizes, act="bf16"):
+    """The gated kernel's function in plain jnp: the two projections as in int4_ragged_dot_reference (bf16 outputs),
+    then silu(gate) * up in f32."""
+    yg = int4_ragged_dot_reference(x, *gate, group_sizes, act).astype(jnp.float32)
+    yu = int4_ragged_dot_reference(x, *up, group_sizes, act).astype(jnp.float32)
+    return (jax.nn.silu(yg) * yu).astype(x.dtype)

@@ -169,3 +169,78 @@ def test_kernel_matches_reference_interpret(k, n, sizes, block_m, act):
     y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, block_m=block_m), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
     assert not y[sum(sizes) :].any()
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+def test_gated_kernel_matches_reference_interpret(act):
+    """silu(x @ Wg) * (x @ Wu) in one kernel (two weights, one token tile), with an empty group and a partial block."""
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_gated_reference
+
+    k, n, sizes = 256, 128, [9, 0, 30]
+    e, m = len(sizes), sum(sizes) + 2
+    kg, ku = jax.random.split(jax.random.key(7))
+    qg, qu = (quant.quantize(jax.random.normal(kk, (e, k, n)) / 4, 4, act) for kk in (kg, ku))
+    x = jax.random.normal(jax.random.key(2), (m, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
+    ref = np.asarray(int4_gated_reference(x, gate, up, gs, act), np.float32)
+    y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, block_m=16), np.float32)
+    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
+    assert not y[sum(sizes) :].any()
+
+
+LOWER_CASES = [  # DeepSeek-V3 expert shapes: gate/up (K = hidden, N = expert width) and down; decode and prefill
+    (16, 128, 7168, 2048),
+    (16, 1024, 2048, 7168),
+    (32, 4096, 7168, 2048),
+]
+
+
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+@pytest.mark.parametrize("e, m, k, n", LOWER_CASES)
+def test_kernel_lowers_for_hopper(e, m, k, n, act):
+    """Mosaic GPU's lowering for sm_90 on the CPU: layout inference, supported ops and smem (227 KiB) are checked here,
+    where the H200 first reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_ragged_dot
+
+    s = jax.ShapeDtypeStruct
+    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32), s((e,), jnp.int32))
+    assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act), *args)
+
+
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+def test_gated_kernel_lowers_for_hopper(act):
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot
+
+    e, m, k, n = 16, 1024, 7168, 2048  # block_m 128: w4a16 at 3 stages, 207,360 B of smem
+    s = jax.ShapeDtypeStruct
+    w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32))
+    f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act=act)  # noqa: E731
+    assert "mosaic_gpu" in lower_for_hopper(f, s((m, k), jnp.bfloat16), w, w, s((e,), jnp.int32))
+
+
+@pytest.mark.parametrize("act, block_m, stages, nw", [("bf16", 128, 4, 1), ("int8", 32, 3, 1), ("int8", 64, 4, 2)])
+def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, block_m, stages, nw):
+    import re
+
+    from jax.experimental.mosaic.gpu import core
+
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot, smem_bytes
+
+    monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)  # Mosaic then reports its smem count in the error
+    e, m, k, n = 4, 256, 1024, 256
+    s = jax.ShapeDtypeStruct
+    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32), s((e,), jnp.int32))
+    cfg = dict(act=act, block_m=block_m, stages=stages)
+    if nw == 1:
+        f = lambda x, q, sc, gs: int4_ragged_dot(x, q, sc, gs, **cfg)  # noqa: E731
+    else:
+        f = lambda x, q, sc, gs: int4_gated_ragged_dot(x, (q, sc), (q, sc), gs, **cfg)  # noqa: E731
+    with pytest.raises(ValueError, match="shared memory") as err:
+        lower_for_hopper(f, *args)
+    used = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+    assert used <= smem_bytes(act, block_m, stages, nw=nw) < used + 2048

@@ -1,108 +1,479 @@
-"""Int4 MoE grouped GEMM against bf16 `ragged_dot` at DeepSeek-V3 expert shapes, with the ceilings of the same run.
+"""Int4 MoE grouped GEMM (pallas_kernels.moe_int4) on the GPU: correctness, then time against bf16 `ragged_dot` and
+the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
-    python -m pallas_kernels.bench.moe [--experts 16,32] [--tokens 128,1024,4096,16384] [--k 7168] [--n 2048]
-                                       [--time-limit S] [--out RESULTS.md]
+    python -m pallas_kernels.bench.moe [--cases all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
+                                       [--case-timeout 60] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
 
-One grouped GEMM x [M, K] @ W [E, K, N] (an expert's gate or up projection: K = hidden 7168, N = expert width 2048)
-over M routed token copies spread uniformly at random over E local experts. Per row: median time, weight bandwidth
-(bytes of the weights as stored, int4 + scales or bf16, over the time), and TOPS (2 M K N over the time). Ceilings:
-copy bandwidth (torch `copy_` over 2 GiB, read + write; XLA's own copy too) and the int8 x int8 -> int32 rate of an
-8192^3 XLA matmul. A correctness check against the jnp reference runs first.
+Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
+E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
+uniformly at random over the experts; the two headline cases (decode E=16 M=1024, prefill E=32 M=4096) run first.
+Each case first checks both kernels (w4a16, w4a8) against the exactly-quantised function computed in f32 (the max
+error over the max of the reference, and the norm-wise relative error), then times every implementation.
+
+Gate/up shapes also time the fused gate + up + SiLU kernel (int4_gated_ragged_dot; its bytes and FLOPs count both
+weights) against two kernel calls and XLA's SiLU-and-multiply.
+
+Per row: time (pipelined: `reps` calls back to back, then one wait, so dispatch overlaps execution; the kernel rows
+include the wrapper's XLA work: padding rows by expert, the activation quantisation, the gather back), weight bandwidth
+(bytes of the weights as stored, int4 + f32 scales or bf16, over the time) and TFLOP/s (2 M K N over the time; TOP/s
+for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own copy if torch is missing), XLA bf16
+and int8 8192^3 matmuls.
+
+Robustness: the cases run in a worker process that prints one JSON line per case; a case that raises reports its error
+and the next runs; a case that hangs (a deadlocked kernel) is killed after --case-timeout seconds (the worker dumps
+its Python stack first), and a fresh worker continues with the next case. No case starts after --time-limit seconds
+and nothing runs past --hard-limit (defaults: the whole run within 4 minutes).
+Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import os
+import select
+import subprocess
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+HEADLINE = [(16, 1024, 7168, 2048), (32, 4096, 7168, 2048)]
+SHAPES = [(7168, 2048), (2048, 7168)]
+EXPERTS = (16, 32)
+TOKENS = (128, 1024, 4096, 16384)
+CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the output
+SWEEP = {"bf16": [(16, 4), (32, 4), (64, 3), (128, 2)], "int8": [(32, 4), (64, 4), (128, 4)]}
 
-from hcfjax import quant
-from hcfjax.bench.common import copy_bandwidth, header, timed, torch_copy_bandwidth
-from pallas_kernels.moe_int4 import int4_ragged_dot
+
+def all_cases() -> list[tuple[int, int, int, int]]:
+    rest = [(e, m, k, n) for k, n in SHAPES for e in EXPERTS for m in TOKENS]
+    return HEADLINE + [c for c in rest if c not in HEADLINE]
 
 
-def int8_matmul_ops(n: int = 8192) -> float:
+# ---------------------------------------------------------------------------------------------------------------
+# Worker (imports jax; one process runs many cases)
+
+
+def _timed(fn, *args, min_time: float = 0.1, max_reps: int = 50) -> float:
+    """Seconds per call: calls issued back to back and waited for once (best of 3 rounds)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - t0
+    reps = int(min(max_reps, max(3, min_time / max(once, 1e-6))))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def _ceilings() -> dict:
+    from hcfjax.bench.common import copy_bandwidth, header, matmul_flops, torch_copy_bandwidth
+
+    torch_bw = torch_copy_bandwidth()  # before jax allocates its pool
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192
     a = jax.random.randint(jax.random.key(1), (n, n), -127, 127, jnp.int8)
     b = jax.random.randint(jax.random.key(2), (n, n), -127, 127, jnp.int8)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.int32))
-    return 2 * n**3 / timed(f, a, b)
+    i8 = 2 * n**3 / _timed(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.int32)), a, b)
+    del a, b
+    return dict(header=header(), torch_copy=torch_bw, xla_copy=copy_bandwidth(), int8=i8, bf16=matmul_flops())
 
 
-def problem(e: int, m: int, k: int, n: int, seed: int = 0):
+def _problem(e: int, m: int, k: int, n: int, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
     kw, kx, kg = jax.random.split(jax.random.key(seed), 3)
-    w = (jax.random.normal(kw, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    gs = jnp.bincount(jax.random.randint(kg, (m,), 0, e), length=e).astype(jnp.int32)
+    w = (jax.random.normal(kw, (e, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)  # [E, K, N]
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)  # [M, K]
+    gs = jnp.bincount(jax.random.randint(kg, (m,), 0, e), length=e).astype(jnp.int32)  # [E]
     return w, x, gs
 
 
-def check(k: int, n: int) -> str:
-    w, x, gs = problem(16, 1024, k, n, seed=1)
-    lines = []
+def _errors(y, ref) -> dict:
+    import jax.numpy as jnp
+
+    y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
+    d = y - ref
+    return dict(
+        max_rel=float(jnp.abs(d).max() / jnp.abs(ref).max()),
+        rel=float(jnp.linalg.norm(d) / jnp.linalg.norm(ref)),
+        finite=bool(jnp.isfinite(y).all()),
+    )
+
+
+def _emit(kind: str, spec: str, **data) -> None:
+    """One event line for the driver; each event also restarts the worker's own hang timer."""
+    import faulthandler
+
+    print(f"{kind} " + json.dumps(dict(spec=spec, **data)), flush=True)
+    faulthandler.dump_traceback_later(float(os.environ.get("MOE_BENCH_STALL", "45")) - 3, exit=True)
+
+
+def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from hcfjax import quant
+    from hcfjax.cache import quantize_int8
+    from pallas_kernels.moe_int4 import (
+        default_block_m,
+        default_stages,
+        int4_gated_ragged_dot,
+        int4_ragged_dot,
+        smem_bytes,
+    )
+
+    e, m, k, n = map(int, spec.split("x"))
+    w, x, gs = _problem(e, m, k, n)
+    q4 = quant.quantize(w, 4, "bf16")
+    nb_bf16, nb_int4 = w.size * 2, q4.q.nbytes + q4.scale.nbytes
+
+    # The exactly-quantised function in f32 (dequantised weights; w4a8: dequantised int8 tokens too).
+    wf = quant.dequantize(q4, jnp.bfloat16).astype(jnp.float32)
+    f32_dot = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, precision="highest"))
+    xq, xs = quantize_int8(x)
+    refs = {
+        "bf16": f32_dot(x.astype(jnp.float32), wf, gs),
+        "int8": f32_dot(xq.astype(jnp.float32) * xs[:, None], wf, gs),
+    }
+    del wf, xq, xs
+
+    def row(name, fn, *args, nbytes, int8=False, act=None, config=None, ref=None, mult=1, nw=1):
+        """One timed row; kernels (act given) are first checked against ref (default: the plain product's)."""
+        r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
+        _emit("BEGIN", spec, what=name)
+        try:
+            f = jax.jit(fn)
+            if act is not None:  # a kernel: checked on this device before it is timed
+                bm, st = config
+                r["check"] = c = _errors(f(*args), refs[act] if ref is None else ref)
+                smem = smem_bytes(act, bm, st, nw=nw)
+                c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, block_m=bm, stages=st, smem=smem)
+            r["t"] = _timed(f, *args)
+        except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
+            r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
+        _emit("ROW", spec, row=r)
+
     for act in ("bf16", "int8"):
-        qw = quant.quantize(w, 4, act)
-        ref = jax.jit(quant.ragged_dot_reference)(x, qw, gs).astype(jnp.float32)
-        y = int4_ragged_dot(x, qw.q, qw.scale, gs, act=act).astype(jnp.float32)
-        rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-        lines.append(f"w4a{'16' if act == 'bf16' else '8'} kernel vs reference (E=16, M=1024): rel. error {rel:.2e}")
-        assert rel < 1e-2, lines[-1]
-    return "; ".join(lines)
+        name = "w4a16" if act == "bf16" else "w4a8"
+        if name in skip:
+            _emit("ROW", spec, row=dict(name=f"{name} kernel", error=f"skipped: {skip[name]}"))
+            continue
+        bm0 = default_block_m(m, e)
+        configs = [(None, None)] + (SWEEP[act] if sweep else [])
+        for bm, st in configs:
+            label = f"{name} kernel" + (f" bm={bm} st={st}" if bm else "")
+            config = (bm or bm0, st or default_stages(act, bm or bm0))
+            fn = functools.partial(int4_ragged_dot, act=act, block_m=bm, stages=st, interpret=interpret)
+            row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, config=config)
+    if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
+        qu, su = (q4.q + jnp.uint8(0x35)), q4.scale * 0.5  # a second, different weight for "up"
+        wu = quant.dequantize(quant.QWeight(qu, su, 4, "bf16"), jnp.bfloat16).astype(jnp.float32)
+        for act in ("bf16", "int8"):
+            name = "w4a16" if act == "bf16" else "w4a8"
+            if name in skip:
+                continue
+            xr = x.astype(jnp.float32)
+            if act == "int8":
+                xq, xs = quantize_int8(x)
+                xr = xq.astype(jnp.float32) * xs[:, None]
+            ref = jax.nn.silu(refs[act]) * f32_dot(xr, wu, gs)
+            bm = default_block_m(m, e)
+            config = (bm, default_stages(act, bm, 128, 2))
+            fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret)
+            row(
+                f"{name} gate+up+SiLU fused",
+                fused,
+                x,
+                (q4.q, q4.scale),
+                (qu, su),
+                gs,
+                nbytes=2 * nb_int4,
+                int8=act == "int8",
+                act=act,
+                config=config,
+                ref=ref,
+                mult=2,
+                nw=2,
+            )
+            two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
+            unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
+            row(
+                f"{name} gate, up kernels + SiLU",
+                unfused,
+                x,
+                (q4.q, q4.scale),
+                (qu, su),
+                gs,
+                nbytes=2 * nb_int4,
+                int8=act == "int8",
+                mult=2,
+            )
+            del ref
+        del wu
+    refs.clear()  # free the f32 references before the bf16 rows
+    row("bf16 ragged_dot (XLA)", jax.lax.ragged_dot, x, w, gs, nbytes=nb_bf16)
+    del w
+    row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
+    if m * n * (k // 128) * 4 <= 2**32:  # its int32 partial sums [K/G, M, N]
+        q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
+        row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+
+
+def worker(specs: list[str], sweep: bool, interpret: bool, skip: dict) -> None:
+    for spec in specs:
+        _emit("BEGIN", spec, what="case")
+        try:
+            if spec == "ceilings":
+                _emit("CEIL", spec, ceilings=_ceilings())
+            else:
+                _case(spec, sweep, interpret, skip)
+            _emit("DONE", spec)
+        except Exception as ex:  # noqa: BLE001
+            _emit("DONE", spec, error=f"{type(ex).__name__}: {str(ex)[:2000]}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver (no jax: it only starts workers, enforces the time limits and prints the table)
+
+
+class Log:
+    def __init__(self):
+        out = os.environ.get("OUT")
+        self.dir = out if out and os.path.isdir(out) else None
+        self.fh = open(os.path.join(self.dir, "moe_bench.log"), "a") if self.dir else None
+
+    def __call__(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+            if self.fh:
+                self.fh.write(line + "\n")
+                self.fh.flush()
+
+
+def _lines(fd: int, timeout: float, buf: bytearray) -> list[str] | None:
+    """Complete lines from fd within timeout ([] if none yet), None at EOF. Reads the raw fd so that select() sees
+    every byte (a buffered readline could hold a finished line back)."""
+    ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
+    if ready:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        buf.extend(chunk)
+    *done, rest = bytes(buf).split(b"\n")
+    buf[:] = rest
+    return [d.decode(errors="replace") for d in done]
+
+
+def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
+    """Runs the specs in order in worker processes: {spec: {rows, ceilings, error, note}}. A worker that exits early
+    or stays silent for --stall seconds (a hung kernel) is killed; the item it was on is reported and a new worker
+    goes on with the next case. A kernel that hung is skipped in the later cases (each hang costs the stall time)."""
+    results: dict[str, dict] = {s: dict(rows=[]) for s in specs}
+    t_start = time.time()
+    hard_stop = t_start + args.hard_limit
+    pending, skip = list(specs), {}
+    env = dict(os.environ, MOE_BENCH_STALL=str(args.stall))
+    while pending:
+        if time.time() - t_start > args.time_limit:
+            for s in pending:
+                results[s]["error"] = f"skipped: the run's time limit ({args.time_limit:.0f} s) was reached"
+            break
+        cmd = [
+            sys.executable,
+            "-m",
+            "pallas_kernels.bench.moe",
+            "--worker",
+            ",".join(pending),
+            "--skip",
+            json.dumps(skip),
+        ]
+        cmd += ["--sweep"] * args.sweep + ["--interpret"] * args.interpret
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        fd, buf, last, begun, why = proc.stdout.fileno(), bytearray(), time.time(), None, None
+        log(f"[{time.time() - t_start:6.1f} s] worker {proc.pid} starts at {pending[0]}")
+        while why is None:
+            deadline = min(last + args.stall, hard_stop)
+            lines = _lines(fd, min(1.0, deadline - time.time()), buf)
+            if lines is None:
+                why = "exit"
+                break
+            for line in lines:
+                kind, _, payload = line.partition(" ")
+                if kind not in ("BEGIN", "ROW", "CEIL", "DONE"):
+                    log("  | " + line)
+                    continue
+                ev, last = json.loads(payload), time.time()
+                spec = ev["spec"]
+                if kind == "BEGIN":
+                    begun = (spec, ev["what"])
+                elif kind == "ROW":
+                    results[spec]["rows"].append(ev["row"])
+                    log(f"  {spec}: {_row_summary(ev['row'])}")
+                elif kind == "CEIL":
+                    results[spec]["ceilings"] = ev["ceilings"]
+                else:
+                    if "error" in ev:
+                        results[spec]["error"] = ev["error"]
+                    pending.remove(spec)
+                    err = f": {ev['error']}" if "error" in ev else ""
+                    log(f"[{time.time() - t_start:6.1f} s] done {spec}{err}")
+                    if not pending:
+                        why = "done"
+                    elif time.time() - t_start > args.time_limit:
+                        why = "limit"  # start no new case
+            if why is None and time.time() >= deadline:
+                why = "stall"
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if why in ("done", "limit") or not pending:
+            continue
+        # The worker died or hung inside pending[0]: report the item it was on and move past the case.
+        spec = pending.pop(0)
+        what = begun[1] if begun and begun[0] == spec else "case"
+        hard = time.time() >= hard_stop
+        msg = f"no progress for {time.time() - last:.0f} s"
+        if why == "exit":  # it dumps its stack ('Timeout') and exits itself shortly before a stall would be seen here
+            stalled = f"a 'Timeout' stack dump above means no progress for {args.stall - 3:.0f} s"
+            msg = f"worker exited ({proc.returncode}; {stalled})"
+        msg += " at the run's hard limit" if hard else ""
+        log(f"  {spec}: {what}: {msg}; worker killed" if why == "stall" else f"  {spec}: {what}: {msg}")
+        if what == "case":
+            results[spec]["error"] = msg
+        else:
+            results[spec]["rows"].append(
+                dict(name=what, error=f"hung or crashed: {msg}; the case's later rows are lost")
+            )
+            if what.split()[0] in ("w4a16", "w4a8") and not hard:
+                skip[what.split()[0]] = f"it hung or crashed in case {spec}"
+        if hard:
+            for s in pending:
+                results[s]["error"] = "skipped: the run's hard limit was reached"
+            break
+    return results
+
+
+def _row_summary(r: dict) -> str:
+    parts = [r["name"]]
+    if "check" in r:
+        c = r["check"]
+        parts.append(f"check {'ok' if c.get('ok') else 'FAIL'} max rel {c.get('max_rel', float('nan')):.2e}")
+    if "t" in r:
+        parts.append(f"{r['t'] * 1e6:.1f} us")
+    if "error" in r:
+        parts.append(r["error"][:300])
+    return ", ".join(parts)
+
+
+def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
+    copy = ceil.get("torch_copy") or ceil.get("xla_copy")
+    i8, bf = ceil.get("int8"), ceil.get("bf16")
+    lines = [
+        "| E | M | K x N | implementation | time (us) | weights TB/s | % copy | TFLOP/s | % MMA ceiling | vs bf16 "
+        "| check (max rel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e, m, k, n in cases:
+        res = results.get(f"{e}x{m}x{k}x{n}", {})
+        head = f"| {e} | {m} | {k} x {n} |"
+        rows = res.get("rows", [])
+        t_bf16 = next((r["t"] for r in rows if r["name"].startswith("bf16") and "t" in r), None)
+        for r in rows:
+            c = r.get("check", {})
+            chk = f"{'ok' if c.get('ok') else 'FAIL'} {c.get('max_rel', float('nan')):.1e}" if c else ""
+            if "t" not in r:
+                lines.append(f"{head} {r['name']} | error | | | | | | {chk} {r.get('error', '')[:160]} |")
+                continue
+            t = r["t"]
+            tbs, flops = r["nbytes"] / t / 1e12, r.get("mult", 1) * 2 * m * k * n / t / 1e12
+            ceiling = i8 if r.get("int8") else bf
+            pc = f"{100 * r['nbytes'] / t / copy:.0f}%" if copy else ""
+            pm = f"{100 * flops * 1e12 / ceiling:.0f}%" if ceiling else ""
+            vs = f"{r.get('mult', 1) * t_bf16 / t:.2f}x" if t_bf16 else ""  # fused rows: against two bf16 calls
+            lines.append(f"{head} {r['name']} | {t * 1e6:.1f} | {tbs:.2f} | {pc} | {flops:.0f} | {pm} | {vs} | {chk} |")
+        if "error" in res:
+            lines.append(f"{head} (case) | error | | | | | | | {res['error'][:160]} |")
+    return lines
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experts", default="16,32")
-    ap.add_argument("--tokens", default="128,1024,4096,16384")
-    ap.add_argument("--k", type=int, default=7168)
-    ap.add_argument("--n", type=int, default=2048)
-    ap.add_argument("--time-limit", type=float, default=0.0, help="stop adding rows after this many seconds")
+    ap.add_argument("--cases", default="all", help="'all' or ExMxKxN,... (e.g. 16x1024x7168x2048)")
+    ap.add_argument("--time-limit", type=float, default=200.0, help="start no new case after this many seconds")
+    ap.add_argument("--hard-limit", type=float, default=235.0, help="kill whatever still runs after this many seconds")
+    ap.add_argument("--stall", type=float, default=45.0, help="kill a worker silent this long (e.g. a hung kernel)")
+    ap.add_argument("--sweep", action="store_true", help="also time other (block_m, stages) configs of the kernel")
     ap.add_argument("--out", help="append the table to this markdown file")
+    ap.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
+    ap.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpreter (a CPU smoke test)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--skip", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker.split(","), args.sweep, args.interpret, json.loads(args.skip))
+        return
+    cases = all_cases() if args.cases == "all" else [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    log = Log()
     t0 = time.time()
-    k, n = args.k, args.n
-    ok = check(k, n)
-    print(ok, flush=True)
-    torch_bw = torch_copy_bandwidth()
-    xla_bw = copy_bandwidth()
-    i8 = int8_matmul_ops()
-    copy = torch_bw or xla_bw
-    ceil = (
-        f"copy {copy / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; XLA copy {xla_bw / 1e12:.2f}), "
-        f"int8 matmul {i8 / 1e12:.0f} TOPS (XLA)"
+    specs = ["ceilings"] * (not args.no_ceilings) + ["x".join(map(str, c)) for c in cases]
+    results = run_workers(specs, args, log)
+    ceil = results.get("ceilings", {}).get("ceilings", {})
+    if ceil.get("torch_copy"):
+        copy_s = (
+            f"torch copy_ {ceil['torch_copy'] / 1e12:.2f} TB/s (read + write), XLA copy {ceil['xla_copy'] / 1e12:.2f}"
+        )
+    elif ceil.get("xla_copy"):
+        copy_s = f"XLA copy {ceil['xla_copy'] / 1e12:.2f} TB/s (read + write; torch with CUDA not available)"
+    else:
+        copy_s = "not measured " + results.get("ceilings", {}).get("error", "(--no-ceilings)")
+    mma_s = (
+        f"XLA bf16 matmul {ceil['bf16'] / 1e12:.0f} TFLOP/s, XLA int8 matmul {ceil['int8'] / 1e12:.0f} TOP/s (8192^3)"
+        if ceil.get("int8")
+        else "matmul ceilings not measured"
     )
-    print(ceil, flush=True)
-    rows = [
-        "| E | tokens | kernel | time (ms) | weight GB/s | TOPS | % copy | % int8 rate | vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for e in map(int, args.experts.split(",")):
-        for m in map(int, args.tokens.split(",")):
-            if args.time_limit and time.time() - t0 > args.time_limit:
-                break
-            w, x, gs = problem(e, m, k, n)
-            ops = 2 * m * k * n
-            t_bf16 = timed(jax.jit(jax.lax.ragged_dot), x, w, gs)
-            results = [("bf16 ragged_dot", t_bf16, w.nbytes)]
-            for act in ("bf16", "int8"):
-                qw = quant.quantize(w, 4, act)
-                f = jax.jit(lambda x, q, s, g, act=act: int4_ragged_dot(x, q, s, g, act=act))
-                name = "w4a16" if act == "bf16" else "w4a8"
-                results.append((name, timed(f, x, qw.q, qw.scale, gs), quant.nbytes(qw)))
-                del qw
-            for name, t, nb in results:
-                rows.append(
-                    f"| {e} | {m} | {name} | {t * 1e3:.3f} | {nb / t / 1e9:.0f} | {ops / t / 1e12:.1f} | "
-                    f"{100 * nb / t / copy:.0f}% | {100 * ops / t / i8:.0f}% | {t_bf16 / t:.2f}x |"
+    checks = []
+    for c in cases:
+        for r in results["x".join(map(str, c))]["rows"]:
+            if "check" in r:
+                k = r["check"]
+                cfg = f"block_m {k['block_m']}, stages {k['stages']}, smem {k['smem']} B"
+                checks.append(
+                    f"- {c} {r['name']}: {'ok' if k['ok'] else 'FAIL'}, max rel {k['max_rel']:.2e}, "
+                    f"norm rel {k['rel']:.2e} ({cfg})"
                 )
-                print(rows[-1], flush=True)
-    text = f"{header()}; K={k}, N={n}; {ceil}\n{ok}\n\n" + "\n".join(rows) + "\n"
-    print(text)
+    text = [
+        "",
+        f"{ceil.get('header', 'device: see the log')}; whole run {time.time() - t0:.0f} s",
+        f"Ceilings (this run): copy {copy_s}; {mma_s}.",
+        "Kernel times include the wrapper's XLA work. % MMA ceiling: of the bf16 rate (bf16, w4a16 rows) or the int8",
+        "rate (w4a8 rows).",
+        "",
+        "Checks on this device (kernel vs the exactly-quantised function in f32; max |err| / max |ref| "
+        f"< {CHECK_TOL}):",
+        *checks,
+        "",
+        *table(results, cases, ceil),
+        "",
+    ]
+    log(*text)
+    if log.dir:
+        with open(os.path.join(log.dir, "moe_bench.md"), "w") as fh:
+            fh.write("\n".join(text))
     if args.out:
         with open(args.out, "a") as fh:
-            fh.write("\n" + text)
+            fh.write("\n".join(text))
 
 
 if __name__ == "__main__":

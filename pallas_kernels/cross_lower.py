@@ -1,0 +1,32 @@
+"""Lowering a Mosaic GPU kernel for a Hopper GPU on any host, to catch lowering errors without a GPU.
+
+Mosaic GPU lowers (layout inference and the shared-memory size check included: without a device to ask, it assumes
+Hopper's 227 KiB) on a CPU-only jaxlib; only the target architecture has to be given, since there is no GPU to infer
+it from. Compiling to a cubin and running still need the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+
+@contextlib.contextmanager
+def hopper_arch():
+    """Within: Mosaic GPU lowers for sm_90 (H100/H200) whatever the host has."""
+    from jax.experimental.mosaic.gpu import utils
+
+    saved = utils._infer_arch
+    utils._infer_arch = lambda: (9, 0)
+    try:
+        yield
+    finally:
+        utils._infer_arch = saved
+
+
+def lower_for_hopper(fn, *args) -> str:
+    """The StableHLO text of fn(*args) lowered for CUDA on sm_90; args may be jax.ShapeDtypeStructs. Raises the
+    lowering's error (e.g. a layout Mosaic cannot infer, an op it does not support, smem over 227 KiB)."""
+    with hopper_arch():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
