@@ -297,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     pd.add_argument("--prefill-pages", type=int, default=1024, help="a prefill worker's scratch KV pages")
     pd.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill forward chunk")
+    pd.add_argument("--min-prefill-bucket", type=int, default=16, help="a prefill worker's smallest chunk shape")
     pd.add_argument("--layerwise-threshold", type=int, default=8192, help="prompts this long are sent layer by layer")
     pd.add_argument("--layer-group", type=int, default=1, help="layers per piece in layerwise mode")
     pd.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a prefill and its transfer may take")

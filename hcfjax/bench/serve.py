@@ -113,6 +113,8 @@ def start_pd(args) -> tuple[list, int, float]:
             str(max(args.token_budget, 4096)),
             "--max-prefill-rows",
             str(args.prefill_rows),
+            "--min-prefill-bucket",
+            str(args.min_bucket),
         ],
         env,
     )
@@ -231,7 +233,8 @@ def main(argv=None) -> None:
     if args.pd:  # the prefill worker compiles its chunk shapes on first use: one prompt per shape, before timing
         t0 = time.perf_counter()
         for k in sorted({min(1 << i, limit // 2) for i in range(4, int(ins.max()).bit_length() + 1)}):
-            generate(stub, [1] * k, max_new_tokens=2, ignore_eos=True)
+            with ThreadPoolExecutor(args.prefill_rows) as pool:  # batches of every row count, too
+                list(pool.map(lambda _, k=k: generate(stub, [1] * k, max_new_tokens=2, ignore_eos=True), range(2)))
         warm += time.perf_counter() - t0
     compiles_warm = engine.snapshot()["compiles"] if engine else 0
 

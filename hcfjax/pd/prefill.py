@@ -66,6 +66,7 @@ class PrefillConfig:
     max_rows: int = 4
     token_budget: int = 4096  # prompt tokens per batch (a longer prompt runs alone)
     chunk: int = 2048  # tokens per forward chunk
+    min_bucket: int = 16  # the smallest chunk shape (prompt lengths are padded to powers of two from here)
     layerwise_threshold: int = 8192  # prompts of this many tokens or more are sent layer by layer
     layer_group: int = 1  # layers per piece in layerwise mode
     transfer_timeout_s: float = 30.0
@@ -222,7 +223,7 @@ class PrefillWorker:
         lens = [len(j.tokens) for j in batch]
         b = bucket(len(batch), 1)
         longest = max(lens)
-        tc = min(bucket(longest), c.chunk)  # chunk shape (a power of two, or `chunk`)
+        tc = min(bucket(longest, c.min_bucket), c.chunk)  # chunk shape (a power of two, or `chunk`)
         t = math.ceil(longest / tc) * tc
         m = math.ceil(t / c.page_size)
         tokens, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32)

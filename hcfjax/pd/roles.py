@@ -41,6 +41,7 @@ def run_prefill(model, args, plans, announce) -> None:
         max_rows=args.max_prefill_rows,
         token_budget=max(args.token_budget, 1),
         chunk=args.prefill_chunk,
+        min_bucket=args.min_prefill_bucket,
         layerwise_threshold=args.layerwise_threshold,
         layer_group=args.layer_group,
         transfer_timeout_s=args.transfer_timeout,
