@@ -98,6 +98,11 @@ def _generate_planned(model, prompts, plans, args, sampling):
 
 
 def _serve(args) -> int:
+    if args.port is None and args.http_port is None:
+        print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
+        return 2
+    if args.role != "colocated":
+        return _serve_role(args)
     import jax.numpy as jnp
 
     import hcfjax
@@ -106,11 +111,6 @@ def _serve(args) -> int:
     from hcfjax.serving.http import serve as serve_http
     from hcfjax.serving.server import serve
 
-    if args.port is None and args.http_port is None:
-        print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
-        return 2
-    if args.role != "colocated":
-        return _serve_role(args)
     path = Path(args.model or hcfjax.DEFAULT_MODEL)
     if not (path / "config.json").is_file():
         print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
