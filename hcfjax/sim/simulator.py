@@ -247,6 +247,15 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
 
     router = _Router(engines, (dep.colocated or dep.decode).balance)
     reqs = [new_request(f"r{i}", n_in, n_out, t) for i, (t, n_in, n_out) in enumerate(wl.requests_list())]
+    sched = engines[0].sched
+    longest = max(reqs, key=lambda r: len(r.prompt) + r.max_new_tokens, default=None)
+    if longest is not None:  # the engine refuses requests beyond its context; here: beyond what a rank can hold
+        need = sched.alloc[0].pages_for(len(longest.prompt) + longest.max_new_tokens + 2 * k + 1)
+        if need > sched.cfg.num_pages:
+            raise ValueError(
+                f"a request of {len(longest.prompt)} + {longest.max_new_tokens} tokens needs {need} pages; a rank "
+                f"holds {sched.cfg.num_pages} (lower the workload's max_model_len or give the cache more memory)"
+            )
     for req in reqs:
         clock.at(req.arrival, lambda r=req: router.choose(r).submit(r))
     if not wl.drain and reqs:
