@@ -116,8 +116,9 @@ DEEPSEEK_KERNELS = Efficiency(
 # This project on the H200 (hcfjax/bench/results/generate.md, pallas_kernels/bench/RESULTS.md, 2026-11-29):
 # XLA bf16 matmul 596 TFLOP/s (0.60 of 989), XLA int8 matmul 806 TOP/s (0.41 of 1979), torch copy 4.13 TB/s (0.86
 # of 4.8); the XLA MLA decode reference at 128 x 4096 bf16: 322 GB/s (0.067) and 78 TFLOP/s (0.079). The routed
-# experts (XLA ragged_dot) and the per-layer overhead are not measured alone: calibrate.committed_h200() fits them
-# to the engine-path step times in generate.md, and `python -m hcfjax.sim.validate` refits all of it on a device.
+# experts (XLA ragged_dot) and the per-layer overhead are not measured alone (generate.md: a batch-1 decode step
+# takes 25 ms against a 1.2 ms floor), so this profile predicts the engine too fast; `python -m
+# hcfjax.sim.validate` fits every factor to the engine's step times on a device and writes a profile JSON.
 HCFJAX_XLA_H200_MICRO = Efficiency(
     gemm_compute=0.60,
     gemm_memory=0.86,

@@ -69,22 +69,27 @@ class EngineShapes:
         return t if self.spec_k else min(t, max(self.token_budget, self.min_bucket))
 
     def works(self, plan: StepPlan) -> list[Work]:
-        works = [Work() for _ in range(self.ranks)]
-        if plan.decode:
-            k, s = self.spec_k, self.slots // self.ranks
-            q = k + 1
-            for w in works:
-                w += Work(tokens=s * q, logits=s * q, dec_pairs=s * q * self.keys, dec_kv=s * self.keys)
-                if k:  # MTP extend over 2k + 1 anchors per depth, then k - 1 one-token chain steps, spread over k
-                    per_pass = s * (k * (2 * k + 1) + k - 1) // k
-                    w += Work(mtp_tokens=per_pass, mtp_pairs=per_pass * self.keys, mtp_kv=s * self.keys)
+        b = t = 0
         if plan.chunks:
             per_rank = [0] * self.ranks
             for c in plan.chunks:
                 per_rank[c.req.rank if self.ranks > 1 else 0] += 1
             b = self.rows_shape(max(per_rank))
             t = self.chunk_shape(max(c.n for c in plan.chunks))
-            for w in works:
+        return self.shape_works(b, t, bool(plan.decode))
+
+    def shape_works(self, b: int, t: int, decode: bool) -> list[Work]:
+        """The work of one compiled step shape: b prefill rows per rank of t tokens, with or without decode."""
+        works = [Work() for _ in range(self.ranks)]
+        k, s = self.spec_k, self.slots // self.ranks
+        for w in works:
+            if decode:
+                q = k + 1
+                w += Work(tokens=s * q, logits=s * q, dec_pairs=s * q * self.keys, dec_kv=s * self.keys)
+                if k:  # MTP extend over 2k + 1 anchors per depth, then k - 1 one-token chain steps, spread over k
+                    per_pass = s * (k * (2 * k + 1) + k - 1) // k
+                    w += Work(mtp_tokens=per_pass, mtp_pairs=per_pass * self.keys, mtp_kv=s * self.keys)
+            if b:
                 w += Work(
                     tokens=b * t,
                     pre_tokens=b * t,
@@ -93,6 +98,6 @@ class EngineShapes:
                     pre_kv=b * self.keys,
                     pre_expand=b * self.keys,
                 )
-                if self.spec_k:
+                if k:
                     w += Work(mtp_tokens=b * t, mtp_pairs=b * t * self.keys, mtp_kv=b * self.keys)
         return works
