@@ -180,9 +180,12 @@ def test_pd_handoff_with_constant_times():
     pre_cfg = SchedulerConfig(max_slots=4, num_pages=64, page_size=16, token_budget=256)
     prefills.append(PrefillInstance(clock, "p", pre_cfg, lambda plan: 0.1, lambda job, first, end: end + 0.05))
     req = new_request("r", 100, 5, 0.0)
+    late = new_request("late", 50, 3, 0.165)  # admitted while `req` decodes: its prompt still goes to the prefill
     clock.at(0.0, lambda: dec.submit(req))
+    clock.at(late.arrival, lambda: dec.submit(late))
     clock.run()
-    assert done == [req] and req.output == [0] * 5
+    assert done == [req, late] and req.output == [0] * 5 and late.output == [0] * 3
+    assert late.first_token_time - late.arrival >= 0.15
     assert req.first_token_time == pytest.approx(0.15)  # prefill 0.1 + transfer 0.05
     assert (req.last_token_time - req.first_token_time) / 4 == pytest.approx(0.01)
     assert not dec.sched.running and all(a.num_free == 64 for a in dec.sched.alloc)

@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 
 from hcfjax.engine.request import FinishReason, Request, Status
-from hcfjax.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from hcfjax.engine.scheduler import Chunk, Scheduler, SchedulerConfig, StepPlan
 from hcfjax.sampling import SamplingParams
 
 REMOTE_PREFILL = "remote_prefill" in {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -74,9 +74,8 @@ def new_request(rid: str, prompt_len: int, max_new: int, arrival: float) -> Requ
 
 @dataclasses.dataclass
 class _Step:
-    plan: StepPlan
     end: float
-    chunk_epochs: list[int]
+    chunks: list[tuple[Chunk, int]]  # the chunks this step computed, with their request's epoch at dispatch
     decode: list[tuple[Request, int]]
 
 
@@ -164,8 +163,8 @@ class EngineInstance:
             self.busy += seconds
             self.steps += 1
             self.decode_rows += len(plan.decode)
-            epochs = [c.req.epoch for c in plan.chunks]
-            current = _Step(plan, self.dev_free, epochs, [(r, r.epoch) for r in plan.decode])
+            chunks = [(c, c.req.epoch) for c in plan.chunks] if self._computes_chunks(plan) else []
+            current = _Step(self.dev_free, chunks, [(r, r.epoch) for r in plan.decode])
         nxt = ready
         processed = self.pending is not None
         if processed:
@@ -189,7 +188,7 @@ class EngineInstance:
     def _process(self, step: _Step, now: float) -> None:
         """Engine._process: the step's sampled tokens, dropped for requests finished or preempted since dispatch."""
         new: dict[Request, int] = {}
-        for c, epoch in zip(step.plan.chunks, step.chunk_epochs, strict=True):
+        for c, epoch in step.chunks:
             if c.final and not c.req.done and c.req.epoch == epoch:
                 new[c.req] = 1
         for req, epoch in step.decode:
