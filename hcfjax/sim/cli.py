@@ -4,6 +4,7 @@ within the SLO (--search), or sweep layouts and batch limits (--sweep); --plot d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -11,6 +12,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help="a YAML file (see hcfjax/sim/configs/)")
     ap.add_argument("--requests", type=int, help="override the workload's request count")
     ap.add_argument("--rate", type=float, help="override the workload's arrival rate (per second)")
+    ap.add_argument("--attainment", type=float, help="override the share of requests that must meet the SLO")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--search", action="store_true", help="find the highest rate that meets the SLO")
     mode.add_argument("--sweep", action="store_true", help="search every layout of the config's sweep grid")
@@ -44,6 +46,8 @@ def run(args) -> int:
         wl = wl.replace(requests=args.requests)
     if args.rate:
         wl = wl.replace(rate=args.rate)
+    if args.attainment is not None:
+        cfg = dataclasses.replace(cfg, slo=dataclasses.replace(cfg.slo, attainment=args.attainment))
     dep = cfg.deployment
     head = (
         f"## `hcfjax sim --config {args.config}`{' --search' if args.search else ''}{' --sweep' if args.sweep else ''}"
