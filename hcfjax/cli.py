@@ -11,6 +11,7 @@ hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperat
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
 hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8   (hcfjax/quantize.py)
+hcfjax sim --config deployment.yaml [--search | --sweep] [--plot PNG]   (the capacity simulator, hcfjax/sim/)
 """
 
 from __future__ import annotations
@@ -329,7 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--scheme", required=True, choices=["w4a8c8", "w4a16", "w4a8", "w8a8"])
     q.add_argument("--group-size", type=int, default=128, help="int4 scale group along K")
     q.set_defaults(func=_quantize)
+
+    from hcfjax.sim.cli import add_arguments as sim_arguments
+
+    m = sub.add_parser("sim", help="simulate a deployment's throughput and latency (hcfjax/sim/)")
+    sim_arguments(m)
+    m.set_defaults(func=_sim)
     return ap
+
+
+def _sim(args) -> int:
+    from hcfjax.sim.cli import run
+
+    return run(args)
 
 
 def _quantize(args) -> int:

@@ -40,6 +40,22 @@ def draw_lengths(rng, n: int, mean: float, cap: int, scale: float, lo: int = 1) 
     return np.maximum(np.round(x), lo).astype(int)
 
 
+def workload(seed: int, n: int, rate: float, scale: float, limit: int, vocab: int | None):
+    """The benchmark's requests for a seed: (input lengths, output lengths, prompts, arrival times in s).
+
+    Lengths follow REFERENCE scaled by `scale`, inputs clipped at limit // 2 and outputs to fit the context. With
+    vocab None the prompts are not drawn (None), which changes the arrival times; the simulator passes the model's
+    vocabulary to get exactly this benchmark's workload."""
+    rng = np.random.default_rng(seed)
+    ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], scale)
+    outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], scale)
+    ins = np.minimum(ins, limit // 2)
+    outs = np.minimum(outs, limit - ins)
+    prompts = None if vocab is None else [rng.integers(1, vocab, size=k) for k in ins]  # numpy arrays
+    arrivals = np.cumsum(rng.exponential(1 / rate, n))
+    return ins, outs, prompts, arrivals
+
+
 def run_one(stub, prompt, max_new, t_arrival, record):
     from hcfjax.serving import hcfjax_pb2 as pb
     from hcfjax.serving.client import generate_stream
@@ -219,15 +235,8 @@ def main(argv=None) -> None:
         limit = engine.max_model_len
     channel, stub = connect("127.0.0.1", port, ready_timeout=30)
 
-    rng = np.random.default_rng(args.seed)
     n = args.requests
-    ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], args.scale)
-    outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], args.scale)
-    ins = np.minimum(ins, limit // 2)
-    outs = np.minimum(outs, limit - ins)
-    vocab = cfg.vocab_size
-    prompts = [rng.integers(1, vocab, size=k).tolist() for k in ins]
-    arrivals = np.cumsum(rng.exponential(1 / args.rate, n))
+    ins, outs, prompts, arrivals = workload(args.seed, n, args.rate, args.scale, limit, cfg.vocab_size)
 
     generate(stub, [1, 2, 3], max_new_tokens=4, ignore_eos=True)  # the server answers
     if args.pd:  # the prefill worker compiles its chunk shapes on first use: one prompt per shape, before timing
@@ -245,7 +254,7 @@ def main(argv=None) -> None:
             delay = start + arrivals[i] - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            pool.submit(run_one, stub, prompts[i], outs[i], start + arrivals[i], record)
+            pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record)
     wall = max(r["end"] for r in record) - start
     channel.close()
     if engine is not None:

@@ -1,0 +1,301 @@
+"""Validate the simulator against the real engine on this device: calibrate, serve, simulate, compare.
+
+    python -m hcfjax.sim.validate                       # the serve.md V2-Lite run's settings, on a GPU (~5 min)
+    python -m hcfjax.sim.validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
+        --max-slots 4 --page-size 16 --token-budget 64 --prefill-rows 1 --min-bucket 64 --max-model-len 512 \\
+        --calib-slots 2                                  # the same on a CPU, in about a minute
+
+1. Calibrate: time every step shape the engine compiles (ModelRunner, the warm-up's inputs) plus decode-only steps
+   at other slot counts (--calib-slots), and fit the efficiency profile's factors (GEMM, routed experts, attention
+   compute and memory, per-layer and per-step overhead) to them: least squares on log time.
+2. Serve the benchmark's workload (hcfjax.bench.serve.workload, same seed) through the engine in-process, with
+   hcfjax/bench/serve.py's engine settings, timing tokens as a client receives them; the host's planning and
+   read-back time per step are measured on the way.
+3. Simulate the same workload with the calibrated profile (engine_shapes: the runner's padded shapes).
+4. Print measured against predicted throughput, TTFT p50 and TPOT p50 (the issue's bar: within 15%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hcfjax.sim.cost import CostModel
+from hcfjax.sim.gpus import Efficiency, gpu
+from hcfjax.sim.work import EngineShapes
+
+FITTED = ("gemm_compute", "moe_compute", "attn_compute", "attn_memory", "layer_overhead_s", "step_overhead_s")
+
+
+def fit(cfg, gpu_name: str, points: list[tuple[EngineShapes, int, int, bool, float]], base: Efficiency) -> Efficiency:
+    """The efficiency factors that best explain measured step times: points are (shapes, rows, chunk, decode, s)."""
+    from scipy.optimize import least_squares
+
+    g = gpu(gpu_name)
+    works = [(shapes.shape_works(b, t, d), s) for shapes, b, t, d, s in points]
+    x0 = np.log([0.3, 0.1, 0.1, 0.1, 1e-4, 1e-3])
+
+    def eff_of(x):
+        return base.replace(**dict(zip(FITTED, np.exp(x).tolist(), strict=True)), gemm_memory=base.gemm_memory)
+
+    def residuals(x):
+        cm = CostModel(cfg, g, eff_of(x))
+        return [np.log(cm.step(w).seconds / s) for w, s in works]
+
+    lo = np.log([1e-6, 1e-6, 1e-6, 1e-6, 1e-9, 1e-9])
+    hi = np.log([1.0, 1.0, 1.0, 1.0, 1.0, 10.0])
+    res = least_squares(residuals, x0, bounds=(lo, hi))
+    return eff_of(res.x).replace(source=f"fitted by hcfjax.sim.validate to {len(points)} step times")
+
+
+def _time_shape(runner, b: int, t: int, with_decode: bool, reps: int) -> float:
+    """Median seconds of one runner step of this shape, on the warm-up's inputs (which write nothing)."""
+    import jax
+
+    from hcfjax.engine.runner import DecodeInputs, PrefillInputs
+    from hcfjax.sampling import SamplingBatch, SamplingParams
+
+    s, m = runner.num_slots, runner.max_pages
+    sp = lambda n: jax.tree.map(runner._put, SamplingBatch.of([SamplingParams()] * n))
+    z = lambda *shape: runner._put(np.zeros(shape, np.int32))
+    dec = DecodeInputs(runner._put(np.zeros(s, bool)), z(s, m), sp(s), runner._put(np.zeros(s, np.uint32)))
+    pre = None
+    if b:
+        drop = runner._put(np.full(b, runner.slots_per_rank, np.int32))
+        pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp(b), runner._put(np.zeros(b, np.uint32)), z(b))
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        jax.block_until_ready((runner._call(pre, dec if with_decode else None), runner.state))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(engine, model, args, shapes: EngineShapes) -> list[tuple]:
+    """Step times of every shape the engine serves with, and of decode at other slot counts."""
+    from hcfjax.engine.runner import ModelRunner
+    from hcfjax.quantize import default_cache_dtype
+
+    c = engine.config
+    rows = sorted({min(1 << (n - 1).bit_length(), c.max_prefill_rows) for n in range(1, c.max_prefill_rows + 1)})
+    top = max(c.token_budget, c.min_prefill_bucket)
+    chunks = sorted({shapes.chunk_shape(1 << i) for i in range(top.bit_length()) if 1 << i <= top})
+    points = [(shapes, 0, 0, True, _time_shape(engine.runner, 0, 0, True, args.reps))]
+    for b in rows:
+        for t in chunks:
+            for d in (False, True):
+                points.append((shapes, b, t, d, _time_shape(engine.runner, b, t, d, args.reps)))
+    r = engine.runner
+    for slots in args.calib_slots:
+        pages = max(r.max_pages, slots * r.max_pages // 2)
+        runner = ModelRunner(model, slots, pages, c.page_size, r.max_pages, default_cache_dtype(model, None))
+        other = dataclasses.replace(shapes, slots=slots)
+        points.append((other, 0, 0, True, _time_shape(runner, 0, 0, True, args.reps)))
+        del runner
+    return points
+
+
+def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
+    """The workload through the engine (started here), timed as bench/serve.py's client times it; also the
+    host's per-step planning/launch and read-back seconds."""
+    import jax
+
+    host = {"dispatch": [], "process": []}
+    sched_fn, dispatch_fn, process_fn = engine.scheduler.schedule, engine.runner.dispatch, engine._process
+    plan_t = [0.0]
+
+    def schedule(now):
+        t0 = time.perf_counter()
+        out = sched_fn(now)
+        plan_t[0] = time.perf_counter() - t0
+        return out
+
+    def dispatch(*a):
+        t0 = time.perf_counter()
+        out = dispatch_fn(*a)
+        host["dispatch"].append(plan_t[0] + time.perf_counter() - t0)
+        return out
+
+    def process(d):
+        jax.block_until_ready((d.first, d.nxt))  # the wait, apart from the host work that follows it
+        t0 = time.perf_counter()
+        process_fn(d)
+        host["process"].append(time.perf_counter() - t0)
+
+    engine.scheduler.schedule, engine.runner.dispatch, engine._process = schedule, dispatch, process
+    engine.start()
+    record: list[dict] = []
+
+    def consume(req, t_arrival):
+        t_first = t_last = None
+        n = 0
+        for out in engine.stream(req, timeout=600):
+            now = time.perf_counter()
+            if out.token_ids:
+                t_first = t_first or now
+                t_last, n = now, n + len(out.token_ids)
+        record.append(
+            {
+                "ttft": t_first - t_arrival,
+                "tpot": (t_last - t_first) / (n - 1) if n > 1 else None,
+                "out": n,
+                "end": time.perf_counter(),
+            }
+        )
+
+    threads = []
+    start = time.perf_counter()
+    for i in range(len(ins)):
+        delay = start + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        req = engine.submit(prompts[i].tolist(), max_new_tokens=int(outs[i]), stop_token_ids=[], seed=i)
+        th = threading.Thread(target=consume, args=(req, start + arrivals[i]))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    engine.shutdown()
+    wall = max(r["end"] for r in record) - start
+    measured = {
+        "output tok/s": sum(r["out"] for r in record) / wall,
+        "QPM": len(record) / wall * 60,
+        "TTFT p50 (s)": float(np.percentile([r["ttft"] for r in record], 50)),
+        "TPOT p50 (ms)": float(np.percentile([r["tpot"] for r in record if r["tpot"] is not None], 50)) * 1e3,
+    }
+    return measured, {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hcfjax.sim.validate", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: --preset)")
+    ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--scale", type=float, default=0.125)
+    ap.add_argument("--max-slots", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--prefill-rows", type=int, default=2)
+    ap.add_argument("--min-bucket", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--calib-slots", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 128])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu", default="H200", help="datasheet the efficiencies are relative to")
+    ap.add_argument("--out", default="sim-profile.json", help="where to write the fitted efficiency profile")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import hcfjax
+    from hcfjax.bench.common import header
+    from hcfjax.bench.serve import workload
+    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.random_model import preset_config, random_model
+    from hcfjax.sim.deployment import Deployment, Pool
+    from hcfjax.sim.simulator import Workload, simulate
+
+    t_start = time.perf_counter()
+    if args.model:
+        model, model_name = hcfjax.load(args.model), args.model
+    else:
+        model, model_name = random_model(preset_config(args.preset), seed=0, dtype=jnp.bfloat16), args.preset
+    config = EngineConfig(
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        max_model_len=args.max_model_len,
+        max_prefill_rows=args.prefill_rows,
+        min_prefill_bucket=args.min_bucket,
+        max_queue=args.requests + 8,
+    )
+    engine = Engine(model, config)
+    warm = engine.warmup()
+    pool = Pool(
+        dp=1,
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        max_prefill_rows=args.prefill_rows,
+        min_bucket=args.min_bucket,
+        balance=config.balance,
+        spf_window_s=config.spf_window_s,
+        max_wait_s=config.max_wait_s,
+    )
+    dep = Deployment(
+        model=model_name,
+        gpu=args.gpu,
+        quant=None,
+        mode="colocated",
+        colocated=pool,
+        engine_shapes=True,
+        max_model_len=args.max_model_len,
+    )
+    cfg = model.cfg
+    sim_cfg = dep.scheduler_config(pool, "colocated", dep.engine_limits(pool, cfg)[2])
+    if sim_cfg != engine.scheduler.cfg:
+        raise SystemExit(
+            f"the simulator's SchedulerConfig differs from the engine's:\n{sim_cfg}\n{engine.scheduler.cfg}"
+        )
+    shapes = dep.engine_shapes_for(pool, cfg)
+
+    t0 = time.perf_counter()
+    points = calibrate(engine, model, args, shapes)
+    t_cal = time.perf_counter() - t0
+    ins, outs, prompts, arrivals = workload(
+        args.seed, args.requests, args.rate, args.scale, engine.max_model_len, cfg.vocab_size
+    )
+    measured, host = serve(engine, args, ins, outs, prompts, arrivals)
+    eff = fit(cfg, args.gpu, points, Efficiency(gemm_memory=0.86, moe_memory=0.86))
+    eff = eff.replace(host_dispatch_s=host["dispatch"], host_process_s=host["process"])
+    Path(args.out).write_text(json.dumps(dataclasses.asdict(eff), indent=1))
+    cm = CostModel(cfg, gpu(args.gpu), eff)
+
+    wl = Workload(args.requests, args.rate, args.seed, args.scale, engine.max_model_len, cfg.vocab_size)
+    res = simulate(dep.replace(efficiency=args.out), wl)
+    predicted = {
+        "output tok/s": res.output_tok_s,
+        "QPM": res.qpm,
+        "TTFT p50 (s)": res.ttft[50],
+        "TPOT p50 (ms)": res.tpot[50] * 1e3,
+    }
+    fmt = lambda k, v: f"{v:.3f}" if "TTFT" in k else f"{v:.1f}"
+    print(f"## `python -m hcfjax.sim.validate {' '.join(argv if argv is not None else __import__('sys').argv[1:])}`")
+    print()
+    print(
+        f"{header()}; {model_name}; {args.requests} requests, Poisson {args.rate}/s, lengths x {args.scale}; engine: "
+        f"{args.max_slots} slots, page {args.page_size}, budget {args.token_budget}, {args.prefill_rows} prefill rows. "
+        f"Warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes), total "
+        f"{time.perf_counter() - t_start:.0f} s; device {jax.devices()[0].device_kind}."
+    )
+    print()
+    print("| metric | measured | predicted | error |")
+    print("|---|---|---|---|")
+    for k in measured:
+        err = (predicted[k] - measured[k]) / measured[k] * 100 if measured[k] else float("nan")
+        print(f"| {k} | {fmt(k, measured[k])} | {fmt(k, predicted[k])} | {err:+.1f}% |")
+    print()
+    print("Calibration (step shapes: prefill rows x chunk, decode slots; measured vs the fitted model):")
+    print()
+    print("| rows x chunk | decode slots | measured ms | model ms |")
+    print("|---|---|---|---|")
+    for shp, b, t, d, s in points:
+        m = cm.step(shp.shape_works(b, t, d)).seconds
+        print(f"| {f'{b} x {t}' if b else '-'} | {shp.slots if d else '-'} | {s * 1e3:.2f} | {m * 1e3:.2f} |")
+    print()
+    fields = ", ".join(f"{k} {getattr(eff, k):.3g}" for k in (*FITTED, "host_dispatch_s", "host_process_s"))
+    print(f"Fitted profile ({args.out}): {fields}.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""What the device computes for a scheduler's StepPlan, as one Work per DP rank (cost.py prices it).
+
+Two views of the same plan:
+- `actual_works`: a production stack (CUDA graphs over exact batch sizes, FlashMLA-style kernels) computes the rows
+  the plan holds, each attending over its own cached length; under attention DP an idle rank runs one mock row.
+- `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: every decode slot of every
+  rank in every decode step, each row attending over the whole page table (max_pages x page_size positions, the
+  XLA reference gathers them all), and prefill rows and chunk lengths bucketed to powers of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hcfjax.engine.scheduler import StepPlan
+from hcfjax.sim.cost import Work
+
+
+def _bucket(n: int, lo: int) -> int:
+    return max(lo, 1 << (n - 1).bit_length())  # hcfjax.generate.bucket, without importing the model code
+
+
+def _chunk_work(start: int, n: int, final: bool, spec_k: int) -> Work:
+    pairs = n * start + n * (n + 1) // 2  # causal: query i sees start + i + 1 keys
+    w = Work(tokens=n, pre_tokens=n, logits=int(final), pre_pairs=pairs, pre_kv=start, pre_expand=start + n)
+    if spec_k:  # the MTP modules run over the whole prompt (their caches need every anchor)
+        w.mtp_tokens, w.mtp_pairs, w.mtp_kv = n, pairs, start
+    return w
+
+
+def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) -> list[Work]:
+    """Per-rank work of `plan` as a production stack computes it; chunks=False leaves the prefill chunks out (a PD
+    decode instance, whose admissions are prefilled elsewhere)."""
+    q = spec_k + 1
+    works = [Work() for _ in range(dp)]
+    for req in plan.decode:
+        keys = req.cached_bound  # positions written once this step's tokens are in
+        works[req.rank] += Work(tokens=q, logits=q, dec_pairs=q * keys, dec_kv=keys)
+        if spec_k:
+            works[req.rank] += Work(mtp_tokens=1, mtp_pairs=keys, mtp_kv=keys)
+    if chunks:
+        for c in plan.chunks:
+            works[max(c.req.rank, 0)] += _chunk_work(c.start, c.n, c.final, spec_k)
+    if dp > 1 and any(w.tokens for w in works):
+        for w in works:
+            if not w.tokens:  # attention DP: an idle rank runs a mock decode row so the MoE collectives line up
+                w += Work(tokens=1, logits=1, dec_pairs=1, dec_kv=1)
+    return works
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShapes:
+    """The fixed shapes hcfjax's ModelRunner compiles: `ranks` device ranks (1 without a decode plan: every DP rank
+    on one device), `slots` decode rows in all, `keys` positions each row gathers (max_pages x page_size)."""
+
+    ranks: int
+    slots: int
+    keys: int
+    max_rows: int
+    token_budget: int
+    min_bucket: int
+    spec_k: int = 0
+
+    def rows_shape(self, n: int) -> int:
+        return min(_bucket(n, 1), self.max_rows)
+
+    def chunk_shape(self, n: int) -> int:
+        t = _bucket(n, self.min_bucket)
+        return t if self.spec_k else min(t, max(self.token_budget, self.min_bucket))
+
+    def works(self, plan: StepPlan) -> list[Work]:
+        b = t = 0
+        if plan.chunks:
+            per_rank = [0] * self.ranks
+            for c in plan.chunks:
+                per_rank[c.req.rank if self.ranks > 1 else 0] += 1
+            b = self.rows_shape(max(per_rank))
+            t = self.chunk_shape(max(c.n for c in plan.chunks))
+        return self.shape_works(b, t, bool(plan.decode))
+
+    def shape_works(self, b: int, t: int, decode: bool) -> list[Work]:
+        """The work of one compiled step shape: b prefill rows per rank of t tokens, with or without decode."""
+        works = [Work() for _ in range(self.ranks)]
+        k, s = self.spec_k, self.slots // self.ranks
+        for w in works:
+            if decode:
+                q = k + 1
+                w += Work(tokens=s * q, logits=s * q, dec_pairs=s * q * self.keys, dec_kv=s * self.keys)
+                if k:  # MTP extend over 2k + 1 anchors per depth, then k - 1 one-token chain steps, spread over k
+                    per_pass = s * (k * (2 * k + 1) + k - 1) // k
+                    w += Work(mtp_tokens=per_pass, mtp_pairs=per_pass * self.keys, mtp_kv=s * self.keys)
+            if b:
+                w += Work(
+                    tokens=b * t,
+                    pre_tokens=b * t,
+                    logits=b,
+                    pre_pairs=b * t * self.keys,
+                    pre_kv=b * self.keys,
+                    pre_expand=b * self.keys,
+                )
+                if k:
+                    w += Work(mtp_tokens=b * t, mtp_pairs=b * t * self.keys, mtp_kv=b * self.keys)
+        return works

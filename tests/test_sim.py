@@ -1,0 +1,249 @@
+"""The capacity simulator: cost model against hand-computed cases, the event logic with constant step times, PD
+handoff, the sweep, the YAML config and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from hcfjax.bench.serve import workload
+from hcfjax.engine.scheduler import SchedulerConfig
+from hcfjax.sim import Deployment, Pool, Workload, simulate
+from hcfjax.sim.config import from_mapping, load_config
+from hcfjax.sim.cost import CostModel, Work, tokens_per_step
+from hcfjax.sim.deployment import model_config
+from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
+from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, PrefillInstance, new_request
+from hcfjax.sim.sweep import Search, candidates, max_rate
+from hcfjax.sim.work import EngineShapes, actual_works
+
+CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
+IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads
+V3 = model_config("deepseek-v3")
+
+
+# -- cost model -------------------------------------------------------------------------------------------------------
+def test_decode_attention_is_the_kv_read_on_h800():
+    """One request, 4096 cached positions, bf16 cache: FLOPs 2 H (2C + R) per key, bytes (C + R) x 2 per key."""
+    cm = CostModel(V3, gpu("H800"), IDEAL)
+    w = Work(tokens=1, logits=1, dec_pairs=4096, dec_kv=4096)
+    flops = 4096 * 2 * 128 * (2 * 512 + 64)
+    nbytes = 4096 * 576 * 2
+    per_layer = max(flops / 989e12, nbytes / 3.35e12)
+    assert per_layer == nbytes / 3.35e12  # memory-bound at one query token
+    assert cm.step([w]).parts["attn_decode"] == pytest.approx(61 * per_layer)
+
+
+def test_mtp_verify_tokens_make_h20_attention_compute_bound():
+    """3 query tokens (MTP-2 verify) x 128 heads on the H20: 148 TFLOP/s against 4 TB/s, compute wins."""
+    cm = CostModel(V3, gpu("H20"), IDEAL)
+    w = Work(tokens=3, logits=3, dec_pairs=3 * 4096, dec_kv=4096)
+    flops = 3 * 4096 * 2 * 128 * (2 * 512 + 64)
+    assert cm.step([w]).parts["attn_decode"] == pytest.approx(61 * flops / 148e12)
+
+
+def test_lm_head_and_routed_experts_by_hand():
+    cfg = model_config("tiny-v3")
+    cm = CostModel(cfg, gpu("H200"), IDEAL)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    parts = cm.step([Work(tokens=1, logits=1)]).parts
+    assert parts["lm_head"] == pytest.approx(max(2 * d * v / 989e12, d * v * 2 / 4.8e12))
+    # one token hits k experts: their weights are read, 3 D F each, bf16
+    f, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    expect = max(2 * k * 3 * d * f / 989e12, k * 3 * d * f * 2 / 4.8e12)
+    assert parts["moe_routed"] == pytest.approx(n_moe * expect)
+
+
+def test_int4_experts_read_a_quarter_of_bf16_bytes_plus_scales():
+    bf16 = CostModel(V3, gpu("H20"), IDEAL)
+    w4 = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8")
+    w = [Work(tokens=1, logits=1)]
+    assert w4.step(w).parts["moe_routed"] / bf16.step(w).parts["moe_routed"] == pytest.approx((0.5 + 2 / 128) / 2)
+    assert w4.kv_bytes(1, layers=1) == 576 + 8 and bf16.kv_bytes(1, layers=1) == 576 * 2
+
+
+def test_all_to_all_matches_deepep_low_latency_at_ep16():
+    """DeepEP's README (H800, CX7 400 Gb/s, 128 tokens per rank, top-8, fp8 dispatch, bf16 combine), EP16:
+    dispatch 118 us + combine 195 us."""
+    cm = CostModel(V3, gpu("H800"), DEEPSEEK_KERNELS, quant="w4a8", dp=16, ep=16)
+    assert cm._all_to_all(128) == pytest.approx(313e-6, rel=0.15)
+    assert CostModel(V3, gpu("H800"), DEEPSEEK_KERNELS, dp=8, ep=1)._all_to_all(128) == 0.0
+
+
+def test_imbalance_slows_the_busiest_rank_and_tp_splits_work():
+    w = [Work(tokens=64, logits=64)] * 8
+    even = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8", dp=8, ep=8, imbalance=1.0).step(w).parts["moe_routed"]
+    hot = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8", dp=8, ep=8, imbalance=1.5).step(w).parts["moe_routed"]
+    assert hot > even
+    one = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8").step([Work(tokens=8192, pre_tokens=8192)])
+    eight = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8", tp=8).step([Work(tokens=8192, pre_tokens=8192)])
+    assert eight.parts["attn_proj"] == pytest.approx(one.parts["attn_proj"] / 8)
+    assert eight.parts["tp_all_reduce"] > 0 and "tp_all_reduce" not in one.parts
+
+
+def test_transfer_and_speculation():
+    cm = CostModel(V3, gpu("H20"), DEEPSEEK_KERNELS, quant="w4a8c8", spec_k=2)
+    nbytes = cm.kv_bytes(1000)
+    assert nbytes == 1000 * (61 + 2) * 584
+    assert cm.transfer_seconds(nbytes) == pytest.approx(40e-6 + nbytes / (50e9 * 0.9))
+    assert tokens_per_step([0.85, 0.65]) == pytest.approx(1 + 0.85 + 0.85 * 0.65)
+
+
+def test_weights_fit_and_pages_follow_hbm():
+    dep = Deployment(prefill=Pool(tp=8, ep=8), decode=Pool(dp=8, ep=8))
+    cost = dep.cost_model(dep.decode)
+    assert 60e9 < cost.weight_bytes_per_gpu() < 80e9  # ~330 GB of int4 experts over 8, attention replicated
+    pages = dep.pages_per_rank(dep.decode, cost)
+    assert pages == int((96e9 * 0.9 - cost.weight_bytes_per_gpu() - 4e9) // cost.kv_bytes(64))
+    with pytest.raises(ValueError, match="does not fit"):
+        dep.pages_per_rank(Pool(tp=2, ep=2), dep.cost_model(Pool(tp=2, ep=2)))
+
+
+# -- what a plan computes ---------------------------------------------------------------------------------------------
+def _plan(chunks_reqs, decode_reqs):
+    from hcfjax.engine.scheduler import Chunk, StepPlan
+
+    return StepPlan([Chunk(r, s, n, f) for r, s, n, f in chunks_reqs], decode_reqs)
+
+
+def test_actual_and_engine_works():
+    a, b = new_request("a", 100, 8, 0.0), new_request("b", 300, 8, 0.0)
+    a.rank, a.cached_bound, b.rank = 1, 50, 0
+    plan = _plan([(b, 0, 200, False)], [a])
+    w = actual_works(plan, dp=2)
+    assert (w[1].tokens, w[1].dec_pairs, w[1].dec_kv) == (1, 50, 50)
+    assert (w[0].tokens, w[0].pre_pairs, w[0].logits) == (200, 200 * 201 // 2, 0)
+    shapes = EngineShapes(ranks=1, slots=32, keys=4160, max_rows=2, token_budget=256, min_bucket=64)
+    (e,) = shapes.works(plan)
+    assert e.tokens == 32 + 256 and e.dec_kv == 32 * 4160  # every slot, the whole page table
+    assert e.pre_pairs == 256 * 4160 and e.logits == 32 + 1
+    assert shapes.chunk_shape(65) == 128 and shapes.chunk_shape(10) == 64 and shapes.rows_shape(3) == 2
+
+
+# -- the event logic, with constant step times -------------------------------------------------------------------------
+def _engine(step_s, host=None, budget=256, **kw):
+    clock, done = Clock(), []
+    cfg = SchedulerConfig(max_slots=4, num_pages=64, page_size=16, token_budget=budget, **kw)
+    inst = EngineInstance(clock, "e", cfg, lambda plan: step_s, host or Host(), on_finish=lambda r, i: done.append(r))
+    return clock, inst, done
+
+
+def test_engine_loop_constant_steps_gives_exact_ttft_and_tpot():
+    clock, inst, done = _engine(0.02)
+    req = new_request("r", 100, 5, 1.0)
+    clock.at(1.0, lambda: inst.submit(req))
+    clock.run()
+    assert done == [req]
+    assert req.first_token_time - req.arrival == pytest.approx(0.02)  # the prefill step
+    assert (req.last_token_time - req.first_token_time) / 4 == pytest.approx(0.02)  # one token per step
+    assert inst.steps == 6  # 1 prefill + 5 decode: the engine learns of the end one step late
+
+
+def test_engine_loop_chunks_and_host_bound_steps():
+    clock, inst, _ = _engine(0.01, budget=64)
+    req = new_request("r", 200, 2, 0.0)  # 200 tokens in chunks of 64: 4 steps to the first token
+    clock.at(0.0, lambda: inst.submit(req))
+    clock.run()
+    assert req.first_token_time == pytest.approx(0.04)
+    # the host takes longer than the device: steps come every dispatch + process seconds
+    clock, inst, _ = _engine(0.001, Host(0.003, 0.002))
+    req = new_request("r", 10, 4, 0.0)
+    clock.at(0.0, lambda: inst.submit(req))
+    clock.run()
+    assert (req.last_token_time - req.first_token_time) / 3 == pytest.approx(0.005)
+
+
+def test_preemption_recomputes_and_everything_finishes():
+    dep = Deployment(
+        model="tiny-v3",
+        gpu="H200",
+        quant=None,
+        mode="colocated",
+        colocated=Pool(max_slots=8, page_size=16, num_pages=16, token_budget=128),
+    )
+    res = simulate(dep, Workload(requests=60, rate=100.0, scale=0.05, max_model_len=160))
+    assert res.finished == 60 and res.preemptions > 0
+    with pytest.raises(ValueError, match="pages"):  # a request no rank can ever hold is refused, as the engine does
+        simulate(dep, Workload(requests=30, rate=100.0, scale=0.05, max_model_len=512))
+
+
+def test_pd_handoff_with_constant_times():
+    clock, done = Clock(), []
+    decode_cfg = SchedulerConfig(max_slots=4, num_pages=64, page_size=16, remote_prefill=True)
+    prefills = []
+    send = lambda req, epoch, target: prefills[0].submit(req, epoch, target)
+    dec = DecodeInstance(clock, "d", decode_cfg, lambda plan: 0.01, on_finish=lambda r, i: done.append(r), send=send)
+    pre_cfg = SchedulerConfig(max_slots=4, num_pages=64, page_size=16, token_budget=256)
+    prefills.append(PrefillInstance(clock, "p", pre_cfg, lambda plan: 0.1, lambda job, first, end: end + 0.05))
+    req = new_request("r", 100, 5, 0.0)
+    late = new_request("late", 50, 3, 0.165)  # admitted while `req` decodes: its prompt still goes to the prefill
+    clock.at(0.0, lambda: dec.submit(req))
+    clock.at(late.arrival, lambda: dec.submit(late))
+    clock.run()
+    assert done == [req, late] and req.output == [0] * 5 and late.output == [0] * 3
+    assert late.first_token_time - late.arrival >= 0.15
+    assert req.first_token_time == pytest.approx(0.15)  # prefill 0.1 + transfer 0.05
+    assert (req.last_token_time - req.first_token_time) / 4 == pytest.approx(0.01)
+    assert not dec.sched.running and all(a.num_free == 64 for a in dec.sched.alloc)
+    assert not prefills[0].sched.running and prefills[0].sched.alloc[0].num_free == 64
+
+
+def test_pd_deployment_runs_and_attributes_time():
+    dep = Deployment(
+        model="v2-lite",
+        gpu="H200",
+        quant=None,
+        acceptance=(0.8,),
+        prefill=Pool(tp=2, ep=2, max_slots=8, token_budget=2048),
+        decode=Pool(dp=2, ep=2, max_slots=16),
+    )
+    res = simulate(dep, Workload(requests=40, rate=4.0, scale=0.1))
+    assert res.finished == 40 and res.ttft[50] > 0 and res.tpot[50] > 0
+    assert set(res.parts) == {"prefill", "decode"} and res.parts["decode"]["attn_decode"] > 0
+    assert 0 < res.utilisation["decode0"] <= 1 and 0 < res.utilisation["prefill0"] <= 1
+
+
+# -- workloads, sweep, config, CLI -------------------------------------------------------------------------------------
+def test_workload_is_the_benchmarks():
+    wl = Workload(requests=16, rate=1.0, seed=3, scale=0.125, max_model_len=4096, vocab=1000)
+    ins, outs, _, arrivals = workload(3, 16, 1.0, 0.125, 4096, 1000)
+    assert wl.requests_list() == [(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
+
+
+def test_max_rate_and_candidates():
+    cfg = load_config(CONFIGS / "tiny.yaml")
+    slo = dataclasses.replace(cfg.slo, ttft_s=0.01)  # tiny-v3 steps take about a millisecond: queueing decides
+    best, points = max_rate(cfg.deployment, cfg.workload.replace(requests=40), slo, Search(1.0, 4000.0, 3))
+    assert best is not None and best.result.meets_slo
+    assert any(not p.result.meets_slo and p.rate > best.rate for p in points)  # the search bracketed it
+    h200 = load_config(CONFIGS / "reference-h200.yaml")
+    layouts = candidates(h200.deployment, h200.grid, h200.total_gpus)
+    assert layouts and all(dep.gpus <= 16 for _, dep in layouts)
+    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep in layouts)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="colocatd"):
+        from_mapping({"deployment": {"mode": "colocated", "colocatd": {}}})
+    with pytest.raises(ValueError, match="a colocated deployment needs"):
+        from_mapping({"deployment": {"mode": "colocated"}})
+    for path in CONFIGS.glob("*.yaml"):
+        load_config(path)  # every shipped config parses
+
+
+def test_cli_tiny_config(tmp_path, capsys):
+    from hcfjax.cli import main
+
+    assert main(["sim", "--config", str(CONFIGS / "tiny.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "| QPM |" in out and "colocated step time" in out
+    png = tmp_path / "sweep.png"
+    assert main(["sim", "--config", str(CONFIGS / "tiny.yaml"), "--sweep", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("slots") >= 2 and png.stat().st_size > 0
+    assert main(["sim", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert math.isfinite(load_config(CONFIGS / "tiny.yaml").slo.tpot_s)
