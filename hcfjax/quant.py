@@ -151,18 +151,43 @@ def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
         return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
             x.dtype
         )
-    g = w.group
-    xq, xs = quantize_int8(x)
-    wq = jnp.swapaxes(_grouped(int_values(w), g), -2, -3)  # [E, K/G, N, G]
-    dn = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((2,), (3,)), ((1,), (1,))), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-    )
-    acc = lax.ragged_dot_general(_grouped(xq, g), wq, group_sizes, dn, preferred_element_type=jnp.int32)  # [K/G, M, N]
-    # Each row's expert, to pick its weight scales [M, N, K/G]; rows past the groups map to a clamped expert (x 0).
-    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
-    ws = w.scale[jnp.minimum(row_expert, w.scale.shape[0] - 1)]
-    y = jnp.einsum("GMN,MNG->MN", acc.astype(jnp.float32), ws) * xs[:, None]
-    return y.astype(x.dtype)
+    return _int8_act_ragged_dot(x, w, group_sizes)
+
+
+def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> jax.Array:
+    """w4a8 / w8a8 experts: y[m] = xs[m] * sum_g s[e(m), :, g] * (xq[m, g] . q[e(m), :, g]) with the per-group dot
+    products exact integers.
+
+    One plain `lax.ragged_dot` ([M, c] x [E, c, N], no batch dimensions) per K chunk c, in a loop over the K groups:
+    XLA's GPU ragged-dot rewriter handles batch dimensions only when group_sizes carries them too ([b, E], batch
+    dimensions leading); a [K/G] batch with [E] group sizes passed the CPU (jax lowers ragged_dot there through its
+    own jnp expansion) and failed XLA GPU's HLO verifier. The integer operands go in as bf16 (exact up to 256) with
+    f32 accumulation, the path the bf16 ragged_dot takes on the GPU; a chunk's sum stays below 2^24 (c x 127 x qmax),
+    so it is exact, and chunks add up in int32. Memory: [M, N] per step (no [K/G, M, N] partials, no [M, N, K/G]
+    scale gather)."""
+    g, e, m = w.group, w.q.shape[0], x.shape[0]
+    qmax = 7 if w.bits == 4 else 127
+    c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
+    xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+    # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
+    rows = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right"), e - 1)
+    packed = g // 2 if w.bits == 4 else g  # stored bytes of one K group
+
+    def group(i, y):  # y [M, N] f32
+        qi = lax.dynamic_slice_in_dim(w.q, i * packed, packed, axis=-1)
+        wi = jnp.swapaxes(unpack_int4(qi, g) if w.bits == 4 else qi, -1, -2).astype(jnp.bfloat16)  # [E, G, N]
+        xi = lax.dynamic_slice_in_dim(xq, i * g, g, axis=-1).astype(jnp.bfloat16)  # [M, G]
+        acc = sum(
+            lax.ragged_dot(xi[:, j : j + c], wi[:, j : j + c], group_sizes, preferred_element_type=jnp.float32).astype(
+                jnp.int32
+            )
+            for j in range(0, g, c)
+        )  # [M, N] the exact int32 dot products of group i
+        s = lax.dynamic_index_in_dim(w.scale, i, axis=-1, keepdims=False)  # [E, N]
+        return y + acc.astype(jnp.float32) * s[rows]
+
+    y = lax.fori_loop(0, w.k // g, group, jnp.zeros((m, w.n), jnp.float32))
+    return (y * xs[:, None]).astype(x.dtype)
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
