@@ -267,17 +267,7 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
         raise ValueError(
             f"block_m={bm}, stages={stages}: {smem_bytes(act, bm, stages, g, nw)} B of smem > {SMEM_LIMIT}"
         )
-    dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
-    args = [block_expert]
-    for q, scale in weights:
-        args.append(lax.bitcast_convert_type(q, jnp.int8))
-        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
-    if act == "int8":
-        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
-        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
-        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
-    else:
-        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
+    args, dst, blocks = kernel_operands(x, weights, group_sizes, act, bm)
     wd = jnp.bfloat16 if act == "bf16" else jnp.int8
     kern = plgpu.kernel(
         functools.partial(_kernel, act, g, bm, k // g, stages, nw),
@@ -299,7 +289,30 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
             out_t = kern(*args)
     else:
         out_t = kern(*args)
-    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
+    return unpad(out_t, dst)
+
+
+def kernel_operands(x, weights, group_sizes, act: str, bm: int):
+    """The wrapper's XLA work before the kernel: (the kernel's operands, dst, blocks). Rows are padded by expert to
+    whole token blocks (w4a8: quantised per token first), the scales transposed to [E, K/G, N]."""
+    m, k = x.shape
+    dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
+    args = [block_expert]
+    for q, scale in weights:
+        args.append(lax.bitcast_convert_type(q, jnp.int8))
+        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
+    if act == "int8":
+        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
+        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
+    else:
+        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
+    return args, dst, blocks
+
+
+def unpad(out_t, dst):
+    """The kernel's out^T [N, blocks * BM] -> [M, N] in the caller's row order (the wrapper's XLA work after it)."""
+    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))
