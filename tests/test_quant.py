@@ -235,6 +235,21 @@ def test_gated_kernel_matches_reference_interpret(act):
     assert not y[sum(sizes) :].any()
 
 
+@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", False)])
+def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
+    """With the kernel on, gate/up + SiLU runs fused for w4a16 and as two kernel calls for w4a8 (fused w4a8 was
+    slower on the H200)."""
+    from pallas_kernels import moe_int4
+
+    calls = []
+    monkeypatch.setattr(quant, "use_kernel", lambda: True)
+    monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", lambda x, g, u, gs, act: calls.append("fused") or x[:, :64])
+    monkeypatch.setattr(moe_int4, "int4_ragged_dot", lambda x, q, s, gs, act: calls.append("one") or x[:, :64])
+    w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
+    quant.gated_ragged_dot(jnp.ones((8, 128), jnp.bfloat16), w, w, jnp.array([3, 5], jnp.int32))
+    assert calls == (["fused"] if fused else ["one", "one"])
+
+
 LOWER_CASES = [  # DeepSeek-V3 expert shapes: gate/up (K = hidden, N = expert width) and down; decode and prefill
     (16, 128, 7168, 2048),
     (16, 1024, 2048, 7168),
