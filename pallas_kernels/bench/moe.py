@@ -2,7 +2,7 @@
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
     python -m pallas_kernels.bench.moe [--cases all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
-                                       [--case-timeout 60] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
+                                       [--stall 45] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
@@ -20,9 +20,11 @@ for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own c
 and int8 8192^3 matmuls.
 
 Robustness: the cases run in a worker process that prints one JSON line per case; a case that raises reports its error
-and the next runs; a case that hangs (a deadlocked kernel) is killed after --case-timeout seconds (the worker dumps
-its Python stack first), and a fresh worker continues with the next case. No case starts after --time-limit seconds
-and nothing runs past --hard-limit (defaults: the whole run within 4 minutes).
+and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a fresh one goes on
+with the next case, skipping that kernel at that block size; a case that hangs (a deadlocked kernel) is killed after
+--stall seconds without progress (the worker dumps its Python stack first), and a fresh worker continues with the next
+case. No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
+minutes).
 Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
 
