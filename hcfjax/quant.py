@@ -151,18 +151,43 @@ def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
         return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
             x.dtype
         )
-    g = w.group
-    xq, xs = quantize_int8(x)
-    wq = jnp.swapaxes(_grouped(int_values(w), g), -2, -3)  # [E, K/G, N, G]
-    dn = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((2,), (3,)), ((1,), (1,))), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-    )
-    acc = lax.ragged_dot_general(_grouped(xq, g), wq, group_sizes, dn, preferred_element_type=jnp.int32)  # [K/G, M, N]
-    # Each row's expert, to pick its weight scales [M, N, K/G]; rows past the groups map to a clamped expert (x 0).
-    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
-    ws = w.scale[jnp.minimum(row_expert, w.scale.shape[0] - 1)]
-    y = jnp.einsum("GMN,MNG->MN", acc.astype(jnp.float32), ws) * xs[:, None]
-    return y.astype(x.dtype)
+    return _int8_act_ragged_dot(x, w, group_sizes)
+
+
+def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> jax.Array:
+    """w4a8 / w8a8 experts: y[m] = xs[m] * sum_g s[e(m), :, g] * (xq[m, g] . q[e(m), :, g]) with the per-group dot
+    products exact integers.
+
+    One plain `lax.ragged_dot` ([M, c] x [E, c, N], no batch dimensions) per K chunk c, in a loop over the K groups:
+    XLA's GPU ragged-dot rewriter handles batch dimensions only when group_sizes carries them too ([b, E], batch
+    dimensions leading); a [K/G] batch with [E] group sizes passed the CPU (jax lowers ragged_dot there through its
+    own jnp expansion) and failed XLA GPU's HLO verifier. The integer operands go in as bf16 (exact up to 256) with
+    f32 accumulation, the path the bf16 ragged_dot takes on the GPU; a chunk's sum stays below 2^24 (c x 127 x qmax),
+    so it is exact, and chunks add up in int32. Memory: [M, N] per step (no [K/G, M, N] partials, no [M, N, K/G]
+    scale gather)."""
+    g, e, m = w.group, w.q.shape[0], x.shape[0]
+    qmax = 7 if w.bits == 4 else 127
+    c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
+    xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+    # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
+    rows = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right"), e - 1)
+    packed = g // 2 if w.bits == 4 else g  # stored bytes of one K group
+
+    def group(i, y):  # y [M, N] f32
+        qi = lax.dynamic_slice_in_dim(w.q, i * packed, packed, axis=-1)
+        wi = jnp.swapaxes(unpack_int4(qi, g) if w.bits == 4 else qi, -1, -2).astype(jnp.bfloat16)  # [E, G, N]
+        xi = lax.dynamic_slice_in_dim(xq, i * g, g, axis=-1).astype(jnp.bfloat16)  # [M, G]
+        acc = sum(
+            lax.ragged_dot(xi[:, j : j + c], wi[:, j : j + c], group_sizes, preferred_element_type=jnp.float32).astype(
+                jnp.int32
+            )
+            for j in range(0, g, c)
+        )  # [M, N] the exact int32 dot products of group i
+        s = lax.dynamic_index_in_dim(w.scale, i, axis=-1, keepdims=False)  # [E, N]
+        return y + acc.astype(jnp.float32) * s[rows]
+
+    y = lax.fori_loop(0, w.k // g, group, jnp.zeros((m, w.n), jnp.float32))
+    return (y * xs[:, None]).astype(x.dtype)
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
@@ -179,11 +204,18 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return ragged_dot_reference(x, w, group_sizes)
 
 
+# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, 2026-11-29 (pallas_kernels/NOTES.md):
+# w4a16 fused = two kernels + SiLU (598 vs 596 us at E=16 M=1024), kept fused (one launch, no [M, 2F] round trip);
+# w4a8 fused was slower (651 vs 520 us; 1798 vs 1271 us at E=32 M=4096), so w4a8 runs two kernels.
+FUSED_GATE_UP = {"bf16": True, "int8": False}
+
+
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Array:
-    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: one fused Pallas
-    kernel for int4 QWeights of one kind on a GPU (HCFJAX_INT4_KERNEL=1, shapes it supports), else two ragged_dots."""
+    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU
+    (HCFJAX_INT4_KERNEL=1, shapes the kernel supports) int4 QWeights of one kind run one fused Pallas kernel where
+    FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
-        if use_kernel():
+        if use_kernel() and FUSED_GATE_UP[gate.act]:
             from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
 
             if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
@@ -192,9 +224,9 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Arra
 
 
 def use_kernel() -> bool:
-    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in until `python -m pallas_kernels.bench.moe` has checked
-    the kernel on a GPU: it matches the reference under Mosaic GPU's interpreter and lowers for sm_90 (CPU tests), but
-    its first H200 run failed to lower (pallas_kernels/NOTES.md), so the default on GPU is still the jnp reference."""
+    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in until `python -m pallas_kernels.bench.moe` has passed
+    its checks on a GPU at every shape: the first H200 run (2026-11-29) checked both modes at BM >= 64 and w4a16 at
+    BM = 16, but w4a8 at BM = 16 crashed (misaligned TMA, fixed since, not yet rerun; pallas_kernels/NOTES.md)."""
     return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL") == "1"
 
 

@@ -17,8 +17,8 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
            (wgmma_wait(2) keeps the last step's), so the next group's unpacking overlaps them; the token tiles are
            released one step late (delay_release=1) for the same reason.
     w4a8:  stored to smem as int8, two int8 wgmmas into a fresh int32 accumulator (tokens pre-quantised per token),
-           added to the f32 register accumulator times the group scales; the token scales ([BM] f32, one more
-           pipelined block) multiply the accumulator at the end.
+           added to the f32 register accumulator times the group scales; the token scales ([BM] f32, copied once into
+           a buffer of their own) multiply the accumulator at the end.
   int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two accumulators and one token tile, and
   writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
   The bf16 tile out^T [64, BM] goes back by TMA; the wrapper gathers the rows back (transpose + gather in XLA).
@@ -89,7 +89,10 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
 
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, *rest = refs[2 * nw :]
-    xs_ref, o_ref, wd_smem, o_smem = rest if act == "int8" else (None, *rest)
+    if act == "int8":
+        xs_ref, o_ref, wd_smem, o_smem, xs_smem, xs_bar = rest
+    else:
+        o_ref, wd_smem, o_smem = rest
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
     e = block_expert_ref[mi]
     half = g // 2
@@ -99,13 +102,13 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
         # B operands [G/2, BM]: the token tile read K-major (as int8 wgmma requires).
         return [x_smem.at[:, pl.ds(j * half, half)].transpose((1, 0)) for j in range(2)]
 
-    def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile, (int8) the token scales
-        return smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2], smems[2 * nw], smems[2 * nw + 1 :]
+    def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile
+        return smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2], smems[2 * nw]
 
     def bf16_step(acc_refs, idx, *smems):
         # Dequantised halves go to wd_smem slot k % 2: the wgmmas of step k - 1 may still read the other slot; those
         # of step k - 2 (same slot) are done (the wait below leaves only this step's 2 nw groups in flight).
-        w_smems, s_smems, x_smem, _ = split(smems)
+        w_smems, s_smems, x_smem = split(smems)
         slot = lax.rem(idx[0], 2)
         for i in range(nw):
             lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
@@ -119,8 +122,8 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
         plgpu.wgmma_wait(2 * nw)
 
     def int8_step(idx, *smems_and_carry):
-        *smems, (accs, _) = smems_and_carry
-        w_smems, s_smems, x_smem, (xs_smem,) = split(smems)
+        *smems, accs = smems_and_carry
+        w_smems, s_smems, x_smem = split(smems)
         for i in range(nw):
             lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
             wd_smem[0, i, 0] = lo.astype(jnp.int8)
@@ -138,7 +141,7 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
         for i in range(nw):
             s = lax.broadcast_in_dim(plgpu.load(s_smems[i].at[0], layout=row), (BN, bm), [0])
             new.append(accs[i] + parts[i].astype(jnp.float32) * s)
-        return tuple(new), plgpu.load(xs_smem, layout=col)  # the token scales [BM], applied after the last group
+        return tuple(new)
 
     x_item = 2 if act == "bf16" else 1
     rel = 1 if act == "bf16" else 0  # bf16: a slot is refilled only once the step after it has waited on its wgmmas
@@ -149,9 +152,6 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
         plgpu.BlockSpec((bm, g), lambda k: (mi, k), transforms=_transforms(half, x_item), delay_release=rel)
     )
     operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
-    if act == "int8":
-        in_specs.append(plgpu.BlockSpec((bm,), lambda k: (mi,)))
-        operands.append(xs_ref)
 
     @pl.when(e >= 0)
     def _():
@@ -164,12 +164,16 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
 
             accs = pl.run_scoped(scope, *[plgpu.ACC((BN, bm), jnp.float32)] * nw)
         else:
+            # The token scales [BM] f32, the same for every K group: one copy into their own buffer. (Pipelined as
+            # a [BM] block they sat at BM x 4 B strides, and a TMA into smem needs 128-byte alignment: at BM = 16
+            # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.)
+            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(mi * bm, bm)], xs_smem, xs_bar)
             zero = plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA)
-            init = ((zero,) * nw, plgpu.layout_cast(jnp.zeros((bm,), jnp.float32), col))
-            accs, xs = plgpu.emit_pipeline(
-                int8_step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=init
+            accs = plgpu.emit_pipeline(
+                int8_step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=(zero,) * nw
             )(*operands)
-            xs = lax.broadcast_in_dim(xs, (BN, bm), [1])
+            plgpu.barrier_wait(xs_bar)
+            xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, bm), [1])
             accs = tuple(a * xs for a in accs)
         out = accs[0] if nw == 1 else accs[0] * accs[1] / (1.0 + jnp.exp(-accs[0]))  # silu(gate) * up, in f32
         o_smem[...] = out.astype(jnp.bfloat16)
@@ -202,13 +206,16 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (
 
 def smem_bytes(act: str, bm: int, stages: int, g: int = 128, nw: int = 1) -> int:
     """Shared memory of one CTA: per pipeline stage, per weight (nw: 2 for gate + up), the packed tile [64, G/2] int8
-    and its scales [64] f32, and the token tile [BM, G] (bf16 or int8; int8: its scales [BM] f32 too); per weight the
-    unpacked halves (bf16: two slots x two halves [64, G/2]; int8: one slot); the output tile [64, BM] bf16. An upper
-    bound on what Mosaic allocates (tests/test_quant.py checks it)."""
+    and its scales [64] f32, and the token tile [BM, G] (bf16 or int8); per weight the unpacked halves (bf16: two
+    slots x two halves [64, G/2]; int8: one slot); the output tile [64, BM] bf16; int8: the token scales [BM] f32
+    (a buffer of their own, which Mosaic aligns to 1 KiB). An upper bound on what Mosaic allocates (tests/test_quant.py
+    checks it). Every pipelined block is a multiple of 128 bytes (a TMA's smem destination must be 128-byte aligned,
+    and a pipeline buffer holds its stages' blocks back to back)."""
     x_item = 2 if act == "bf16" else 1
-    per_stage = nw * (BN * g // 2 + BN * 4) + bm * g * x_item + (bm * 4 if act == "int8" else 0)
+    per_stage = nw * (BN * g // 2 + BN * 4) + bm * g * x_item
     unpacked = nw * (2 if act == "bf16" else 1) * 2 * BN * (g // 2) * x_item
-    return stages * per_stage + unpacked + BN * bm * 2 + 1024  # + barriers and alignment (Mosaic adds < 600 B)
+    token_scales = -(-bm * 4 // 1024) * 1024 if act == "int8" else 0
+    return stages * per_stage + unpacked + BN * bm * 2 + token_scales + 1024  # + barriers (Mosaic adds < 600 B)
 
 
 def default_stages(act: str, bm: int, g: int = 128, nw: int = 1) -> int:
@@ -260,17 +267,7 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
         raise ValueError(
             f"block_m={bm}, stages={stages}: {smem_bytes(act, bm, stages, g, nw)} B of smem > {SMEM_LIMIT}"
         )
-    dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
-    args = [block_expert]
-    for q, scale in weights:
-        args.append(lax.bitcast_convert_type(q, jnp.int8))
-        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
-    if act == "int8":
-        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
-        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
-        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
-    else:
-        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
+    args, dst, blocks = kernel_operands(x, weights, group_sizes, act, bm)
     wd = jnp.bfloat16 if act == "bf16" else jnp.int8
     kern = plgpu.kernel(
         functools.partial(_kernel, act, g, bm, k // g, stages, nw),
@@ -284,6 +281,7 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
                 transforms=_transforms(g // 2, jnp.dtype(wd).itemsize),
             ),
             plgpu.SMEM((BN, bm), jnp.bfloat16, transforms=_transforms(bm, 2)),
+            *([plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
         ),
     )
     if interpret:
@@ -291,7 +289,30 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
             out_t = kern(*args)
     else:
         out_t = kern(*args)
-    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)  # [M, N]
+    return unpad(out_t, dst)
+
+
+def kernel_operands(x, weights, group_sizes, act: str, bm: int):
+    """The wrapper's XLA work before the kernel: (the kernel's operands, dst, blocks). Rows are padded by expert to
+    whole token blocks (w4a8: quantised per token first), the scales transposed to [E, K/G, N]."""
+    m, k = x.shape
+    dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
+    args = [block_expert]
+    for q, scale in weights:
+        args.append(lax.bitcast_convert_type(q, jnp.int8))
+        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
+    if act == "int8":
+        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
+        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
+    else:
+        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
+    return args, dst, blocks
+
+
+def unpad(out_t, dst):
+    """The kernel's out^T [N, blocks * BM] -> [M, N] in the caller's row order (the wrapper's XLA work after it)."""
+    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))

@@ -75,6 +75,51 @@ def test_reference_ragged_dot(k, n, sizes, bits, act):
     assert rel < (0.15 if bits == 4 else 0.03), rel
 
 
+@pytest.mark.parametrize("bits, k", [(4, 512), (8, 2048)])
+def test_int8_activation_reference_is_exact(bits, k):
+    """With unit scales (integer weights and tokens whose maxima are qmax and 127) the w4a8 / w8a8 reference must
+    return the integer products themselves: the per-group dot products are exact (w8a8 with G = K = 2048 sums
+    past 2^24, so a single f32 accumulation would round; the reference adds exact chunks in int32)."""
+    rng = np.random.default_rng(bits)
+    e, m, n, qmax = 3, 40, 64, 7 if bits == 4 else 127
+    lo = -qmax if bits == 4 else 90  # w8a8: large positive weights, so the sums pass 2^24
+    w = rng.integers(lo, qmax + 1, (e, k, n)).astype(np.float32)
+    w[:, :: quant.group_size(k, bits)] = qmax  # every (group, output) has a +qmax entry: its scale is exactly 1
+    x = rng.integers(90, 128, (m, k)).astype(np.float32)  # mostly large, one sign: large sums
+    x[:, 0] = 127  # token scale 1
+    gs = jnp.array([11, 0, 25], jnp.int32)  # rows 36.. are past the groups
+    qw = quant.quantize(jnp.asarray(w), bits, "int8")
+    assert bool(jnp.all(qw.scale == 1)) and bool(jnp.all(quant.int_values(qw) == jnp.swapaxes(w, -1, -2)))
+    y = np.asarray(jax.jit(quant.ragged_dot_reference)(jnp.asarray(x), qw, gs))
+    expert = np.repeat(np.arange(e), np.asarray(gs))
+    exact = np.einsum("MK,MKN->MN", x[: len(expert)].astype(np.int64), w[expert].astype(np.int64))
+    assert bits == 4 or exact.max() > 2**24
+    np.testing.assert_array_equal(y[: len(expert)], exact.astype(np.float32))
+    assert not y[len(expert) :].any()
+
+
+@pytest.mark.parametrize("bits, act", [(4, "bf16"), (4, "int8"), (8, "int8")])
+def test_reference_lowers_for_gpu_without_batched_ragged_dots(bits, act):
+    """The reference lowered for CUDA (on the CPU) uses only plain ragged dots, [M, K] x [E, K, N] with [E] group
+    sizes. jax lowers ragged_dot through its own jnp expansion on the CPU but emits chlo.ragged_dot for the GPU,
+    whose rewriter in XLA takes batch dimensions only with group sizes [b, E] (batch leading): the w4a8 reference
+    with a K-group batch passed every CPU test and failed XLA GPU's HLO verifier on the H200."""
+    import re
+
+    s = jax.ShapeDtypeStruct
+    e, m, k, n = 4, 64, 1024, 256
+    g = quant.group_size(k, bits)
+    q = s((e, n, k // 2), jnp.uint8) if bits == 4 else s((e, n, k), jnp.int8)
+    w = quant.QWeight(q, s((e, n, k // g), jnp.float32), bits, act)
+    f = jax.jit(quant.ragged_dot_reference).trace(s((m, k), jnp.bfloat16), w, s((e,), jnp.int32))
+    text = f.lower(lowering_platforms=("cuda",)).as_text()
+    dots = re.findall(r'"chlo.ragged_dot".*', text)
+    assert dots
+    for d in dots:
+        assert "batching_dimensions" not in d and "lhs_ragged_dimensions = [0]" in d, d
+        assert re.search(r": \(tensor<\d+x\d+x\w+>, tensor<\d+x\d+x\d+x\w+>, tensor<\d+xi32>\)", d), d
+
+
 @pytest.mark.parametrize("bits, act", [(4, "bf16"), (8, "int8")])
 def test_dense_matmul(bits, act):
     w = jax.random.normal(jax.random.key(1), (256, 64)) / 16
@@ -190,6 +235,21 @@ def test_gated_kernel_matches_reference_interpret(act):
     assert not y[sum(sizes) :].any()
 
 
+@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", False)])
+def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
+    """With the kernel on, gate/up + SiLU runs fused for w4a16 and as two kernel calls for w4a8 (fused w4a8 was
+    slower on the H200)."""
+    from pallas_kernels import moe_int4
+
+    calls = []
+    monkeypatch.setattr(quant, "use_kernel", lambda: True)
+    monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", lambda x, g, u, gs, act: calls.append("fused") or x[:, :64])
+    monkeypatch.setattr(moe_int4, "int4_ragged_dot", lambda x, q, s, gs, act: calls.append("one") or x[:, :64])
+    w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
+    quant.gated_ragged_dot(jnp.ones((8, 128), jnp.bfloat16), w, w, jnp.array([3, 5], jnp.int32))
+    assert calls == (["fused"] if fused else ["one", "one"])
+
+
 LOWER_CASES = [  # DeepSeek-V3 expert shapes: gate/up (K = hidden, N = expert width) and down; decode and prefill
     (16, 128, 7168, 2048),
     (16, 1024, 2048, 7168),
@@ -220,6 +280,43 @@ def test_gated_kernel_lowers_for_hopper(act):
     w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32))
     f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act=act)  # noqa: E731
     assert "mosaic_gpu" in lower_for_hopper(f, s((m, k), jnp.bfloat16), w, w, s((e,), jnp.int32))
+
+
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+@pytest.mark.parametrize("nw", [1, 2])
+def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
+    """Every block the kernel pipelines is a multiple of 128 bytes: a pipeline buffer holds its stages' blocks back to
+    back and a TMA's smem destination must be 128-byte aligned. w4a8 at BM = 16 once pipelined its token scales as a
+    64-byte block: CUDA_ERROR_MISALIGNED_ADDRESS on the H200 (neither the interpreter nor the lowering checks this)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+
+    seen, emit = [], plgpu.emit_pipeline
+
+    def recording(body, *, in_specs, **kw):
+        run = emit(body, in_specs=in_specs, **kw)
+
+        def call(*operands):
+            seen.extend((spec.block_shape, op.dtype) for spec, op in zip(in_specs, operands, strict=True))
+            return run(*operands)
+
+        return call
+
+    monkeypatch.setattr(plgpu, "emit_pipeline", recording)
+    e, m, k, n = 4, 64, 1024, 256
+    s = jax.ShapeDtypeStruct
+    x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
+    w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32))
+    for bm in (16, 32, 48, 64, 128):
+        if nw == 1:
+            lower_for_hopper(lambda x, w, gs, bm=bm: int4_ragged_dot(x, *w, gs, act=act, block_m=bm), x, w, gs)
+        else:
+            lower_for_hopper(lambda x, w, gs, bm=bm: int4_gated_ragged_dot(x, w, w, gs, act=act, block_m=bm), x, w, gs)
+    assert seen
+    for shape, dtype in seen:
+        assert np.prod(shape) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
 
 
 @pytest.mark.parametrize("act, block_m, stages, nw", [("bf16", 128, 4, 1), ("int8", 32, 3, 1), ("int8", 64, 4, 2)])

@@ -2,7 +2,7 @@
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
     python -m pallas_kernels.bench.moe [--cases all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
-                                       [--case-timeout 60] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
+                                       [--stall 45] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
@@ -20,9 +20,11 @@ for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own c
 and int8 8192^3 matmuls.
 
 Robustness: the cases run in a worker process that prints one JSON line per case; a case that raises reports its error
-and the next runs; a case that hangs (a deadlocked kernel) is killed after --case-timeout seconds (the worker dumps
-its Python stack first), and a fresh worker continues with the next case. No case starts after --time-limit seconds
-and nothing runs past --hard-limit (defaults: the whole run within 4 minutes).
+and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a fresh one goes on
+with the next case, skipping that kernel at that block size; a case that hangs (a deadlocked kernel) is killed after
+--stall seconds without progress (the worker dumps its Python stack first), and a fresh worker continues with the next
+case. No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
+minutes).
 Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
 
@@ -131,7 +133,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
         default_stages,
         int4_gated_ragged_dot,
         int4_ragged_dot,
+        kernel_operands,
         smem_bytes,
+        unpad,
     )
 
     e, m, k, n = map(int, spec.split("x"))
@@ -149,8 +153,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
     }
     del wf, xq, xs
 
-    def row(name, fn, *args, nbytes, int8=False, act=None, config=None, ref=None, mult=1, nw=1):
-        """One timed row; kernels (act given) are first checked against ref (default: the plain product's)."""
+    def row(name, fn, *args, nbytes=0, int8=False, act=None, config=None, ref=None, mult=1, nw=1):
+        """One timed row; kernels (act given) are first checked against ref (default: the plain product's). mult=0:
+        a row that is not a matmul (only its time is shown)."""
         r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
         _emit("BEGIN", spec, what=name)
         try:
@@ -163,6 +168,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
             r["t"] = _timed(f, *args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
+            if _device_lost(r["error"]):  # the CUDA context is unusable: nothing later in this process can run
+                _emit("ROW", spec, row=r)
+                _lost(spec, name, f"{name.split()[0]} bm={config[0]}" if act is not None else None)
         _emit("ROW", spec, row=r)
 
     for act in ("bf16", "int8"):
@@ -175,6 +183,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
         for bm, st in configs:
             label = f"{name} kernel" + (f" bm={bm} st={st}" if bm else "")
             config = (bm or bm0, st or default_stages(act, bm or bm0))
+            if f"{name} bm={config[0]}" in skip:
+                _emit("ROW", spec, row=dict(name=label, error=f"skipped: {skip[f'{name} bm={config[0]}']}"))
+                continue
             fn = functools.partial(int4_ragged_dot, act=act, block_m=bm, stages=st, interpret=interpret)
             row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, config=config)
     if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
@@ -189,24 +200,29 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
                 xq, xs = quantize_int8(x)
                 xr = xq.astype(jnp.float32) * xs[:, None]
             ref = jax.nn.silu(refs[act]) * f32_dot(xr, wu, gs)
-            bm = default_block_m(m, e)
-            config = (bm, default_stages(act, bm, 128, 2))
-            fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret)
-            row(
-                f"{name} gate+up+SiLU fused",
-                fused,
-                x,
-                (q4.q, q4.scale),
-                (qu, su),
-                gs,
-                nbytes=2 * nb_int4,
-                int8=act == "int8",
-                act=act,
-                config=config,
-                ref=ref,
-                mult=2,
-                nw=2,
-            )
+            bm0 = default_block_m(m, e)
+            # w4a8 at BM = 128 holds two f32 and two int32 [64, 128] accumulators (256 registers a thread): BM = 64
+            # too, to see whether spills are what makes the fused w4a8 kernel slower than two kernels.
+            for bm in [None] + ([64] if act == "int8" and bm0 > 64 else []):
+                config = (bm or bm0, default_stages(act, bm or bm0, 128, 2))
+                if f"{name} bm={config[0]}" in skip:
+                    continue
+                fused = functools.partial(int4_gated_ragged_dot, act=act, block_m=bm, interpret=interpret)
+                row(
+                    f"{name} gate+up+SiLU fused" + (f" bm={bm}" if bm else ""),
+                    fused,
+                    x,
+                    (q4.q, q4.scale),
+                    (qu, su),
+                    gs,
+                    nbytes=2 * nb_int4,
+                    int8=act == "int8",
+                    act=act,
+                    config=config,
+                    ref=ref,
+                    mult=2,
+                    nw=2,
+                )
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
             row(
@@ -223,12 +239,36 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
             del ref
         del wu
     refs.clear()  # free the f32 references before the bf16 rows
+    for act in ("bf16", "int8"):  # the wrapper's XLA passes alone (included in the kernel rows' times)
+        bm = default_block_m(m, e)
+        blocks = -(-m // bm) + e
+        out_t = jnp.zeros((n, blocks * bm), jnp.bfloat16) + x[0, 0]  # stands for the kernel's output
+
+        def passes(x, q, sc, gs, out_t, act=act, bm=bm):
+            args, dst, _ = kernel_operands(x, ((q, sc),), gs, act, bm)
+            return args[:1] + args[2:], unpad(out_t, dst)  # args[1] is q itself (a bitcast), not work
+
+        name = "w4a16" if act == "bf16" else "w4a8"
+        row(f"{name} wrapper's XLA passes only", passes, x, q4.q, q4.scale, gs, out_t, mult=0)
+        del out_t
     row("bf16 ragged_dot (XLA)", jax.lax.ragged_dot, x, w, gs, nbytes=nb_bf16)
     del w
     row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
-    if m * n * (k // 128) * 4 <= 2**32:  # its int32 partial sums [K/G, M, N]
-        q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
-        row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+    q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
+    row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+
+
+def _device_lost(msg: str) -> bool:
+    """A CUDA error (a kernel's misaligned address, an illegal access): the process's CUDA context is then poisoned,
+    and every later call in it fails (the first H200 run lost all cases after one)."""
+    return "CUDA_ERROR" in msg or "CUDA error" in msg
+
+
+def _lost(spec: str, what: str, skip_key: str | None) -> None:
+    """Tells the driver this worker's device is lost, then exits; a fresh worker continues with the next case."""
+    _emit("LOST", spec, what=what, skip=skip_key)
+    sys.stdout.flush()
+    os._exit(3)
 
 
 def worker(specs: list[str], sweep: bool, interpret: bool, skip: dict) -> None:
@@ -241,7 +281,10 @@ def worker(specs: list[str], sweep: bool, interpret: bool, skip: dict) -> None:
                 _case(spec, sweep, interpret, skip)
             _emit("DONE", spec)
         except Exception as ex:  # noqa: BLE001
-            _emit("DONE", spec, error=f"{type(ex).__name__}: {str(ex)[:2000]}")
+            msg = f"{type(ex).__name__}: {str(ex)[:2000]}"
+            if _device_lost(msg):
+                _lost(spec, f"case ({msg[:300]})", None)
+            _emit("DONE", spec, error=msg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,7 +354,7 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
                 break
             for line in lines:
                 kind, _, payload = line.partition(" ")
-                if kind not in ("BEGIN", "ROW", "CEIL", "DONE"):
+                if kind not in ("BEGIN", "ROW", "CEIL", "DONE", "LOST"):
                     log("  | " + line)
                     continue
                 ev, last = json.loads(payload), time.time()
@@ -323,6 +366,15 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
                     log(f"  {spec}: {_row_summary(ev['row'])}")
                 elif kind == "CEIL":
                     results[spec]["ceilings"] = ev["ceilings"]
+                elif kind == "LOST":  # a CUDA error: the worker exits; the case's later rows are not run
+                    pending.remove(spec)
+                    note = f"CUDA error in {ev['what']}: worker exited, a fresh one runs the next case"
+                    results[spec]["rows"].append(dict(name="(rest of the case)", error=f"not run: {note}"))
+                    if ev.get("skip"):
+                        skip[ev["skip"]] = f"a CUDA error in case {spec}"
+                    log(f"[{time.time() - t_start:6.1f} s] {spec}: {note}")
+                    why = "lost"
+                    break
                 else:
                     if "error" in ev:
                         results[spec]["error"] = ev["error"]
@@ -338,7 +390,7 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        if why in ("done", "limit") or not pending:
+        if why in ("done", "limit", "lost") or not pending:
             continue
         # The worker died or hung inside pending[0]: report the item it was on and move past the case.
         spec = pending.pop(0)
@@ -397,6 +449,9 @@ def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
                 lines.append(f"{head} {r['name']} | error | | | | | | {chk} {r.get('error', '')[:160]} |")
                 continue
             t = r["t"]
+            if not r.get("mult", 1):  # not a matmul: its time only
+                lines.append(f"{head} {r['name']} | {t * 1e6:.1f} | | | | | | |")
+                continue
             tbs, flops = r["nbytes"] / t / 1e12, r.get("mult", 1) * 2 * m * k * n / t / 1e12
             ceiling = i8 if r.get("int8") else bf
             pc = f"{100 * r['nbytes'] / t / copy:.0f}%" if copy else ""
