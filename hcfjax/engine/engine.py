@@ -284,7 +284,9 @@ class Engine:
     def warmup(self) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took."""
         t0 = time.perf_counter()
-        self.runner.warmup(self.config.max_prefill_rows, self.config.token_budget)
+        self.runner.warmup(self.config.max_prefill_rows, self.config.token_budget, prefill=self.remote is None)
+        if self.remote is not None:
+            self.runner.warmup_install()
         return time.perf_counter() - t0
 
     def _runnable(self) -> bool:

@@ -170,9 +170,9 @@ def _install(state: SlotState, pages, kv, scale, slot, first, length, count) -> 
     return dataclasses.replace(
         state,
         cache=kvcache.KVCache(new_kv, new_scale),
-        tok=state.tok.at[slot].set(first),
-        length=state.length.at[slot].set(length),
-        count=state.count.at[slot].set(count),
+        tok=state.tok.at[slot].set(first, mode="drop"),
+        length=state.length.at[slot].set(length, mode="drop"),
+        count=state.count.at[slot].set(count, mode="drop"),
     )
 
 
@@ -271,24 +271,40 @@ class ModelRunner:
                 f"transferred cache of {req.id} is {jnp.dtype(kv.dtype).name}"
                 f"{' with' if scale is not None else ' without'} scales; this worker's cache is {cache.kv.dtype.name}"
             )
-        b = bucket(n, 1)
-        pages = np.full(b, cache.num_pages, np.int32)
-        pages[:n] = req.pages
-        pad = lambda x: jnp.pad(jnp.asarray(x), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
+        self._install_pages(req.pages, kv, scale, req.slot, first, len(req.fill), len(req.output) + 1)
+
+    def _install_pages(self, pages, kv, scale, slot: int, first: int, length: int, count: int) -> None:
+        n, b = len(pages), bucket(len(pages), 1)
+        table = np.full(b, self.state.cache.num_pages, np.int32)  # padding pages: out of range, dropped
+        table[:n] = pages
+        # numpy (host-staged transports) or device arrays (jax transfer) land on one device first: one compiled
+        # install per page bucket, whatever the transport
+        land = jax.sharding.SingleDeviceSharding(min(self.state.cache.kv.sharding.device_set, key=lambda d: d.id))
+        pad = lambda x: jnp.pad(jax.device_put(x, land), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
         self.state = self._install(
             self.state,
-            jnp.asarray(pages),
+            jnp.asarray(table),
             pad(kv),
             None if scale is None else pad(scale),
-            jnp.int32(req.slot),
+            jnp.int32(slot),
             jnp.int32(first),
-            jnp.int32(len(req.fill)),
-            jnp.int32(len(req.output) + 1),
+            jnp.int32(length),
+            jnp.int32(count),
         )
 
-    def warmup(self, max_rows: int, max_chunk: int) -> None:
+    def warmup_install(self) -> None:
+        """Compiles install for every page-count bucket (a PD decode worker), writing nothing."""
+        cache = self.state.cache
+        shape = (self.cfg.num_hidden_layers, 0, self.cache_page_size)
+        for b in sorted({bucket(n, 1) for n in range(1, self.max_pages + 1)}):
+            kv = np.zeros(shape[:1] + (b,) + shape[2:] + (cache.kv.shape[-1],), cache.kv.dtype)
+            scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
+            self._install_pages([cache.num_pages] * b, kv, scale, self.num_slots, 0, 0, 0)
+
+    def warmup(self, max_rows: int, max_chunk: int, prefill: bool = True) -> None:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without
-        decode, and decode alone) on inputs that touch nothing, so serving never stops to compile."""
+        decode, and decode alone; only decode without local prefill) on inputs that touch nothing, so serving
+        never stops to compile."""
         s, m = self.num_slots, self.max_pages
         rows = sorted({self._rows_shape(b, max_rows) for b in range(1, max_rows + 1)})
         # every chunk length up to the longest (a whole prompt with speculation) maps to one of these shapes
@@ -299,7 +315,7 @@ class ModelRunner:
         z = lambda *shape: self._put(np.zeros(shape, np.int32))
         dec = DecodeInputs(self._put(np.zeros(s, bool)), z(s, m), sp(s), self._put(np.zeros(s, np.uint32)))
         shapes = [(None, True)] + [((b * self.ranks, t), d) for b in rows for t in chunks for d in (False, True)]
-        for shape, with_decode in shapes:
+        for shape, with_decode in shapes if prefill else shapes[:1]:
             pre = None
             if shape is not None:
                 b, t = shape

@@ -219,13 +219,9 @@ class PrefillWorker:
                 self._pages_freed.notify_all()
 
     def _run(self, batch: list[PrefillJob]) -> None:
-        cfg, c = self.cfg, self.config
+        c = self.config
         lens = [len(j.tokens) for j in batch]
-        b = bucket(len(batch), 1)
-        longest = max(lens)
-        tc = min(bucket(longest, c.min_bucket), c.chunk)  # chunk shape (a power of two, or `chunk`)
-        t = math.ceil(longest / tc) * tc
-        m = math.ceil(t / c.page_size)
+        b, tc, t, m = self._shape(len(batch), max(lens))
         tokens, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
         table = np.full((b, m), self._pad_page, np.int32)
         seed, count = np.zeros(b, np.uint32), np.zeros(b, np.int32)
@@ -234,8 +230,29 @@ class PrefillWorker:
             tokens[i, : lens[i]], n[i], seed[i], count[i], sampling[i] = j.tokens, lens[i], j.seed, j.count, j.sampling
             pages = self._held[j.key]
             table[i, : len(pages)] = pages
-        layerwise = longest >= c.layerwise_threshold
-        total = cfg.num_hidden_layers
+        layerwise = max(lens) >= c.layerwise_threshold
+        send = lambda lo, hi: self._send(batch, lo, hi)
+        first_tok = self._forward(tokens, n, table, seed, count, sampling, tc, send, layerwise)
+        self.stats["jobs"] += len(batch)
+        self.stats["batches"] += 1
+        self.stats["layerwise"] += len(batch) if layerwise else 0
+        for i, j in enumerate(batch):
+            self._flushers.submit(self._finish, j, first_tok, i)
+
+    def _shape(self, rows: int, longest: int) -> tuple[int, int, int, int]:
+        """(rows, chunk, padded length, page-table width) of a batch. A layer compiles per (rows, chunk, width),
+        all powers of two (or the chunk cap), so few shapes compile."""
+        c = self.config
+        tc = min(bucket(longest, c.min_bucket), c.chunk)
+        t = math.ceil(longest / tc) * tc
+        return bucket(rows, 1), tc, t, bucket(math.ceil(t / c.page_size), 1)
+
+    def _forward(self, tokens, n, table, seed, count, sampling, tc: int, send, layerwise: bool):
+        """The layer-major forward of a batch; send(lo, hi) hands layers [lo, hi) to the transport (each group
+        once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent, the warm-up).
+        -> first tokens [B] (on the device)."""
+        cfg, c = self.cfg, self.config
+        total, t = cfg.num_hidden_layers, tokens.shape[1]
         with self._mesh():
             x = _embed(self.params, jnp.asarray(tokens))
             table_j, n_j = jnp.asarray(table), jnp.asarray(n)
@@ -251,7 +268,7 @@ class PrefillWorker:
                         outs.append(xo)
                     x = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
                     if layerwise and (layer + 1 - sent_to >= c.layer_group or layer + 1 == total):
-                        self._send(batch, sent_to, layer + 1)
+                        send(sent_to, layer + 1)
                         sent_to = layer + 1
             first_tok = _sample_first(
                 self.params,
@@ -262,13 +279,22 @@ class PrefillWorker:
                 jnp.asarray(seed),
                 jnp.asarray(count),
             )
-            if not layerwise:
-                self._send(batch, 0, total)
-        self.stats["jobs"] += len(batch)
-        self.stats["batches"] += 1
-        self.stats["layerwise"] += len(batch) if layerwise else 0
-        for i, j in enumerate(batch):
-            self._flushers.submit(self._finish, j, first_tok, i)
+            if not layerwise and send is not None:
+                send(0, total)
+        return first_tok
+
+    def warmup(self, max_len: int) -> float:
+        """Compiles every batch shape prompts up to max_len tokens can take (rows x chunk buckets), on rows that
+        write nothing, so no request waits for a compile; returns the seconds it took."""
+        c = self.config
+        t0 = time.perf_counter()
+        shapes = {self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max_len)}
+        for b, tc, t, m in sorted(shapes):
+            z = np.zeros(b, np.int32)
+            table = np.full((b, m), self._pad_page, np.int32)
+            tokens, sampling = np.zeros((b, t), np.int32), [SamplingParams()] * b
+            jax.block_until_ready(self._forward(tokens, z, table, z.astype(np.uint32), z, sampling, tc, None, False))
+        return time.perf_counter() - t0
 
     def _mesh(self):
         import contextlib
@@ -295,6 +321,14 @@ class PrefillWorker:
                 job.future.set_exception(e)
         finally:
             self._release(job)
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... up to the first >= hi (every bucket a length in [1, hi] maps to)."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out
 
 
 @jax.jit

@@ -49,6 +49,9 @@ def run_prefill(model, args, plans, announce) -> None:
     )
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
     worker = PrefillWorker(model, transport.sender(), config, plan)
+    if args.warmup:
+        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
+        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
     worker.start()
     server = prefill_server(worker, args.transport, args.host, args.port).start()
     announce(f"hcfjax serve: prefill worker listening on {server.address}")
