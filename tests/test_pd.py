@@ -107,6 +107,40 @@ def test_pd_over_each_transport(model, colocated, kind):
     assert stats["messages"] >= 1
 
 
+def test_pd_speculative_decoding_across_the_split(model, colocated):
+    """The prefill worker runs the MTP modules and makes the first drafts; the decode worker verifies from its first
+    step. Exact verification of greedy drafts gives the plain greedy tokens; the draft state crosses the prefill
+    service's gRPC reply (a real server on loopback) and the cache (MTP layers included) the socket transport."""
+    from hcfjax.pd.service import GrpcPrefill, prefill_server
+
+    spec = hcfjax.SpeculativeConfig(num_draft_tokens=2)
+    transport = make_transport("socket")
+    receiver = transport.receiver()
+    config = PrefillConfig(num_pages=64, page_size=16, layerwise_threshold=64, chunk=128, speculative=spec)
+    worker = PrefillWorker(model, transport.sender(), config)
+    worker.start()
+    server = prefill_server(worker, "socket").start()
+    client = GrpcPrefill(server.address)
+    remote = RemotePrefill(receiver, [client], timeout_s=60)
+    engine = Engine(model, EngineConfig(max_slots=2, speculative=spec), remote=remote)
+    engine.start()
+    try:
+        reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS[:3]]  # the long one included: layerwise
+        outs = [list(engine.stream(r, timeout=120)) for r in reqs]
+        assert all(o[-1].error is None for o in outs), [o[-1].error for o in outs]
+        assert [[t for o in out for t in o.token_ids] for out in outs] == colocated[:3]
+        usage = [o[-1].usage for o in outs]
+        assert sum(u.draft_tokens for u in usage) > 0 and sum(u.accepted_draft_tokens for u in usage) > 0
+    finally:
+        engine.shutdown()
+        server.stop()
+        worker.shutdown()
+        worker.sender.close()
+        receiver.close()
+        remote.shutdown()
+        client.close()
+
+
 # -- separate processes behind the router ----------------------------------------------------------------------------
 
 

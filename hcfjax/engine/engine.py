@@ -88,8 +88,6 @@ class Engine:
         self.model, self.config, self.cfg = model, config, model.cfg
         self.remote = remote
         c = config
-        if remote is not None and c.speculative is not None:
-            raise ValueError("speculative decoding on a PD decode worker is not supported yet")
         if decode_plan is not None and decode_plan.mesh.shape["ep"] != c.dp:
             raise ValueError(f"config.dp={c.dp} but the decode plan has {decode_plan.mesh.shape['ep']} ranks")
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
@@ -214,11 +212,12 @@ class Engine:
             self._aborts.append(request_id)
             self._lock.notify()
 
-    def land(self, request_id: str, epoch: int, first_token: int, kv, scale=None) -> None:
+    def land(self, request_id: str, epoch: int, first_token: int, kv, scale=None, drafts=None) -> None:
         """A remote prefill finished: kv [L, n_pages, page_size, D] (+ scale) for the request's reserved pages, in
-        order, and the first token it sampled. Ignored if the request ended or was preempted (epoch changed)."""
+        order, the first token it sampled, and with speculation its draft state (a Drafts row). Ignored if the
+        request ended or was preempted (epoch changed)."""
         with self._lock:
-            self._landed.append((request_id, epoch, int(first_token), kv, scale))
+            self._landed.append((request_id, epoch, int(first_token), kv, scale, drafts))
             self._lock.notify()
 
     def land_failed(self, request_id: str, epoch: int, error: str) -> None:
@@ -340,9 +339,9 @@ class Engine:
             if len(result) == 1:
                 self._finish(req, FinishReason.ERROR, result[0])
                 continue
-            first, kv, scale = result
+            first, kv, scale, drafts = result
             try:
-                self.runner.install(req, first, kv, scale)
+                self.runner.install(req, first, kv, scale, drafts)
             except Exception as e:  # noqa: BLE001 - a bad transfer fails its request, not the worker
                 log.exception("installing the transferred cache of %s failed", rid)
                 self._finish(req, FinishReason.ERROR, f"{type(e).__name__}: {e}")

@@ -160,9 +160,9 @@ def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill:
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
 
 
-def _install(state: SlotState, pages, kv, scale, slot, first, length, count) -> SlotState:
+def _install(state: SlotState, pages, kv, scale, slot, first, length, count, drafts) -> SlotState:
     """Writes a remotely prefilled request's cache (kv [L, n, page, D] into `pages` [n]; padding pages are out of
-    range and dropped) and its slot's first token, length and rng counter."""
+    range and dropped) and its slot's first token, length and rng counter, or with speculation its Drafts row."""
     cache = state.cache
     layers = kv.shape[0]
     new_kv = cache.kv.at[:layers, pages].set(kv.astype(cache.kv.dtype), mode="drop")
@@ -173,6 +173,9 @@ def _install(state: SlotState, pages, kv, scale, slot, first, length, count) -> 
         tok=state.tok.at[slot].set(first, mode="drop"),
         length=state.length.at[slot].set(length, mode="drop"),
         count=state.count.at[slot].set(count, mode="drop"),
+        drafts=None
+        if drafts is None
+        else jax.tree.map(lambda s, x: s.at[slot].set(x, mode="drop"), state.drafts, drafts),
     )
 
 
@@ -257,13 +260,19 @@ class ModelRunner:
             log.info("compiled step for prefill %s, decode %s in %.1f s", key[0], key[1], self.compiles[-1][1])
         return first, nxt
 
-    def install(self, req, first: int, kv, scale=None) -> None:
-        """Puts a remotely prefilled request's cache into its reserved pages and its first token into its slot.
-        kv [L, n_pages, page_size, D] for req.pages in order (L: the main model's layers); scale with an int8
-        cache. Page counts are padded to powers of two, so few shapes compile."""
+    def install(self, req, first: int, kv, scale=None, drafts=None) -> None:
+        """Puts a remotely prefilled request's cache into its reserved pages and its first token (with
+        speculation: its Drafts row, a dict of numpy arrays) into its slot. kv [L, n_pages, page_size, D] for
+        req.pages in order (L: every cache layer, the MTP modules' included); scale with an int8 cache. Page counts
+        are padded to powers of two, so few shapes compile."""
         cache = self.state.cache
         n = len(req.pages)
-        want = (self.cfg.num_hidden_layers, n, self.cache_page_size, cache.kv.shape[-1])
+        if (drafts is None) != (self.spec is None):
+            raise ValueError(
+                f"{req.id}: the prefill {'did not make' if drafts is None else 'made'} drafts, and this"
+                f" worker {'speculates' if self.spec else 'does not speculate'}"
+            )
+        want = (cache.kv.shape[0], n, self.cache_page_size, cache.kv.shape[-1])
         if tuple(kv.shape) != want:
             raise ValueError(f"transferred cache of {req.id} has shape {tuple(kv.shape)}, expected {want}")
         if jnp.dtype(kv.dtype) != cache.kv.dtype or (scale is None) != (cache.scale is None):
@@ -271,9 +280,11 @@ class ModelRunner:
                 f"transferred cache of {req.id} is {jnp.dtype(kv.dtype).name}"
                 f"{' with' if scale is not None else ' without'} scales; this worker's cache is {cache.kv.dtype.name}"
             )
-        self._install_pages(req.pages, kv, scale, req.slot, first, len(req.fill), len(req.output) + 1)
+        if drafts is not None:
+            drafts = Drafts(**{f.name: jnp.asarray(drafts[f.name]) for f in dataclasses.fields(Drafts)})
+        self._install_pages(req.pages, kv, scale, req.slot, first, len(req.fill), len(req.output) + 1, drafts)
 
-    def _install_pages(self, pages, kv, scale, slot: int, first: int, length: int, count: int) -> None:
+    def _install_pages(self, pages, kv, scale, slot: int, first: int, length: int, count: int, drafts=None) -> None:
         n, b = len(pages), bucket(len(pages), 1)
         table = np.full(b, self.state.cache.num_pages, np.int32)  # padding pages: out of range, dropped
         table[:n] = pages
@@ -290,16 +301,17 @@ class ModelRunner:
             jnp.int32(first),
             jnp.int32(length),
             jnp.int32(count),
+            drafts,
         )
 
     def warmup_install(self) -> None:
         """Compiles install for every page-count bucket (a PD decode worker), writing nothing."""
         cache = self.state.cache
-        shape = (self.cfg.num_hidden_layers, 0, self.cache_page_size)
+        drafts = None if self.spec is None else jax.tree.map(lambda x: x[0], self.state.drafts)
         for b in sorted({bucket(n, 1) for n in range(1, self.max_pages + 1)}):
-            kv = np.zeros(shape[:1] + (b,) + shape[2:] + (cache.kv.shape[-1],), cache.kv.dtype)
+            kv = np.zeros((cache.kv.shape[0], b, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
             scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
-            self._install_pages([cache.num_pages] * b, kv, scale, self.num_slots, 0, 0, 0)
+            self._install_pages([cache.num_pages] * b, kv, scale, self.num_slots, 0, 0, 0, drafts)
 
     def warmup(self, max_rows: int, max_chunk: int, prefill: bool = True) -> None:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without

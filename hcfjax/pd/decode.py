@@ -32,7 +32,8 @@ class LocalPrefill:
         self.address = f"local:{id(worker):x}"
         self._jobs: dict[str, PrefillJob] = {}
 
-    def prefill(self, job: PrefillJob, timeout: float) -> int:
+    def prefill(self, job: PrefillJob, timeout: float) -> tuple[int, dict | None]:
+        """-> (first token, the request's draft state or None)."""
         self._jobs[job.key] = job
         try:
             return self.worker.submit(job).result(timeout)
@@ -87,9 +88,9 @@ class RemotePrefill:
             client = self._client(rid)
             with self._lock:
                 self._active[job.key] = client
-            first = client.prefill(job, self.timeout_s)
+            first, drafts = client.prefill(job, self.timeout_s)
             kv, scale = self.receiver.take(job.key, self.timeout_s)
-            engine.land(rid, epoch, first, kv, scale)
+            engine.land(rid, epoch, first, kv, scale, drafts)
         except Exception as e:  # noqa: BLE001 - the request ends with the error; nothing waits forever
             log.warning("remote prefill of %s failed: %s: %s", job.key, type(e).__name__, e)
             self.receiver.discard(job.key)

@@ -12,6 +12,10 @@ layer at a time into its own scratch pages, samples each prompt's first token ex
   asynchronous, so the transport's thread waits for the layer while this thread dispatches the next ones: the
   transfer of layer l overlaps the compute of layers l + 1 .. L - 1, and only the last group remains after it.
 
+With speculative decoding the worker also runs the MTP modules over the prompt (their cache layers follow the
+main model's and are sent last) and makes the first k drafts; the job's result then carries the request's draft
+state (a Drafts row) with its first token, which is what the decode worker needs to verify at its first step.
+
 Prompts longer than `chunk` tokens are run layer-major in chunks (every chunk through layer l, then layer l + 1),
 so attention memory stays bounded and layer l's cache is complete as soon as its last chunk ran. A job's scratch
 pages are released when its transfer is acknowledged or fails; the job's future then holds its first token or
@@ -42,6 +46,7 @@ from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
 from hcfjax.pd.transport import Piece
 from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingBatch, SamplingParams, sample_rows
+from hcfjax.speculative import Drafts, SpeculativeConfig, spec_prefill
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -71,6 +76,7 @@ class PrefillConfig:
     layer_group: int = 1  # layers per piece in layerwise mode
     transfer_timeout_s: float = 30.0
     cache_dtype: str = "auto"  # auto (the model's) or int8: must match the decode workers'
+    speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
 
 
 def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
@@ -86,6 +92,16 @@ def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table
     ctx = CacheContext(cache, table, jnp.minimum(start + t, n), pos < n[:, None])
     x, ctx = decoder_layer(p, cfg, x, jnp.broadcast_to(pos, x.shape[:2]), ctx, layer, is_moe, absorbed=False)
     return x, ctx.cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
+def _spec_prefill(params, cfg: ModelConfig, spec: SpeculativeConfig, x, tokens, first, n, cache, table, sp, key):
+    """The MTP modules over the prompts and the first drafts (the engine's prefill step does the same)."""
+    from hcfjax.engine.runner import _clear_mtp_head
+
+    cache = _clear_mtp_head(cache, cfg.num_hidden_layers, table[:, 0], n > 0, spec)
+    h = final_hidden(params, cfg, x)
+    return spec_prefill(params, cfg, spec, h, tokens, first, n, cache, table, sp, n > 0, key)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -105,7 +121,12 @@ class PrefillWorker:
 
             self.params = shard_params(model.params, plan)
         dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
-        self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype)  # + 1: padding rows' page
+        self.spec = c.speculative
+        if self.spec is not None and not model.params.get("mtp"):
+            raise ValueError("speculative decoding needs MTP layers, and this model has none")
+        self.layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if self.spec else 0)
+        # + 1 page: where padding rows point
+        self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
         self.alloc = PageAllocator(c.num_pages, c.page_size)
         self._pad_page = c.num_pages
         self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
@@ -116,6 +137,7 @@ class PrefillWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats = {"jobs": 0, "batches": 0, "layerwise": 0, "failed": 0}
+        self._drafts_made = 0
 
     # -- any thread ------------------------------------------------------------------------------------------------
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
@@ -232,12 +254,12 @@ class PrefillWorker:
             table[i, : len(pages)] = pages
         layerwise = max(lens) >= c.layerwise_threshold
         send = lambda lo, hi: self._send(batch, lo, hi)
-        first_tok = self._forward(tokens, n, table, seed, count, sampling, tc, send, layerwise)
+        result = self._forward(tokens, n, table, seed, count, sampling, tc, send, layerwise)
         self.stats["jobs"] += len(batch)
         self.stats["batches"] += 1
         self.stats["layerwise"] += len(batch) if layerwise else 0
         for i, j in enumerate(batch):
-            self._flushers.submit(self._finish, j, first_tok, i)
+            self._flushers.submit(self._finish, j, result, i)
 
     def _shape(self, rows: int, longest: int) -> tuple[int, int, int, int]:
         """(rows, chunk, padded length, page-table width) of a batch. A layer compiles per (rows, chunk, width),
@@ -250,7 +272,7 @@ class PrefillWorker:
     def _forward(self, tokens, n, table, seed, count, sampling, tc: int, send, layerwise: bool):
         """The layer-major forward of a batch; send(lo, hi) hands layers [lo, hi) to the transport (each group
         once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent, the warm-up).
-        -> first tokens [B] (on the device)."""
+        -> (first tokens [B], Drafts [B] or None), on the device."""
         cfg, c = self.cfg, self.config
         total, t = cfg.num_hidden_layers, tokens.shape[1]
         with self._mesh():
@@ -270,18 +292,21 @@ class PrefillWorker:
                     if layerwise and (layer + 1 - sent_to >= c.layer_group or layer + 1 == total):
                         send(sent_to, layer + 1)
                         sent_to = layer + 1
-            first_tok = _sample_first(
-                self.params,
-                cfg,
-                x,
-                n_j,
-                jax.tree.map(jnp.asarray, SamplingBatch.of(sampling)),
-                jnp.asarray(seed),
-                jnp.asarray(count),
-            )
+            sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling))
+            first_tok = _sample_first(self.params, cfg, x, n_j, sp, jnp.asarray(seed), jnp.asarray(count))
+            drafts = None
+            if self.spec is not None:
+                self._drafts_made += 1
+                key = jax.random.fold_in(jax.random.key(1), self._drafts_made)
+                tok_j = jnp.asarray(tokens)
+                drafts, self.cache = _spec_prefill(
+                    self.params, cfg, self.spec, x, tok_j, first_tok, n_j, self.cache, table_j, sp, key
+                )
+                if layerwise and send is not None:
+                    send(total, self.layers)
             if not layerwise and send is not None:
-                send(0, total)
-        return first_tok
+                send(0, self.layers)
+        return first_tok, drafts
 
     def warmup(self, max_len: int) -> float:
         """Compiles every batch shape prompts up to max_len tokens can take (rows x chunk buckets), on rows that
@@ -302,19 +327,23 @@ class PrefillWorker:
         return jax.set_mesh(self.plan.mesh) if self.plan is not None else contextlib.nullcontext()
 
     def _send(self, batch: list[PrefillJob], lo: int, hi: int) -> None:
-        total = self.cfg.num_hidden_layers
+        total = self.layers
         for j in batch:
             pages = jnp.asarray(np.array(self._held[j.key], np.int32))
             kv = self.cache.kv[lo:hi][:, pages]
             scale = None if self.cache.scale is None else self.cache.scale[lo:hi][:, pages]
             self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total))
 
-    def _finish(self, job: PrefillJob, first_tok: jax.Array, row: int) -> None:
-        """(a flusher thread) Waits for the job's transfer; frees its pages; resolves its future."""
+    def _finish(self, job: PrefillJob, result, row: int) -> None:
+        """(a flusher thread) Waits for the job's transfer; frees its pages; resolves its future with
+        (first token, the row's Drafts as numpy arrays or None)."""
         try:
             self.sender.flush(job.key, self.config.transfer_timeout_s)
+            first, drafts = result
+            if drafts is not None:  # the row's Drafts, as {field: numpy array}
+                drafts = {f.name: np.asarray(getattr(drafts, f.name))[row] for f in dataclasses.fields(Drafts)}
             if not job.future.done():
-                job.future.set_result(int(np.asarray(first_tok)[row]))
+                job.future.set_result((int(np.asarray(first)[row]), drafts))
         except Exception as e:  # noqa: BLE001 - the job's caller gets the error
             self.stats["failed"] += 1
             if not job.future.done():

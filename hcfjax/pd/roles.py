@@ -46,6 +46,7 @@ def run_prefill(model, args, plans, announce) -> None:
         layer_group=args.layer_group,
         transfer_timeout_s=args.transfer_timeout,
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        speculative=_speculative(args),
     )
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
     worker = PrefillWorker(model, transport.sender(), config, plan)
@@ -100,6 +101,14 @@ def run_router(args, announce) -> None:
     server = RouterServer(router, args.host, args.port).start()
     announce(f"hcfjax serve: router listening on {server.address}")
     _until_signal(lambda: server.stop(args.grace), announce)
+
+
+def _speculative(args):
+    import hcfjax
+
+    if not args.speculative:
+        return None
+    return hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
 
 
 def load_model(args):

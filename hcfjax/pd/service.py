@@ -5,12 +5,14 @@ GrpcPrefill, the decode worker's client of a remote prefill worker.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 from concurrent import futures
 
 import grpc
 import jax.numpy as jnp
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hcfjax.pd.decode import RemotePrefill
@@ -25,6 +27,17 @@ from hcfjax.serving.server import GenerationService, sampling_of
 log = logging.getLogger("hcfjax.pd")
 
 PREFILL_METADATA = "hcfjax-prefill"  # the router's choice of prefill worker for a decode call
+
+
+def pack_arrays(arrays: dict) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def unpack_arrays(data: bytes) -> dict:
+    with np.load(io.BytesIO(data)) as z:
+        return {k: z[k] for k in z.files}
 
 
 def sampling_message(sp) -> pb.SamplingParams:
@@ -46,8 +59,8 @@ class PrefillService(pd_grpc.PrefillServicer, pd_grpc.WorkerServicer):
         self._jobs[job.key] = job
         try:
             fut = self.worker.submit(job)
-            remaining = context.time_remaining()
-            return pdpb.PrefillReply(first_token=fut.result(timeout=remaining))
+            first, drafts = fut.result(timeout=context.time_remaining())
+            return pdpb.PrefillReply(first_token=first, drafts=b"" if drafts is None else pack_arrays(drafts))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except futures.TimeoutError:
@@ -91,7 +104,7 @@ class GrpcPrefill:
         self._channel = grpc.insecure_channel(address)
         self._stub = pd_grpc.PrefillStub(self._channel)
 
-    def prefill(self, job: PrefillJob, timeout: float) -> int:
+    def prefill(self, job: PrefillJob, timeout: float) -> tuple[int, dict | None]:
         req = pdpb.PrefillRequest(
             key=job.key,
             tokens=job.tokens,
@@ -100,7 +113,8 @@ class GrpcPrefill:
             count=job.count,
             dest=job.dest,
         )
-        return self._stub.Prefill(req, timeout=timeout).first_token
+        reply = self._stub.Prefill(req, timeout=timeout)
+        return reply.first_token, unpack_arrays(reply.drafts) if reply.drafts else None
 
     def cancel(self, key: str) -> None:
         try:

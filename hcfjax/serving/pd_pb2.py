@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hcfjax.serving import hcfjax_pb2 as hcfjax_dot_serving_dot_hcfjax__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hcfjax/serving/pd.proto\x12\x0chcfjax.pd.v1\x1a\x1bhcfjax/serving/hcfjax.proto\"\x85\x01\n\x0ePrefillRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hcfjax.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\r\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x65st\x18\x06 \x01(\t\"#\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\"\x1c\n\rCancelRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply\"\r\n\x0bInfoRequest\"\xe2\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\n\n\x02\x64p\x18\x06 \x01(\r\x12\x11\n\tmax_slots\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x12\n\nfree_pages\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x0e\n\x06queued\x18\x0b \x01(\r\x12\x12\n\npages_held\x18\x0c \x01(\r2\x90\x01\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.hcfjax.pd.v1.PrefillRequest\x1a\x1a.hcfjax.pd.v1.PrefillReply\x12@\n\x06\x43\x61ncel\x12\x1b.hcfjax.pd.v1.CancelRequest\x1a\x19.hcfjax.pd.v1.CancelReply2E\n\x06Worker\x12;\n\x04Info\x12\x19.hcfjax.pd.v1.InfoRequest\x1a\x18.hcfjax.pd.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hcfjax/serving/pd.proto\x12\x0chcfjax.pd.v1\x1a\x1bhcfjax/serving/hcfjax.proto\"\x85\x01\n\x0ePrefillRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hcfjax.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\r\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x65st\x18\x06 \x01(\t\"3\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x0c\"\x1c\n\rCancelRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply\"\r\n\x0bInfoRequest\"\xe2\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\n\n\x02\x64p\x18\x06 \x01(\r\x12\x11\n\tmax_slots\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x12\n\nfree_pages\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x0e\n\x06queued\x18\x0b \x01(\r\x12\x12\n\npages_held\x18\x0c \x01(\r2\x90\x01\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.hcfjax.pd.v1.PrefillRequest\x1a\x1a.hcfjax.pd.v1.PrefillReply\x12@\n\x06\x43\x61ncel\x12\x1b.hcfjax.pd.v1.CancelRequest\x1a\x19.hcfjax.pd.v1.CancelReply2E\n\x06Worker\x12;\n\x04Info\x12\x19.hcfjax.pd.v1.InfoRequest\x1a\x18.hcfjax.pd.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=71
   _globals['_PREFILLREQUEST']._serialized_end=204
   _globals['_PREFILLREPLY']._serialized_start=206
-  _globals['_PREFILLREPLY']._serialized_end=241
-  _globals['_CANCELREQUEST']._serialized_start=243
-  _globals['_CANCELREQUEST']._serialized_end=271
-  _globals['_CANCELREPLY']._serialized_start=273
-  _globals['_CANCELREPLY']._serialized_end=286
-  _globals['_INFOREQUEST']._serialized_start=288
-  _globals['_INFOREQUEST']._serialized_end=301
-  _globals['_WORKERINFO']._serialized_start=304
-  _globals['_WORKERINFO']._serialized_end=530
-  _globals['_PREFILL']._serialized_start=533
-  _globals['_PREFILL']._serialized_end=677
-  _globals['_WORKER']._serialized_start=679
-  _globals['_WORKER']._serialized_end=748
+  _globals['_PREFILLREPLY']._serialized_end=257
+  _globals['_CANCELREQUEST']._serialized_start=259
+  _globals['_CANCELREQUEST']._serialized_end=287
+  _globals['_CANCELREPLY']._serialized_start=289
+  _globals['_CANCELREPLY']._serialized_end=302
+  _globals['_INFOREQUEST']._serialized_start=304
+  _globals['_INFOREQUEST']._serialized_end=317
+  _globals['_WORKERINFO']._serialized_start=320
+  _globals['_WORKERINFO']._serialized_end=546
+  _globals['_PREFILL']._serialized_start=549
+  _globals['_PREFILL']._serialized_end=693
+  _globals['_WORKER']._serialized_start=695
+  _globals['_WORKER']._serialized_end=764
 # @@protoc_insertion_point(module_scope)

@@ -24,10 +24,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_hcfjax_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., count: _Optional[int] = ..., dest: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token",)
+    __slots__ = ("first_token", "drafts")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
+    drafts: bytes
+    def __init__(self, first_token: _Optional[int] = ..., drafts: _Optional[bytes] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("key",)
