@@ -191,8 +191,9 @@ def prefill_info(addr: str):
 
 def test_pd_processes_behind_the_router(model, colocated):
     """Router + prefill (TP=2 on 2 fake devices) + decode (DP=2 x EP=2) as processes over the socket transport:
-    concurrent requests give the colocated tokens; then the decode worker is killed mid-stream and its client gets
-    UNAVAILABLE within the timeout, and the prefill worker holds no pages; a restarted decode worker rejoins."""
+    concurrent requests give the colocated tokens and a bounded soak loses none; then the decode worker is killed
+    mid-stream: its client gets UNAVAILABLE within the timeout and the prefill worker holds no pages; a decode
+    worker restarted on the same address rejoins."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     common = ["--dtype", "float32", "--cpu-devices", "2", "--page-size", "16", "--no-warmup"]
     procs = []
@@ -212,6 +213,12 @@ def test_pd_processes_behind_the_router(model, colocated):
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: stream(addr, p, N), PROMPTS))
         assert got == colocated[: len(PROMPTS)]
+
+        # a bounded soak: 24 concurrent requests (more than the decode worker's 8 slots) all end with their tokens
+        soak = [(PROMPTS[i % len(PROMPTS)], 1 + i % 7) for i in range(24)]
+        with ThreadPoolExecutor(12) as pool:
+            lens = list(pool.map(lambda a: len(stream(addr, *a)), soak))
+        assert all(0 < n <= m for n, (_, m) in zip(lens, soak, strict=True)), lens
 
         # kill the decode worker while a long generation streams
         started = threading.Event()

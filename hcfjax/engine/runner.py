@@ -230,6 +230,9 @@ class ModelRunner:
             rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
             self.state = jax.device_put(self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows))
         shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
+        self._landing = (
+            NamedSharding(plan.mesh, P()) if plan is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         self.shapes: set = set()
@@ -288,10 +291,9 @@ class ModelRunner:
         n, b = len(pages), bucket(len(pages), 1)
         table = np.full(b, self.state.cache.num_pages, np.int32)  # padding pages: out of range, dropped
         table[:n] = pages
-        # numpy (host-staged transports) or device arrays (jax transfer) land on one device first: one compiled
-        # install per page bucket, whatever the transport
-        land = jax.sharding.SingleDeviceSharding(min(self.state.cache.kv.sharding.device_set, key=lambda d: d.id))
-        pad = lambda x: jnp.pad(jax.device_put(x, land), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
+        # numpy (host-staged transports) or device arrays (jax transfer) are put in one place first (replicated
+        # over the plan's mesh, or on the engine's device): one compiled install per page bucket, any transport
+        pad = lambda x: jnp.pad(jax.device_put(x, self._landing), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
         self.state = self._install(
             self.state,
             jnp.asarray(table),

@@ -28,12 +28,20 @@ def _until_signal(stop_fn, announce) -> None:
         stop_fn()
 
 
+def _log_to_stderr() -> None:
+    """The workers' and router's warnings (workers down, transfers failed, retries) go to stderr."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def run_prefill(model, args, plans, announce) -> None:
     from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
     from sharding.plans import prefill_plan
 
+    _log_to_stderr()
     transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
     config = PrefillConfig(
         num_pages=args.prefill_pages,
@@ -72,6 +80,7 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     from hcfjax.pd.transport import make_transport
     from sharding.plans import decode_plan
 
+    _log_to_stderr()
     receiver = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout).receiver()
     remote = RemotePrefill(receiver, [GrpcPrefill(a) for a in args.prefill or []], timeout_s=args.transfer_timeout)
     remote.connect = GrpcPrefill
@@ -95,6 +104,7 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
 def run_router(args, announce) -> None:
     from hcfjax.pd.router import Router, RouterServer
 
+    _log_to_stderr()
     if not args.prefill or not args.decode:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)

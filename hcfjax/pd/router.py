@@ -56,7 +56,8 @@ class Router(pb_grpc.GenerationServicer):
         decode: list[str],
         balance: str = "fewest_requests",
         health_interval_s: float = 0.5,
-        down_after: int = 2,
+        health_timeout_s: float = 2.0,
+        down_after: int = 3,
         retries: int = 1,
         request_timeout_s: float = 600.0,
     ):
@@ -67,6 +68,7 @@ class Router(pb_grpc.GenerationServicer):
         self.decode = [mk(a, "decode") for a in decode]
         self.balancer = Balancer(balance, len(decode))
         self.health_interval_s, self.down_after, self.retries = health_interval_s, down_after, retries
+        self.health_timeout_s = health_timeout_s  # a busy worker (compiling, a long step) may answer slowly
         self.request_timeout_s = request_timeout_s
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -95,7 +97,7 @@ class Router(pb_grpc.GenerationServicer):
     def _check(self, w: WorkerState) -> None:
         try:
             status = health_pb2_grpc.HealthStub(w.channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=max(self.health_interval_s, 0.5)
+                health_pb2.HealthCheckRequest(), timeout=self.health_timeout_s
             )
             ok = status.status == health_pb2.HealthCheckResponse.SERVING
             if ok and (w.info is None or not w.up):
