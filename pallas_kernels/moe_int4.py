@@ -219,6 +219,13 @@ ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is t
 # tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
 
 
+def _cumsum(v):
+    """Inclusive cumsum of a short vector as a masked sum over [n, n] (XLA fuses it with its neighbours; a cumsum is a
+    kernel of its own)."""
+    i = jnp.arange(v.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
+
+
 def block_table(group_sizes, m: int, bm: int):
     """The token blocks of a call, from group_sizes [E] (a few tiny XLA ops on [E + 1] and [blocks] arrays, no loops):
     int32 [4, blocks] with, per block, its expert (E for rows past sum(group_sizes), which get zeros; -1 for unused
@@ -230,11 +237,11 @@ def block_table(group_sizes, m: int, bm: int):
     blocks = -(-(m + (ROW_ALIGN - 1) * (e + 1)) // bm) + e + 1
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     sizes = jnp.append(gs, jnp.maximum(m - gs.sum(), 0))  # [E + 1]: the rows past the groups as group E
-    cs = jnp.cumsum(sizes)
+    cs = _cumsum(sizes)
     first, ends = jnp.minimum(cs - sizes, m), jnp.minimum(cs, m)  # each group's rows (clipped to x's)
     base = first // ROW_ALIGN * ROW_ALIGN
     nb = jnp.where(ends > first, (ends - base + bm - 1) // bm, 0)
-    bend = jnp.cumsum(nb)
+    bend = _cumsum(nb)
     b = jnp.arange(blocks, dtype=jnp.int32)
     expert = jnp.sum(bend[None, :] <= b[:, None], axis=1, dtype=jnp.int32)  # [blocks]; E + 1: unused
     ex = jnp.minimum(expert, e)
