@@ -141,8 +141,8 @@ _SCHEME_BITS = {"w4a16": (4, "bf16"), "w4a8": (4, "int8"), "w8a8": (8, "int8")}
 
 def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]:
     """The name table of a quantised checkpoint: each quantised linear `X.weight` [N, K] becomes `X.weight` (int4
-    packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]), at params paths (..., 'q') and
-    (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
+    packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]; [K/G, N] in params), at params paths
+    (..., 'q') and (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
     out = []
     for s in specs:
         scheme = q.experts if "experts" in s.path else q.linear
@@ -157,7 +157,8 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
         out.append(
             TensorSpec(s.name, s.path + ("q",), s.index, qshape, qshape, False, dtype=_QDTYPE[bits], quant=(bits, act))
         )
-        out.append(TensorSpec(scale_name, s.path + ("scale",), s.index, sshape, sshape, False, dtype="float32"))
+        # Scales [N, K/G] on disk (output-major, like the weight), [K/G, N] in the QWeight: a "linear" part.
+        out.append(TensorSpec(scale_name, s.path + ("scale",), s.index, sshape, sshape[::-1], True, dtype="float32"))
     return out
 
 

@@ -1,17 +1,20 @@
 """Quantised weights: the pytree type, quantise/dequantise, and the matmuls that run them.
 
 A `QWeight` stands for a logical weight W [..., K, N] (the params' [in, out] convention; leading dims stack layers
-and experts). It is stored output-major, K contiguous, exactly as a checkpoint's [out, in] tensor:
+and experts). Its values are stored output-major, K contiguous, exactly as a checkpoint's [out, in] tensor; its
+scales K-group-major, like W itself:
 
     int4 (bits=4):  q      uint8 [..., N, K/2]   per K group of G (128) inputs, G/2 bytes: byte j of group i holds
                                                   k = iG + j in its low nibble and k = iG + j + G/2 in its high
                                                   nibble, two's complement, values in [-7, 7]
-                    scale  f32   [..., N, K/G]    symmetric: W[k, n] ~ q[n, k] * scale[n, k // G]
-    int8 (bits=8):  q      int8  [..., N, K]      per output channel: G = K, scale f32 [..., N, 1]
+                    scale  f32   [..., K/G, N]    symmetric: W[k, n] ~ q[n, k] * scale[k // G, n]
+    int8 (bits=8):  q      int8  [..., N, K]      per output channel: G = K, scale f32 [..., 1, N]
 
-Output-major storage makes a weight tile the A operand of the GPU kernel's transposed product (out^T = W^T x^T),
+Output-major values make a weight tile the A operand of the GPU kernel's transposed product (out^T = W^T x^T),
 and packing a group's two halves (not neighbours) together lets the kernel unpack a tile into two contiguous K halves
-with two shifts (pallas_kernels/moe_int4.py).
+with two shifts (pallas_kernels/moe_int4.py). K-group-major scales put the kernel's 64 scales of one group and one
+output block in 256 contiguous bytes (one TMA), with no per-call transpose. Checkpoints keep the scales [N, K/G]
+(`X.weight_scale`, output-major like the weight); loading transposes them once, as it does the weights.
 
 `act` says what the activations do: "bf16" (weight-only: dequantise, then a float matmul) or "int8" (per-token
 dynamic symmetric int8 activations, int8 x int8 -> int32 per K group, the weight's group scales and the token's scale
@@ -39,7 +42,7 @@ ACTS = ("bf16", "int8")
 @dataclasses.dataclass(frozen=True)
 class QWeight:
     q: jax.Array  # [..., N, K/2] uint8 (int4 packed) or [..., N, K] int8
-    scale: jax.Array  # [..., N, K/G] f32
+    scale: jax.Array  # [..., K/G, N] f32
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
     act: str = dataclasses.field(metadata=dict(static=True), default="bf16")
 
@@ -53,7 +56,7 @@ class QWeight:
 
     @property
     def group(self) -> int:
-        return self.k // self.scale.shape[-1]
+        return self.k // self.scale.shape[-2]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -91,7 +94,7 @@ def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP)
     wg = wt.reshape(*wt.shape[:-1], k // g, g)
     scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=-1), 1e-12) / qmax  # [..., N, K/G]
     q = jnp.clip(jnp.round(wg / scale[..., None]), -qmax, qmax).astype(jnp.int8).reshape(wt.shape)
-    return QWeight(pack_int4(q, g) if bits == 4 else q, scale, bits, act)
+    return QWeight(pack_int4(q, g) if bits == 4 else q, jnp.swapaxes(scale, -1, -2), bits, act)
 
 
 def pack_int4(q: jax.Array, group: int) -> jax.Array:
@@ -119,7 +122,7 @@ def dequantize(w: QWeight, dtype=jnp.float32) -> jax.Array:
     """QWeight -> W [..., K, N] in dtype."""
     q = int_values(w).astype(jnp.float32)
     g = w.group
-    wf = (q.reshape(*q.shape[:-1], -1, g) * w.scale[..., None]).reshape(q.shape)
+    wf = (q.reshape(*q.shape[:-1], -1, g) * jnp.swapaxes(w.scale, -1, -2)[..., None]).reshape(q.shape)
     return jnp.swapaxes(wf, -1, -2).astype(dtype)
 
 
@@ -136,7 +139,7 @@ def matmul(x: jax.Array, w: QWeight) -> jax.Array:
     acc = jnp.einsum(
         "...GK,NGK->...GN", _grouped(xq, g), _grouped(int_values(w), g), preferred_element_type=jnp.int32
     )  # int32 partial sums per K group
-    y = jnp.einsum("...GN,NG->...N", acc.astype(jnp.float32), w.scale) * xs[..., None]
+    y = jnp.einsum("...GN,GN->...N", acc.astype(jnp.float32), w.scale) * xs[..., None]
     return y.astype(x.dtype)
 
 
@@ -170,7 +173,9 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
     c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
     xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
     # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
-    rows = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right"), e - 1)
+    # compare_all: jnp.searchsorted's default is a while loop, a host round trip per step on XLA GPU.
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right", method="compare_all"), e - 1)
     packed = g // 2 if w.bits == 4 else g  # stored bytes of one K group
 
     def group(i, y):  # y [M, N] f32
@@ -183,7 +188,7 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
             )
             for j in range(0, g, c)
         )  # [M, N] the exact int32 dot products of group i
-        s = lax.dynamic_index_in_dim(w.scale, i, axis=-1, keepdims=False)  # [E, N]
+        s = lax.dynamic_index_in_dim(w.scale, i, axis=-2, keepdims=False)  # [E, N]
         return y + acc.astype(jnp.float32) * s[rows]
 
     y = lax.fori_loop(0, w.k // g, group, jnp.zeros((m, w.n), jnp.float32))

@@ -1,15 +1,18 @@
 """Int4 MoE grouped GEMM (w4a16, w4a8): a Mosaic GPU (Hopper) kernel, its wrapper, and the pure-jnp reference.
 
 The function is `jax.lax.ragged_dot(x, W, group_sizes)` with W the int4 experts of a `hcfjax.quant.QWeight`:
-x [M, K] rows sorted by expert, q [E, N, K/2] packed int4, scale [E, N, K/G] f32 (G = 128), group_sizes [E].
+x [M, K] rows sorted by expert, q [E, N, K/2] packed int4, scale [E, K/G, N] f32 (G = 128), group_sizes [E].
 hcfjax/quant.py documents the layout; within each K group of G, byte j holds k = j (low nibble) and k = j + G/2
 (high nibble), so one group's packed bytes unpack into two contiguous K halves without any shuffle.
 
 Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weight tile is wgmma's A operand and the
 token tile, read K-major, its B operand, as int8 wgmma requires):
-  grid (N/64, padded token blocks). The wrapper pads each expert's rows to a multiple of the token block BM, so a
-  token block belongs to one expert (block_expert, -1 for unused blocks, which exit at once). A pipeline of `stages`
-  steps over the K groups TMA-loads per group the packed tile [64, G/2], its scales [64] and the token tile [BM, G];
+  grid (N/64, token blocks). x is not copied or padded: `block_table` (tiny XLA ops on group_sizes) gives each token
+  block its expert and a BM-row tile of x at a row offset (a multiple of 8); the block owns the rows of its tile that
+  are its expert's (a tile may reach into the neighbouring groups, whose rows it computes and drops; past M the TMA
+  loads zeros). Rows past sum(group_sizes) form one more group whose blocks store zeros; unused blocks exit at once.
+  A pipeline of `stages` steps over the K groups TMA-loads per group the packed tile [64, G/2], its scales [64]
+  (contiguous: the scales are stored K-group-major) and the token tile [BM, G];
   the packed tile is widened to int16 in registers (Mosaic GPU has no 8-bit shifts) and split by two arithmetic
   shifts into the two K halves, then
     w4a16: scaled in f32, rounded to bf16 (as the reference dequantises), stored to one of two smem slots, and two
@@ -21,7 +24,11 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
            a buffer of their own) multiply the accumulator at the end.
   int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two accumulators and one token tile, and
   writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
-  The bf16 tile out^T [64, BM] goes back by TMA; the wrapper gathers the rows back (transpose + gather in XLA).
+  The f32 tile out^T [64, BM] is stored transposed into an untiled bf16 smem tile [BM, 64] (rows of 128 B), and only
+  the block's rows go to out [M, N] in x's row order, by TMA stores of power-of-two row counts (as jax's
+  ragged_dot_mgpu.py does: a TMA box has a static size). No XLA pass after the kernel; before it only the block table
+  and, for w4a8, the per-token int8 quantisation of x (one fused pass; in the kernel it would be redone by every one
+  of the N/64 CTAs that share a token tile, and each needs the token's max over all of K before its first step).
 Shared memory per CTA is `smem_bytes` (about 68 KiB at BM=16 up to 194 KiB at BM=128 for w4a16, 4 stages; NOTES.md).
 """
 
@@ -49,7 +56,7 @@ def supports(x, q, scale) -> bool:
     """Whether the kernel takes these operands (else callers use the reference): bf16 x, N a multiple of 64, the
     int4 group a multiple of 64."""
     k = x.shape[-1]
-    return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-1]) % 64 == 0
+    return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-2]) % 64 == 0
 
 
 def default_block_m(m: int, e: int) -> int:
@@ -82,8 +89,9 @@ def _unpack(p):
     return lo, lax.shift_right_arithmetic(p16, jnp.int16(4))
 
 
-def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
-    """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile."""
+def _kernel(act, g, bm, k_groups, stages, nw, n_experts, table_ref, *refs):
+    """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
+    table_ref [4, blocks] int32 (`block_table`): this block's expert, tile row, first valid row in the tile, rows."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -94,7 +102,8 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
     else:
         o_ref, wd_smem, o_smem = rest
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
-    e = block_expert_ref[mi]
+    e, tile, off, count = (table_ref[i, mi] for i in range(4))
+    tile = pl.multiple_of(tile, ROW_ALIGN)
     half = g // 2
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -148,12 +157,19 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
     w_spec = plgpu.BlockSpec((BN, half), lambda k: (ni, k), transforms=_transforms(half, 1), delay_release=rel)
     s_spec = plgpu.BlockSpec((1, BN), lambda k: (k, ni), delay_release=rel)
     in_specs = [w_spec, s_spec] * nw
+    # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
+    # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
     in_specs.append(
-        plgpu.BlockSpec((bm, g), lambda k: (mi, k), transforms=_transforms(half, x_item), delay_release=rel)
+        plgpu.BlockSpec(
+            (pl.Element(bm), g), lambda k: (tile, k), transforms=_transforms(half, x_item), delay_release=rel
+        )
     )
     operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
 
-    @pl.when(e >= 0)
+    def store(out):  # out^T [BN, BM] f32 -> the tile's rows of out [M, N], transposed on the way into smem
+        o_smem.transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+
+    @pl.when(jnp.logical_and(e >= 0, e < n_experts))
     def _():
         if act == "bf16":
 
@@ -167,7 +183,7 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
             # The token scales [BM] f32, the same for every K group: one copy into their own buffer. (Pipelined as
             # a [BM] block they sat at BM x 4 B strides, and a TMA into smem needs 128-byte alignment: at BM = 16
             # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.)
-            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(mi * bm, bm)], xs_smem, xs_bar)
+            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, bm)], xs_smem, xs_bar)
             zero = plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA)
             accs = plgpu.emit_pipeline(
                 int8_step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=(zero,) * nw
@@ -175,30 +191,64 @@ def _kernel(act, g, bm, k_groups, stages, nw, block_expert_ref, *refs):
             plgpu.barrier_wait(xs_bar)
             xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, bm), [1])
             accs = tuple(a * xs for a in accs)
-        out = accs[0] if nw == 1 else accs[0] * accs[1] / (1.0 + jnp.exp(-accs[0]))  # silu(gate) * up, in f32
-        o_smem[...] = out.astype(jnp.bfloat16)
+        store(accs[0] if nw == 1 else accs[0] * accs[1] / (1.0 + jnp.exp(-accs[0])))  # silu(gate) * up, in f32
+
+    @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
+    def _():
+        store(plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA))
+
+    @pl.when(e >= 0)
+    def _():
+        # Only rows [off, off + count) of the tile are this block's (the others belong to the neighbouring groups'
+        # blocks). A TMA box has a static size, so they go out as a ladder of power-of-two row counts (count's binary
+        # digits), each from the smem row after the last (rows are BN x 2 = 128 B: every start stays TMA-aligned).
+        start, rows = off, 1 << (bm.bit_length() - 1)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(ni * BN, BN), pl.ds(mi * bm, bm)])
-        plgpu.wait_smem_to_gmem(0)
+        while rows:
+
+            @pl.when(count & rows != 0)
+            def _(start=start, rows=rows):
+                dst = o_ref.at[pl.ds(tile + start, rows), pl.ds(ni * BN, BN)]
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], dst)
+
+            start, rows = start + (count & rows), rows // 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pad_rows(group_sizes, m: int, bm: int):
-    """Row r of the sorted input -> its row in the expert-padded layout (dst [M], M_pad for rows past the groups),
-    and the expert of each padded block (block_expert [blocks], -1 when unused)."""
+ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is tiled in 8-row tiles, and the TMA of a
+# tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
+
+
+def _cumsum(v):
+    """Inclusive cumsum of a short vector as a masked sum over [n, n] (XLA fuses it with its neighbours; a cumsum is a
+    kernel of its own)."""
+    i = jnp.arange(v.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
+
+
+def block_table(group_sizes, m: int, bm: int):
+    """The token blocks of a call, from group_sizes [E] (a few tiny XLA ops on [E + 1] and [blocks] arrays, no loops):
+    int32 [4, blocks] with, per block, its expert (E for rows past sum(group_sizes), which get zeros; -1 for unused
+    blocks), the first row of x its TMA tile loads (tile, a multiple of 8; rows past M load as zeros), the first row
+    of the tile that is the block's (off), and how many are (count, 1..bm). A group's blocks tile its rows from its
+    first row rounded down to a multiple of 8, so a group of g rows has at most ceil((g + 7) / bm) blocks; `blocks`
+    bounds their sum statically."""
     e = group_sizes.shape[0]
-    blocks = -(-m // bm) + e  # static upper bound on the padded blocks
-    padded = (group_sizes + bm - 1) // bm * bm
-    pstart = jnp.cumsum(padded) - padded
-    start = jnp.cumsum(group_sizes) - group_sizes
-    r = jnp.arange(m)
-    expert = jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right")
-    valid = expert < e
-    ex = jnp.minimum(expert, e - 1)
-    dst = jnp.where(valid, pstart[ex] + r - start[ex], blocks * bm)
-    b0 = jnp.arange(blocks) * bm
-    block_expert = jnp.searchsorted(jnp.cumsum(padded), b0, side="right")
-    block_expert = jnp.where(block_expert < e, block_expert, -1).astype(jnp.int32)
-    return dst, block_expert, blocks
+    blocks = -(-(m + (ROW_ALIGN - 1) * (e + 1)) // bm) + e + 1
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    sizes = jnp.append(gs, jnp.maximum(m - gs.sum(), 0))  # [E + 1]: the rows past the groups as group E
+    cs = _cumsum(sizes)
+    first, ends = jnp.minimum(cs - sizes, m), jnp.minimum(cs, m)  # each group's rows (clipped to x's)
+    base = first // ROW_ALIGN * ROW_ALIGN
+    nb = jnp.where(ends > first, (ends - base + bm - 1) // bm, 0)
+    bend = _cumsum(nb)
+    b = jnp.arange(blocks, dtype=jnp.int32)
+    expert = jnp.sum(bend[None, :] <= b[:, None], axis=1, dtype=jnp.int32)  # [blocks]; E + 1: unused
+    ex = jnp.minimum(expert, e)
+    tile = base[ex] + (b - (bend - nb)[ex]) * bm
+    lo, hi = jnp.maximum(tile, first[ex]), jnp.minimum(tile + bm, ends[ex])
+    expert = jnp.where((expert <= e) & (hi > lo), expert, -1)
+    return jnp.stack([expert, tile, lo - tile, jnp.maximum(hi - lo, 0)]).astype(jnp.int32)
 
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
@@ -236,9 +286,9 @@ def _check(x, q, scale, group_sizes, act):
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     if q.dtype not in (jnp.uint8, jnp.int8) or k2 * 2 != k:
         raise ValueError(f"q must be packed int4 [E, N, K/2] uint8 with K={k}, got {q.dtype} {q.shape}")
-    if scale.shape[:2] != (e, n) or k % scale.shape[2]:
-        raise ValueError(f"scale must be [E={e}, N={n}, K/G], got {scale.shape}")
-    g = k // scale.shape[2]
+    if scale.ndim != 3 or scale.shape[0] != e or scale.shape[2] != n or k % scale.shape[1]:
+        raise ValueError(f"scale must be [E={e}, K/G, N={n}], got {scale.shape}")
+    g = k // scale.shape[1]
     if g % 64 or n % BN:
         raise ValueError(f"the kernel needs the int4 group (={g}) a multiple of 64 and N (={n}) of {BN}")
     if group_sizes.shape != (e,):
@@ -256,7 +306,7 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
     nw = len(weights)
     m, k = x.shape
     n = weights[0][0].shape[1]
-    g = k // weights[0][1].shape[2]
+    g = k // weights[0][1].shape[1]
     bm = block_m or default_block_m(m, group_sizes.shape[0])
     if bm % 16 or not 16 <= bm <= 256:
         raise ValueError(f"block_m must be a multiple of 16 in [16, 256], got {bm}")
@@ -267,11 +317,12 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
         raise ValueError(
             f"block_m={bm}, stages={stages}: {smem_bytes(act, bm, stages, g, nw)} B of smem > {SMEM_LIMIT}"
         )
-    args, dst, blocks = kernel_operands(x, weights, group_sizes, act, bm)
+    args = kernel_operands(x, weights, group_sizes, act, bm)
+    blocks = args[0].shape[1]
     wd = jnp.bfloat16 if act == "bf16" else jnp.int8
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, bm, k // g, stages, nw),
-        out_type=jax.ShapeDtypeStruct((n, blocks * bm), jnp.bfloat16),
+        functools.partial(_kernel, act, g, bm, k // g, stages, nw, group_sizes.shape[0]),
+        out_type=jax.ShapeDtypeStruct((max(m, bm), n), jnp.bfloat16),
         grid=(n // BN, blocks),
         grid_names=("n", "m"),
         scratch_types=(
@@ -280,39 +331,35 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
                 wd,
                 transforms=_transforms(g // 2, jnp.dtype(wd).itemsize),
             ),
-            plgpu.SMEM((BN, bm), jnp.bfloat16, transforms=_transforms(bm, 2)),
+            plgpu.SMEM((bm, BN), jnp.bfloat16),  # the output tile, untiled: its row ranges go out by TMA
             *([plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
         ),
     )
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
-            out_t = kern(*args)
+            out = kern(*args)
     else:
-        out_t = kern(*args)
-    return unpad(out_t, dst)
+        out = kern(*args)
+    return out[:m]  # [M, N] (a slice only when M < BM)
 
 
 def kernel_operands(x, weights, group_sizes, act: str, bm: int):
-    """The wrapper's XLA work before the kernel: (the kernel's operands, dst, blocks). Rows are padded by expert to
-    whole token blocks (w4a8: quantised per token first), the scales transposed to [E, K/G, N]."""
-    m, k = x.shape
-    dst, block_expert, blocks = _pad_rows(group_sizes.astype(jnp.int32), m, bm)
-    args = [block_expert]
+    """The wrapper's XLA work before the kernel, all of it: the block table (`block_table`), q bitcast to int8 (free),
+    and w4a8's per-token quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales). x goes in unpadded: a
+    token tile past its last row is zero-filled by the TMA (only when M < BM is x padded to one block). The weight
+    scales are used as stored ([E, K/G, N]). The token scales are padded by BM (a few bytes: their copy into smem is a
+    plain [BM] slice, which must stay in bounds)."""
+    m = x.shape[0]
+    pad = ((0, max(bm - m, 0)), (0, 0))
+    args = [block_table(group_sizes, m, bm)]
     for q, scale in weights:
-        args.append(lax.bitcast_convert_type(q, jnp.int8))
-        args.append(jnp.swapaxes(scale, 1, 2))  # [E, K/G, N]: a CTA's 64 scales of one group are contiguous
+        args += [lax.bitcast_convert_type(q, jnp.int8), scale]
     if act == "int8":
         xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
-        args.append(jnp.zeros((blocks * bm, k), jnp.int8).at[dst].set(xq, mode="drop"))
-        args.append(jnp.zeros((blocks * bm,), jnp.float32).at[dst].set(xs, mode="drop"))
+        args += [jnp.pad(xq, pad), jnp.pad(xs, (0, bm + ROW_ALIGN))]
     else:
-        args.append(jnp.zeros((blocks * bm, k), x.dtype).at[dst].set(x, mode="drop"))  # [blocks * BM, K]
-    return args, dst, blocks
-
-
-def unpad(out_t, dst):
-    """The kernel's out^T [N, blocks * BM] -> [M, N] in the caller's row order (the wrapper's XLA work after it)."""
-    return jnp.take(out_t.T, dst, axis=0, mode="fill", fill_value=0)
+        args.append(jnp.pad(x, pad))
+    return args
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))

@@ -33,9 +33,9 @@ def test_quantize_round_trip_error_bound(bits, k, n):
     qw = quant.quantize(w, bits)
     assert qw.shape == w.shape and qw.k == k and qw.n == n
     assert qw.group == (min(quant.GROUP, k) if bits == 4 else k)
-    assert qw.scale.shape == (2, n, k // qw.group)
+    assert qw.scale.shape == (2, k // qw.group, n)  # K-group-major, like W
     err = jnp.abs(quant.dequantize(qw) - w)  # [2, K, N]
-    half_step = jnp.repeat(jnp.swapaxes(qw.scale, -1, -2), qw.group, axis=-2) / 2  # [2, K, N]
+    half_step = jnp.repeat(qw.scale, qw.group, axis=-2) / 2  # [2, K, N]
     assert bool(jnp.all(err <= half_step * (1 + 1e-5)))
     rel = float(jnp.linalg.norm(err) / jnp.linalg.norm(w))
     assert rel < (0.12 if bits == 4 else 0.01), rel
@@ -110,7 +110,7 @@ def test_reference_lowers_for_gpu_without_batched_ragged_dots(bits, act):
     e, m, k, n = 4, 64, 1024, 256
     g = quant.group_size(k, bits)
     q = s((e, n, k // 2), jnp.uint8) if bits == 4 else s((e, n, k), jnp.int8)
-    w = quant.QWeight(q, s((e, n, k // g), jnp.float32), bits, act)
+    w = quant.QWeight(q, s((e, k // g, n), jnp.float32), bits, act)
     f = jax.jit(quant.ragged_dot_reference).trace(s((m, k), jnp.bfloat16), w, s((e,), jnp.int32))
     text = f.lower(lowering_platforms=("cuda",)).as_text()
     dots = re.findall(r'"chlo.ragged_dot".*', text)
@@ -177,6 +177,13 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     direct = quantize_model(model, "w4a8c8")
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(direct.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # On disk the scales keep the checkpoint's output-major [N, K/G]; in params they are [K/G, N] (quant.py).
+    from safetensors.numpy import load_file
+
+    gate = loaded.params["segments"][1]["mlp"]["experts"]["gate"]
+    disk = load_file(str(out / "model.safetensors"))
+    name = f"model.layers.{loaded.cfg.first_k_dense_replace}.mlp.experts.0.gate_proj.weight_scale"
+    np.testing.assert_array_equal(disk[name].T, np.asarray(gate.scale[0, 0]))
     attn = loaded.params["segments"][0]["attn"]
     assert isinstance(attn["q_a"], quant.QWeight) and attn["q_a"].bits == 8 and attn["q_a"].act == "int8"
     assert not isinstance(attn["kv_b"], quant.QWeight)  # per-head einsum weights stay bf16
@@ -194,15 +201,43 @@ def _reset_interpreter():
     reset_gpu_interpret_mode_state()  # a failed interpreted kernel leaves state behind
 
 
+@pytest.mark.parametrize("bm", [16, 128])
+@pytest.mark.parametrize("sizes, m", [([5, 0, 20, 3], 31), ([0, 17, 0, 40], 57), ([3, 2], 5), ([9] * 12, 130)])
+def test_block_table_covers_each_row_once(sizes, m, bm):
+    """The kernel stores, per block, rows [tile + off, tile + off + count) of its expert's product (zeros for expert
+    E, rows past the groups); so every row must belong to exactly one block, of its own group, within the block's
+    bm-row tile, and each tile must start at a multiple of 8 rows (the TMA of an 8-row-tiled smem buffer)."""
+    from pallas_kernels.moe_int4 import ROW_ALIGN, block_table
+
+    e = len(sizes)
+    t = np.asarray(block_table(jnp.array(sizes, jnp.int32), m, bm))
+    expert, tile, off, count = t
+    used = expert >= 0
+    assert (tile[used] % ROW_ALIGN == 0).all() and (count[used] >= 1).all() and (off + count <= bm)[used].all()
+    owner = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - sum(sizes), e)])  # each row's group
+    seen = np.zeros(m, int)
+    for b in np.flatnonzero(used):
+        rows = np.arange(tile[b] + off[b], tile[b] + off[b] + count[b])
+        assert (owner[rows] == expert[b]).all()
+        seen[rows] += 1
+    assert (seen == 1).all()
+
+
 @pytest.mark.usefixtures("_reset_interpreter")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 @pytest.mark.parametrize(
     "k, n, sizes, block_m",
-    [(256, 128, [5, 0, 20, 3], 16), (128, 64, [0, 17, 0, 40], None)],
+    [
+        (256, 128, [5, 0, 20, 3], 16),  # a group across two blocks, the last tile past M (zero-filled by the TMA)
+        (128, 64, [0, 17, 0, 40], None),
+        (128, 64, [70, 1, 0, 9], 32),  # three blocks of one group; groups starting off the 8-row grid
+        (128, 64, [3, 2], 16),  # M < BM (x padded to one block)
+    ],
 )
 def test_kernel_matches_reference_interpret(k, n, sizes, block_m, act):
     """The Mosaic GPU kernel, run by its interpreter: empty groups, sizes not multiples of the token block, rows past
-    sum(group_sizes), several K/N. Equal to the reference up to one bf16 rounding of the output."""
+    sum(group_sizes), several K/N; x unpadded, the output written in x's row order. Equal to the reference up to one
+    bf16 rounding of the output."""
     from pallas_kernels.moe_int4 import int4_ragged_dot
 
     e, m = len(sizes), sum(sizes) + 3
@@ -266,7 +301,7 @@ def test_kernel_lowers_for_hopper(e, m, k, n, act):
     from pallas_kernels.moe_int4 import int4_ragged_dot
 
     s = jax.ShapeDtypeStruct
-    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32), s((e,), jnp.int32))
+    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32), s((e,), jnp.int32))
     assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act), *args)
 
 
@@ -277,7 +312,7 @@ def test_gated_kernel_lowers_for_hopper(act):
 
     e, m, k, n = 16, 1024, 7168, 2048  # block_m 128: w4a16 at 3 stages, 207,360 B of smem
     s = jax.ShapeDtypeStruct
-    w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32))
+    w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act=act)  # noqa: E731
     assert "mosaic_gpu" in lower_for_hopper(f, s((m, k), jnp.bfloat16), w, w, s((e,), jnp.int32))
 
@@ -308,7 +343,7 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     e, m, k, n = 4, 64, 1024, 256
     s = jax.ShapeDtypeStruct
     x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
-    w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32))
+    w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     for bm in (16, 32, 48, 64, 128):
         if nw == 1:
             lower_for_hopper(lambda x, w, gs, bm=bm: int4_ragged_dot(x, *w, gs, act=act, block_m=bm), x, w, gs)
@@ -316,7 +351,8 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
             lower_for_hopper(lambda x, w, gs, bm=bm: int4_gated_ragged_dot(x, w, w, gs, act=act, block_m=bm), x, w, gs)
     assert seen
     for shape, dtype in seen:
-        assert np.prod(shape) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
+        rows = [getattr(d, "block_size", d) for d in shape]  # pl.Element(bm): the token tile at a row offset
+        assert np.prod(rows) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
 
 
 @pytest.mark.parametrize("act, block_m, stages, nw", [("bf16", 128, 4, 1), ("int8", 32, 3, 1), ("int8", 64, 4, 2)])
@@ -331,7 +367,7 @@ def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, block_m, stag
     monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)  # Mosaic then reports its smem count in the error
     e, m, k, n = 4, 256, 1024, 256
     s = jax.ShapeDtypeStruct
-    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, n, k // 128), jnp.float32), s((e,), jnp.int32))
+    args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32), s((e,), jnp.int32))
     cfg = dict(act=act, block_m=block_m, stages=stages)
     if nw == 1:
         f = lambda x, q, sc, gs: int4_ragged_dot(x, q, sc, gs, **cfg)  # noqa: E731
