@@ -67,9 +67,11 @@ def mla_decode_reference(
     positions=None,
     layer=None,
     interpret=False,
+    num_sms=None,
+    min_blocks_per_split=None,
 ):
     """The same function as `mla_decode`, in plain jnp over the gathered cache (the XLA baseline)."""
-    del blocks_per_split, interpret
+    del blocks_per_split, interpret, num_sms, min_blocks_per_split
     c = q_nope.shape[-1] if kv_lora_rank is None else kv_lora_rank
     b, t = q_nope.shape[:2]
     if layer is not None:

@@ -213,6 +213,23 @@ def parse_case(text):
     return dtype, b, ctx, kind
 
 
+TABLE_HEAD = (
+    "| cache | B | ctx | lengths | kernel us | kernel GB/s | % copy | TFLOP/s | XLA ref us | speedup | "
+    "FlashInfer us | FlashInfer GB/s | rel err |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def table_row(row, copy_bw) -> str:
+    dtype, b, ctx, kind, tk, bwk, tr, _bwr, sp, fl, err, tf = row
+    pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
+    fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}") if tf else ("", "")
+    return (
+        f"| {dtype} | {b} | {ctx} | {kind} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | "
+        f"{tr * 1e6:.1f} | {sp:.1f}x | {fi[0]} | {fi[1]} | {err:.1e} |"
+    )
+
+
 def bench(cases, reps, use_flashinfer=True):
     copy_bw = torch_copy_bandwidth(4.0)
     i8 = int8_matmul_ops()
@@ -230,6 +247,7 @@ def bench(cases, reps, use_flashinfer=True):
     except ImportError:
         use_flashinfer = False
         print("flashinfer: not installed (column empty)", flush=True)
+    print(TABLE_HEAD, flush=True)  # each row is printed as it finishes, so a run cut short still leaves a table
     rows = []
     for dtype, batch, context, kind in cases:
         t0 = time.perf_counter()
@@ -251,20 +269,9 @@ def bench(cases, reps, use_flashinfer=True):
         nb = cache_bytes(tokens, dtype=dtype)
         flops = tokens * 128 * (576 + 512) * 2
         rows.append((dtype, batch, context, kind, tk, nb / tk, tr, nb / tr, tr / tk, flops / tk, err, tf))
-        print(rows[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del qn, qp, kv, pt, sc
-    lines = [
-        "| cache | B | ctx | lengths | kernel us | kernel GB/s | % copy | TFLOP/s | XLA ref us | speedup | "
-        "FlashInfer us | FlashInfer GB/s | rel err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for dtype, b, ctx, kind, tk, bwk, tr, _bwr, sp, fl, err, tf in rows:
-        pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
-        fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}") if tf else ("", "")
-        lines.append(
-            f"| {dtype} | {b} | {ctx} | {kind} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | "
-            f"{tr * 1e6:.1f} | {sp:.1f}x | {fi[0]} | {fi[1]} | {err:.1e} |"
-        )
+    lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
     by = {(d, b, c, k): tk for d, b, c, k, tk, *_ in rows}
     pairs = [
         f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k} {by[('bf16', b, c, k)] / tk:.2f}x"
