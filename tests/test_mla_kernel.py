@@ -100,13 +100,13 @@ def test_batch_1_long_context_splits_over_the_chip():
     check_kernel(23, [1000], 1, 16, max_pages=16, num_sms=16, min_blocks_per_split=1)
 
 
-def test_ragged_batch_of_mixed_lengths():
-    # 40 rows of mixed lengths (0, 1, mid-page, full table) in a 4-page table, one long row; 24 SMs makes
-    # B * max_units > 2 * units, so the combine takes the segment-reduction path.
-    lengths = [0, 1, 256, 63, 64, 65] + list(np.random.default_rng(0).integers(1, 257, 34))
-    b, max_pages = len(lengths), 4
-    assert b * min(24, max_pages) > 2 * (24 + b)
-    check_kernel(29, lengths, 1, 16, max_pages=max_pages, num_sms=24, min_blocks_per_split=1)
+def test_ragged_batch_of_128_mixed_lengths():
+    # 128 rows in a 3-page table: lengths 0, 1, mid-page, a full table and random short ones (about a minute in the
+    # interpreter). 48 SMs gives B * max_units > 2 * units, so the combine takes the segment-reduction path.
+    lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 122))
+    b, max_pages, sms = len(lengths), 3, 48
+    assert b * min(sms, max_pages) > 2 * (sms + b)
+    check_kernel(37, lengths, 1, 16, max_pages=max_pages, num_sms=sms, min_blocks_per_split=1)
 
 
 @pytest.mark.parametrize("num_sms,min_blocks,bps", [(132, 4, None), (16, 1, None), (8, 2, None), (132, 1, 3)])
