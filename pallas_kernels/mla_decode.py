@@ -13,8 +13,12 @@ Kernel layout (one CTA = 64 heads of one query token of one sequence, over one s
   WG1             waits for that slot's P, rescales and accumulates O[:, C/2:].
 smem (bf16, C+R=576): Q 72 KiB + 2 slots x 72 KiB; int8: Q + 1 bf16 slot + 2 int8 slots of 36 KiB.
 The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512, hence the two column halves; scores are
-computed once (no redundant Q.K work). Splits of the sequence (flash-decoding) write normalized bf16 partial outputs
-and their log-sum-exp; `_combine` merges them in jnp.
+computed once (no redundant Q.K work).
+
+Flash-decoding: the grid is (head tile x query token, work unit). `split_schedule` builds the work list from the actual
+lengths on the device (row, block range, output slot per unit; about one wave of CTAs, long units first), so short
+rows and small batches do not leave CTAs idle over the page table's unused width. Each unit writes its normalized
+bf16 partial output and log-sum-exp to its slot; `_combine` merges each row's real units in jnp.
 
 int8 caches: per-token scales of c_kv and k_pe are applied to the score columns (S = cs * Q_c.K_c + ps * Q_r.K_r) and
 to P before P @ V, so the in-kernel conversion is a plain int8 -> bf16 cast (exact).
@@ -58,14 +62,16 @@ def mla_decode_reference(
     *,
     scales=None,
     kv_lora_rank=None,
-    num_splits=None,
+    blocks_per_split=None,
     return_lse=False,
     positions=None,
     layer=None,
     interpret=False,
+    num_sms=None,
+    min_blocks_per_split=None,
 ):
     """The same function as `mla_decode`, in plain jnp over the gathered cache (the XLA baseline)."""
-    del num_splits, interpret
+    del blocks_per_split, interpret, num_sms, min_blocks_per_split
     c = q_nope.shape[-1] if kv_lora_rank is None else kv_lora_rank
     b, t = q_nope.shape[:2]
     if layer is not None:
@@ -77,7 +83,8 @@ def mla_decode_reference(
     if scales is None:
         ckv, kpe = entry[..., :c].astype(dt), entry[..., c:].astype(dt)
     else:
-        sc = scales[page_table].reshape(b, n * ps, 2)
+        sc = scales if scales.shape[-1] == 2 else jnp.swapaxes(scales, -1, -2)  # token-minor [P, 2, page] too
+        sc = sc[page_table].reshape(b, n * ps, 2)
         ef = entry.astype(jnp.float32)
         ckv, kpe = (ef[..., :c] * sc[..., :1]).astype(dt), (ef[..., c:] * sc[..., 1:]).astype(dt)
     s = jnp.einsum("BTHC,BSC->BTHS", q_nope, ckv, preferred_element_type=jnp.float32)
@@ -107,8 +114,7 @@ class _Spec:
     t: int  # query tokens per row
     heads: int  # padded to a multiple of BLOCK
     page_size: int
-    blocks_per_split: int
-    splits: int
+    units: int  # work units (row, block range) in the grid, padding included
     quant: bool
     stages: int  # smem slots of bf16 K blocks
     stages8: int  # smem slots of int8 blocks (int8 caches)
@@ -141,22 +147,26 @@ def _kernel(spec: _Spec, *refs):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if spec.quant:
-        q_ref, kv_ref, sc_ref, pt_ref, pts_ref, vis_ref, o_ref, lse_ref, *scratch = refs
+        q_ref, kv_ref, sc_ref, pt_ref, pts_ref, vis_ref, work_ref, o_ref, lse_ref, *scratch = refs
     else:
-        q_ref, kv_ref, pt_ref, vis_ref, o_ref, lse_ref, *scratch = refs
+        q_ref, kv_ref, pt_ref, vis_ref, work_ref, o_ref, lse_ref, *scratch = refs
         sc_ref = pts_ref = None
     ((q_smem, o_smem), kv_smem, alpha_smem, fin_smem, lse_smem, i8_smem, sc_smem), bars = scratch[0], scratch[1]
     q_bar, full, consumed, p_ready, done, i8_full, sc_full = bars
 
     c, half, ns = spec.c, spec.c // 2, spec.stages
     n_ht = spec.heads // BLOCK
-    qt, split, b = lax.axis_index("qt"), lax.axis_index("split"), lax.axis_index("batch")
+    qt, unit = lax.axis_index("qt"), lax.axis_index("unit")
     wg = lax.axis_index("wg")
     t = lax.div(qt, n_ht)
     h0 = lax.rem(qt, n_ht) * BLOCK
+    # This CTA's work unit (split_schedule): row b, its blocks [blk0, blk0 + n_blk), output slot. Padding units
+    # (n_blk = 0) do nothing at all; the combine never reads their slots.
+    b, blk0, n_blk, slot_out = work_ref[0, unit], work_ref[1, unit], work_ref[2, unit], work_ref[3, unit]
+    active = n_blk > 0
     vis = vis_ref[b, t]
-    start = split * (spec.blocks_per_split * BLOCK_KV)
-    n_steps = jnp.minimum(lax.div(jnp.maximum(vis - start, 0) + (BLOCK_KV - 1), BLOCK_KV), spec.blocks_per_split)
+    start = blk0 * BLOCK_KV
+    n_steps = jnp.minimum(lax.div(jnp.maximum(vis - start, 0) + (BLOCK_KV - 1), BLOCK_KV), n_blk)
     row = plgpu.Layout.WGMMA.reduce(1)
     col = plgpu.Layout.WGMMA.reduce(0)
 
@@ -168,9 +178,9 @@ def _kernel(spec: _Spec, *refs):
         # o_smem aliases Q's smem (RefUnion): both halves are written only after the leader's last Q.K.
         o_smem[w] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[b, t, split, pl.ds(h0, BLOCK), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[slot_out, t, pl.ds(h0, BLOCK), pl.ds(w * half, half)])
 
-    @pl.when(wg == 0)
+    @pl.when(jnp.logical_and(wg == 0, active))
     def _leader():
         # 232 + 232 + 40 (int8: 232 + 176 + 96) = 504 per thread slot: 504 x 128 fits what the CTA holds at launch;
         # asking for the whole 512 can leave setmaxnreg waiting forever (suspected cause of the hang seen on the H200).
@@ -236,11 +246,11 @@ def _kernel(spec: _Spec, *refs):
         plgpu.commit_smem()
         plgpu.barrier_arrive(done.at[0])
 
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, t, split, pl.ds(h0, BLOCK)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot_out, t, pl.ds(h0, BLOCK)])
         store_out(acc, inv_l, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
+    @pl.when(jnp.logical_and(wg == 1, active))
     def _second():
         plgpu.set_max_registers(176 if spec.quant else 232, action="increase")
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
@@ -268,7 +278,7 @@ def _kernel(spec: _Spec, *refs):
         def _(i):
             plgpu.barrier_wait(consumed.at[lax.rem(i, ns)])
 
-    @pl.when(wg == 2)
+    @pl.when(jnp.logical_and(wg == 2, active))
     def _producer():
         if not spec.quant:
             plgpu.set_max_registers(40, action="decrease")
@@ -323,11 +333,10 @@ def _kernel(spec: _Spec, *refs):
         drain_consumed()
 
 
-def _call_kernel(spec: _Spec, q, kv, sc, pt, pts, vis):
+def _call_kernel(spec: _Spec, q, kv, sc, pt, pts, vis, work):
     import jax.experimental.pallas as pl  # noqa: F401
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    b = q.shape[0]
     bf16 = jnp.bfloat16
     t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = [
@@ -361,20 +370,20 @@ def _call_kernel(spec: _Spec, q, kv, sc, pt, pts, vis):
         bars[5] = plgpu.Barrier(num_barriers=spec.stages8)
         bars[6] = plgpu.Barrier(num_barriers=spec.stages)
     out_type = (
-        jax.ShapeDtypeStruct((b, spec.t, spec.splits, spec.heads, spec.c), bf16),
-        jax.ShapeDtypeStruct((b, spec.t, spec.splits, spec.heads), jnp.float32),
+        jax.ShapeDtypeStruct((spec.units, spec.t, spec.heads, spec.c), bf16),
+        jax.ShapeDtypeStruct((spec.units, spec.t, spec.heads), jnp.float32),
     )
     kern = plgpu.kernel(
         lambda *refs: _kernel(spec, *refs),
         out_type=out_type,
         scratch_types=(tuple(smem), tuple(bars)),
-        grid=(spec.t * (spec.heads // BLOCK), spec.splits, b),
-        grid_names=("qt", "split", "batch"),
+        grid=(spec.t * (spec.heads // BLOCK), spec.units),
+        grid_names=("qt", "unit"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    args = (q, kv, sc, pt, pts, vis) if spec.quant else (q, kv, pt, vis)
+    args = (q, kv, sc, pt, pts, vis, work) if spec.quant else (q, kv, pt, vis, work)
     if spec.interpret:
         # Enough simulated TMA engines for every copy the kernel keeps in flight (Q, the int8 ring and the scales).
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=16)):
@@ -382,23 +391,98 @@ def _call_kernel(spec: _Spec, q, kv, sc, pt, pts, vis):
     return kern(*args)
 
 
-def _combine(o, lse):
-    """Merges split partials o [B, T, S, H, C] (each normalized) with their lse [B, T, S, H]."""
-    if o.shape[2] == 1:
-        return o[:, :, 0].astype(jnp.float32), lse[:, :, 0]
-    m = jnp.max(lse, axis=2, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)  # [B, T, S, H]; 0 for empty splits
-    tot = jnp.sum(w, axis=2)
-    out = jnp.einsum("BTSH,BTSHC->BTHC", w, o.astype(jnp.float32)) / jnp.where(tot > 0, tot, 1.0)[..., None]
-    return out, jnp.where(tot > 0, m[:, :, 0] + jnp.log(jnp.maximum(tot, 1e-37)), -jnp.inf)
+def split_schedule(vis, max_blocks: int, q_tiles: int, num_sms: int = 132, min_blocks: int = 4, blocks_per_split=None):
+    """The flash-decoding work list, from the actual lengths (a few tiny XLA ops on [B] arrays).
+
+    vis [B, T] visible keys per query. Row b reads nb = ceil(max_t vis / 64) blocks, cut into units of bps blocks (the
+    last one shorter); bps = max(min_blocks, ceil(sum(nb) / target)) with target = num_sms // q_tiles units, so the
+    CTAs (q_tiles per unit) come to about one wave of the chip whatever the spread of lengths; rows with nothing to
+    read get no unit. Since sum(ceil(nb / bps)) <= sum(nb) / bps + B <= target + B, that is the grid's static size
+    (or B * ceil(max_blocks / bps) when smaller, or when `blocks_per_split` fixes bps).
+
+    -> (work [4, U] int32 in grid order: row, first block, blocks (0 for padding units), output slot;
+        first [B] slot of each row's first unit, count [B] units per row, max_units: a static bound on count).
+    Slots are row-major (row b owns slots first[b] .. first[b] + count[b] - 1); the grid runs the units longest
+    first, so the short ones fill the chip's last gaps (longest-first list scheduling).
+    """
+    b = vis.shape[0]
+    nb = jnp.minimum(lax.div(jnp.max(vis, axis=1) + (BLOCK_KV - 1), BLOCK_KV), max_blocks).astype(jnp.int32)
+    nb = jnp.maximum(nb, 0)
+    target = max(1, num_sms // q_tiles)
+    if blocks_per_split is None:
+        min_blocks = max(1, min(min_blocks, max_blocks))
+        bps = jnp.maximum(min_blocks, lax.div(jnp.sum(nb) + (target - 1), target))
+        max_units = min(target, -(-max_blocks // min_blocks))
+        units = min(target + b, b * max_units)
+    else:
+        bps = jnp.int32(max(1, blocks_per_split))
+        max_units = -(-max_blocks // max(1, blocks_per_split))
+        units = b * max_units
+    count = lax.div(nb + (bps - 1), bps)  # [B]
+    incl = jnp.cumsum(count)
+    first = incl - count
+    u = jnp.arange(units, dtype=jnp.int32)
+    row = jnp.sum(incl[None, :] <= u[:, None], axis=1).astype(jnp.int32)  # [U]; B for unused slots
+    used = row < b
+    row = jnp.minimum(row, b - 1)
+    blk0 = (u - first[row]) * bps
+    n_blk = jnp.where(used, jnp.minimum(bps, nb[row] - blk0), 0)
+    # Grid order: longest units first (list scheduling by the CTA dispatcher then leaves the short ones for the end),
+    # padding last. One sort of U <= B + num_sms keys.
+    order = jnp.argsort(-n_blk, stable=True)
+    work = jnp.stack([jnp.where(used, row, 0), jnp.where(used, blk0, 0), n_blk, u])[:, order]
+    return work.astype(jnp.int32), first.astype(jnp.int32), count.astype(jnp.int32), max_units
 
 
-def default_splits(batch_rows: int, max_blocks: int, num_sms: int = 132) -> int:
-    """Flash-decoding splits: enough CTAs for about one wave of the chip, at least 2 blocks per split."""
-    if batch_rows >= num_sms:
-        return 1
-    return max(1, min(num_sms // batch_rows, max_blocks // 2))
+def _combine(o, lse, first, count, max_units: int):
+    """Merges each row's unit partials (each normalized, with its log-sum-exp) into [B, T, H, C] f32 and lse [B, T, H].
+    o [U, T, H, C], lse [U, T, H]; row b's units are slots first[b] .. first[b] + count[b] - 1. Slots outside every
+    row are never read (padding units do not write them). Rows with no unit or no visible key: zeros and -inf."""
+    n_slots, b = o.shape[0], first.shape[0]
+    if b * max_units <= 2 * n_slots:
+        # Few rows: gather each row's (at most max_units) slots densely.
+        j = jnp.arange(max_units)
+        ok = j[None, :] < count[:, None]  # [B, S]
+        idx = jnp.minimum(first[:, None] + j[None, :], n_slots - 1)
+        lse_g = jnp.where(ok[..., None, None], lse[idx], -jnp.inf)  # [B, S, T, H]
+        o_g = jnp.where(ok[..., None, None, None], o[idx].astype(jnp.float32), 0.0)  # [B, S, T, H, C]
+        m = jnp.max(lse_g, axis=1)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w = jnp.exp(lse_g - m[:, None])  # 0 for unused and empty slots
+        tot = jnp.sum(w, axis=1)
+        out = jnp.einsum("BSTH,BSTHC->BTHC", w, o_g)
+    else:
+        # Many rows: segment reductions over the slots (about one unit per row); unused slots get segment B (dropped).
+        slot = jnp.arange(n_slots)
+        seg = jnp.sum((first + count)[None, :] <= slot[:, None], axis=1)  # [U]
+        ok = seg < b
+        rowc = jnp.minimum(seg, b - 1)
+        lse_s = jnp.where(ok[:, None, None], lse, -jnp.inf)
+        m = jax.ops.segment_max(lse_s, seg, num_segments=b)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w = jnp.exp(lse_s - m[rowc])
+        tot = jax.ops.segment_sum(w, seg, num_segments=b)
+        o_w = jnp.where(ok[:, None, None, None], o.astype(jnp.float32) * w[..., None], 0.0)
+        out = jax.ops.segment_sum(o_w, seg, num_segments=b)
+    out = out / jnp.where(tot > 0, tot, 1.0)[..., None]
+    return out, jnp.where(tot > 0, m + jnp.log(jnp.maximum(tot, 1e-37)), -jnp.inf)
+
+
+def kernel_scales(scales, pt, layer=None):
+    """The int8 scales as the kernel's TMA reads them, [N, 2, page] (a 64-token box needs the token axis innermost),
+    and the page table that indexes them.
+
+    Token-minor scales ([P, 2, page], or [L, P, 2, page] with `layer`) are used as they are: no per-call pass.
+    hcfjax.cache's [.., P, page, 2] are gathered for the table's pages only and transposed, [B * max_pages, 2, page]
+    (16 B per table token moved per call, against the 584 B the kernel reads per token), indexed by b * max_pages + j.
+    """
+    b, n = pt.shape
+    if scales.shape[-2] == 2:  # token-minor
+        if layer is None:
+            return scales, pt
+        return scales.reshape(-1, *scales.shape[-2:]), pt + jnp.asarray(layer, jnp.int32) * scales.shape[-3]
+    g = scales[pt] if layer is None else scales[layer, pt]  # [B, n, page, 2]
+    return jnp.swapaxes(g, -1, -2).reshape(b * n, 2, -1), jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
 
 
 def check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer) -> None:
@@ -428,9 +512,10 @@ def check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora
     if kv_pages.shape[-2] % BLOCK_KV:
         raise ValueError(f"page size {kv_pages.shape[-2]} must be a multiple of {BLOCK_KV}")
     if kv_pages.dtype == jnp.int8:
-        if scales is None or scales.shape != kv_pages.shape[:-1] + (2,) or scales.dtype != jnp.float32:
+        shapes = (kv_pages.shape[:-1] + (2,), kv_pages.shape[:-2] + (2, kv_pages.shape[-2]))
+        if scales is None or scales.shape not in shapes or scales.dtype != jnp.float32:
             got = None if scales is None else (scales.shape, scales.dtype)
-            raise ValueError(f"an int8 cache needs f32 scales of shape {kv_pages.shape[:-1] + (2,)}, got {got}")
+            raise ValueError(f"an int8 cache needs f32 scales of shape {shapes[0]} (or {shapes[1]}), got {got}")
     elif kv_pages.dtype != jnp.bfloat16:
         raise ValueError(f"kv_pages must be bfloat16 or int8, got {kv_pages.dtype}")
     elif scales is not None:
@@ -451,19 +536,25 @@ def mla_decode(
     *,
     scales=None,
     kv_lora_rank=None,
-    num_splits=None,
+    blocks_per_split=None,
     return_lse=False,
     positions=None,
     layer=None,
     interpret=False,
     num_sms=None,
+    min_blocks_per_split=4,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
     q_nope [B, T, H, C] (absorbed latent query), q_pe [B, T, H, R]; kv_pages [P, page, C+R] bf16 or int8 (with
-    scales [P, page, 2] f32), or the whole cache [L, P, page, C+R] with `layer`; page_table [B, max_pages];
-    lengths [B] cache tokens including the T queries, which sit at the last T positions (or at `positions` [B, T]).
+    scales [P, page, 2] f32 as hcfjax.cache stores them, or token-minor [P, 2, page], which the kernel reads with no
+    per-call pass: `kernel_scales`), or the whole cache [L, P, page, C+R] (and [L, ...] scales) with `layer`;
+    page_table [B, max_pages]; lengths [B] cache tokens including the T queries, which sit at the last T positions
+    (or at `positions` [B, T]).
     -> out [B, T, H, C] in q's dtype (and lse [B, T, H] f32).  `interpret` runs Mosaic GPU's interpreter (CPU tests).
+
+    The sequence is split across CTAs by `split_schedule` from the actual lengths (about one wave of `num_sms`
+    SMs, at least `min_blocks_per_split` 64-token blocks per split, or exactly `blocks_per_split`).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -472,42 +563,39 @@ def mla_decode(
     ps = kv_pages.shape[-2]
     n_pages = kv_pages.shape[-3]
     pt = page_table.astype(jnp.int32)
-    pts = pt
+    sc = pts = None
+    if quant:
+        sc, pts = kernel_scales(scales, pt, layer)
     if layer is not None:
         # Index the whole cache in the kernel (page + layer * P) instead of slicing out a layer copy.
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
-        if quant:
-            scales = lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False)
     heads = -(-h // BLOCK) * BLOCK
     q = jnp.concatenate([q_nope, q_pe], axis=-1).astype(jnp.bfloat16)
     if heads != h:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
     max_blocks = page_table.shape[1] * ps // BLOCK_KV
-    if num_splits is None:
-        if num_sms is None:
-            num_sms = getattr(jax.devices()[0], "core_count", 132) or 132
-        num_splits = default_splits(b * t * (heads // BLOCK), max_blocks, num_sms)
-    bps = -(-max_blocks // max(1, min(num_splits, max_blocks)))
+    vis = visible_keys(lengths.astype(jnp.int32), t, positions)
+    if num_sms is None:
+        num_sms = getattr(jax.devices()[0], "core_count", 132) or 132
+    work, first, count, max_units = split_schedule(
+        vis, max_blocks, t * (heads // BLOCK), num_sms, min_blocks_per_split, blocks_per_split
+    )
     spec = _Spec(
         c=c,
         r=r,
         t=t,
         heads=heads,
         page_size=ps,
-        blocks_per_split=bps,
-        splits=-(-max_blocks // bps),
+        units=work.shape[1],
         quant=quant,
         stages=1 if quant else 2,
         stages8=2,
         sm_scale=float(sm_scale),
         interpret=interpret,
     )
-    vis = visible_keys(lengths.astype(jnp.int32), t, positions)
-    # Scales as [P, 2, page]: a 64-token TMA box needs the token axis innermost.
-    sc = jnp.swapaxes(scales, 1, 2) if quant else None
-    o, lse = _call_kernel(spec, q, kv_pages, sc, pt, pts, vis)
-    out, lse = _combine(o, lse)
+    o, lse = _call_kernel(spec, q, kv_pages, sc, pt, pts, vis, work)
+    out, lse = _combine(o, lse, first, count, max_units)
     out = out[:, :, :h].astype(q_nope.dtype)
     return (out, lse[:, :, :h]) if return_lse else out
 

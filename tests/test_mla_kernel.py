@@ -69,18 +69,10 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize(
-    "lengths,t,h,splits",
-    [
-        ([1, 150, 192], 1, 16, 2),  # length 1, mid-page, exactly 3 pages; 2 splits (split results combined)
-        ([97, 200], 1, 80, 1),  # 80 heads: two head tiles, the second padded
-        ([3, 130], 3, 32, 3),  # speculative verification: T=3, causal within the new tokens
-    ],
-)
-def test_kernel_matches_reference(lengths, t, h, splits):
-    qn, qp, kv, _, pt, lengths = make(len(lengths) * 10 + t, lengths, t, h, max_pages=4)
+def check_kernel(seed, lengths, t, h, max_pages, **kw):
+    qn, qp, kv, _, pt, lengths = make(seed, lengths, t, h, max_pages=max_pages)
     scale = C**-0.5 * 3  # sharp enough that a wrong mask or rescale shows
-    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, num_splits=splits, return_lse=True, interpret=True)
+    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, return_lse=True, interpret=True, **kw)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
     want = float64_attention(qn, qp, kv, None, pt, lengths, scale)
@@ -88,6 +80,62 @@ def test_kernel_matches_reference(lengths, t, h, splits):
     ref, ref_lse = M.mla_decode_reference(qn, qp, kv, pt, lengths, scale, return_lse=True)
     assert rel(np.asarray(ref, np.float32), want) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "lengths,t,h,kw",
+    [
+        # length 1, mid-page, exactly 3 pages; 8 SMs: bps 1, row 2 in 3 units, combined by the gather path
+        ([1, 150, 192], 1, 16, dict(num_sms=8, min_blocks_per_split=1)),
+        ([97, 200], 1, 80, {}),  # 80 heads: two head tiles, the second padded; default schedule
+        ([3, 130], 3, 32, dict(blocks_per_split=1)),  # T=3, causal within the new tokens; fixed 1-block splits
+    ],
+)
+def test_kernel_matches_reference(lengths, t, h, kw):
+    check_kernel(len(lengths) * 10 + t, lengths, t, h, max_pages=4, **kw)
+
+
+def test_batch_1_long_context_splits_over_the_chip():
+    # 1000 tokens (16 blocks, the last ending mid-block) over 16 SMs: 16 one-block units merged by log-sum-exp.
+    check_kernel(23, [1000], 1, 16, max_pages=16, num_sms=16, min_blocks_per_split=1)
+
+
+def test_ragged_batch_of_128_mixed_lengths():
+    # 128 rows in a 3-page table: lengths 0, 1, mid-page, a full table and random short ones (about a minute in the
+    # interpreter). 48 SMs gives B * max_units > 2 * units, so the combine takes the segment-reduction path.
+    lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 122))
+    b, max_pages, sms = len(lengths), 3, 48
+    assert b * min(sms, max_pages) > 2 * (sms + b)
+    check_kernel(37, lengths, 1, 16, max_pages=max_pages, num_sms=sms, min_blocks_per_split=1)
+
+
+@pytest.mark.parametrize("num_sms,min_blocks,bps", [(132, 4, None), (16, 1, None), (8, 2, None), (132, 1, 3)])
+def test_split_schedule_covers_each_rows_blocks_once(num_sms, min_blocks, bps):
+    rng = np.random.default_rng(num_sms + min_blocks)
+    max_blocks, q_tiles = 40, 2
+    vis = np.concatenate([[[0], [1], [64 * max_blocks]], rng.integers(0, 64 * max_blocks + 1, (13, 1))])
+    vis = np.concatenate([vis, vis - 1], axis=1).clip(0)  # T=2; the row reads max_t vis
+    work, first, count, max_units = M.split_schedule(
+        jnp.asarray(vis, jnp.int32), max_blocks, q_tiles, num_sms, min_blocks, bps
+    )
+    row, blk0, n_blk, slot = np.asarray(work)
+    first, count = np.asarray(first), np.asarray(count)
+    nb = -(-vis.max(1) // 64)
+    target = num_sms // q_tiles
+    assert sorted(slot) == list(range(work.shape[1]))  # every slot once
+    assert (count <= max_units).all() and (n_blk >= 0).all()
+    if bps is None:
+        assert work.shape[1] <= target + len(vis)
+        assert n_blk.max() == min(max(min_blocks, -(-nb.sum() // target)), nb.max())
+    else:
+        assert n_blk.max() <= bps
+    for b in range(len(vis)):
+        mine = (row == b) & (n_blk > 0)
+        assert mine.sum() == count[b]
+        assert sorted(slot[mine]) == list(range(first[b], first[b] + count[b]))  # row-major slots
+        covered = sorted(k for s, n in zip(blk0[mine], n_blk[mine], strict=True) for k in range(s, s + n))
+        assert covered == list(range(nb[b]))
+    assert (np.diff(n_blk) <= 0).all()  # longest first, padding (0 blocks) last
 
 
 def test_queries_with_no_visible_key_give_zeros():
@@ -117,6 +165,24 @@ def test_reference_int8_dequantizes_per_token():
     qn, qp, kv, sc, pt, lengths = make(11, [70, 5], 2, 16, max_pages=2, quant=True)
     ref = M.mla_decode_reference(qn.astype(jnp.float32), qp.astype(jnp.float32), kv, pt, lengths, 0.1, scales=sc)
     assert rel(np.asarray(ref), float64_attention(qn, qp, kv, sc, pt, lengths, 0.1)) < 1e-5
+    minor = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1, scales=jnp.swapaxes(sc, 1, 2))  # token-minor
+    np.testing.assert_array_equal(
+        np.asarray(minor), np.asarray(M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1, scales=sc))
+    )
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_kernel_scales_index_the_same_token_in_both_layouts(layer):
+    _, _, _, sc, pt, _ = make(31, [100, 7], 1, 16, max_pages=2, quant=True)
+    if layer is not None:
+        sc = jnp.stack([sc * 0 - 1, sc])  # [L=2, P, page, 2]; layer 0 is a decoy
+    for scales in (sc, jnp.swapaxes(sc, -1, -2)):
+        got, table = M.kernel_scales(scales, pt, layer)
+        assert got.shape[1:] == (2, PAGE)
+        want = (sc if layer is None else sc[layer])[pt]  # [B, n, page, 2]
+        np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got[table], -1, -2)), np.asarray(want))
+    got, table = M.kernel_scales(jnp.swapaxes(sc, -1, -2), pt, layer)
+    assert got.shape[0] == sc.size // (2 * PAGE)  # token-minor: the cache itself, no per-call copy
 
 
 @pytest.mark.skip(
@@ -179,3 +245,27 @@ def test_wrapper_rejects_unabsorbed_query():
     args, kw = _args()
     with pytest.raises(ValueError, match="absorb W_UK"):
         M.mla_decode(*args, kv_lora_rank=256, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "b,ctx,dtype,layer,minor",
+    [(128, 4096, "bf16", False, False), (4, 4096, "int8", True, True), (2, 256, "int8", True, False)],
+)
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor):
+    # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
+    # with the work list's scalar reads and both int8 scale layouts.
+    from jax import ShapeDtypeStruct as S
+
+    from pallas_kernels.cross_lower import lower_for_hopper
+
+    page, c, n = 64, 512, ctx // 64
+    lead = (2,) if layer else ()
+    kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
+    sc = None if dtype == "bf16" else S(lead + ((b * n, 2, page) if minor else (b * n, page, 2)), jnp.float32)
+    qn, qp = S((b, 1, 128, c), jnp.bfloat16), S((b, 1, 128, R), jnp.bfloat16)
+
+    def f(qn, qp, kv, pt, lengths, sc):
+        lay = jnp.int32(1) if layer else None
+        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132)
+
+    assert "mosaic_gpu" in lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
