@@ -59,7 +59,7 @@ def decoder_layer(
     if not is_moe:
         return x + mlp(p["mlp"], h), ctx
     if with_load is not False:
-        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load=True)
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load)
         return x + y, ctx, load
     return x + moe(p["mlp"], cfg, h, experts_fn), ctx
 
@@ -84,7 +84,9 @@ def run_layers(
         def body(carry, xs, is_moe=is_moe, collect=collect):
             x, ctx = carry
             p, layer = xs
-            x, ctx, *load = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, collect)
+            x, ctx, *load = decoder_layer(
+                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, collect and with_load
+            )
             return (x, ctx), (load[0] if collect else None)
 
         (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
