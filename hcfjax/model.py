@@ -85,7 +85,7 @@ def run_layers(
             x, ctx = carry
             p, layer = xs
             x, ctx, *load = decoder_layer(
-                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, collect and with_load
+                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, with_load if collect else False
             )
             return (x, ctx), (load[0] if collect else None)
 
