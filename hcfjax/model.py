@@ -47,18 +47,19 @@ def decoder_layer(
     is_moe: bool,
     absorbed: bool,
     experts_fn=None,
-    with_load: bool = False,
+    with_load=False,
 ):
     """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D].
 
-    Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load."""
+    Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load (True, or a bool mask
+    [B, T] of the tokens to count)."""
     h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed)
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if not is_moe:
         return x + mlp(p["mlp"], h), ctx
-    if with_load:
-        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load=True)
+    if with_load is not False:
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load)
         return x + y, ctx, load
     return x + moe(p["mlp"], cfg, h, experts_fn), ctx
 
@@ -71,25 +72,27 @@ def run_layers(
     ctx: CacheContext | None,
     absorbed: bool,
     experts_fn=None,
-    with_load: bool = False,
+    with_load=False,
 ):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
     layer on the side of the forward)."""
     loads = []
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
-        collect = with_load and is_moe
+        collect = with_load is not False and is_moe
 
         def body(carry, xs, is_moe=is_moe, collect=collect):
             x, ctx = carry
             p, layer = xs
-            x, ctx, *load = decoder_layer(p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, collect)
+            x, ctx, *load = decoder_layer(
+                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, with_load if collect else False
+            )
             return (x, ctx), (load[0] if collect else None)
 
         (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
         if collect:
             loads.append(load)
-    if with_load:
+    if with_load is not False:
         e = cfg.n_routed_experts
         return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)
     return x, ctx
@@ -117,12 +120,13 @@ def hidden_states(
     ctx: CacheContext | None = None,
     absorbed: bool = False,
     experts_fn=None,
-    with_load: bool = False,
+    with_load=False,
 ):
     """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx).
 
     experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one).
-    with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]."""
+    with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]; True counts every
+    token, a bool mask [B, T] only its tokens (so padding and mock rows do not count)."""
     x, ctx, *load = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load)
     return (final_hidden(params, cfg, x), ctx, *load)
 

@@ -59,8 +59,11 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load: bool = False):
+def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=False):
     """x [..., D] -> routed experts + shared experts (and, with_load, tokens routed to each expert [E] for EPLB).
+
+    with_load: False, True (count every token) or a bool mask [...] of the tokens to count (padding rows of a
+    batch route too, but must not count as load).
 
     experts_fn runs the routed experts (default: all experts local, `experts`); an expert-parallel plan passes its
     own (sharding/ep.py) with the same contract."""
@@ -70,6 +73,8 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load: boo
     out = (experts_fn or experts)(p["experts"], flat, weights, ids)
     if "shared" in p:
         out = out + mlp(p["shared"], flat)
-    if with_load:
-        return out.reshape(shape), jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts).astype(jnp.int32)
+    if with_load is not False:
+        real = None if with_load is True else jnp.repeat(with_load.reshape(-1), ids.shape[-1]).astype(jnp.int32)
+        load = jnp.bincount(ids.reshape(-1), real, length=cfg.n_routed_experts).astype(jnp.int32)  # [E]
+        return out.reshape(shape), load
     return out.reshape(shape)

@@ -14,7 +14,14 @@ Loads are numpy arrays of tokens per expert (from the routing counters, sharding
 
 from __future__ import annotations
 
+import collections
+import logging
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger("hcfjax.eplb")
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,35 +144,145 @@ class LoadWindow:
         return self.counts.sum(0)
 
 
+def pad_log2phy(log2phy: np.ndarray, num_replicas: int) -> np.ndarray:
+    """log2phy [L, E, M] -> [L, E, R - E + 1] (-1 padded): the most replicas one expert can get, so every placement
+    with the same replica count has the same shapes and applying a new one needs no recompilation."""
+    n_log = log2phy.shape[1]
+    return np.pad(log2phy, ((0, 0), (0, 0), (0, num_replicas - n_log + 1 - log2phy.shape[2])), constant_values=-1)
+
+
+def moe_experts(params: dict, cfg) -> list[dict]:
+    """The routed-experts dict of every MoE segment, in layer order (each stacked over the segment's layers)."""
+    segs = zip(params["segments"], cfg.layer_segments, strict=True)
+    return [seg["mlp"]["experts"] for seg, (_, _, is_moe) in segs if is_moe]
+
+
+def with_moe_experts(params: dict, cfg, experts: list[dict]) -> dict:
+    """params with every MoE segment's routed-experts dict replaced (moe_experts' order); the rest is shared."""
+    out = dict(params, segments=list(params["segments"]))
+    new = iter(experts)
+    for s, (_, _, is_moe) in enumerate(cfg.layer_segments):
+        if is_moe:
+            seg = out["segments"][s]
+            out["segments"][s] = dict(seg, mlp=dict(seg["mlp"], experts=next(new)))
+    return out
+
+
+def _fill_slots(experts: list[dict], rows, log2phy, logcnt) -> list[dict]:
+    """New physical slot s of MoE layer l holds row rows[l, s] of the current weight arrays [count, n, ...].
+    rows [L, R]; log2phy [L, E, M] (padded), logcnt [L, E]: the new placement, stored beside the weights."""
+    out, first = [], 0
+    for ex in experts:
+        count = jax.tree.leaves(ex["gate"])[0].shape[0]  # layers of the segment
+        sl = slice(first, first + count)
+        idx = jnp.asarray(rows[sl])  # [count, R]
+        take = lambda w, idx=idx: jnp.take_along_axis(w, idx.reshape(idx.shape + (1,) * (w.ndim - 2)), axis=1)
+        new = {k: jax.tree.map(take, ex[k]) for k in ("gate", "up", "down")}
+        new["log2phy"] = jnp.asarray(log2phy[sl], jnp.int32)
+        new["logcnt"] = jnp.asarray(logcnt[sl], jnp.int32)
+        out.append(new)
+        first += count
+    return out
+
+
 def apply_placement(params: dict, cfg, phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> dict:
     """Re-lays out every MoE layer's routed experts into physical slots [R, ...] (replicas copied) and stores the
     layer's placement beside them (experts/log2phy [E, M], experts/logcnt [E]); sharding/ep.py routes each token
     copy to one replica of its expert, spreading an expert's tokens over its replicas.
 
-    phy2log, log2phy, logcnt: rebalance_experts' output for the MoE layers in order (L = number of MoE layers).
-    log2phy is padded to R - E + 1 columns (the most replicas one expert can get), so every placement with the
-    same replica count has the same shapes and applying a new one needs no recompilation.
+    params: logical experts [E, ...] (as loaded). phy2log, log2phy, logcnt: rebalance_experts' output for the MoE
+    layers in order (L = number of MoE layers). log2phy is padded to R - E + 1 columns (pad_log2phy).
     """
-    import jax.numpy as jnp
+    log2phy = pad_log2phy(log2phy, phy2log.shape[1])
+    return with_moe_experts(params, cfg, _fill_slots(moe_experts(params, cfg), phy2log, log2phy, logcnt))
 
-    n_rep, n_log = phy2log.shape[1], log2phy.shape[1]
-    log2phy = np.pad(log2phy, ((0, 0), (0, 0), (0, n_rep - n_log + 1 - log2phy.shape[2])), constant_values=-1)
 
-    out = dict(params)
-    out["segments"] = list(params["segments"])
-    moe_layer = 0
-    for s, (_, count, is_moe) in enumerate(cfg.layer_segments):
-        if not is_moe:
-            continue
-        seg = dict(params["segments"][s])
-        mlp = dict(seg["mlp"])
-        ex = mlp["experts"]
-        idx = jnp.asarray(phy2log[moe_layer : moe_layer + count])  # [count, R]
-        new = {k: jnp.take_along_axis(ex[k], idx[:, :, None, None], axis=1) for k in ("gate", "up", "down")}
-        new["log2phy"] = jnp.asarray(log2phy[moe_layer : moe_layer + count], jnp.int32)
-        new["logcnt"] = jnp.asarray(logcnt[moe_layer : moe_layer + count], jnp.int32)
-        mlp["experts"] = new
-        seg["mlp"] = mlp
-        out["segments"][s] = seg
-        moe_layer += count
-    return out
+def replace_placement(experts: list[dict], phy2log, log2phy, logcnt) -> list[dict]:
+    """Moves routed experts that already carry a placement (moe_experts of apply_placement's output) to a new one
+    with the same replica count: new slot s takes the first replica of its expert under the current placement, so
+    the logical weights need not be kept anywhere. Same shapes in and out, so jitted with the experts' shardings as
+    out_shardings (and donated) it re-places sharded experts in place. log2phy padded (pad_log2phy)."""
+    current = jnp.concatenate([ex["log2phy"][:, :, 0] for ex in experts])  # [L, E] a slot of each expert now
+    rows = jnp.take_along_axis(current, jnp.asarray(phy2log), axis=1)  # [L, R]
+    return _fill_slots(experts, rows, log2phy, logcnt)
+
+
+class LiveEplb:
+    """EPLB while serving under a decode plan: the routed loads of the last `window` steps, the placement in use,
+    and a re-placement of the sharded experts every `interval` steps.
+
+    The physical slot count is E + redundant from the start (place() lays the loaded experts out under a placement
+    for uniform load), so a re-placement changes array contents and the log2phy / logcnt tables, never shapes or
+    shardings: the compiled steps stay valid. Slots are spread over the plan's ep ranks; num_nodes > 1 packs
+    DeepSeek's expert groups onto nodes (hierarchical EPLB)."""
+
+    def __init__(self, cfg, plan, redundant: int, interval: int, window: int, num_nodes: int = 1):
+        self.cfg, self.plan, self.interval, self.num_nodes = cfg, plan, interval, num_nodes
+        self.ranks = plan.mesh.shape["ep"]
+        self.num_replicas = cfg.n_routed_experts + redundant
+        if redundant < 0 or self.num_replicas % self.ranks or self.ranks % num_nodes:
+            raise ValueError(
+                f"EPLB: {cfg.n_routed_experts} experts + {redundant} redundant slots must split evenly over "
+                f"{self.ranks} ep ranks (and the ranks over {num_nodes} nodes)"
+            )
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        self.window = LoadWindow(n_moe, cfg.n_routed_experts, window)
+        self.placement = self._placement(np.ones((n_moe, cfg.n_routed_experts)))
+        self.last_step = 0  # engine step of the last re-placement
+        self.rebalances = 0
+        self.history = collections.deque(maxlen=1000)  # (step, imbalance before, after) of recent re-placements
+        self._replace = None  # compiled by place()
+
+    def _placement(self, loads: np.ndarray):
+        phy2log, log2phy, logcnt = rebalance_experts(
+            loads, self.num_replicas, self.cfg.n_group, self.num_nodes, self.ranks
+        )
+        return phy2log, pad_log2phy(log2phy, self.num_replicas), logcnt
+
+    def rank_loads(self, loads: np.ndarray, placement=None) -> np.ndarray:
+        """Tokens per rank [L, ranks] for expert loads [L, E] under a placement (default: the one in use)."""
+        phy2log, _, logcnt = placement or self.placement
+        return gpu_loads(loads, phy2log, logcnt, self.ranks)
+
+    def place(self, params: dict) -> dict:
+        """Loaded params (logical experts) -> params under the current placement, sharded by the plan. Also compiles
+        the re-placement (for these shardings), so serving never stops to compile it."""
+        from sharding.plans import shard_params
+
+        params = shard_params(apply_placement(params, self.cfg, *self.placement), self.plan)
+        experts = moe_experts(params, self.cfg)
+        shardings = jax.tree.map(lambda x: x.sharding, experts)
+        fn = jax.jit(replace_placement, out_shardings=shardings, donate_argnums=0)
+        self._replace = fn.lower(experts, *self.placement).compile()
+        return params
+
+    def observe(self, load) -> None:
+        """One step's routed tokens per expert [L, E] (real rows only)."""
+        self.window.add(load)
+
+    def due(self, step: int) -> bool:
+        return step - self.last_step >= self.interval and self.window.total().any()
+
+    def rebalance(self, params: dict, step: int) -> dict:
+        """A new placement for the window's loads, applied to params (placed by place()) without recompiling."""
+        loads = self.window.total()
+        placement = self._placement(loads)
+        before = imbalance(self.rank_loads(loads))
+        after = imbalance(self.rank_loads(loads, placement))
+        params = self.apply(params, placement)
+        self.last_step, self.rebalances = step, self.rebalances + 1
+        self.history.append((step, before, after))
+        log.info(
+            "EPLB at step %d: per-rank imbalance %.3f -> %.3f (window of %d routed token copies)",
+            step,
+            before,
+            after,
+            int(loads.sum()),
+        )
+        return params
+
+    def apply(self, params: dict, placement) -> dict:
+        """Re-places the sharded experts of params (from place()) in place: donated, same shapes and shardings."""
+        experts = self._replace(moe_experts(params, self.cfg), *placement)
+        self.placement = placement
+        return with_moe_experts(params, self.cfg, experts)

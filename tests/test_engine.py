@@ -27,6 +27,12 @@ def model():
     return hcfjax.load(dtype=jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def plan_ref(model):
+    """generate's tokens for the decode-plan tests (compiled once for both)."""
+    return hcfjax.generate(model, PROMPTS[:5], max_new_tokens=10)
+
+
 def run_all(engine: Engine) -> None:
     while engine.has_work() or engine._inbox:
         engine.step()
@@ -69,12 +75,12 @@ def test_concurrent_requests_equal_generate(model, config):
     assert_all_free(engine)
 
 
-def test_engine_under_the_decode_plan(model):
+def test_engine_under_the_decode_plan(model, plan_ref):
     """Two DP ranks on two devices: each rank's attention over its own slots and pages, experts over EP with the
     all_to_all exchange, mock rows on the rank with less work; same tokens as generate."""
     from sharding.plans import decode_plan
 
-    ref = hcfjax.generate(model, PROMPTS[:5], max_new_tokens=10)
+    ref = plan_ref
     config = EngineConfig(max_slots=2, dp=2, token_budget=32, balance="fewest_requests")
     engine = Engine(model, config, decode_plan=decode_plan(2))
     reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:5]]
@@ -83,6 +89,50 @@ def test_engine_under_the_decode_plan(model):
     assert_all_free(engine)
     with pytest.raises(ValueError, match="dp=1"):
         Engine(model, EngineConfig(), decode_plan=decode_plan(2))
+
+
+def test_live_eplb_under_the_decode_plan(model, plan_ref):
+    """EPLB while serving: 16 experts in 20 physical slots over 2 ranks, re-placed every 2 steps from the routed
+    loads. The tokens equal generate's across the re-placements, nothing compiles after the first two steps (the
+    placement changes contents, never shapes or shardings), and the window holds exactly the routed token copies
+    of the real tokens the steps ran (prompt + output, the last fed by the step of lag), mock rows excluded."""
+    import jax
+    import numpy as np
+
+    from hcfjax.model import hidden_states
+    from sharding.plans import decode_plan
+
+    config = EngineConfig(
+        max_slots=2, dp=2, token_budget=64, max_prefill_rows=2, eplb_interval=2, eplb_redundant=4, eplb_window=64
+    )
+    engine = Engine(model, config, decode_plan=decode_plan(2))
+    eplb = engine.runner.eplb
+    first_placement = eplb.placement[0].copy()
+    reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:2]]  # one per rank; 4 slots: 2 mock rows
+    engine.step()
+    engine.step()  # prefill (both prompts) and the first decode step: both shapes compiled
+    compiles = []
+    listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run_all(engine)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    outs = [collect(engine, r)[0] for r in reqs]
+    assert outs == plan_ref.tokens[:2]
+    assert eplb.rebalances >= 3 and not np.array_equal(eplb.placement[0], first_placement)
+    assert compiles == [] and engine.snapshot()["compiles"] == 2
+    assert eplb.window.step == engine.steps < 64  # every step observed, none dropped from the window
+    # direct count: the real tokens teacher-forced on one device, padding masked out of the count
+    seqs = [engine.tokenize(p) + o for p, o in zip(PROMPTS[:2], outs, strict=True)]
+    tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, q in enumerate(seqs):
+        tokens[i, : len(q)] = q
+    real = jnp.arange(tokens.shape[1]) < jnp.asarray([[len(q)] for q in seqs])
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    count = jax.jit(lambda t, pos, real: hidden_states(model.params, model.cfg, t, pos, with_load=real)[2])
+    load = count(jnp.asarray(tokens), pos, real)
+    assert np.array_equal(eplb.window.total(), np.asarray(load))
 
 
 def test_speculative_engine_equals_plain_greedy(model):

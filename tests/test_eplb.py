@@ -91,3 +91,21 @@ def test_routing_load_counters_feed_the_balancer():
     phy2log, _, logcnt = rebalance_experts(w, cfg.n_routed_experts + 8, cfg.n_group, 1, 4)
     hottest = w.argmax(1)
     assert np.all(logcnt[np.arange(n_moe), hottest] >= 2)
+
+
+def test_replace_placement_equals_placing_the_loaded_experts(v3_model):
+    """Moving placed experts to a new placement (what the engine does live, without the logical weights) gives the
+    same slots and tables as placing the loaded experts there directly."""
+    import jax
+
+    from sharding.eplb import apply_placement, moe_experts, pad_log2phy, replace_placement
+
+    cfg = v3_model.cfg
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    old = rebalance_experts(zipf_loads(n_moe, 16, seed=1), 24, 4, 1, 4)
+    new = rebalance_experts(zipf_loads(n_moe, 16, seed=2), 24, 4, 1, 4)
+    placed = apply_placement(v3_model.params, cfg, *old)
+    moved = replace_placement(moe_experts(placed, cfg), new[0], pad_log2phy(new[1], 24), new[2])
+    fresh = moe_experts(apply_placement(v3_model.params, cfg, *new), cfg)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), moved, fresh))
+    assert not np.array_equal(old[0], new[0])

@@ -52,7 +52,12 @@ class EngineConfig:
     the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
     least_pages; cache_dtype: auto (the model's, int8 for a w4a8c8 checkpoint) or int8; min_prefill_bucket: the
     smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
-    more padding)."""
+    more padding).
+
+    Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
+    eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last
+    eplb_window steps (0: off, and no load counting); eplb_redundant: extra physical expert slots per MoE layer
+    (E + eplb_redundant must divide over the dp ranks), given to the hottest experts as replicas."""
 
     max_slots: int = 8
     dp: int = 1
@@ -68,13 +73,32 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cache_dtype: str = "auto"
     min_prefill_bucket: int = 16
+    eplb_interval: int = 0
+    eplb_redundant: int = 0
+    eplb_window: int = 100
 
     def __post_init__(self):
         for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("eplb_interval", "eplb_redundant"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.eplb_window, int) and self.eplb_window >= 1):
+            raise ValueError(f"eplb_window must be an integer >= 1, got {self.eplb_window!r}")
         if self.cache_dtype not in ("auto", "int8"):
             raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
+
+
+def _live_eplb(model: Model, c: EngineConfig, plan):
+    if not c.eplb_interval:
+        return None
+    if plan is None:
+        log.info("EPLB is off: without a decode plan the experts are not split over ranks")
+        return None
+    from sharding.eplb import LiveEplb
+
+    return LiveEplb(model.cfg, plan, c.eplb_redundant, c.eplb_interval, c.eplb_window)
 
 
 class Engine:
@@ -126,6 +150,7 @@ class Engine:
             spec,
             c.min_prefill_bucket,
             decode_plan,
+            _live_eplb(model, c, decode_plan),
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
@@ -320,6 +345,7 @@ class Engine:
         self._idle = plan.empty and self._pending is None
         if self._pending is not None:
             self._process(self._pending)
+            self._balance_experts(self._pending)
         self._pending = current
 
     def _take_inbox(self) -> None:
@@ -378,6 +404,16 @@ class Engine:
             if self._accept(req, toks, now) and spec is not None:
                 # the bound assumed every draft accepted: correct it (one step in flight)
                 req.cached_bound = req.length - 1 + spec.num_draft_tokens + 1
+
+    def _balance_experts(self, d: Dispatched) -> None:
+        """EPLB: adds a finished step's expert loads to the window (read one step late, like its tokens) and
+        re-places the experts when due. The step in flight still reads the old placement; the next one the new."""
+        eplb = self.runner.eplb
+        if eplb is None or d.load is None:
+            return
+        eplb.observe(np.asarray(jax.device_get(d.load)))
+        if eplb.due(self.steps):
+            self.runner.rebalance_experts(self.steps)
 
     def _accept(self, req: Request, toks: list[int], now: float) -> bool:
         """Appends new tokens up to the first stop, streams them, finishes the request at a stop or its length;

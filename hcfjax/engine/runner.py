@@ -88,19 +88,27 @@ def step_body(
     step,
     spec: SpeculativeConfig | None = None,
     experts_fn=None,
+    with_load: bool = False,
 ):
     """One engine step; experts_fn runs the routed experts (sharding.ep.ep_experts under the decode plan).
 
     -> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
-    decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]))."""
+    decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]),
+    with_load: tokens routed to each expert [n_moe_layers, E] by the real rows (EPLB's counters), else None)."""
+    if with_load and spec is not None:
+        raise ValueError("expert-load counting covers plain decoding only")
     cache, tok, length, count, drafts = state.cache, state.tok, state.length, state.count, state.drafts
     first = nxt = None
+    loads = []  # per part, [n_moe_layers, E]: only real tokens count (padding and mock rows route too)
     key = jax.random.fold_in(jax.random.key(0), step)
     if pre is not None:
         b, t = pre.tokens.shape
         pos = pre.start[:, None] + jnp.arange(t)
-        ctx = CacheContext(cache, pre.page_table, pre.start + pre.n, jnp.arange(t)[None] < pre.n[:, None])
-        h, ctx = hidden_states(params, cfg, pre.tokens, pos, ctx, absorbed=False, experts_fn=experts_fn)
+        real = jnp.arange(t)[None] < pre.n[:, None]
+        ctx = CacheContext(cache, pre.page_table, pre.start + pre.n, real)
+        h, ctx, *loads = hidden_states(
+            params, cfg, pre.tokens, pos, ctx, False, experts_fn, with_load=real if with_load else False
+        )
         cache = ctx.cache
         last = h[jnp.arange(b), jnp.maximum(pre.n - 1, 0)]
         first = sample_rows(logits(params, last), pre.sp, _keys(pre.seed, pre.count))
@@ -122,22 +130,36 @@ def step_body(
         nxt = (emitted, n_emit, n_acc)
     elif dec is not None:
         ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
-        h, ctx = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, absorbed=True, experts_fn=experts_fn)
+        h, ctx, *load = hidden_states(
+            params,
+            cfg,
+            tok[:, None],
+            length[:, None],
+            ctx,
+            True,
+            experts_fn,
+            dec.active[:, None] if with_load else False,
+        )
+        loads += load
         cache = ctx.cache
         nxt = sample_rows(logits(params, h[:, 0]), dec.sp, _keys(dec.seed, count))
         tok = jnp.where(dec.active, nxt, tok)
         length = length + dec.active
         count = count + dec.active
-    return SlotState(cache, tok, length, count, drafts), first, nxt
+    load = sum(loads) if with_load else None
+    return SlotState(cache, tok, length, count, drafts), first, nxt, load
 
 
-engine_step = jax.jit(step_body, static_argnames=("cfg", "spec", "experts_fn"), donate_argnames=("state",))
+engine_step = jax.jit(step_body, static_argnames=("cfg", "spec", "experts_fn", "with_load"), donate_argnames=("state",))
 
 
-def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill: bool, with_decode: bool):
+def planned_step(
+    plan, cfg: ModelConfig, params, state: SlotState, with_prefill: bool, with_decode: bool, with_load: bool = False
+):
     """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
     rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens with
-    all_to_all. Every rank runs every step; rows without work are mock rows that write nothing."""
+    all_to_all. Every rank runs every step; rows without work are mock rows that write nothing (and, with_load, add
+    nothing to the expert loads, which are summed over the ranks)."""
     from sharding.ep import ep_experts
     from sharding.plans import param_specs
 
@@ -147,7 +169,8 @@ def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill:
     dec_spec = DecodeInputs(row, row, SamplingBatch(row, row, row, row), row)
 
     def local(params, state, pre, dec, step):
-        return step_body(params, cfg, state, pre, dec, step, None, ep_experts("ep"))
+        state, first, nxt, load = step_body(params, cfg, state, pre, dec, step, None, ep_experts("ep"), with_load)
+        return state, first, nxt, None if load is None else jax.lax.psum(load, "ep")
 
     specs = (
         param_specs(params, plan),
@@ -156,7 +179,7 @@ def planned_step(plan, cfg: ModelConfig, params, state: SlotState, with_prefill:
         dec_spec if with_decode else None,
         P(),
     )
-    out = (state_spec, row if with_prefill else None, row if with_decode else None)
+    out = (state_spec, row if with_prefill else None, row if with_decode else None, P() if with_load else None)
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
 
 
@@ -189,6 +212,7 @@ class Dispatched:
     chunk_epochs: list[int]  # each chunk's request epoch at dispatch (a preemption starts a new one)
     decode_slots: list[tuple]  # (request, slot, epoch) of the decode rows
     chunk_rows: list[int]  # the prefill row of each chunk
+    load: jax.Array | None = None  # [n_moe_layers, E] tokens routed to each expert (with EPLB)
 
 
 class ModelRunner:
@@ -203,7 +227,10 @@ class ModelRunner:
         spec: SpeculativeConfig | None = None,
         min_bucket: int = 16,
         plan=None,
+        eplb=None,
     ):
+        """eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count the
+        routed load of every step."""
         self.model, self.cfg, self.spec, self.min_bucket, self.plan = model, model.cfg, spec, min_bucket, plan
         # device ranks: slots and pages are rank major, each rank's share on its device under a decode plan
         self.ranks = 1 if plan is None else plan.mesh.shape["ep"]
@@ -223,10 +250,11 @@ class ModelRunner:
         self.state = SlotState(cache, *(jnp.zeros((num_slots,), jnp.int32) for _ in range(3)), drafts)
         self.params = model.params
         self._planned: dict = {}
+        self.eplb = eplb
         if plan is not None:
             from sharding.plans import shard_params
 
-            self.params = shard_params(model.params, plan)
+            self.params = shard_params(model.params, plan) if eplb is None else eplb.place(model.params)
             rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
             self.state = jax.device_put(self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows))
         shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
@@ -241,27 +269,34 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, max_prefill_rows: int, max_chunk: int) -> Dispatched:
         pre, rows = self._prefill_inputs(plan, max_prefill_rows, max_chunk) if plan.chunks else (None, [])
         dec = self._decode_inputs(plan) if plan.decode else None
-        first, nxt = self._call(pre, dec)
+        first, nxt, load = self._call(pre, dec)
         epochs = [c.req.epoch for c in plan.chunks]
-        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows)
+        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows, load)
 
     def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
         if self.plan is None:
-            self.state, first, nxt = engine_step(self.params, self.cfg, self.state, pre, dec, self.steps, self.spec)
+            self.state, first, nxt, load = engine_step(
+                self.params, self.cfg, self.state, pre, dec, self.steps, self.spec
+            )
         else:
             parts = (pre is not None, dec is not None)
             if parts not in self._planned:
-                self._planned[parts] = planned_step(self.plan, self.cfg, self.params, self.state, *parts)
+                with_load = self.eplb is not None
+                self._planned[parts] = planned_step(self.plan, self.cfg, self.params, self.state, *parts, with_load)
             fn = self._planned[parts]
-            self.state, first, nxt = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
+            self.state, first, nxt, load = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
         self.steps += 1
         if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
             self.shapes.add(key)
             self.compiles.append((key, time.perf_counter() - t0))
             log.info("compiled step for prefill %s, decode %s in %.1f s", key[0], key[1], self.compiles[-1][1])
-        return first, nxt
+        return first, nxt, load
+
+    def rebalance_experts(self, step: int) -> None:
+        """Re-places the experts for the loads EPLB has seen (between steps; the compiled steps stay valid)."""
+        self.params = self.eplb.rebalance(self.params, step)
 
     def install(self, req, first: int, kv, scale=None, drafts=None) -> None:
         """Puts a remotely prefilled request's cache into its reserved pages and its first token (with
