@@ -55,7 +55,8 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
 
     transport = make_transport(kind, merge=merge)
     receiver = transport.receiver()
-    config = PrefillConfig(num_pages=64, page_size=16, layerwise_threshold=64, layer_group=2, chunk=128)
+    rows = 1 if warm else 4  # one row per batch keeps the warm-up's shapes few
+    config = PrefillConfig(num_pages=64, page_size=16, max_rows=rows, layerwise_threshold=64, layer_group=2, chunk=128)
     worker = PrefillWorker(model, transport.sender(), config, prefill_plan(2) if plans else None)
     worker.start()
     remote = RemotePrefill(receiver, [LocalPrefill(worker)], timeout_s=60)
@@ -99,10 +100,10 @@ def test_pd_in_process_equals_colocated_under_both_plans(model, colocated):
     assert worker.stats["layerwise"] >= 1 and worker.stats["jobs"] == len(PROMPTS) + 1
 
 
-@pytest.mark.parametrize("kind", ["socket", "jax"])
-def test_pd_over_each_transport(model, colocated, kind):
-    """The socket and jax transports; over jax after a warm-up, which leaves nothing to compile while serving."""
-    tokens, _, stats = run_pd(model, kind, plans=False, warm=kind == "jax")
+def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
+    """jax.experimental.transfer pulls (the socket transport runs in the speculative test below), after a warm-up,
+    which leaves nothing to compile while serving."""
+    tokens, _, stats = run_pd(model, "jax", plans=False, warm=True)
     assert tokens == colocated
     assert stats["messages"] >= 1
 
@@ -125,10 +126,10 @@ def test_pd_speculative_decoding_across_the_split(model, colocated):
     engine = Engine(model, EngineConfig(max_slots=2, speculative=spec), remote=remote)
     engine.start()
     try:
-        reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS[:3]]  # the long one included: layerwise
+        reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS[1:3]]  # the long one goes layerwise
         outs = [list(engine.stream(r, timeout=120)) for r in reqs]
         assert all(o[-1].error is None for o in outs), [o[-1].error for o in outs]
-        assert [[t for o in out for t in o.token_ids] for out in outs] == colocated[:3]
+        assert [[t for o in out for t in o.token_ids] for out in outs] == colocated[1:3]
         usage = [o[-1].usage for o in outs]
         assert sum(u.draft_tokens for u in usage) > 0 and sum(u.accepted_draft_tokens for u in usage) > 0
     finally:

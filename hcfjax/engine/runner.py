@@ -261,6 +261,8 @@ class ModelRunner:
         self._landing = (
             NamedSharding(plan.mesh, P()) if plan is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
         )
+        if plan is None:  # committed to its device from the start, as every step's and install's output will be:
+            self.state = jax.device_put(self.state, self._landing)  # one compiled shape each, whatever came first
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         self.shapes: set = set()
