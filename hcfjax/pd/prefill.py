@@ -155,6 +155,11 @@ class PrefillWorker:
     def pages_held(self) -> int:
         return self.alloc.num_used
 
+    @property
+    def queued(self) -> int:
+        """Jobs submitted and not yet taken into a batch by the loop."""
+        return self._queue.qsize()
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hcfjax-prefill", daemon=True)

@@ -91,7 +91,7 @@ class PrefillService(pd_grpc.PrefillServicer, pd_grpc.WorkerServicer):
             transport=self.transport,
             total_pages=w.config.num_pages,
             free_pages=w.alloc.num_free,
-            queued=w._queue.qsize(),
+            queued=w.queued,
             pages_held=w.pages_held,
         )
 
