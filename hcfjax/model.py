@@ -142,6 +142,7 @@ def mtp_module(
     ctx: CacheContext | None = None,
     absorbed: bool = False,
     head_norm: bool = True,
+    experts_fn=None,
 ):
     """MTP module k (DeepSeek-V3 section 2.2): combines the previous depth's hidden state h_prev [B, T, D] for token
     t with the embedding of token t+1 (next_tokens [B, T], at `positions` = t+1), runs one decoder block, and
@@ -155,7 +156,7 @@ def mtp_module(
     h = rms_norm(h_prev, p["hnorm"], cfg.rms_norm_eps)
     x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]
     layer = cfg.num_hidden_layers + k
-    x, ctx = decoder_layer(p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed)
+    x, ctx = decoder_layer(p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed, experts_fn)
     y = rms_norm(x, p["head_norm"], cfg.rms_norm_eps) if head_norm else x
     out = jnp.einsum("...D,DV->...V", y, p["head"], preferred_element_type=jnp.float32)
     return x, out, ctx

@@ -123,6 +123,7 @@ def mtp_extend(
     last_pos: jax.Array,
     depths: int,
     head_norm: bool = True,
+    experts_fn=None,
 ):
     """Runs MTP depths 1..depths over anchors (teacher forcing on verified tokens), writing the modules' KV.
 
@@ -139,7 +140,7 @@ def mtp_extend(
         pos = anchor_pos + i
         valid = anchor_ok & (pos <= last_pos[:, None])
         ctx = CacheContext(cache, page_table, last_pos + 1, valid)
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, True, head_norm)
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, True, head_norm, experts_fn)
         cache = ctx.cache
         if first is None:
             first = (x, lg)
@@ -159,6 +160,7 @@ def draft_chain(
     valid: jax.Array,
     key,
     head_norm: bool = True,
+    experts_fn=None,
 ):
     """Drafts k tokens from anchor A [B]: depth 1 is given (x1 [B, D], lg1 [B, V]), depths 2..k run one row each.
 
@@ -172,7 +174,8 @@ def draft_chain(
         m = min(i, len(modules)) - 1
         pos = (anchor + i)[:, None]
         ctx = CacheContext(cache, page_table, anchor + i + 1, valid[:, None])
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, params["embed"], ctx, True, head_norm)
+        emb = params["embed"]
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, emb, ctx, True, head_norm, experts_fn)
         cache = ctx.cache
         q = probs(lg, sp_draft)[:, 0]
         ds.append(sample_probs(keys[i - 1], q))
@@ -212,6 +215,7 @@ def spec_prefill(
     sp,
     live,
     key,
+    experts_fn=None,
 ) -> tuple[Drafts, object]:
     """After a prefill: the MTP modules see every prompt position, then the first k drafts from anchor lengths - 1.
 
@@ -241,17 +245,30 @@ def spec_prefill(
         lengths,
         depths,
         spec.mtp_head_norm,
+        experts_fn,
     )
     x1, lg1 = x1[rows, lengths - 1], lg1[rows, lengths - 1]
     sp_draft = scaled(sp, spec.draft_scale)
     drafts, q, cache = draft_chain(
-        params, cfg, cache, page_table, x1, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm
+        params, cfg, cache, page_table, x1, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm, experts_fn
     )
     hist_idx = lengths[:, None] - r + jnp.arange(r)
     return Drafts(first, lengths, drafts, q, _take_rows(h_prompt, hist_idx), _take_rows(tok1, hist_idx)), cache
 
 
-def spec_step(params, cfg: ModelConfig, spec: SpeculativeConfig, d: Drafts, cache, page_table, sp, live, stops, key):
+def spec_step(
+    params,
+    cfg: ModelConfig,
+    spec: SpeculativeConfig,
+    d: Drafts,
+    cache,
+    page_table,
+    sp,
+    live,
+    stops,
+    key,
+    experts_fn=None,
+):
     """One speculative step for every row: target forward over [last, drafts] (writing their KV), verification,
     the bonus or recovered token, rollback (the new position), MTP extend and the next k drafts.
 
@@ -266,7 +283,7 @@ def spec_step(params, cfg: ModelConfig, spec: SpeculativeConfig, d: Drafts, cach
     toks = jnp.concatenate([d.last[:, None], d.drafts], axis=1)  # [B, k+1]
     pos = d.pos[:, None] + jnp.arange(k + 1)
     ctx = CacheContext(cache, page_table, d.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
-    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True)
+    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn)
     # 2. verification
     lg = logits(params, h)
     p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
@@ -294,6 +311,7 @@ def spec_step(params, cfg: ModelConfig, spec: SpeculativeConfig, d: Drafts, cach
         new_pos,
         depths,
         spec.mtp_head_norm,
+        experts_fn,
     )
     # 5. drafts for the next step
     sp_draft = scaled(sp, spec.draft_scale)
@@ -310,6 +328,7 @@ def spec_step(params, cfg: ModelConfig, spec: SpeculativeConfig, d: Drafts, cach
         ~done,
         k_draft,
         spec.mtp_head_norm,
+        experts_fn,
     )
     new = Drafts(extra, new_pos, drafts, q, hist_h, hist_tok)
     keep = lambda a, b: jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 1)), a, b)

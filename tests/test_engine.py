@@ -137,17 +137,28 @@ def test_live_eplb_under_the_decode_plan(model, plan_ref):
 
 def test_speculative_engine_equals_plain_greedy(model):
     """exact verification with greedy sampling: the same tokens as plain decoding, also in reused slots and pages
-    (two slots for three requests), with acceptance counted in the usage."""
+    (two slots for three requests), with acceptance counted in the usage. Under the decode plan (DP=2 x EP=2) the MTP
+    modules' MoE exchanges tokens over EP like the target's: the greedy drafts, hence the acceptance counts, are the
+    same as on one device (were the MTP experts run on a rank's local shards alone, they would differ)."""
+    from sharding.plans import decode_plan
+
     ref = hcfjax.generate(model, PROMPTS[:3], max_new_tokens=16)
-    engine = Engine(model, EngineConfig(max_slots=2, token_budget=32, speculative=hcfjax.SpeculativeConfig(2)))
-    reqs = [engine.submit(p, max_new_tokens=16) for p in PROMPTS[:3]]
-    run_all(engine)
-    for i, r in enumerate(reqs):
-        outs = list(engine.stream(r, timeout=0))
-        assert [t for o in outs for t in o.token_ids] == ref.tokens[i]
-        usage = outs[-1].usage
-        assert usage.draft_tokens > 0 and 0 < usage.accepted_draft_tokens <= usage.draft_tokens
-    assert_all_free(engine)
+    spec = hcfjax.SpeculativeConfig(2)
+    accepted = []
+    for ranks in (1, 2):
+        config = EngineConfig(max_slots=2 // ranks, dp=ranks, token_budget=32, speculative=spec)
+        engine = Engine(model, config, decode_plan(2) if ranks == 2 else None)
+        reqs = [engine.submit(p, max_new_tokens=16) for p in PROMPTS[:3]]
+        run_all(engine)
+        accepted.append([])
+        for i, r in enumerate(reqs):
+            outs = list(engine.stream(r, timeout=0))
+            assert [t for o in outs for t in o.token_ids] == ref.tokens[i], (ranks, i)
+            usage = outs[-1].usage
+            assert usage.draft_tokens > 0 and 0 < usage.accepted_draft_tokens <= usage.draft_tokens
+            accepted[-1].append(usage.accepted_draft_tokens)
+        assert_all_free(engine)
+    assert accepted[0] == accepted[1]
 
 
 def test_after_warmup_serving_never_compiles(model):

@@ -119,13 +119,25 @@ def step_body(
             cache = _clear_mtp_head(cache, cfg.num_hidden_layers, pre.page_table[:, 0], pre.n > 0, spec)
             key, sub = jax.random.split(key)
             d, cache = spec_prefill(
-                params, cfg, spec, h, pre.tokens, first, pre.n, cache, pre.page_table, pre.sp, pre.n > 0, sub
+                params,
+                cfg,
+                spec,
+                h,
+                pre.tokens,
+                first,
+                pre.n,
+                cache,
+                pre.page_table,
+                pre.sp,
+                pre.n > 0,
+                sub,
+                experts_fn,
             )
             drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
     if dec is not None and spec is not None:
         no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # the host applies stops
         drafts, cache, emitted, n_emit, _, n_acc = spec_step(
-            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, key
+            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, key, experts_fn
         )
         nxt = (emitted, n_emit, n_acc)
     elif dec is not None:
@@ -154,7 +166,14 @@ engine_step = jax.jit(step_body, static_argnames=("cfg", "spec", "experts_fn", "
 
 
 def planned_step(
-    plan, cfg: ModelConfig, params, state: SlotState, with_prefill: bool, with_decode: bool, with_load: bool = False
+    plan,
+    cfg: ModelConfig,
+    params,
+    state: SlotState,
+    with_prefill: bool,
+    with_decode: bool,
+    with_load: bool = False,
+    spec: SpeculativeConfig | None = None,
 ):
     """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
     rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens with
@@ -164,12 +183,14 @@ def planned_step(
     from sharding.plans import param_specs
 
     row, pages = P("ep"), P(None, "ep")
-    state_spec = SlotState(jax.tree.map(lambda _: pages, state.cache), row, row, row, None)
+    drafts_spec = None if state.drafts is None else jax.tree.map(lambda _: row, state.drafts)
+    state_spec = SlotState(jax.tree.map(lambda _: pages, state.cache), row, row, row, drafts_spec)
     pre_spec = PrefillInputs(row, row, row, row, row, SamplingBatch(row, row, row, row), row, row)
     dec_spec = DecodeInputs(row, row, SamplingBatch(row, row, row, row), row)
 
     def local(params, state, pre, dec, step):
-        state, first, nxt, load = step_body(params, cfg, state, pre, dec, step, None, ep_experts("ep"), with_load)
+        step = step * plan.mesh.shape["ep"] + jax.lax.axis_index("ep")  # each rank its own sampling keys
+        state, first, nxt, load = step_body(params, cfg, state, pre, dec, step, spec, ep_experts("ep"), with_load)
         return state, first, nxt, None if load is None else jax.lax.psum(load, "ep")
 
     specs = (
@@ -234,8 +255,6 @@ class ModelRunner:
         self.model, self.cfg, self.spec, self.min_bucket, self.plan = model, model.cfg, spec, min_bucket, plan
         # device ranks: slots and pages are rank major, each rank's share on its device under a decode plan
         self.ranks = 1 if plan is None else plan.mesh.shape["ep"]
-        if plan is not None and spec is not None:
-            raise ValueError("speculative decoding under a decode plan is not supported yet (MTP layers need EP too)")
         self.slots_per_rank, self.pages_per_rank = num_slots // self.ranks, num_pages // self.ranks
         self.num_slots, self.max_pages, self.cache_page_size = num_slots, max_pages, page_size
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
@@ -256,7 +275,10 @@ class ModelRunner:
 
             self.params = shard_params(model.params, plan) if eplb is None else eplb.place(model.params)
             rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
-            self.state = jax.device_put(self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows))
+            drafts_at = None if drafts is None else jax.tree.map(lambda _: rows, drafts)
+            self.state = jax.device_put(
+                self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows, drafts_at)
+            )
         shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
         self._landing = (
             NamedSharding(plan.mesh, P()) if plan is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -286,7 +308,9 @@ class ModelRunner:
             parts = (pre is not None, dec is not None)
             if parts not in self._planned:
                 with_load = self.eplb is not None
-                self._planned[parts] = planned_step(self.plan, self.cfg, self.params, self.state, *parts, with_load)
+                self._planned[parts] = planned_step(
+                    self.plan, self.cfg, self.params, self.state, *parts, with_load, self.spec
+                )
             fn = self._planned[parts]
             self.state, first, nxt, load = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
         self.steps += 1
@@ -340,7 +364,7 @@ class ModelRunner:
             jnp.int32(first),
             jnp.int32(length),
             jnp.int32(count),
-            drafts,
+            None if drafts is None else jax.device_put(drafts, self._landing),
         )
 
     def warmup_install(self) -> None:
