@@ -1,6 +1,6 @@
 """Random-weight models of real shapes, for benchmarks, tests and a checkpoint made on the fly.
 
-    python -m hcfjax.random_model OUT_DIR [--preset tiny-v3|v2-lite|v3] [--seed N]
+    python -m hcfjax.random_model OUT_DIR [--preset tiny-v3|v2-lite] [--seed N]
 
 writes a complete checkpoint (config.json, safetensors, a byte-level tokenizer.json) that `hcfjax.load` and
 transformers both read.
@@ -32,6 +32,40 @@ _V3_ROUTING = dict(
 )
 
 PRESETS = {
+    # DeepSeek-V3 / R1 as their config.json has it (the capacity simulator's model; 671B parameters: too large to
+    # make with random weights on one device).
+    "deepseek-v3": dict(
+        _V3_ROUTING,
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=3,
+        max_position_embeddings=163840,
+        num_nextn_predict_layers=1,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
     # A small V3-architecture model: MLA with q_lora, group-limited routing, a shared expert, one MTP layer.
     "tiny-v3": dict(
         _V3_ROUTING,

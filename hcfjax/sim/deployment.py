@@ -20,55 +20,14 @@ from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, HCFJAX_XLA_H200_MICRO, Efficiency, gpu
 from hcfjax.sim.work import EngineShapes
 
-# DeepSeek-V3 / R1's config.json (the fields ModelConfig reads), from the public checkpoint.
-DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3",
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=256,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=8,
-    topk_group=4,
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=3,
-    moe_layer_freq=1,
-    max_position_embeddings=163840,
-    num_nextn_predict_layers=1,
-    rope_theta=10000,
-    rope_scaling=dict(
-        type="yarn",
-        factor=40,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-    bos_token_id=0,
-    eos_token_id=1,
-)
-
 PROFILES = {"deepseek-kernels": DEEPSEEK_KERNELS, "hcfjax-xla-h200-micro": HCFJAX_XLA_H200_MICRO}
 
 
 def model_config(name: str) -> ModelConfig:
     """'deepseek-v3', a hcfjax.random_model preset ('v2-lite', 'tiny-v3'), 'stdlib-v3' (the embedded model), or a
     path to a config.json or checkpoint directory."""
-    if name in ("deepseek-v3", "deepseek-r1"):
-        return ModelConfig.from_dict(DEEPSEEK_V3)
+    if name == "deepseek-r1":  # the same architecture and shapes
+        name = "deepseek-v3"
     if name == "stdlib-v3":
         import hcfjax
 
@@ -79,7 +38,7 @@ def model_config(name: str) -> ModelConfig:
         return preset_config(name)
     if Path(name).exists():
         return ModelConfig.from_json(name)
-    raise ValueError(f"unknown model {name!r}: deepseek-v3, stdlib-v3, one of {sorted(PRESETS)}, or a config path")
+    raise ValueError(f"unknown model {name!r}: deepseek-r1, stdlib-v3, one of {sorted(PRESETS)}, or a config path")
 
 
 def efficiency(name: str, overrides: dict | None = None) -> Efficiency:
