@@ -92,6 +92,22 @@ def shown_args(argv) -> str:
     return " ".join(a for a in args if not a.startswith("--out="))
 
 
+def engine_config(args, speculative=None):
+    """The engine the benchmark serves with (also what hcfjax.sim.validate measures and simulates)."""
+    from hcfjax.engine import EngineConfig
+
+    return EngineConfig(
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        max_model_len=args.max_model_len,
+        max_prefill_rows=args.prefill_rows,
+        min_prefill_bucket=args.min_bucket,
+        max_queue=args.requests + 8,
+        speculative=speculative,
+    )
+
+
 def start_pd(args) -> tuple[list, int, float]:
     """The three PD processes (`hcfjax serve --role ...`), the decode worker warmed up; -> (processes, the
     router's port, seconds to start)."""
@@ -200,7 +216,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import hcfjax
-    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.engine import Engine
     from hcfjax.random_model import preset_config, random_model
     from hcfjax.serving.client import connect, generate
     from hcfjax.serving.server import Server
@@ -218,17 +234,7 @@ def main(argv=None) -> None:
         model = model or hcfjax.load(args.model)
         cfg = model.cfg
         spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
-        config = EngineConfig(
-            max_slots=args.max_slots,
-            page_size=args.page_size,
-            token_budget=args.token_budget,
-            max_model_len=args.max_model_len,
-            max_prefill_rows=args.prefill_rows,
-            min_prefill_bucket=args.min_bucket,
-            max_queue=args.requests + 8,
-            speculative=spec,
-        )
-        engine = Engine(model, config)
+        engine = Engine(model, engine_config(args, spec))
         warm = engine.warmup()
         server = Server(engine).start()
         port = server.port

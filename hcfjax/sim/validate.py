@@ -199,8 +199,8 @@ def main(argv=None) -> None:
 
     import hcfjax
     from hcfjax.bench.common import header
-    from hcfjax.bench.serve import workload
-    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.bench.serve import engine_config, workload
+    from hcfjax.engine import Engine
     from hcfjax.random_model import preset_config, random_model
     from hcfjax.sim.deployment import Deployment, Pool
     from hcfjax.sim.simulator import Workload, simulate
@@ -210,15 +210,7 @@ def main(argv=None) -> None:
         model, model_name = hcfjax.load(args.model), args.model
     else:
         model, model_name = random_model(preset_config(args.preset), seed=0, dtype=jnp.bfloat16), args.preset
-    config = EngineConfig(
-        max_slots=args.max_slots,
-        page_size=args.page_size,
-        token_budget=args.token_budget,
-        max_model_len=args.max_model_len,
-        max_prefill_rows=args.prefill_rows,
-        min_prefill_bucket=args.min_bucket,
-        max_queue=args.requests + 8,
-    )
+    config = engine_config(args)
     engine = Engine(model, config)
     warm = engine.warmup()
     pool = Pool(
