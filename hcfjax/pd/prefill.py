@@ -41,6 +41,7 @@ from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
+from hcfjax.engine.runner import _clear_mtp_head, _keys  # the colocated engine's: same first tokens, same drafts
 from hcfjax.generate import bucket
 from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
 from hcfjax.pd.transport import Piece
@@ -79,10 +80,6 @@ class PrefillConfig:
     speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
 
 
-def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "is_moe"), donate_argnames=("cache",))
 def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n):
     """Layer `layer` (params: row i of the stacked segment) over one chunk of x [B, Tc, D] at positions start.."""
@@ -97,8 +94,6 @@ def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
 def _spec_prefill(params, cfg: ModelConfig, spec: SpeculativeConfig, x, tokens, first, n, cache, table, sp, key):
     """The MTP modules over the prompts and the first drafts (the engine's prefill step does the same)."""
-    from hcfjax.engine.runner import _clear_mtp_head
-
     cache = _clear_mtp_head(cache, cfg.num_hidden_layers, table[:, 0], n > 0, spec)
     h = final_hidden(params, cfg, x)
     return spec_prefill(params, cfg, spec, h, tokens, first, n, cache, table, sp, n > 0, key)
