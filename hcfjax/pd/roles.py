@@ -9,23 +9,9 @@ Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks 
 
 from __future__ import annotations
 
-import signal
-import threading
-
 import jax.numpy as jnp
 
-
-def _until_signal(stop_fn, announce) -> None:
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
-            pass
-        announce("hcfjax serve: shutting down")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        stop_fn()
+from hcfjax.serving.server import until_signal
 
 
 def _log_to_stderr() -> None:
@@ -61,16 +47,13 @@ def run_prefill(model, args, plans, announce) -> None:
     if args.warmup:
         limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
         announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
-    worker.start()
-    server = prefill_server(worker, args.transport, args.host, args.port).start()
-    announce(f"hcfjax serve: prefill worker listening on {server.address}")
-
-    def stop():
-        server.stop(args.grace)
-        worker.shutdown()
-        worker.sender.close()
-
-    _until_signal(stop, announce)
+    with until_signal(announce):
+        worker.start()
+        server = prefill_server(worker, args.transport, args.host, args.port).start()
+        announce(f"hcfjax serve: prefill worker listening on {server.address}")
+    server.stop(args.grace)
+    worker.shutdown()
+    worker.sender.close()
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
@@ -88,17 +71,14 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
     if args.warmup:
         announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
-    engine.start()
-    server = decode_server(engine, remote, args.transport, args.host, args.port).start()
-    announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
-
-    def stop():
-        server.stop(args.grace)
-        engine.shutdown(args.grace)
-        remote.shutdown()
-        receiver.close()
-
-    _until_signal(stop, announce)
+    with until_signal(announce):
+        engine.start()
+        server = decode_server(engine, remote, args.transport, args.host, args.port).start()
+        announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
+    server.stop(args.grace)
+    engine.shutdown(args.grace)
+    remote.shutdown()
+    receiver.close()
 
 
 def run_router(args, announce) -> None:
@@ -108,9 +88,10 @@ def run_router(args, announce) -> None:
     if not args.prefill or not args.decode:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
-    server = RouterServer(router, args.host, args.port).start()
-    announce(f"hcfjax serve: router listening on {server.address}")
-    _until_signal(lambda: server.stop(args.grace), announce)
+    with until_signal(announce):
+        server = RouterServer(router, args.host, args.port).start()
+        announce(f"hcfjax serve: router listening on {server.address}")
+    server.stop(args.grace)
 
 
 def _speculative(args):
