@@ -1,5 +1,6 @@
 """Generation under the two plans: prefill under the prefill plan, hand-off of the KV pages, decode under the
-decode plan (attention data parallel over the ranks' own requests, experts over EP with all_to_all dispatch)."""
+decode plan (attention data parallel over the ranks' own requests, experts over EP with explicit dispatch,
+sharding/ep.py)."""
 
 from __future__ import annotations
 
