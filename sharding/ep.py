@@ -15,6 +15,7 @@ dense:  `all_to_all` of fixed-capacity blocks [n, C, D]. Every rank sends n * C 
         n * min(k, E_l) / k times the N * K real copies (n times at DeepSeek-V3's k = 8 <= E_l). Runs everywhere.
 ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the receiver's buffer. XLA implements
         it on GPU but not on CPU (jax 0.11); the tests check its offsets with a CPU stand-in (tests/test_ep.py).
+        `python -m hcfjax.bench.ep` compares the two on GPUs.
 
 `exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else ragged on a GPU backend and dense
 elsewhere. In both, the received rows lie in groups (source, local expert); padding rows outside every group get
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ def resolve_exchange(exchange: str = "auto") -> str:
     return exchange
 
 
-def ep_experts(axis: str, exchange="auto", compute=None):
+def ep_experts(axis: str, exchange: str | Callable = "auto", compute: Callable | None = None):
     """An experts function (same contract as hcfjax.moe.experts) that runs the routed experts over `axis`.
 
     p: this rank's experts {gate, up: [E_l, D, F], down: [E_l, F, D]}; x [N, D] this rank's tokens;
