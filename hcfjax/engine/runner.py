@@ -176,9 +176,9 @@ def planned_step(
     spec: SpeculativeConfig | None = None,
 ):
     """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
-    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens with
-    all_to_all. Every rank runs every step; rows without work are mock rows that write nothing (and, with_load, add
-    nothing to the expert loads, which are summed over the ranks)."""
+    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens over EP
+    (sharding.ep, exchange "auto"). Every rank runs every step; rows without work are mock rows that write nothing
+    (and, with_load, add nothing to the expert loads, which are summed over the ranks)."""
     from sharding.ep import ep_experts
     from sharding.plans import param_specs
 
