@@ -17,9 +17,12 @@ ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the r
         it on GPU but not on CPU (jax 0.11); the tests check its offsets with a CPU stand-in (tests/test_ep.py).
         `python -m hcfjax.bench.ep` compares the two on GPUs.
 
-`exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else ragged on a GPU backend and dense
-elsewhere. In both, the received rows lie in groups (source, local expert); padding rows outside every group get
-an out-of-range expert (no group of the grouped matmul) and are zeroed.
+`exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else dense: on two H200s (2026-11-29,
+hcfjax/bench/results/ep.md) XLA's ragged_all_to_all took 1.3-13 ms where the dense all_to_all of twice the bytes
+took 0.45-1.0 ms, so ragged is opt-in until XLA's implementation (or a hand-written one) wins.
+
+In both, the received rows lie in groups (source, local expert); padding rows outside every group get an
+out-of-range expert (no group of the grouped matmul) and are zeroed.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ EXCHANGES = ("dense", "ragged", "auto")
 
 
 def resolve_exchange(exchange: str = "auto") -> str:
-    """'dense' or 'ragged' for an `exchange` of EXCHANGES (auto: HCFJAX_EP_EXCHANGE, else ragged on a GPU)."""
+    """'dense' or 'ragged' for an `exchange` of EXCHANGES (auto: HCFJAX_EP_EXCHANGE, else dense; module docstring)."""
     if exchange == "auto":
-        exchange = os.environ.get("HCFJAX_EP_EXCHANGE") or ("ragged" if jax.default_backend() == "gpu" else "dense")
+        exchange = os.environ.get("HCFJAX_EP_EXCHANGE") or "dense"
     if exchange not in ("dense", "ragged"):
         raise ValueError(
             f"EP exchange must be one of {EXCHANGES} (or HCFJAX_EP_EXCHANGE dense|ragged), got {exchange!r}"
