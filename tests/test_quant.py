@@ -284,6 +284,24 @@ def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
 
 @pytest.mark.usefixtures("_reset_interpreter")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
+def test_kernel_group_256_interpret(act):
+    """A K group of 256: two 64-byte packed chunks per group and row tile (each K half of the group is two wgmma K
+    chunks), with two groups per pipeline step."""
+    from pallas_kernels.moe_int4 import Tiling, int4_ragged_dot
+
+    e, k, n, sizes = 4, 512, 128, [9, 30, 0, 2]
+    w = jax.random.normal(jax.random.key(3), (e, k, n)) / 16
+    x = jax.random.normal(jax.random.key(1), (sum(sizes) + 3, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    qw = quant.quantize(w, 4, act, group=256)
+    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    t = Tiling(32, 64, 2, gps=2)
+    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
+    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_matches_reference_interpret(act):
     """silu(x @ Wg) * (x @ Wu) in one kernel (two weights, one token tile), with an empty group and a partial block."""
     from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_gated_reference
