@@ -70,6 +70,8 @@ class Tiling:
     stages: int  # pipeline steps in flight
     gps: int = 1  # K groups per pipeline step (one TMA per operand per step)
     a_regs: bool = True  # unpacked weights go to wgmma from registers; False: through smem, as the first version did
+    inline: bool = True  # unpack with int4_unpack's inline_mgpu bit tricks; False: the same values from int16 ops
+    # (widening conversions, as the first version; the interpreter's only way)
 
     @property
     def tiles(self) -> int:
@@ -98,7 +100,7 @@ def _transforms(cols: int, itemsize: int):
 def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *refs):
     """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
     gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
-    and accumulator start (False: GPU interpret mode's equivalents)."""
+    and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -338,11 +340,13 @@ def default_tiling(
 
 def legacy_tiling(act: str, m: int, e: int, nw: int = 1, g: int = 128) -> Tiling:
     """The first version's tiling (H200 runs of 2026-11-29): power-of-two token blocks >= 1.25 x rows per expert,
-    64 weight rows per CTA, one K group per step, 4 stages (fewer where smem runs out), A through smem. Kept for the
-    bench's old-against-new rows; its unpacking is the new one."""
+    64 weight rows per CTA, one K group per step, 4 stages (fewer where smem runs out), A through smem, unpacked with
+    int16 ops. Kept for the bench's old-against-new rows (and as the fallback should the inline unpacking fail on a
+    GPU). What differs from the first version: w4a16 scales in bf16 after a magic-number conversion instead of f32
+    (no I2F), w4a8 without I2F of the partials, one smem slot with a wait per step instead of two."""
     per_expert = 1.25 * m / max(e, 1)
     bm = next((b for b in (16, 32, 64) if per_expert <= b), 128)
-    t = Tiling(bm=bm, bn=BN, stages=4, a_regs=False)
+    t = Tiling(bm=bm, bn=BN, stages=4, a_regs=False, inline=False)
     while t.stages > 2 and smem_bytes(act, t, g, nw) > SMEM_LIMIT:
         t = dataclasses.replace(t, stages=t.stages - 1)
     return t
@@ -394,13 +398,13 @@ def _run(x, weights, group_sizes, act, interpret, tiling):
     e = group_sizes.shape[0]
     t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
     if interpret:
-        t = dataclasses.replace(t, a_regs=False)
+        t = dataclasses.replace(t, a_regs=False, inline=False)
     _check_tiling(t, act, n, k // g, g, nw, interpret)
     args = kernel_operands(x, weights, group_sizes, act, t.bm)
     a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
     a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, k // g // t.gps, nw, m, e, t, not interpret),
+        functools.partial(_kernel, act, g, k // g // t.gps, nw, m, e, t, t.inline),
         out_type=jax.ShapeDtypeStruct((max(m, t.bm), n), jnp.bfloat16),
         grid=(n // t.bn, num_blocks(m, e, t.bm)),
         grid_names=("n", "m"),

@@ -148,7 +148,8 @@ def _emit(kind: str, spec: str, **data) -> None:
 
 def _short(t) -> str:
     gps = f" gps={t.gps}" if t.gps > 1 else ""
-    return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}" + ("" if t.a_regs else " A via smem")
+    via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
+    return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
 def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool) -> None:
