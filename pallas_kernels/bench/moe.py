@@ -25,11 +25,12 @@ include the wrapper's XLA work: the per-block table from group_sizes and, for w4
 for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own copy if torch is missing), XLA bf16
 and int8 8192^3 matmuls.
 
-Robustness: the cases run in a worker process that prints one JSON line per case; a case that raises reports its error
-and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a fresh one goes on
-with the next case, skipping that kernel at that block size; a case that hangs (a deadlocked kernel) is killed after
---stall seconds without progress (the worker dumps its Python stack first), and a fresh worker continues with the next
-case. No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
+Robustness: the cases run in a worker process that prints one JSON line per row; a row that raises reports its error
+and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a kernel row that hangs
+(a deadlocked kernel) is killed after --stall seconds without progress (the worker dumps its Python stack first);
+either way a fresh worker resumes the case without that row (at most twice per case; rows already reported are not
+rerun) and later cases skip that kernel (a CUDA error: at that token block), and the gate/up rows that share its code.
+No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
 minutes).
 Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
@@ -152,7 +153,7 @@ def _short(t) -> str:
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
-def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool) -> None:
+def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, done: list) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -182,13 +183,17 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool) -
     }
     del wf, xq, xs
 
-    def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1):
+    def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1, needs=()):
         """One timed row; kernels (act given) are first checked against ref (default: the plain product's). mult=0:
         a row that is not a matmul (only its time is shown). A kernel that hung or hit a CUDA error earlier in the
-        run is skipped (by row name; a CUDA error by row name and token block)."""
+        run is skipped (by row name; a CUDA error by row name and token block), as is a row that needs it (the
+        gate/up rows share the default kernel's code); rows a lost worker already reported for this case (done) are
+        not rerun."""
         key = f"{name} bm={tiling.bm}" if tiling is not None else None
-        if name in skip or key in skip:
-            _emit("ROW", spec, row=dict(name=name, error=f"skipped: {skip.get(name) or skip[key]}"))
+        if name in done:
+            return
+        if why := next((skip[k] for k in (name, key, *needs) if k in skip), None):
+            _emit("ROW", spec, row=dict(name=name, error=f"skipped: {why}"))
             return
         r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
         _emit("BEGIN", spec, what=name)
@@ -207,6 +212,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool) -
         _emit("ROW", spec, row=r)
 
     kg = k // 128
+    default_bm = {act: default_tiling(act, m, n, kg, e).bm for act in ("bf16", "int8")}
     for act in ("bf16", "int8"):  # the default tilings first: the rows that matter most if the run is cut short
         name = "w4a16" if act == "bf16" else "w4a8"
         t = default_tiling(act, m, n, kg, e)
@@ -232,7 +238,8 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool) -
             t = default_tiling(act, m, n, kg, e, nw=2)
             fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=t)
             weights = (x, (q4.q, q4.scale), (qu, su), gs)
-            kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2)
+            needs = (f"{name} kernel", f"{name} kernel bm={default_bm[act]}")  # the same code, and the unfused row's
+            kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2, needs=needs)
             row(f"{name} gate+up+SiLU fused", fused, *weights, act=act, tiling=t, ref=ref, nw=2, **kw)
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
@@ -305,13 +312,14 @@ def _lost(spec: str, what: str, skip_key: str | None) -> None:
 
 
 def worker(specs: list[str], sweep: str, interpret: bool, skip: dict, jnp_refs: bool) -> None:
+    done = skip.pop("__done__", {})  # rows of a case that a lost worker already reported
     for spec in specs:
         _emit("BEGIN", spec, what="case")
         try:
             if spec == "ceilings":
                 _emit("CEIL", spec, ceilings=_ceilings())
             else:
-                _case(spec, sweep == "all" or spec in sweep.split(","), interpret, skip, jnp_refs)
+                _case(spec, sweep == "all" or spec in sweep.split(","), interpret, skip, jnp_refs, done.get(spec, []))
             _emit("DONE", spec)
         except Exception as ex:  # noqa: BLE001
             msg = f"{type(ex).__name__}: {str(ex)[:2000]}"
@@ -354,12 +362,21 @@ def _lines(fd: int, timeout: float, buf: bytearray) -> list[str] | None:
 
 def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
     """Runs the specs in order in worker processes: {spec: {rows, ceilings, error, note}}. A worker that exits early
-    or stays silent for --stall seconds (a hung kernel) is killed; the item it was on is reported and a new worker
-    goes on with the next case. A kernel that hung is skipped in the later cases (each hang costs the stall time)."""
+    or stays silent for --stall seconds (a hung kernel) is killed, as is one whose CUDA context a kernel broke; the
+    row it was on is reported, and a new worker resumes the case without it (once or twice per case: the rows already
+    reported are not rerun) or goes on with the next case. A kernel that hung or broke the context is skipped in the
+    later cases too (each hang costs the stall time)."""
     results: dict[str, dict] = {s: dict(rows=[]) for s in specs}
     t_start = time.time()
     hard_stop = t_start + args.hard_limit
-    pending, skip = list(specs), {}
+    pending, skip, done, retries = list(specs), {}, {}, {}
+
+    def resume(spec: str) -> bool:  # whether a fresh worker should take this case up again
+        if spec == "ceilings" or retries.get(spec, 0) >= 2 or time.time() >= hard_stop:
+            return False
+        retries[spec] = retries.get(spec, 0) + 1
+        return True
+
     env = dict(os.environ, MOE_BENCH_STALL=str(args.stall))
     while pending:
         if time.time() - t_start > args.time_limit:
@@ -373,7 +390,7 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
             "--worker",
             ",".join(pending),
             "--skip",
-            json.dumps(skip),
+            json.dumps(dict(skip, __done__=done)),
         ]
         cmd += ["--sweep", args.sweep] * bool(args.sweep) + ["--interpret"] * args.interpret
         cmd += ["--jnp-refs"] * args.jnp_refs
@@ -397,15 +414,19 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
                     begun = (spec, ev["what"])
                 elif kind == "ROW":
                     results[spec]["rows"].append(ev["row"])
+                    done.setdefault(spec, []).append(ev["row"]["name"])
                     log(f"  {spec}: {_row_summary(ev['row'])}")
                 elif kind == "CEIL":
                     results[spec]["ceilings"] = ev["ceilings"]
-                elif kind == "LOST":  # a CUDA error: the worker exits; the case's later rows are not run
-                    pending.remove(spec)
-                    note = f"CUDA error in {ev['what']}: worker exited, a fresh one runs the next case"
-                    results[spec]["rows"].append(dict(name="(rest of the case)", error=f"not run: {note}"))
+                elif kind == "LOST":  # a CUDA error: the worker exits
                     if ev.get("skip"):
                         skip[ev["skip"]] = f"a CUDA error in case {spec}"
+                    if resume(spec):
+                        note = f"CUDA error in {ev['what']}: worker exited, a fresh one resumes the case without it"
+                    else:
+                        pending.remove(spec)
+                        note = f"CUDA error in {ev['what']}: worker exited, a fresh one runs the next case"
+                        results[spec]["rows"].append(dict(name="(rest of the case)", error=f"not run: {note}"))
                     log(f"[{time.time() - t_start:6.1f} s] {spec}: {note}")
                     why = "lost"
                     break
@@ -426,10 +447,14 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         proc.wait()
         if why in ("done", "limit", "lost") or not pending:
             continue
-        # The worker died or hung inside pending[0]: report the item it was on and move past the case.
-        spec = pending.pop(0)
+        # The worker died or hung inside pending[0]: report the item it was on; resume the case without a kernel row
+        # that hung, else move past the case.
+        spec = pending[0]
         what = begun[1] if begun and begun[0] == spec else "case"
         hard = time.time() >= hard_stop
+        kernel_row = what.split()[0] in ("w4a16", "w4a8")
+        if not (kernel_row and resume(spec)):
+            pending.pop(0)
         msg = f"no progress for {time.time() - last:.0f} s"
         if why == "exit":  # it dumps its stack ('Timeout') and exits itself shortly before a stall would be seen here
             stalled = f"a 'Timeout' stack dump above means no progress for {args.stall - 3:.0f} s"
@@ -439,10 +464,10 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         if what == "case":
             results[spec]["error"] = msg
         else:
-            results[spec]["rows"].append(
-                dict(name=what, error=f"hung or crashed: {msg}; the case's later rows are lost")
-            )
-            if what.split()[0] in ("w4a16", "w4a8") and not hard:
+            later = "the case resumes without it" if spec in pending else "the case's later rows are lost"
+            results[spec]["rows"].append(dict(name=what, error=f"hung or crashed: {msg}; {later}"))
+            done.setdefault(spec, []).append(what)
+            if kernel_row and not hard:
                 skip[what] = f"it hung or crashed in case {spec}"
         if hard:
             for s in pending:
