@@ -68,17 +68,6 @@ def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
 
 
-def _clear_mtp_head(cache: kvcache.KVCache, first_mtp_layer: int, page, ok, spec) -> kvcache.KVCache:
-    """Zeroes positions 0..k of the MTP layers in each new sequence's first page. Module m's entries start at
-    position m + 1, so these positions are read but never written: a fresh cache holds zeros there, and a reused
-    page must too, or a sequence would attend to the previous owner's entries."""
-    page = jnp.where(ok, page, cache.num_pages)  # rows without a sequence: out of range, dropped
-    n = spec.num_draft_tokens + 1
-    kv = cache.kv.at[first_mtp_layer:, page, :n].set(0, mode="drop")
-    scale = None if cache.scale is None else cache.scale.at[first_mtp_layer:, page, :n].set(0, mode="drop")
-    return kvcache.KVCache(kv, scale)
-
-
 def step_body(
     params,
     cfg: ModelConfig,
@@ -116,7 +105,6 @@ def step_body(
         length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
         count = count.at[pre.slot].set(pre.count + 1, mode="drop")
         if spec is not None:  # prompts come whole (start 0): the MTP modules see every anchor
-            cache = _clear_mtp_head(cache, cfg.num_hidden_layers, pre.page_table[:, 0], pre.n > 0, spec)
             key, sub = jax.random.split(key)
             d, cache = spec_prefill(
                 params,

@@ -41,7 +41,7 @@ from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
-from hcfjax.engine.runner import _clear_mtp_head, _keys  # the colocated engine's: same first tokens, same drafts
+from hcfjax.engine.runner import _keys  # the colocated engine's: same first tokens, same drafts
 from hcfjax.generate import bucket
 from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
 from hcfjax.pd.transport import Piece
@@ -94,7 +94,6 @@ def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
 def _spec_prefill(params, cfg: ModelConfig, spec: SpeculativeConfig, x, tokens, first, n, cache, table, sp, key):
     """The MTP modules over the prompts and the first drafts (the engine's prefill step does the same)."""
-    cache = _clear_mtp_head(cache, cfg.num_hidden_layers, table[:, 0], n > 0, spec)
     h = final_hidden(params, cfg, x)
     return spec_prefill(params, cfg, spec, h, tokens, first, n, cache, table, sp, n > 0, key)
 
