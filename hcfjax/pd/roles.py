@@ -36,28 +36,15 @@ def _log_to_stderr() -> None:
 
 
 def run_prefill(model, args, plans, announce) -> None:
-    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+    from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
     from sharding.plans import prefill_plan
 
     _log_to_stderr()
     transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
-    config = PrefillConfig(
-        num_pages=args.prefill_pages,
-        page_size=args.page_size,
-        max_rows=args.max_prefill_rows,
-        token_budget=max(args.token_budget, 1),
-        chunk=args.prefill_chunk,
-        min_bucket=args.min_prefill_bucket,
-        layerwise_threshold=args.layerwise_threshold,
-        layer_group=args.layer_group,
-        transfer_timeout_s=args.transfer_timeout,
-        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
-        speculative=_speculative(args),
-    )
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    worker = PrefillWorker(model, transport.sender(), config, plan)
+    worker = PrefillWorker(model, transport.sender(), prefill_config(args), plan)
     if args.warmup:
         limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
         announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
@@ -71,6 +58,25 @@ def run_prefill(model, args, plans, announce) -> None:
         worker.sender.close()
 
     _until_signal(stop, announce)
+
+
+def prefill_config(args):
+    """The prefill worker's PrefillConfig from `hcfjax serve --role prefill` arguments."""
+    from hcfjax.pd.prefill import PrefillConfig
+
+    return PrefillConfig(
+        num_pages=args.prefill_pages,
+        page_size=args.page_size,
+        max_rows=args.max_prefill_rows,
+        token_budget=max(args.token_budget, 1),
+        chunk=args.prefill_chunk,
+        min_bucket=args.min_prefill_bucket,
+        layerwise_threshold=args.layerwise_threshold,
+        layer_group=args.layer_group,
+        transfer_timeout_s=args.transfer_timeout,
+        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        speculative=_speculative(args),
+    )
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
