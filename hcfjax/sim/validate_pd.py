@@ -42,13 +42,7 @@ class Workers:
         self._prefill = self._launcher.submit(launch_role, self.pre_args, pre_env, self.procs)
 
     def configs(self):
-        """(the prefill worker's PrefillConfig, the decode worker's EngineConfig), parsed from their arguments as
-        `hcfjax serve` parses them."""
-        from hcfjax.cli import _engine_config, build_parser
-        from hcfjax.pd.roles import prefill_config
-
-        parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
-        return prefill_config(parse(self.pre_args)), _engine_config(parse(self.dec_args))
+        return worker_configs(self.pre_args, self.dec_args)
 
     def prefill_ready(self) -> str:
         return self._prefill.result()
@@ -62,6 +56,16 @@ class Workers:
     def stop(self) -> None:
         stop_pd(self.procs)  # a prefill worker still starting exits too, which ends its launcher
         self._launcher.shutdown(wait=False)
+
+
+def worker_configs(pre_args: list[str], dec_args: list[str]):
+    """(the prefill worker's PrefillConfig, the decode worker's EngineConfig), from their `hcfjax serve` arguments
+    as the command parses them."""
+    from hcfjax.cli import _engine_config, build_parser
+    from hcfjax.pd.roles import prefill_config
+
+    parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
+    return prefill_config(parse(pre_args)), _engine_config(parse(dec_args))
 
 
 def calibrate_prefill(model, config, longest: int, reps: int) -> list[tuple[tuple[int, int, int, int], float]]:
