@@ -4,6 +4,7 @@ handoff, the sweep, the YAML config and the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hcfjax.sim.deployment import model_config
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
 from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, PrefillInstance, new_request
 from hcfjax.sim.sweep import Search, candidates, max_rate
-from hcfjax.sim.work import EngineShapes, actual_works
+from hcfjax.sim.work import EngineShapes, PrefillShapes, actual_works
 
 CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
 IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads
@@ -205,6 +206,98 @@ def test_pd_deployment_runs_and_attributes_time():
     assert res.finished == 40 and res.ttft[50] > 0 and res.tpot[50] > 0
     assert set(res.parts) == {"prefill", "decode"} and res.parts["decode"]["attn_decode"] > 0
     assert 0 < res.utilisation["decode0"] <= 1 and 0 < res.utilisation["prefill0"] <= 1
+
+
+def test_prefill_shapes_are_the_workers():
+    """The simulator's copy of PrefillWorker._shape (the sim does not import the model code) gives its shapes."""
+    from types import SimpleNamespace
+
+    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+
+    worker = SimpleNamespace(config=PrefillConfig(page_size=16, chunk=128, min_bucket=64))
+    shapes = PrefillShapes(page_size=16, chunk=128, min_bucket=64)
+    for rows, longest in [(1, 1), (1, 64), (2, 65), (3, 300), (4, 1000)]:
+        assert shapes.shape(rows, longest) == PrefillWorker._shape(worker, rows, longest)
+    assert shapes.shape(2, 300) == (2, 128, 384, 32)  # three chunks of 128, a table of 24 pages -> 32
+    (w,) = shapes.shape_works(2, 128, 384, 32)
+    assert (w.tokens, w.logits, w.pre_pairs) == (768, 2, 768 * 512)
+    assert w.pre_kv == w.pre_expand == 2 * 512 * 3  # each chunk of each row reads the whole table
+
+
+def _profile(path: Path, eff: Efficiency) -> str:
+    path.write_text(json.dumps(dataclasses.asdict(eff)))
+    return str(path)
+
+
+def test_pd_engine_shapes_by_hand(tmp_path):
+    """1P1D as sim.validate builds it, each pool with its own profile: the prefill instance batches whole prompts
+    in the worker's shapes, the cache moves over a measured link in whole pages, the decode instance steps every
+    slot. A lone request's TTFT is the prefill host's dispatch + its batch's step + the transfer, its TPOT the
+    decode step; two prompts arriving together are one prefill batch, and the second transfer waits for the first."""
+    pre = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0, step_overhead_s=0.05, host_dispatch_s=0.003)
+    dec = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0, step_overhead_s=0.01, transfer_gbs=1.0, transfer_latency_s=0.02)
+    dep = Deployment(
+        model="tiny-v3",
+        gpu="H200",
+        quant=None,
+        mode="pd",
+        engine_shapes=True,
+        max_model_len=512,
+        prefill=Pool(page_size=16, min_bucket=64, chunk=128, max_prefill_rows=2, token_budget=4096, num_pages=64),
+        decode=Pool(max_slots=4, page_size=16),
+    )
+    dep = dep.replace(
+        prefill=dataclasses.replace(dep.prefill, efficiency=_profile(tmp_path / "pre.json", pre)),
+        decode=dataclasses.replace(dep.decode, efficiency=_profile(tmp_path / "dec.json", dec)),
+    )
+    cfg = model_config("tiny-v3")
+    pc, dc = CostModel(cfg, gpu("H200"), pre), CostModel(cfg, gpu("H200"), dec)
+    shapes = PrefillShapes(16, 128, 64)
+    step = lambda n_rows, longest: pc.step(shapes.shape_works(*shapes.shape(n_rows, longest))).seconds
+    link = lambda tokens: 0.02 + dc.kv_bytes(-(-tokens // 16) * 16) / 1e9  # whole pages of 16
+    decode = dc.step(dep.engine_shapes_for(dep.decode, cfg).shape_works(0, 0, True)).seconds
+
+    trace = tmp_path / "one.csv"
+    trace.write_text("arrival_s,input,output\n0.0,100,5\n")
+    res = simulate(dep, Workload(requests=0, trace=str(trace)))
+    assert res.finished == 1
+    assert res.ttft[50] == pytest.approx(0.003 + step(1, 100) + link(100))
+    assert res.tpot[50] == pytest.approx(decode)
+
+    trace.write_text("arrival_s,input,output\n0.0,100,5\n0.0,300,5\n")
+    res = simulate(dep, Workload(requests=0, trace=str(trace)))
+    assert sum(res.parts["prefill"].values()) == pytest.approx(step(2, 300))  # one batch of (2, 128, 384, 32)
+    spread = (res.ttft[99] - res.ttft[50]) / 0.49  # two requests: percentiles interpolate between them
+    a, b = res.ttft[50] - spread / 2, res.ttft[50] + spread / 2
+    assert a == pytest.approx(0.003 + step(2, 300) + link(100))
+    assert a + link(300) <= b < a + link(300) + decode  # after its transfer, which waited for the first one's
+
+
+def test_validate_builds_the_workers_deployment():
+    """sim.validate's 1P1D deployment takes the workers' settings from their own command lines (bench.serve's)."""
+    import argparse
+
+    from hcfjax.bench.serve import pd_gpus, pd_role_args, role_env
+    from hcfjax.sim.validate_pd import deployment, worker_configs
+
+    args = argparse.Namespace(
+        preset="v2-lite", model=None, pd="jax", page_size=64, max_model_len=4096, token_budget=256, prefill_rows=2,
+        min_bucket=64, max_slots=32, requests=48,
+    )  # fmt: skip
+    pre, dec = worker_configs(*pd_role_args(args))
+    assert (pre.token_budget, pre.max_rows, pre.chunk, pre.min_bucket, pre.page_size) == (4096, 2, 2048, 64, 64)
+    assert (dec.max_slots, dec.page_size, dec.max_model_len, dec.token_budget) == (32, 64, 4096, 256)
+    dep = deployment("v2-lite", "H200", pre, dec, {"prefill": "a.json", "decode": "b.json"})
+    assert dep.prefill.efficiency == "a.json" and dep.decode.efficiency == "b.json" and dep.engine_shapes
+    cfg = model_config("v2-lite")
+    assert dep.engine_limits(dep.decode, cfg) == (4096, 65, 1040)  # Engine: 65 pages a request, 32 x 65 / 2
+    sched = dep.scheduler_config(dep.prefill, "prefill", pre.num_pages)
+    assert sched.whole_prompts and sched.spf_window_s == 0 and sched.token_budget == 4096
+    assert pd_gpus("0,1") == ("0", "1") and pd_gpus(None) is None
+    with pytest.raises(SystemExit, match="two GPU indices"):
+        pd_gpus("0")
+    env = role_env("1", 0.4, JAX_PLATFORMS="cpu")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"
 
 
 # -- workloads, sweep, config, CLI -------------------------------------------------------------------------------------

@@ -356,13 +356,15 @@ class ModelRunner:
         )
 
     def warmup_install(self) -> None:
-        """Compiles install for every page-count bucket (a PD decode worker), writing nothing."""
+        """Compiles install for every page count (a PD decode worker: the padding to the count's bucket, then the
+        bucket's install), writing nothing."""
         cache = self.state.cache
         drafts = None if self.spec is None else jax.tree.map(lambda x: x[0], self.state.drafts)
-        for b in sorted({bucket(n, 1) for n in range(1, self.max_pages + 1)}):
-            kv = np.zeros((cache.kv.shape[0], b, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
-            scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
-            self._install_pages([cache.num_pages] * b, kv, scale, self.num_slots, 0, 0, 0, drafts)
+        kv = np.zeros((cache.kv.shape[0], self.max_pages, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
+        scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
+        for n in range(1, self.max_pages + 1):
+            part = None if scale is None else scale[:, :n]
+            self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
 
     def warmup(self, max_rows: int, max_chunk: int, prefill: bool = True) -> None:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without

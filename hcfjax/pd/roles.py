@@ -22,14 +22,32 @@ def _log_to_stderr() -> None:
 
 
 def run_prefill(model, args, plans, announce) -> None:
-    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+    from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
     from sharding.plans import prefill_plan
 
     _log_to_stderr()
     transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
-    config = PrefillConfig(
+    plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
+    worker = PrefillWorker(model, transport.sender(), prefill_config(args), plan)
+    if args.warmup:
+        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
+        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
+    with until_signal(announce):
+        worker.start()
+        server = prefill_server(worker, args.transport, args.host, args.port).start()
+        announce(f"hcfjax serve: prefill worker listening on {server.address}")
+    server.stop(args.grace)
+    worker.shutdown()
+    worker.sender.close()
+
+
+def prefill_config(args):
+    """The prefill worker's PrefillConfig from `hcfjax serve --role prefill` arguments."""
+    from hcfjax.pd.prefill import PrefillConfig
+
+    return PrefillConfig(
         num_pages=args.prefill_pages,
         page_size=args.page_size,
         max_rows=args.max_prefill_rows,
@@ -42,18 +60,6 @@ def run_prefill(model, args, plans, announce) -> None:
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
         speculative=_speculative(args),
     )
-    plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    worker = PrefillWorker(model, transport.sender(), config, plan)
-    if args.warmup:
-        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
-        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
-    with until_signal(announce):
-        worker.start()
-        server = prefill_server(worker, args.transport, args.host, args.port).start()
-        announce(f"hcfjax serve: prefill worker listening on {server.address}")
-    server.stop(args.grace)
-    worker.shutdown()
-    worker.sender.close()
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
