@@ -209,10 +209,10 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return ragged_dot_reference(x, w, group_sizes)
 
 
-# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, 2026-11-29 (pallas_kernels/NOTES.md):
-# w4a16 fused = two kernels + SiLU (598 vs 596 us at E=16 M=1024), kept fused (one launch, no [M, 2F] round trip);
-# w4a8 fused was slower (651 vs 520 us; 1798 vs 1271 us at E=32 M=4096), so w4a8 runs two kernels.
-FUSED_GATE_UP = {"bf16": True, "int8": False}
+# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, kernel v2
+# (pallas_kernels/bench/RESULTS.md): fused beats two kernel calls + SiLU in decode (w4a16 123 vs 192 us, w4a8 125 vs
+# 140 us at E=16 M=128) and ties at 4096-16384 tokens, in both modes.
+FUSED_GATE_UP = {"bf16": True, "int8": True}
 
 
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Array:

@@ -320,14 +320,15 @@ def test_gated_kernel_matches_reference_interpret(act):
     assert not y[sum(sizes) :].any()
 
 
-@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", False)])
+@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
 def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
-    """With the kernel on, gate/up + SiLU runs fused for w4a16 and as two kernel calls for w4a8 (fused w4a8 was
-    slower on the H200)."""
+    """With the kernel on, gate/up + SiLU runs as one fused kernel where quant.FUSED_GATE_UP says so, else as two
+    kernel calls."""
     from pallas_kernels import moe_int4
 
     calls = []
     monkeypatch.setattr(quant, "use_kernel", lambda: True)
+    monkeypatch.setitem(quant.FUSED_GATE_UP, act, fused)
     monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", lambda x, g, u, gs, act: calls.append("fused") or x[:, :64])
     monkeypatch.setattr(moe_int4, "int4_ragged_dot", lambda x, q, s, gs, act: calls.append("one") or x[:, :64])
     w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
