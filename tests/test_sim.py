@@ -315,8 +315,34 @@ def test_max_rate_and_candidates():
     assert any(not p.result.meets_slo and p.rate > best.rate for p in points)  # the search bracketed it
     h200 = load_config(CONFIGS / "reference-h200.yaml")
     layouts = candidates(h200.deployment, h200.grid, h200.total_gpus)
-    assert layouts and all(dep.gpus <= 16 for _, dep in layouts)
-    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep in layouts)
+    assert layouts and all(dep.gpus <= 16 for _, dep, _ in layouts)
+    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep, _ in layouts)
+
+
+def test_refinement_walks_to_the_finer_optimum(monkeypatch):
+    """The pattern search after the grid: with throughput peaking at 22 slots, the grid [8, 32, 64] finds 32, and
+    steps of 16, 8, 4, 2 from there reach 22, evaluating each layout once."""
+    from types import SimpleNamespace
+
+    from hcfjax.sim import sweep as sweep_mod
+
+    calls = []
+
+    def fake_max_rate(dep, wl, slo, search):
+        calls.append(dep.colocated.max_slots)
+        result = SimpleNamespace(output_tok_s=1000.0 - (dep.colocated.max_slots - 22) ** 2, meets_slo=True)
+        point = sweep_mod.Point(search.lo, result)
+        return point, [point]
+
+    monkeypatch.setattr(sweep_mod, "max_rate", fake_max_rate)
+    cfg = load_config(CONFIGS / "tiny.yaml")
+    out = sweep_mod.sweep(
+        cfg.deployment, cfg.workload, cfg.slo, {"max_slots": [8, 32, 64]}, None, log=lambda s: None,
+        refine={"max_slots": 2},
+    )  # fmt: skip
+    assert out[0].values["max_slots"] == 22 and out[0].tok_s == 1000.0
+    assert sorted(calls) == sorted(set(calls)) and calls[:3] == [8, 32, 64]
+    assert calls[3:] == [16, 48, 24, 20, 28, 22, 26]
 
 
 def test_config_errors_name_the_key():
