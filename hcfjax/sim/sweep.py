@@ -46,6 +46,49 @@ def max_rate(dep: Deployment, wl: Workload, slo: SLO, search: Search = Search())
     return best, points
 
 
+def max_rate_on_lattice(
+    dep: Deployment, wl: Workload, slo: SLO, search: Search, start: float, ratio: float = 1.03
+) -> tuple[Point | None, list[Point]]:
+    """max_rate on the rates search.lo x ratio^i (up to search.hi), from the lattice rate nearest `start`: up or
+    down in doubling strides until the SLO flips, then bisection. Layouts searched on one lattice compare at its
+    resolution (3%), and one near the start costs two or three runs."""
+    top = math.floor(math.log(search.hi / search.lo) / math.log(ratio) + 1e-9)
+    rate = lambda i: search.lo * ratio**i
+    points: list[Point] = []
+    seen: dict[int, Point] = {}
+
+    def ok(i: int) -> bool:
+        if i not in seen:
+            seen[i] = Point(rate(i), simulate(dep, wl.replace(rate=rate(i)), slo))
+            points.append(seen[i])
+        return seen[i].result.meets_slo
+
+    i = min(max(round(math.log(start / search.lo) / math.log(ratio)), 0), top)
+    stride = 1
+    if ok(i):
+        lo = i
+        while True:
+            hi = min(lo + stride, top)
+            if hi == lo:
+                return seen[lo], points  # the range's top meets it
+            if not ok(hi):
+                break
+            lo, stride = hi, stride * 2
+    else:
+        hi = i
+        while True:
+            lo = max(hi - stride, 0)
+            if ok(lo):
+                break
+            if lo == 0:
+                return None, points
+            hi, stride = lo, stride * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return seen[lo], points
+
+
 @dataclasses.dataclass
 class Candidate:
     label: str
@@ -152,7 +195,9 @@ def sweep(
         out.append(Candidate(label, dep, best, points, values))
         log(f"  {label}: {out[-1].tok_s:,.0f} output tok/s within the SLO")
     if refine and out:
-        out += refine_best(base, wl, slo, out, grid, refine, total_gpus, search, log)
+        fine = refine_best(base, wl, slo, out, grid, refine, total_gpus, search, log)
+        refined = {c.label for c in fine}
+        out = [c for c in out if c.label not in refined] + fine  # a layout's lattice rate replaces its grid rate
     return sorted(out, key=lambda c: -c.per_gpu)
 
 
@@ -169,11 +214,11 @@ def refine_best(
 ) -> list[Candidate]:
     """Pattern search from the best of `done` (the grid's candidates), one key at a time: try the value a span
     below and above (the span starts at the widest gap to the key's grid neighbours, or half the value off the
-    grid), move while that raises output tokens/s per GPU, else halve the span, down to the key's step. A trial's
-    rate search is bracketed around the incumbent's best rate (x / 1.6 to x 1.6, four bisections; within the
-    search's range, as the grid's). -> the new candidates evaluated."""
+    grid), move while that raises output tokens/s per GPU, else halve the span, down to the key's step. Every
+    layout here, the grid's best first, gets its rate on one lattice (max_rate_on_lattice, from the incumbent's
+    rate), so they compare at its 3% resolution rather than the grid search's. -> the candidates evaluated."""
     full = lambda values: tuple(sorted({**{k: current(base, k) for k in steps}, **values}.items()))
-    tried: dict[tuple, Candidate | None] = {full(c.values): c for c in done}
+    tried: dict[tuple, Candidate | None] = {}
     best = max(done, key=lambda c: c.per_gpu)
     out: list[Candidate] = []
     values = dict(full(best.values))
@@ -186,19 +231,15 @@ def refine_best(
         made = layout(base, trial, total_gpus)
         if made is None:
             return None
-        rate = best.best.rate if best.best else math.sqrt(search.lo * search.hi)
-        bracket = Search(max(search.lo, rate / 1.6), min(search.hi, rate * 1.6), 4)
-        top, points = max_rate(made[1], wl, slo, bracket)
-        while top is not None and top.rate >= bracket.hi < search.hi:  # the top met the SLO: look higher
-            bracket = Search(bracket.hi, min(search.hi, bracket.hi * 2.56), 4)
-            top, more = max_rate(made[1], wl, slo, bracket)
-            points += more
-            top = top or max((p for p in points if p.result.meets_slo), key=lambda p: p.rate)
+        start = best.best.rate if best.best else math.sqrt(search.lo * search.hi)
+        top, points = max_rate_on_lattice(made[1], wl, slo, search, start)
         c = Candidate(*made, top, points, dict(trial))
         tried[key] = c
         out.append(c)
         log(f"  refine {made[0]}: {c.tok_s:,.0f} output tok/s within the SLO")
         return c
+
+    best = evaluate(values) or best
 
     for key, step in steps.items():
         v = values[key]
