@@ -12,7 +12,7 @@ import pytest
 
 from hcfjax.bench.serve import workload
 from hcfjax.engine.scheduler import SchedulerConfig
-from hcfjax.sim import Deployment, Pool, Workload, simulate
+from hcfjax.sim import SLO, Deployment, Pool, Workload, simulate
 from hcfjax.sim.config import from_mapping, load_config
 from hcfjax.sim.cost import CostModel, Work, tokens_per_step
 from hcfjax.sim.deployment import model_config
@@ -315,8 +315,59 @@ def test_max_rate_and_candidates():
     assert any(not p.result.meets_slo and p.rate > best.rate for p in points)  # the search bracketed it
     h200 = load_config(CONFIGS / "reference-h200.yaml")
     layouts = candidates(h200.deployment, h200.grid, h200.total_gpus)
-    assert layouts and all(dep.gpus <= 16 for _, dep in layouts)
-    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep in layouts)
+    assert layouts and all(dep.gpus <= 16 for _, dep, _ in layouts)
+    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep, _ in layouts)
+
+
+def test_refinement_walks_to_the_finer_optimum(monkeypatch):
+    """The pattern search after the grid: with throughput peaking at 22 slots, the grid [8, 32, 64] finds 32; the
+    refinement rates it again on the lattice, then steps of 32, 16, 8, 4, 2 reach 22, each layout rated once."""
+    from types import SimpleNamespace
+
+    from hcfjax.sim import sweep as sweep_mod
+
+    grid_calls, fine_calls = [], []
+
+    def fake(calls):
+        def rate(dep, wl, slo, search, *start):
+            calls.append(dep.colocated.max_slots)
+            result = SimpleNamespace(output_tok_s=1000.0 - (dep.colocated.max_slots - 22) ** 2, meets_slo=True)
+            point = sweep_mod.Point(search.lo, result)
+            return point, [point]
+
+        return rate
+
+    monkeypatch.setattr(sweep_mod, "max_rate", fake(grid_calls))
+    monkeypatch.setattr(sweep_mod, "max_rate_on_lattice", fake(fine_calls))
+    cfg = load_config(CONFIGS / "tiny.yaml")
+    out = sweep_mod.sweep(
+        cfg.deployment, cfg.workload, cfg.slo, {"max_slots": [8, 32, 64]}, None, log=lambda s: None,
+        refine={"max_slots": 2},
+    )  # fmt: skip
+    assert out[0].values["max_slots"] == 22 and out[0].tok_s == 1000.0
+    assert grid_calls == [8, 32, 64] and fine_calls == [32, 64, 16, 48, 8, 24, 20, 28, 22, 26]
+    assert len(out) == 10  # the grid's layouts were rated again on the lattice: those replace their grid rates
+
+
+def test_lattice_rate_search(monkeypatch):
+    """Rates on search.lo x 1.03^i: from a start next to the answer a few runs find the highest rate meeting the
+    SLO; from far away more; the range's top, or None, at the ends."""
+    from types import SimpleNamespace
+
+    from hcfjax.sim import sweep as sweep_mod
+
+    runs, limit = [], [2.0]
+    monkeypatch.setattr(sweep_mod, "simulate", lambda dep, wl, slo: runs.append(wl.rate) or SimpleNamespace(
+        meets_slo=wl.rate <= limit[0]))  # fmt: skip
+    search, wl = Search(0.25, 16.0), Workload(requests=1)
+    top, points = sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.9)
+    assert top.rate <= 2.0 < top.rate * 1.03 and len(runs) == len(points) <= 4
+    far, _ = sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=0.3)
+    assert far.rate == top.rate and len(runs) <= 4 + 16
+    limit[0] = 100.0
+    assert sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.0)[0].rate == pytest.approx(16.0, rel=0.03)
+    limit[0] = 0.1
+    assert sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.0)[0] is None
 
 
 def test_config_errors_name_the_key():

@@ -49,9 +49,12 @@ class Work:
     mtp_kv: int = 0
 
     def __iadd__(self, other: Work) -> Work:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _WORK_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
+
+
+_WORK_FIELDS = tuple(f.name for f in dataclasses.fields(Work))
 
 
 @dataclasses.dataclass

@@ -2,10 +2,10 @@
 and with --pd also prefill/decode disaggregated.
 
     python -m hcfjax.sim.validate                   # colocated, the serve.md V2-Lite run's settings, a GPU (~3 min)
-    python -m hcfjax.sim.validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: prefill on GPU 0, decode on GPU 1
+    python -m hcfjax.sim.validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: 2 GPUs, ~6-7 min (cold cache)
     python -m hcfjax.sim.validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
         --max-slots 4 --page-size 16 --token-budget 64 --prefill-rows 1 --min-bucket 64 --max-model-len 512 \\
-        --calib-slots 2 [--pd jax]                   # the same on a CPU, both PD roles on it (a few minutes)
+        --calib-slots 2 [--pd jax]                   # the same on a CPU, both PD roles on it (about a minute)
 
 1. Calibrate: time every step shape the engine compiles (ModelRunner, the warm-up's inputs) plus decode-only steps
    at other slot counts (--calib-slots), and fit the efficiency profile's factors (GEMM, routed experts, attention
@@ -17,8 +17,9 @@ and with --pd also prefill/decode disaggregated.
 4. With --pd KIND (hcfjax/sim/validate_pd.py): the PD workers of `hcfjax.bench.serve --pd KIND`, the prefill worker
    started first (it compiles while steps 1-2 run). After step 2 the prefill worker's batch shapes are timed in this
    process and fitted to a prefill profile, the decode-only steps of step 1 to a decode profile, and the KV link is
-   timed; then the decode worker and the router start, the workload goes through the router as the benchmark's
-   client sends it, and a 1P1D deployment with those profiles (the simulator's PD path) simulates it.
+   timed; then the decode worker and the router start, a few lone requests time the handoff beyond prefill and
+   link (gRPC hops, threads), the workload goes through the router as the benchmark's client sends it, and a 1P1D
+   deployment with those profiles (the simulator's PD path) simulates it.
 5. Print measured against predicted throughput, TTFT p50 and TPOT p50 (the issue's bar: within 15%), the table last;
    --out appends it to a file.
 

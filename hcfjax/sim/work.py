@@ -35,12 +35,14 @@ def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) 
     """Per-rank work of `plan` as a production stack computes it; chunks=False leaves the prefill chunks out (a PD
     decode instance, whose admissions are prefilled elsewhere)."""
     q = spec_k + 1
-    works = [Work() for _ in range(dp)]
+    rows, keys = [0] * dp, [0] * dp  # per rank: decode rows, and the positions they read
     for req in plan.decode:
-        keys = req.cached_bound  # positions written once this step's tokens are in
-        works[req.rank] += Work(tokens=q, logits=q, dec_pairs=q * keys, dec_kv=keys)
-        if spec_k:
-            works[req.rank] += Work(mtp_tokens=1, mtp_pairs=keys, mtp_kv=keys)
+        rows[req.rank] += 1
+        keys[req.rank] += req.cached_bound  # positions written once this step's tokens are in
+    works = [Work(tokens=q * n, logits=q * n, dec_pairs=q * k, dec_kv=k) for n, k in zip(rows, keys, strict=True)]
+    if spec_k:  # each draft pass: one token per row over its cache
+        for w, n, k in zip(works, rows, keys, strict=True):
+            w.mtp_tokens, w.mtp_pairs, w.mtp_kv = n, k, k
     if chunks:
         for c in plan.chunks:
             works[max(c.req.rank, 0)] += _chunk_work(c.start, c.n, c.final, spec_k)
