@@ -205,12 +205,14 @@ def until_signal(announce):
     """Runs the block (start the servers in it), then waits until SIGINT or SIGTERM. The handlers are in place before
     the block runs, so a signal right after a server announces itself is not lost; the previous handlers come back on
     exit, so a second signal during the caller's shutdown acts as usual. Call from the main thread."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # The handler only appends to a list: Event.set takes a lock, and a handler that interrupts Event.wait in this
+    # same thread while it holds that lock (a second signal in quick succession) would deadlock on it.
+    received = []
+    previous = {sig: signal.signal(sig, lambda sig, _: received.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
-        while not stop.wait(0.5):  # a timed wait, so the signal handler gets to run
-            pass
+        while not received:
+            time.sleep(0.2)  # a signal ends the sleep; its handler runs in this (the main) thread
         announce("hcfjax serve: shutting down")
     finally:
         for sig, handler in previous.items():
