@@ -138,15 +138,13 @@ def test_rollback_leaves_exactly_the_accepted_entries(embedded):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["embedded", "three_heads"])
-def test_mtp_over_the_paged_cache_equals_the_training_view(which, request):
+def test_mtp_over_the_paged_cache_equals_the_training_view(embedded):
     """Depth 1 over a prompt through the paged cache (what spec_prefill runs) gives the logits of train_mtp's
     cache-free chain: the module attends to exactly the anchors 0..t. The cache starts full of garbage, as a reused
     page would be, so a slot read before it is written (the module's first position, say) fails the comparison."""
     from train_mtp.heads import base_hidden, chain_logits
 
-    m = request.getfixturevalue(which)
-    cfg, params = m.cfg, m.params
+    cfg, params = embedded.cfg, embedded.params
     t, page = 40, 16
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, t + 1)), jnp.int32)
     h = base_hidden(params, cfg, tokens, t)
