@@ -209,16 +209,16 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return ragged_dot_reference(x, w, group_sizes)
 
 
-# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, 2026-11-29 (pallas_kernels/NOTES.md):
-# w4a16 fused = two kernels + SiLU (598 vs 596 us at E=16 M=1024), kept fused (one launch, no [M, 2F] round trip);
-# w4a8 fused was slower (651 vs 520 us; 1798 vs 1271 us at E=32 M=4096), so w4a8 runs two kernels.
-FUSED_GATE_UP = {"bf16": True, "int8": False}
+# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, kernel v2
+# (pallas_kernels/bench/RESULTS.md): fused beats two kernel calls + SiLU in decode (w4a16 123 vs 192 us, w4a8 125 vs
+# 140 us at E=16 M=128) and ties at 4096-16384 tokens, in both modes.
+FUSED_GATE_UP = {"bf16": True, "int8": True}
 
 
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Array:
-    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU
-    (HCFJAX_INT4_KERNEL=1, shapes the kernel supports) int4 QWeights of one kind run one fused Pallas kernel where
-    FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots."""
+    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU (shapes
+    the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
+    where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
         if use_kernel() and FUSED_GATE_UP[gate.act]:
             from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
@@ -229,10 +229,10 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Arra
 
 
 def use_kernel() -> bool:
-    """True on a GPU backend with HCFJAX_INT4_KERNEL=1. Opt-in until `python -m pallas_kernels.bench.moe` has passed
-    its checks on a GPU at every shape: the first H200 run (2026-11-29) checked both modes at BM >= 64 and w4a16 at
-    BM = 16, but w4a8 at BM = 16 crashed (misaligned TMA, fixed since, not yet rerun; pallas_kernels/NOTES.md)."""
-    return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL") == "1"
+    """True on a GPU backend unless HCFJAX_INT4_KERNEL=0. On the H200 (2026-11-29) the kernels passed their checks at
+    every benchmarked shape, and a quantised model's teacher-forced logits with them are as close to a float32 truth
+    as the jnp reference path's, in both modes (pallas_kernels/bench/RESULTS.md, e2e_check.py --kernel int4)."""
+    return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL", "1") != "0"
 
 
 def nbytes(w) -> int:

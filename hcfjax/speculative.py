@@ -128,19 +128,25 @@ def mtp_extend(
     """Runs MTP depths 1..depths over anchors (teacher forcing on verified tokens), writing the modules' KV.
 
     h [B, R, D]: the target's hidden states at anchor positions anchor_pos [B, R] (consecutive per row);
-    tok1 [B, R]: the token at anchor + 1; last_pos [B]: the newest verified position (module i writes only
+    tok1 [B, R]: the token at anchor + 1; last_pos [B]: the newest verified position (depth i runs only where
     anchor + i <= last_pos). Returns (chain hidden of depth 1 [B, R, D], depth-1 logits [B, R, V], cache).
+
+    Cache slots: depth i's entry for anchor a, (h_a, token a + i), lives at position a of module i's layer, so every
+    position from 0 up is written before it is read, as in training (train_mtp runs each depth over the sequence
+    from position 0) and in vLLM's MTP layer. depths <= len(modules): each depth here has its own module's layer;
+    draft_chain runs deeper depths of a shared module at the positions after the anchor.
     """
     modules = params["mtp"]
     r = h.shape[1]
     x, first = h, None
     for i in range(1, depths + 1):
-        m = min(i, len(modules)) - 1
+        m = i - 1
         tok = jnp.concatenate([tok1[:, i - 1 :], jnp.zeros((tok1.shape[0], i - 1), tok1.dtype)], axis=1)[:, :r]
-        pos = anchor_pos + i
-        valid = anchor_ok & (pos <= last_pos[:, None])
-        ctx = CacheContext(cache, page_table, last_pos + 1, valid)
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, params["embed"], ctx, True, head_norm, experts_fn)
+        valid = anchor_ok & (anchor_pos + i <= last_pos[:, None])
+        ctx = CacheContext(cache, page_table, last_pos + 1 - i, valid)
+        x, lg, ctx = mtp_module(
+            modules[m], cfg, m, x, tok, anchor_pos, params["embed"], ctx, True, head_norm, experts_fn
+        )
         cache = ctx.cache
         if first is None:
             first = (x, lg)
@@ -172,8 +178,8 @@ def draft_chain(
     ds, qs, x = [d], [q], x1[:, None]
     for i in range(2, k + 1):
         m = min(i, len(modules)) - 1
-        pos = (anchor + i)[:, None]
-        ctx = CacheContext(cache, page_table, anchor + i + 1, valid[:, None])
+        pos = (anchor + i - 1 - m)[:, None]  # depth i past its module's own depth m + 1 goes that far after the anchor
+        ctx = CacheContext(cache, page_table, pos[:, 0] + 1, valid[:, None])
         emb = params["embed"]
         x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, emb, ctx, True, head_norm, experts_fn)
         cache = ctx.cache

@@ -7,34 +7,39 @@ hcfjax/quant.py documents the layout; within each K group of G, byte j holds k =
 
 Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weight tile is wgmma's A operand and the
 token tile, read K-major, its B operand, as int8 wgmma requires):
-  grid (N/64, token blocks). x is not copied or padded: `block_table` (tiny XLA ops on group_sizes) gives each token
-  block its expert and a BM-row tile of x at a row offset (a multiple of 8); the block owns the rows of its tile that
-  are its expert's (a tile may reach into the neighbouring groups, whose rows it computes and drops; past M the TMA
-  loads zeros). Rows past sum(group_sizes) form one more group whose blocks store zeros; unused blocks exit at once.
-  A pipeline of `stages` steps over the K groups TMA-loads per group the packed tile [64, G/2], its scales [64]
-  (contiguous: the scales are stored K-group-major) and the token tile [BM, G];
-  the packed tile is widened to int16 in registers (Mosaic GPU has no 8-bit shifts) and split by two arithmetic
-  shifts into the two K halves, then
-    w4a16: scaled in f32, rounded to bf16 (as the reference dequantises), stored to one of two smem slots, and two
-           bf16 wgmmas accumulate into an f32 accumulator ref that lives across the pipeline. They are left in flight
-           (wgmma_wait(2) keeps the last step's), so the next group's unpacking overlaps them; the token tiles are
-           released one step late (delay_release=1) for the same reason.
-    w4a8:  stored to smem as int8, two int8 wgmmas into a fresh int32 accumulator (tokens pre-quantised per token),
-           added to the f32 register accumulator times the group scales; the token scales ([BM] f32, copied once into
-           a buffer of their own) multiply the accumulator at the end.
-  int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two accumulators and one token tile, and
-  writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
-  The f32 tile out^T [64, BM] is stored transposed into an untiled bf16 smem tile [BM, 64] (rows of 128 B), and only
-  the block's rows go to out [M, N] in x's row order, by TMA stores of power-of-two row counts (as jax's
-  ragged_dot_mgpu.py does: a TMA box has a static size). No XLA pass after the kernel; before it only the block table
-  and, for w4a8, the per-token int8 quantisation of x (one fused pass; in the kernel it would be redone by every one
-  of the N/64 CTAs that share a token tile, and each needs the token's max over all of K before its first step).
-Shared memory per CTA is `smem_bytes` (about 68 KiB at BM=16 up to 194 KiB at BM=128 for w4a16, 4 stages; NOTES.md).
+  grid (N/bn, token blocks); a CTA is one warpgroup. x is not copied or padded: each CTA finds its token block from
+  group_sizes (`block_info`, a few scalar ops per expert): its expert and a bm-row tile of x at a row offset (a
+  multiple of 8); the block owns the rows of its tile that are its expert's (a tile may reach into the neighbouring
+  groups, whose rows it computes and drops; past M the TMA loads zeros). Rows past sum(group_sizes) form one more
+  group whose blocks store zeros; unused blocks exit at once. `Tiling` says how big a CTA's tile is and how deep its
+  pipeline.
+  A pipeline of `stages` steps over the K groups (`gps` groups a step) TMA-loads per step the packed tiles
+  [bn, gps G/2], their scales [gps, bn] (contiguous: the scales are stored K-group-major) and the token tile
+  [bm, gps G]. Each 64-row packed tile is loaded into registers in the layout of a wgmma A operand and unpacked there
+  with integer and bf16x2 ops (int4_unpack.py: no conversion instructions, no smem round trip), then
+    w4a16: two bf16 wgmmas (the group's K halves, weights scaled in bf16) accumulate into f32 accumulators that live
+           across the pipeline;
+    w4a8:  two int8 wgmmas (16 q x int8 tokens, pre-quantised per token) into int32 accumulators started at MAGIC,
+           so that the int32 sum's bits read as the f32 1.5 * 2^23 + sum (no int -> float conversion), then added to
+           the f32 accumulators times the group scales / 16; the token scales ([bm] f32, copied once into a buffer of
+           their own) multiply the result at the end.
+  Each step waits for its wgmmas (their A registers and the step's smem slot are then free); a CTA's unpacking
+  overlaps other CTAs' MMAs (2 to 4 CTAs per SM).
+  int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two sets of accumulators and one token
+  tile, and writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
+  The f32 tile out^T [bn, bm] is stored transposed into an untiled bf16 smem tile [bm, bn] that reuses the
+  pipeline's buffers, and only the block's rows go to out [M, N] in x's row order, by TMA stores of power-of-two row
+  counts (as jax's ragged_dot_mgpu.py does: a TMA box has a static size). No XLA pass after the kernel; before it
+  only, for w4a8, the per-token int8 quantisation of x (one fused pass; in the kernel it would be
+  redone by every one of the N/bn CTAs that share a token tile, and each needs the token's max over all of K first).
+Shared memory per CTA is `smem_bytes`; NOTES.md has the configurations and the reasoning behind `default_tiling`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +47,35 @@ from jax import lax
 
 from hcfjax.cache import quantize_int8
 from hcfjax.quant import QWeight, ragged_dot_reference
+from pallas_kernels.int4_unpack import bf16_halves, int8_halves
 
-BN = 64  # weight rows (output features) per CTA: the wgmma M dimension
+BN = 64  # weight rows of one wgmma (its M dimension); a CTA takes 1, 2 or 4 such tiles
+KC = 64  # K per wgmma call: one 64-byte packed column tile, one K half of a 128 group
 ACTS = ("bf16", "int8")
+ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is tiled in 8-row tiles, and the TMA of a
+# tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
+MAGIC = 0x4B400000  # int32 bits of the f32 1.5 * 2^23: MAGIC + v reads as 1.5 * 2^23 + v for |v| < 2^22; a w4a8 K
+MAGIC_F = 12582912.0  # group sums 128 products of |16 q| <= 128 and |x| <= 127, below 2^21
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
+SMEM_PER_SM = 228 * 1024  # shared by the CTAs of an SM, each also holding 1 KiB for the system
+REGS = 192  # registers per thread a default tiling may pin (`regs`; 2 CTAs per SM leave each thread 255)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a call is cut into CTAs and pipeline steps (`default_tiling`; `legacy_tiling`: the first version's)."""
+
+    bm: int  # token rows per block: the wgmma N, a multiple of 16 in [16, 256]
+    bn: int  # weight rows (output features) per CTA: 64, 128 or 256
+    stages: int  # pipeline steps in flight
+    gps: int = 1  # K groups per pipeline step (one TMA per operand per step)
+    a_regs: bool = True  # unpacked weights go to wgmma from registers; False: through smem, as the first version did
+    inline: bool = True  # unpack with int4_unpack's inline_mgpu bit tricks; False: the same values from int16 ops
+    # (widening conversions, as the first version; the interpreter's only way)
+
+    @property
+    def tiles(self) -> int:
+        return self.bn // BN
 
 
 def int4_ragged_dot_reference(x, q, scale, group_sizes, act="bf16"):
@@ -54,227 +85,271 @@ def int4_ragged_dot_reference(x, q, scale, group_sizes, act="bf16"):
 
 def supports(x, q, scale) -> bool:
     """Whether the kernel takes these operands (else callers use the reference): bf16 x, N a multiple of 64, the
-    int4 group a multiple of 64."""
+    int4 group a multiple of 128."""
     k = x.shape[-1]
-    return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-2]) % 64 == 0
-
-
-def default_block_m(m: int, e: int) -> int:
-    """Token block: about one block per expert (each block re-streams its expert's weights, so in the decode regime
-    a second, nearly empty block would double the bytes), with headroom for uneven routing, at most 128."""
-    per_expert = 1.25 * m / max(e, 1)
-    return next((b for b in (16, 32, 64) if per_expert <= b), 128)
-
-
-def _swizzle(row_bytes: int) -> int:
-    for s in (128, 64, 32):
-        if row_bytes % s == 0:
-            return s
-    raise ValueError(f"tile rows of {row_bytes} bytes cannot be swizzled")
+    return x.dtype == jnp.bfloat16 and q.shape[-2] % BN == 0 and (k // scale.shape[-2]) % (2 * KC) == 0
 
 
 def _transforms(cols: int, itemsize: int):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    sw = _swizzle(cols * itemsize)
+    sw = cols * itemsize  # 64 or 128 bytes: one swizzle span per KC columns
     return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
 
 
-def _unpack(p):
-    """int8 [BN, G/2] packed tile (WGMMA layout) -> its two K halves as int16 (k = j, k = j + G/2). Mosaic GPU has no
-    shifts on 8-bit registers, so the bytes are widened first (sign-extending: the high nibble is then one arithmetic
-    shift away)."""
-    p16 = p.astype(jnp.int16)
-    lo = lax.shift_right_arithmetic(lax.shift_left(p16, jnp.int16(12)), jnp.int16(12))
-    return lo, lax.shift_right_arithmetic(p16, jnp.int16(4))
-
-
-def _kernel(act, g, bm, k_groups, stages, nw, n_experts, table_ref, *refs):
+def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *refs):
     """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
-    table_ref [4, blocks] int32 (`block_table`): this block's expert, tile row, first valid row in the tile, rows."""
+    gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
+    and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, *rest = refs[2 * nw :]
-    if act == "int8":
-        xs_ref, o_ref, wd_smem, o_smem, xs_smem, xs_bar = rest
-    else:
-        o_ref, wd_smem, o_smem = rest
+    xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
+    xs_smem, xs_bar, *rest = rest if act == "int8" else (None, None, *rest)
+    a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
-    e, tile, off, count = (table_ref[i, mi] for i in range(4))
+    e, tile, off, count = block_info([gs_ref[i] for i in range(n_experts)], mi, m, t.bm)
     tile = pl.multiple_of(tile, ROW_ALIGN)
-    half = g // 2
+    half, chunks = g // 2, g // 2 // KC
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile
 
-    def x_halves(x_smem):
-        # B operands [G/2, BM]: the token tile read K-major (as int8 wgmma requires).
-        return [x_smem.at[:, pl.ds(j * half, half)].transpose((1, 0)) for j in range(2)]
+    def steps(x_smem, w_smems, s_smems):
+        """Per wgmma pair of a step: (accumulator, K group j, packed tile [64, KC], scales ref [64], token halves)."""
+        for j in range(t.gps):
+            for c in range(chunks):
+                xh = [x_smem.at[:, pl.ds(j * g + hh * half + c * KC, KC)].transpose((1, 0)) for hh in range(2)]
+                for i in range(nw):
+                    for h in range(t.tiles):
+                        p = w_smems[i].at[pl.ds(h * BN, BN), pl.ds(j * half + c * KC, KC)]
+                        yield i * t.tiles + h, j, c, p, s_smems[i].at[j, pl.ds(h * BN, BN)], xh
+
+    def mma(acc, a, b, n_mma, hh):  # n_mma: the wgmma pair's index in the step; hh: the K half
+        if t.a_regs:
+            plgpu.wgmma(acc, a, b)
+            return
+        if n_mma and n_mma % accs_n == 0 and hh == 0:
+            plgpu.wgmma_wait(0)  # the previous K chunk's wgmmas still read the slots (one chunk's worth)
+        slot = 2 * (n_mma % accs_n) + hh
+        a_smem[slot] = a
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, a_smem.at[slot], b)
 
     def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile
-        return smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2], smems[2 * nw]
+        return smems[2 * nw], smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2]
 
     def bf16_step(acc_refs, idx, *smems):
-        # Dequantised halves go to wd_smem slot k % 2: the wgmmas of step k - 1 may still read the other slot; those
-        # of step k - 2 (same slot) are done (the wait below leaves only this step's 2 nw groups in flight).
-        w_smems, s_smems, x_smem = split(smems)
-        slot = lax.rem(idx[0], 2)
-        for i in range(nw):
-            lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
-            s = lax.broadcast_in_dim(plgpu.load(s_smems[i].at[0], layout=row), (BN, half), [0])  # f32 [BN, G/2]
-            for j, v in enumerate((lo, hi)):
-                wd_smem[slot, i, j] = (v.astype(jnp.float32) * s).astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        for i in range(nw):
-            for j, xh in enumerate(x_halves(x_smem)):
-                plgpu.wgmma(acc_refs[i], wd_smem.at[slot, i, j], xh)
-        plgpu.wgmma_wait(2 * nw)
+        for n_mma, (a, _, _, p, s, xh) in enumerate(steps(*split(smems))):
+            halves = bf16_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA), plgpu.load(s, layout=row), fast)
+            for hh in range(2):
+                mma(acc_refs[a], halves[hh], xh[hh], n_mma, hh)
+        plgpu.wgmma_wait(0)  # frees the A registers and this step's slot (refilled after the body)
 
     def int8_step(idx, *smems_and_carry):
         *smems, accs = smems_and_carry
-        w_smems, s_smems, x_smem = split(smems)
-        for i in range(nw):
-            lo, hi = _unpack(plgpu.load(w_smems[i], layout=plgpu.Layout.WGMMA))
-            wd_smem[0, i, 0] = lo.astype(jnp.int8)
-            wd_smem[0, i, 1] = hi.astype(jnp.int8)
-        plgpu.commit_smem()
+        accs, work = list(accs), list(steps(*split(smems)))
+        for first in range(0, len(work), accs_n):  # one K chunk of every accumulator: one int32 partial each
+            chunk = work[first : first + accs_n]
 
-        def group(*rs):  # int8 x int8 -> int32 over this K group; the group scales apply to the int32 sums
-            for i in range(nw):
-                for j, xh in enumerate(x_halves(x_smem)):
-                    plgpu.wgmma(rs[i], wd_smem.at[0, i, j], xh)
-            return tuple(r[...] for r in rs)
+            def partials(*rs, chunk=chunk, first=first):
+                for n_mma, (r, (_, _, _, p, _, xh)) in enumerate(zip(rs, chunk, strict=True), first):
+                    halves = int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
+                    if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
+                        r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+                    for hh in range(2):
+                        mma(r, halves[hh], xh[hh], n_mma, hh)
+                return tuple(r[...] for r in rs)
 
-        parts = pl.run_scoped(group, *[plgpu.ACC((BN, bm), jnp.int32)] * nw)
-        new = []
-        for i in range(nw):
-            s = lax.broadcast_in_dim(plgpu.load(s_smems[i].at[0], layout=row), (BN, bm), [0])
-            new.append(accs[i] + parts[i].astype(jnp.float32) * s)
-        return tuple(new)
+            parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * accs_n)
+            for v, (a, _, _, _, s, _) in zip(parts, chunk, strict=True):
+                f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
+                s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
+                accs[a] = accs[a] + f * s16
+        return tuple(accs)
 
-    x_item = 2 if act == "bf16" else 1
-    rel = 1 if act == "bf16" else 0  # bf16: a slot is refilled only once the step after it has waited on its wgmmas
-    w_spec = plgpu.BlockSpec((BN, half), lambda k: (ni, k), transforms=_transforms(half, 1), delay_release=rel)
-    s_spec = plgpu.BlockSpec((1, BN), lambda k: (k, ni), delay_release=rel)
-    in_specs = [w_spec, s_spec] * nw
+    w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k), transforms=_transforms(KC, 1))
+    s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k, ni))
     # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
     # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
-    in_specs.append(
-        plgpu.BlockSpec(
-            (pl.Element(bm), g), lambda k: (tile, k), transforms=_transforms(half, x_item), delay_release=rel
-        )
-    )
+    x_item = 2 if act == "bf16" else 1
+    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda k: (tile, k), transforms=_transforms(KC, x_item))
+    in_specs = [w_spec, s_spec] * nw + [x_spec]
     operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
 
-    def store(out):  # out^T [BN, BM] f32 -> the tile's rows of out [M, N], transposed on the way into smem
-        o_smem.transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+    def store(outs):  # out^T [64, bm] f32 per 64-row tile -> the block's rows of out [M, N]
+        def scope(o_smem):  # [bm, bn] bf16, untiled; allocated after the pipeline, in its buffers
+            for h, out in enumerate(outs):
+                o_smem.at[:, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            # Only rows [off, off + count) of the tile are this block's (the others belong to the neighbouring
+            # groups' blocks). A TMA box has a static size, so they go out as a ladder of power-of-two row counts
+            # (count's binary digits), each from the smem row after the last (rows of bn x 2 >= 128 bytes: every
+            # start stays TMA-aligned).
+            start, rows = off, 1 << (t.bm.bit_length() - 1)
+            while rows:
+
+                @pl.when(count & rows != 0)
+                def _(start=start, rows=rows):
+                    dst = o_ref.at[pl.ds(tile + start, rows), pl.ds(ni * t.bn, t.bn)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], dst)
+
+                start, rows = start + (count & rows), rows // 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(scope, plgpu.SMEM((t.bm, t.bn), jnp.bfloat16))
 
     @pl.when(jnp.logical_and(e >= 0, e < n_experts))
     def _():
         if act == "bf16":
 
             def scope(*acc_refs):
-                step = functools.partial(bf16_step, acc_refs)
-                plgpu.emit_pipeline(step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages)(*operands)
+                pipeline(functools.partial(bf16_step, acc_refs))(*operands)
                 return tuple(r[...] for r in acc_refs)
 
-            accs = pl.run_scoped(scope, *[plgpu.ACC((BN, bm), jnp.float32)] * nw)
+            accs = pl.run_scoped(scope, *[plgpu.ACC((BN, t.bm), jnp.float32)] * accs_n)
         else:
-            # The token scales [BM] f32, the same for every K group: one copy into their own buffer. (Pipelined as
-            # a [BM] block they sat at BM x 4 B strides, and a TMA into smem needs 128-byte alignment: at BM = 16
+            # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined as
+            # a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at bm = 16
             # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.)
-            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, bm)], xs_smem, xs_bar)
-            zero = plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA)
-            accs = plgpu.emit_pipeline(
-                int8_step, grid=(k_groups,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=(zero,) * nw
-            )(*operands)
+            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem, xs_bar)
+            zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+            accs = pipeline(int8_step, init_carry=(zero,) * accs_n)(*operands)
             plgpu.barrier_wait(xs_bar)
-            xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, bm), [1])
+            xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
             accs = tuple(a * xs for a in accs)
-        store(accs[0] if nw == 1 else accs[0] * accs[1] / (1.0 + jnp.exp(-accs[0])))  # silu(gate) * up, in f32
+        if nw == 2:  # silu(gate) * up, in f32
+            accs = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[: t.tiles], accs[t.tiles :], strict=True)]
+        store(accs)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
-        store(plgpu.layout_cast(jnp.zeros((BN, bm), jnp.float32), plgpu.Layout.WGMMA))
-
-    @pl.when(e >= 0)
-    def _():
-        # Only rows [off, off + count) of the tile are this block's (the others belong to the neighbouring groups'
-        # blocks). A TMA box has a static size, so they go out as a ladder of power-of-two row counts (count's binary
-        # digits), each from the smem row after the last (rows are BN x 2 = 128 B: every start stays TMA-aligned).
-        start, rows = off, 1 << (bm.bit_length() - 1)
-        plgpu.commit_smem()
-        while rows:
-
-            @pl.when(count & rows != 0)
-            def _(start=start, rows=rows):
-                dst = o_ref.at[pl.ds(tile + start, rows), pl.ds(ni * BN, BN)]
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], dst)
-
-            start, rows = start + (count & rows), rows // 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store([plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)] * t.tiles)
 
 
-ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is tiled in 8-row tiles, and the TMA of a
-# tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
+def block_info(sizes, b, m: int, bm: int):
+    """Token block b of a call (a scalar in the kernel, an array for `block_table`) from the group sizes (E scalars):
+    its expert (E for the rows past sum(group_sizes), which get zeros; -1 for an unused block), the first row of x its
+    TMA tile loads (tile, a multiple of 8; rows past M load as zeros), the first row of the tile that is the block's
+    (off) and how many are (count, 1..bm). A group's blocks tile its rows from its first row rounded down to a multiple
+    of 8, so a group of g rows has at most ceil((g + 7) / bm) blocks; `num_blocks` bounds their sum statically.
+    A loop over the E + 1 groups with selects (about 15 scalar ops each): every CTA computes its own block in a
+    fraction of a microsecond, so no XLA pass runs before the kernel."""
+    expert = tile = first_row = end_row = jnp.zeros_like(b) - 1
+    cs = bend = jnp.int32(0)
+    for i in range(len(sizes) + 1):
+        size = jnp.maximum(sizes[i], 0) if i < len(sizes) else jnp.maximum(m - cs, 0)  # group E: rows past the sum
+        first, end = jnp.minimum(cs, m), jnp.minimum(cs + size, m)  # the group's rows, clipped to x's
+        base = lax.div(first, jnp.int32(ROW_ALIGN)) * ROW_ALIGN
+        nb = jnp.where(end > first, lax.div(end - base + bm - 1, jnp.int32(bm)), 0)
+        hit = (bend <= b) & (b < bend + nb)
+        expert = jnp.where(hit, i, expert)
+        tile = jnp.where(hit, base + (b - bend) * bm, tile)
+        first_row, end_row = jnp.where(hit, first, first_row), jnp.where(hit, end, end_row)
+        cs, bend = cs + size, bend + nb
+    lo, hi = jnp.maximum(tile, first_row), jnp.minimum(tile + bm, end_row)
+    expert = jnp.where(hi > lo, expert, -1)
+    return expert, jnp.maximum(tile, 0), lo - tile, jnp.maximum(hi - lo, 0)
 
 
-def _cumsum(v):
-    """Inclusive cumsum of a short vector as a masked sum over [n, n] (XLA fuses it with its neighbours; a cumsum is a
-    kernel of its own)."""
-    i = jnp.arange(v.shape[0])
-    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
+def num_blocks(m: int, e: int, bm: int) -> int:
+    """A static bound on the token blocks of any group_sizes [e] over m rows (the grid's second dimension)."""
+    return -(-(m + (ROW_ALIGN - 1) * (e + 1)) // bm) + e + 1
 
 
 def block_table(group_sizes, m: int, bm: int):
-    """The token blocks of a call, from group_sizes [E] (a few tiny XLA ops on [E + 1] and [blocks] arrays, no loops):
-    int32 [4, blocks] with, per block, its expert (E for rows past sum(group_sizes), which get zeros; -1 for unused
-    blocks), the first row of x its TMA tile loads (tile, a multiple of 8; rows past M load as zeros), the first row
-    of the tile that is the block's (off), and how many are (count, 1..bm). A group's blocks tile its rows from its
-    first row rounded down to a multiple of 8, so a group of g rows has at most ceil((g + 7) / bm) blocks; `blocks`
-    bounds their sum statically."""
-    e = group_sizes.shape[0]
-    blocks = -(-(m + (ROW_ALIGN - 1) * (e + 1)) // bm) + e + 1
-    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    sizes = jnp.append(gs, jnp.maximum(m - gs.sum(), 0))  # [E + 1]: the rows past the groups as group E
-    cs = _cumsum(sizes)
-    first, ends = jnp.minimum(cs - sizes, m), jnp.minimum(cs, m)  # each group's rows (clipped to x's)
-    base = first // ROW_ALIGN * ROW_ALIGN
-    nb = jnp.where(ends > first, (ends - base + bm - 1) // bm, 0)
-    bend = _cumsum(nb)
-    b = jnp.arange(blocks, dtype=jnp.int32)
-    expert = jnp.sum(bend[None, :] <= b[:, None], axis=1, dtype=jnp.int32)  # [blocks]; E + 1: unused
-    ex = jnp.minimum(expert, e)
-    tile = base[ex] + (b - (bend - nb)[ex]) * bm
-    lo, hi = jnp.maximum(tile, first[ex]), jnp.minimum(tile + bm, ends[ex])
-    expert = jnp.where((expert <= e) & (hi > lo), expert, -1)
-    return jnp.stack([expert, tile, lo - tile, jnp.maximum(hi - lo, 0)]).astype(jnp.int32)
+    """All blocks' `block_info` as int32 [4, num_blocks] (expert, tile, off, count): the kernel's view, for tests."""
+    b = jnp.arange(num_blocks(m, group_sizes.shape[0], bm), dtype=jnp.int32)
+    sizes = [group_sizes[i].astype(jnp.int32) for i in range(group_sizes.shape[0])]
+    return jnp.stack(block_info(sizes, b, m, bm)).astype(jnp.int32)
 
 
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
+def _stage_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
+    """One pipeline step's blocks: per weight the packed tile [bn, gps G/2] and its scales [gps, bn] f32; the token
+    tile [bm, gps G] (bf16 or int8). Each is a multiple of 128 bytes (a TMA's smem destination must be 128-byte
+    aligned, and a pipeline buffer holds its stages' blocks back to back)."""
+    return nw * t.bn * t.gps * (g // 2 + 4) + t.bm * t.gps * g * (2 if act == "bf16" else 1)
 
 
-def smem_bytes(act: str, bm: int, stages: int, g: int = 128, nw: int = 1) -> int:
-    """Shared memory of one CTA: per pipeline stage, per weight (nw: 2 for gate + up), the packed tile [64, G/2] int8
-    and its scales [64] f32, and the token tile [BM, G] (bf16 or int8); per weight the unpacked halves (bf16: two
-    slots x two halves [64, G/2]; int8: one slot); the output tile [64, BM] bf16; int8: the token scales [BM] f32
-    (a buffer of their own, which Mosaic aligns to 1 KiB). An upper bound on what Mosaic allocates (tests/test_quant.py
-    checks it). Every pipelined block is a multiple of 128 bytes (a TMA's smem destination must be 128-byte aligned,
-    and a pipeline buffer holds its stages' blocks back to back)."""
-    x_item = 2 if act == "bf16" else 1
-    per_stage = nw * (BN * g // 2 + BN * 4) + bm * g * x_item
-    unpacked = nw * (2 if act == "bf16" else 1) * 2 * BN * (g // 2) * x_item
-    token_scales = -(-bm * 4 // 1024) * 1024 if act == "int8" else 0
-    return stages * per_stage + unpacked + BN * bm * 2 + token_scales + 1024  # + barriers (Mosaic adds < 600 B)
+def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
+    """Shared memory of one CTA, an upper bound on what Mosaic allocates (tests/test_quant.py checks it): the
+    pipeline's buffers, which the output tile [bm, bn] bf16 reuses after the last step; w4a8's token scales [bm] f32
+    (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers."""
+    return max(t.stages * _stage_bytes(act, t, g, nw), t.bm * t.bn * 2) + _fixed_bytes(act, t, g, nw)
 
 
-def default_stages(act: str, bm: int, g: int = 128, nw: int = 1) -> int:
-    """Pipeline depth: 4 K groups in flight (enough bytes in flight to stream the weights in the decode regime),
-    fewer when the smem budget is smaller (emit_pipeline itself caps the depth at the number of K groups)."""
-    stages = 4
-    while stages > 2 and smem_bytes(act, bm, stages, g, nw) > SMEM_LIMIT:
-        stages -= 1
-    return stages
+def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
+    token_scales = -(-t.bm * 4 // 1024) * 1024 if act == "int8" else 0
+    a_tiles = 0 if t.a_regs else _a_tiles(t, g, nw) * BN * KC * (2 if act == "bf16" else 1)
+    return token_scales + a_tiles + 1024  # + barriers (Mosaic adds < 600 B)
+
+
+def _a_tiles(t: Tiling, g: int, nw: int) -> int:
+    return nw * t.tiles * 2  # one K chunk's A operands (K halves x 64-row tiles x weights)
+
+
+def regs(act: str, bm: int, bn: int, nw: int = 1) -> int:
+    """Registers per thread the tiling pins: the accumulators (f32 [64, bm] per 64-row tile and weight; w4a8 an int32
+    partial too) and one step's unpacked A operands, which stay live until the step's wgmmas are waited for (bf16
+    [64, 64]: 16 registers, int8: 8, two K halves per tile and weight)."""
+    per_tile = (bm // 2) * (2 if act == "int8" else 1) + 2 * (16 if act == "bf16" else 8)
+    return nw * (bn // BN) * per_tile
+
+
+def default_tiling(
+    act: str, m: int, n: int, k_groups: int, e: int, nw: int = 1, g: int = 128, *, bm=None, bn=None, gps: int = 1
+) -> Tiling:
+    """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
+    - bm: decode (<= 25 rows per expert on average) takes 16 or 32, about one block per expert (each block streams
+      its expert's weights again). Otherwise the smallest multiple of 16 that fits an expert's rows with two standard
+      deviations of uniform routing's spread (Poisson) and the 8-row alignment in as few blocks as the register
+      budget (REGS) allows: power-of-two blocks wasted up to half the MMAs (128 +- 11 rows took two 128-row blocks).
+    - bn: 128 (two wgmma M tiles share each token tile: half the token bytes per MMA) unless the registers would
+      then force token blocks below 64 rows.
+    - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
+      in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking)."""
+    mu = m / max(e, 1)
+    bn_ = bn or (128 if n % 128 == 0 else BN)
+
+    def cap(bn):  # the largest block the register budget allows
+        return min(256, max(b for b in range(16, 257, 16) if b == 16 or regs(act, b, bn, nw) <= REGS))
+
+    if bm:
+        pass
+    elif 1.25 * mu <= 32:
+        bm = 16 if 1.25 * mu <= 16 else 32
+    else:
+        need = mu + 2 * math.sqrt(mu) + ROW_ALIGN
+        if bn is None and bn_ > BN and cap(bn_) < min(need, 64):
+            bn_ = BN
+        nb = math.ceil(need / cap(bn_))
+        bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
+    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps)
+    total = regs(act, bm, bn_, nw) * gps + 40  # + addresses, indices, temporaries
+
+    def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
+        budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw)
+        return min(8, k_groups // gps, budget // _stage_bytes(act, t, g, nw))
+
+    # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3).
+    ctas = next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
+    return dataclasses.replace(t, stages=max(2, stages(ctas)))
+
+
+def legacy_tiling(act: str, m: int, e: int, nw: int = 1, g: int = 128) -> Tiling:
+    """The first version's tiling (H200 runs of 2026-11-29): power-of-two token blocks >= 1.25 x rows per expert,
+    64 weight rows per CTA, one K group per step, 4 stages (fewer where smem runs out), A through smem, unpacked with
+    int16 ops. Kept for the bench's old-against-new rows (and as the fallback should the inline unpacking fail on a
+    GPU). What differs from the first version: w4a16 scales in bf16 after a magic-number conversion instead of f32
+    (no I2F), w4a8 without I2F of the partials, one smem slot with a wait per step instead of two."""
+    per_expert = 1.25 * m / max(e, 1)
+    bm = next((b for b in (16, 32, 64) if per_expert <= b), 128)
+    t = Tiling(bm=bm, bn=BN, stages=4, a_regs=False, inline=False)
+    while t.stages > 2 and smem_bytes(act, t, g, nw) > SMEM_LIMIT:
+        t = dataclasses.replace(t, stages=t.stages - 1)
+    return t
 
 
 def _check(x, q, scale, group_sizes, act):
@@ -289,13 +364,26 @@ def _check(x, q, scale, group_sizes, act):
     if scale.ndim != 3 or scale.shape[0] != e or scale.shape[2] != n or k % scale.shape[1]:
         raise ValueError(f"scale must be [E={e}, K/G, N={n}], got {scale.shape}")
     g = k // scale.shape[1]
-    if g % 64 or n % BN:
-        raise ValueError(f"the kernel needs the int4 group (={g}) a multiple of 64 and N (={n}) of {BN}")
+    if g % (2 * KC) or n % BN:
+        raise ValueError(f"the kernel needs the int4 group (={g}) a multiple of {2 * KC} and N (={n}) of {BN}")
     if group_sizes.shape != (e,):
         raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
 
 
-def _run(x, weights, group_sizes, act, interpret, block_m, stages):
+def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
+    if t.bm % 16 or not 16 <= t.bm <= 256:
+        raise ValueError(f"bm must be a multiple of 16 in [16, 256], got {t.bm}")
+    if t.bn not in (64, 128, 256) or n % t.bn:
+        raise ValueError(f"bn must be 64, 128 or 256 and divide N={n}, got {t.bn}")
+    if k_groups % t.gps or t.stages < 1:
+        raise ValueError(f"gps={t.gps} must divide the {k_groups} K groups; stages={t.stages} must be >= 1")
+    if interpret and t.a_regs:
+        raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
+    if smem_bytes(act, t, g, nw) > SMEM_LIMIT:
+        raise ValueError(f"{t}: {smem_bytes(act, t, g, nw)} B of smem > {SMEM_LIMIT}")
+
+
+def _run(x, weights, group_sizes, act, interpret, tiling):
     """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -307,32 +395,22 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
     m, k = x.shape
     n = weights[0][0].shape[1]
     g = k // weights[0][1].shape[1]
-    bm = block_m or default_block_m(m, group_sizes.shape[0])
-    if bm % 16 or not 16 <= bm <= 256:
-        raise ValueError(f"block_m must be a multiple of 16 in [16, 256], got {bm}")
-    stages = stages or default_stages(act, bm, g, nw)
-    if act == "bf16" and stages < 2:
-        raise ValueError("w4a16 needs stages >= 2 (a token tile is released one step late)")
-    if smem_bytes(act, bm, stages, g, nw) > SMEM_LIMIT:
-        raise ValueError(
-            f"block_m={bm}, stages={stages}: {smem_bytes(act, bm, stages, g, nw)} B of smem > {SMEM_LIMIT}"
-        )
-    args = kernel_operands(x, weights, group_sizes, act, bm)
-    blocks = args[0].shape[1]
-    wd = jnp.bfloat16 if act == "bf16" else jnp.int8
+    e = group_sizes.shape[0]
+    t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
+    if interpret:
+        t = dataclasses.replace(t, a_regs=False, inline=False)
+    _check_tiling(t, act, n, k // g, g, nw, interpret)
+    args = kernel_operands(x, weights, group_sizes, act, t.bm)
+    a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
+    a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, bm, k // g, stages, nw, group_sizes.shape[0]),
-        out_type=jax.ShapeDtypeStruct((max(m, bm), n), jnp.bfloat16),
-        grid=(n // BN, blocks),
+        functools.partial(_kernel, act, g, k // g // t.gps, nw, m, e, t, t.inline),
+        out_type=jax.ShapeDtypeStruct((max(m, t.bm), n), jnp.bfloat16),
+        grid=(n // t.bn, num_blocks(m, e, t.bm)),
         grid_names=("n", "m"),
         scratch_types=(
-            plgpu.SMEM(
-                (2 if act == "bf16" else 1, nw, 2, BN, g // 2),
-                wd,
-                transforms=_transforms(g // 2, jnp.dtype(wd).itemsize),
-            ),
-            plgpu.SMEM((bm, BN), jnp.bfloat16),  # the output tile, untiled: its row ranges go out by TMA
-            *([plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
+            *([plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
+            *([] if t.a_regs else [a_smem]),
         ),
     )
     if interpret:
@@ -340,18 +418,18 @@ def _run(x, weights, group_sizes, act, interpret, block_m, stages):
             out = kern(*args)
     else:
         out = kern(*args)
-    return out[:m]  # [M, N] (a slice only when M < BM)
+    return out[:m]  # [M, N] (a slice only when M < bm)
 
 
 def kernel_operands(x, weights, group_sizes, act: str, bm: int):
-    """The wrapper's XLA work before the kernel, all of it: the block table (`block_table`), q bitcast to int8 (free),
-    and w4a8's per-token quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales). x goes in unpadded: a
-    token tile past its last row is zero-filled by the TMA (only when M < BM is x padded to one block). The weight
-    scales are used as stored ([E, K/G, N]). The token scales are padded by BM (a few bytes: their copy into smem is a
-    plain [BM] slice, which must stay in bounds)."""
+    """The wrapper's XLA work before the kernel, all of it: q bitcast to int8 (free), and w4a8's per-token
+    quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales). x goes in unpadded: a token tile past its
+    last row is zero-filled by the TMA (only when M < bm is x padded to one block). The weight scales are used as
+    stored ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales are padded by bm (a
+    few bytes: their copy into smem is a plain [bm] slice, which must stay in bounds)."""
     m = x.shape[0]
     pad = ((0, max(bm - m, 0)), (0, 0))
-    args = [block_table(group_sizes, m, bm)]
+    args = [group_sizes.astype(jnp.int32)]
     for q, scale in weights:
         args += [lax.bitcast_convert_type(q, jnp.int8), scale]
     if act == "int8":
@@ -362,23 +440,21 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int):
     return args
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))
-def int4_ragged_dot(
-    x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, block_m: int | None = None, stages=None
-):
-    """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, N, K/G] f32), group_sizes [E]) ->
-    [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `block_m` (token
-    rows per CTA, 16..128, a multiple of 16) and `stages` (pipeline depth) default by the regime."""
-    return _run(x, ((q, scale),), group_sizes, act, interpret, block_m, stages)
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
+def int4_ragged_dot(x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None):
+    """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, K/G, N] f32), group_sizes [E]) ->
+    [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `tiling` defaults
+    by the regime (`default_tiling`)."""
+    return _run(x, ((q, scale),), group_sizes, act, interpret, tiling)
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "block_m", "stages"))
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
 def int4_gated_ragged_dot(
-    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, block_m: int | None = None, stages=None
+    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None
 ):
     """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel (an expert's gate/up projection): gate and up are
     (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once."""
-    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, block_m, stages)
+    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling)
 
 
 def int4_gated_reference(x, gate, up, group_sizes, act="bf16"):

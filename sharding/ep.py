@@ -1,70 +1,155 @@
 """Expert parallelism: explicit dispatch / combine of routed tokens between the ranks that own the experts.
 
-Inside a shard_map over the EP axis each rank holds its own tokens and E / n of the experts (rank r owns experts
-r * E_l .. (r + 1) * E_l - 1). A token's k routed copies travel to the owners of their experts with one all_to_all,
-are computed there with the grouped matmul, and come back with a second all_to_all; the source rank combines them
-with the routing weights.
+Inside a shard_map over the EP axis each rank holds its own tokens and E_l = E / n of the expert slots (rank r owns
+slots r * E_l .. (r + 1) * E_l - 1). A token's k routed copies travel to the owners of their experts, are computed
+there with the grouped matmul, and come back the same way; the source rank combines them with the routing weights.
 
-The exchange has a fixed capacity per (source, destination) pair, so every rank runs the same shapes: a token's
-experts are distinct, so it sends at most min(k, E_l) copies to one rank, and C = N_local * min(k, E_l) can never
-overflow. No token is ever dropped. (`lax.ragged_all_to_all`, which would move only the real rows, does not run on
-CPU in jax 0.11; this path runs everywhere.)
+Each rank sorts its N * K copies by slot (so by destination rank, then by expert) and the ranks all_gather their
+copies per slot ([n * E_l] integers each). From that table every rank knows what it sends where, what it receives
+from whom, and which local expert each received row is for, so no expert ids travel with the rows. A token's experts
+are distinct, so it sends at most min(k, E_l) copies to one rank: C = N * min(k, E_l) rows from one source always
+fit, and the receive buffer of n * C rows holds the worst case (every rank sending all its copies to this one).
+No token is ever dropped. Two exchanges move the rows:
+
+dense:  `all_to_all` of fixed-capacity blocks [n, C, D]. Every rank sends n * C rows whatever the routing,
+        n * min(k, E_l) / k times the N * K real copies (n times at DeepSeek-V3's k = 8 <= E_l). Runs everywhere.
+ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the receiver's buffer. XLA implements
+        it on GPU but not on CPU (jax 0.11); the tests check its offsets with a CPU stand-in (tests/test_ep.py).
+        `python -m hcfjax.bench.ep` compares the two on GPUs.
+
+`exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else dense: on two H200s (2026-11-29,
+hcfjax/bench/results/ep.md) XLA's ragged_all_to_all took 1.3-13 ms where the dense all_to_all of twice the bytes
+took 0.45-1.0 ms, so ragged is opt-in until XLA's implementation (or a hand-written one) wins.
+
+In both, the received rows lie in groups (source, local expert); padding rows outside every group get an
+out-of-range expert (no group of the grouped matmul) and are zeroed.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from hcfjax.moe import experts as local_experts
 
+EXCHANGES = ("dense", "ragged", "auto")
 
-def ep_experts(axis: str):
+
+def resolve_exchange(exchange: str = "auto") -> str:
+    """'dense' or 'ragged' for an `exchange` of EXCHANGES (auto: HCFJAX_EP_EXCHANGE, else dense; module docstring)."""
+    if exchange == "auto":
+        exchange = os.environ.get("HCFJAX_EP_EXCHANGE") or "dense"
+    if exchange not in ("dense", "ragged"):
+        raise ValueError(
+            f"EP exchange must be one of {EXCHANGES} (or HCFJAX_EP_EXCHANGE dense|ragged), got {exchange!r}"
+        )
+    return exchange
+
+
+def ep_experts(axis: str, exchange: str | Callable = "auto", compute: Callable | None = None):
     """An experts function (same contract as hcfjax.moe.experts) that runs the routed experts over `axis`.
 
     p: this rank's experts {gate, up: [E_l, D, F], down: [E_l, F, D]}; x [N, D] this rank's tokens;
     weights, ids [N, K] with global expert ids. With an EPLB placement (sharding.eplb.apply_placement) p also has
     log2phy [E, M] and logcnt [E], and the slots are physical replicas.
+
+    exchange: 'dense', 'ragged' or 'auto' (module docstring), or a function with `lax.ragged_all_to_all`'s
+    signature to run the ragged path with (the tests' CPU stand-in). compute(p, rows [M, D], expert [M]) -> [M, D]:
+    what a rank does with the rows it receives, expert = E_l on padding rows (default: its experts; the benchmark
+    times the exchange alone with the identity).
     """
+    ragged = exchange if callable(exchange) else None
+    if ragged is None and resolve_exchange(exchange) == "ragged":
+        ragged = jax.lax.ragged_all_to_all
+    compute = compute or _run_experts
 
     def run(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-        n_ranks = jax.lax.axis_size(axis)
+        n_ranks, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         e_local = p["gate"].shape[0]  # expert slots per rank
         n, k = ids.shape
-        cap = n * min(k, e_local)
-        flat = ids.reshape(-1)  # [N*K] logical experts
-        if "log2phy" in p:
-            # EPLB placement: copy c of logical expert e goes to replica c mod count(e), so an expert's tokens
-            # spread over its replicas; slots are physical from here on.
-            copy = jnp.arange(n * k) + jax.lax.axis_index(axis) * n * k
-            flat = p["log2phy"][flat, copy % p["logcnt"][flat]]  # distinct experts -> distinct slots: cap holds
-        dest = flat // e_local
-        # slot of each copy inside its destination's block: rank among copies to the same destination
-        order = jnp.argsort(dest, stable=True)
-        sorted_dest = dest[order]
-        first = jnp.searchsorted(sorted_dest, jnp.arange(n_ranks))  # start of each destination's run
-        slot_sorted = jnp.arange(n * k) - first[sorted_dest]
-        slot = jnp.zeros_like(slot_sorted).at[order].set(slot_sorted)
-        token = jnp.arange(n * k) // k
-        send_x = jnp.zeros((n_ranks, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[token])
-        send_e = jnp.full((n_ranks, cap), -1, jnp.int32).at[dest, slot].set(flat % e_local)
-
-        recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=False)  # [n_ranks (source), cap, D]
-        recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=False)
-        rows_x = recv_x.reshape(-1, x.shape[-1])
-        rows_e = recv_e.reshape(-1)
-        valid = rows_e >= 0
-        # Each received row is one routed copy for one local expert: weight 1, combined at the source.
-        y = local_experts(
-            {w: p[w] for w in ("gate", "up", "down")},
-            rows_x,
-            valid[:, None].astype(jnp.float32),
-            jnp.where(valid, rows_e, 0)[:, None],
-        )
-        y = jnp.where(valid[:, None], y, 0).reshape(n_ranks, cap, -1)
-
-        back = jax.lax.all_to_all(y, axis, 0, 0, tiled=False)  # [n_ranks (destination), cap, D]
-        copies = back[dest, slot].astype(jnp.float32) * weights.reshape(-1)[:, None]  # [N*K, D]
+        slots = _physical_slots(p, ids, axis)  # [N*K]
+        order = jnp.argsort(slots, stable=True)  # copies by destination rank, then by expert
+        token = order // k  # source token of each sorted copy
+        counts = jnp.bincount(slots, length=n_ranks * e_local).astype(jnp.int32)
+        table = jax.lax.all_gather(counts, axis).reshape(n_ranks, n_ranks, e_local)  # [source, dest, E_l] copies
+        cap = n * min(k, e_local)  # most rows one source sends one rank
+        serve = lambda rows, block_start: _on_received(rows, table[:, me], block_start, functools.partial(compute, p))
+        if ragged is None:
+            ys = _dense(axis, me, x[token], slots[order] // e_local, table, cap, serve)
+        else:
+            ys = _ragged(ragged, axis, me, x[token], table, cap, serve)
+        copies = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [N*K, D]
         return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(copies).astype(x.dtype)
 
     return run
+
+
+def _physical_slots(p: dict, ids: jax.Array, axis: str) -> jax.Array:
+    """The slot of each routed copy [N*K]: the expert itself, or under an EPLB placement one of its replicas (copy
+    c of expert e goes to replica c mod count(e), so an expert's tokens spread over its replicas). A token's
+    experts are distinct, and so are their replicas' slots: the capacity bound holds for slots too."""
+    flat = ids.reshape(-1)
+    if "log2phy" not in p:
+        return flat
+    copy = jnp.arange(flat.shape[0]) + jax.lax.axis_index(axis) * flat.shape[0]
+    return p["log2phy"][flat, copy % p["logcnt"][flat]]
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _dense(axis, me, xs, dest, table, cap, serve):
+    """Fixed-capacity exchange. xs [N*K, D] this rank's sorted copies, dest [N*K] their ranks; table [source,
+    dest, E_l] copies; serve(rows, block_start) computes a receive buffer -> the copies' outputs [N*K, D]."""
+    n_ranks = table.shape[0]
+    sizes = table.sum(-1)  # [source, dest] rows
+    pos = jnp.arange(xs.shape[0]) - _exclusive_cumsum(sizes[me], 0)[dest]  # row within its destination's block
+    send = jnp.zeros((n_ranks, cap, xs.shape[-1]), xs.dtype).at[dest, pos].set(xs)
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # [n_ranks (source), cap, D]
+    y = serve(recv.reshape(n_ranks * cap, -1), jnp.arange(n_ranks) * cap)
+    back = jax.lax.all_to_all(y.reshape(n_ranks, cap, -1), axis, 0, 0, tiled=False)  # [n_ranks (dest), cap, D]
+    return back[dest, pos]
+
+
+def _ragged(ragged_all_to_all, axis, me, xs, table, cap, serve):
+    """Exchange of the real rows only (same arguments as _dense, less dest), into a worst-case receive buffer of
+    n_ranks * cap rows."""
+    n_ranks = table.shape[0]
+    sizes = table.sum(-1)  # [source, dest] rows
+    at_source = _exclusive_cumsum(sizes, 1)  # [source, dest]: start of dest's rows in the source's sorted copies
+    at_dest = _exclusive_cumsum(sizes, 0)  # [source, dest]: start of source's rows in dest's receive buffer
+    buf = jnp.zeros((n_ranks * cap, xs.shape[-1]), xs.dtype)
+    # output_offsets are where the rows land on the receiver: at_dest[me, d] for the rows sent to d
+    recv = ragged_all_to_all(xs, buf, at_source[me], sizes[me], at_dest[me], sizes[:, me], axis_name=axis)
+    y = serve(recv, at_dest[:, me])
+    # back: the transposed slices, each source's block returned to where it came from in the source's copies
+    return ragged_all_to_all(
+        y, jnp.zeros_like(xs), at_dest[:, me], sizes[:, me], at_source[:, me], sizes[me], axis_name=axis
+    )
+
+
+def _on_received(rows, groups, block_start, compute):
+    """compute(rows, expert) on a receive buffer rows [M, D] that holds each source's block at block_start
+    [source], sorted by local expert with groups [source, E_l] rows each; rows outside every group are padding: their
+    expert is E_l and they give 0."""
+    m, e_local = rows.shape[0], groups.shape[1]
+    start = (block_start[:, None] + _exclusive_cumsum(groups, 1)).reshape(-1)  # [source * E_l]
+    end = start + groups.reshape(-1)
+    # a row's group is the last one starting at or before it (groups sharing a start are empty except the last)
+    first = jnp.zeros(m, jnp.int32).at[start].max(jnp.arange(1, start.shape[0] + 1, dtype=jnp.int32), mode="drop")
+    g = jax.lax.cummax(first) - 1
+    valid = (g >= 0) & (jnp.arange(m) < end[g])
+    expert = jnp.where(valid, g % e_local, e_local)
+    return jnp.where(valid[:, None], compute(rows, expert), 0)
+
+
+def _run_experts(p, rows, expert):
+    """The rank's experts on its received rows, each one routed copy of weight 1 (combined at its source); padding
+    rows (expert = E_l) fall outside every group of the grouped matmul."""
+    ones = jnp.ones((rows.shape[0], 1), jnp.float32)
+    return local_experts({w: p[w] for w in ("gate", "up", "down")}, rows, ones, expert[:, None])

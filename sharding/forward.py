@@ -34,16 +34,17 @@ def _logits(params, cfg, tokens, positions):
     return logits(params, hidden_states(params, cfg, tokens, positions)[0])
 
 
-def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens) -> jax.Array:
+def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens, exchange="auto") -> jax.Array:
     """Teacher-forced logits under the decode plan: each rank runs attention on its own rows (mock rows pad the
-    batch to a multiple of the ranks) and the MoE exchanges routed tokens with all_to_all."""
+    batch to a multiple of the ranks) and the MoE exchanges routed tokens between the ranks (sharding.ep.ep_experts'
+    `exchange`)."""
     ranks = plan.mesh.shape["ep"]
     tokens, b = pad_rows(np.asarray(tokens, np.int32), ranks)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
     specs = param_specs(params, plan)
 
     def local(p, t, pos):
-        h, _ = hidden_states(p, cfg, t, pos, experts_fn=ep_experts("ep"))
+        h, _ = hidden_states(p, cfg, t, pos, experts_fn=ep_experts("ep", exchange))
         return logits(p, h)
 
     fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P("ep"), P("ep")), out_specs=P("ep")))

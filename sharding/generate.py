@@ -1,5 +1,6 @@
 """Generation under the two plans: prefill under the prefill plan, hand-off of the KV pages, decode under the
-decode plan (attention data parallel over the ranks' own requests, experts over EP with all_to_all dispatch)."""
+decode plan (attention data parallel over the ranks' own requests, experts over EP with explicit dispatch,
+sharding/ep.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ def generate_planned(
     seed: int = 0,
     stop_token_ids=None,
     page_size: int = 64,
+    exchange: str = "auto",
 ) -> GenerationResult:
     """Like hcfjax.generate (one SamplingParams for all rows), with the batch spread over the decode plan's ranks.
 
     Requests are dealt to ranks in contiguous blocks; ranks short of requests get mock rows, which run every step
-    (the MoE exchange needs every rank) but never write or read another row's pages.
+    (the MoE exchange needs every rank) but never write or read another row's pages. exchange: how the MoE moves
+    routed tokens between the ranks (sharding.ep.ep_experts: dense, ragged or auto).
     """
     cfg = model.cfg
     ids = prepare_prompts(model, prompts, max_new_tokens)
@@ -79,7 +82,19 @@ def generate_planned(
 
     def local(params, first, lengths, cache, table, sp, key, stops, idle):
         return decode_loop(
-            params, cfg, first, lengths, cache, table, sp, key, stops, max_new_tokens, idle, ep_experts("ep"), "ep"
+            params,
+            cfg,
+            first,
+            lengths,
+            cache,
+            table,
+            sp,
+            key,
+            stops,
+            max_new_tokens,
+            idle,
+            ep_experts("ep", exchange),
+            "ep",
         )
 
     cache_spec = jax.tree.map(lambda _: P(None, "ep"), cache)

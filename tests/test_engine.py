@@ -135,6 +135,38 @@ def test_live_eplb_under_the_decode_plan(model, plan_ref):
     assert np.array_equal(eplb.window.total(), np.asarray(load))
 
 
+def test_hierarchical_eplb_keeps_replicas_on_their_node(model, plan_ref):
+    """eplb_nodes=2 over dp=4 ranks (2 ranks per node; 4 expert groups split over the nodes): through the engine's
+    re-placements, every replica of an expert sits on one node's ranks, in the placement and in the experts the
+    device runs, and the tokens stay generate's."""
+    import numpy as np
+
+    from sharding.eplb import moe_experts
+    from sharding.plans import decode_plan
+
+    with pytest.raises(ValueError, match="eplb_nodes"):
+        EngineConfig(dp=4, eplb_nodes=3)
+    config = EngineConfig(
+        max_slots=1, dp=4, token_budget=64, eplb_interval=2, eplb_redundant=4, eplb_window=8, eplb_nodes=2
+    )
+    engine = Engine(model, config, decode_plan=decode_plan(4))
+    eplb = engine.runner.eplb
+    assert eplb.num_nodes == 2 and eplb.num_replicas == 20
+    reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:4]]
+    run_all(engine)
+    assert [collect(engine, r)[0] for r in reqs] == plan_ref.tokens[:4]
+    assert eplb.rebalances >= 2
+    slots_per_rank, ranks_per_node = 20 // 4, 4 // 2
+    for log2phy in [eplb.placement[1]] + [
+        np.asarray(ex["log2phy"]) for ex in moe_experts(engine.runner.params, model.cfg)
+    ]:
+        for layer in log2phy.reshape(-1, *log2phy.shape[-2:]):
+            for slots in layer:
+                slots = slots[slots >= 0]
+                assert len(set(slots // slots_per_rank // ranks_per_node)) == 1, slots
+    assert (eplb.placement[2] > 1).any()  # some expert really is replicated
+
+
 def test_speculative_engine_equals_plain_greedy(model):
     """exact verification with greedy sampling: the same tokens as plain decoding, also in reused slots and pages
     (two slots for three requests), with acceptance counted in the usage. Under the decode plan (DP=2 x EP=2) the MTP

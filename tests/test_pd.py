@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -32,6 +33,7 @@ PROMPTS = [
 ]
 N = 12
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +64,15 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
     remote = RemotePrefill(receiver, [LocalPrefill(worker)], timeout_s=60)
     dp = 2 if plans else 1
     engine = Engine(model, EngineConfig(max_slots=2, dp=dp), decode_plan(2) if plans else None, remote=remote)
+    compiles: list[str] = []  # XLA compiles after the warm-up, eager ops' too (a send's gather, an install's pad)
+    count = lambda event, secs, **kw: compiles.append(kw.get("fun_name", "?")) if event == BACKEND_COMPILE else None
     if warm:  # every prefill, decode and install shape compiled first: none compiles while serving
         from hcfjax.pd import prefill as pf
 
         worker.warmup(256)
         engine.warmup()
         compiled = (pf._layer._cache_size(), engine.snapshot()["compiles"], engine.runner._install._cache_size())
+        jax.monitoring.register_event_duration_secs_listener(count)
     engine.start()
     try:
         reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS]
@@ -83,8 +88,12 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
         assert snap["free_pages"] == snap["total_pages"] and snap["running"] == 0
         if warm:
             assert (pf._layer._cache_size(), snap["compiles"], engine.runner._install._cache_size()) == compiled
+            # left: the decode side joins a layerwise request's pieces (it does not know the prefill's layer groups)
+            assert set(compiles) <= {"jit(concatenate)"}, compiles
         return tokens, worker, worker.sender.stats
     finally:
+        if warm:
+            jax.monitoring.unregister_event_duration_listener(count)
         engine.shutdown()
         worker.shutdown()
         worker.sender.close()

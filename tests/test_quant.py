@@ -223,39 +223,88 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
     assert (seen == 1).all()
 
 
+def test_unpack_bit_tricks_give_the_nibbles():
+    """The kernel's register-level unpacking (pallas_kernels/int4_unpack.py), run on numpy through the same code the
+    kernel emits as MLIR: every pair of packed bytes gives bf16 bit patterns 136 + q (w4a16), every byte 16 q as int8
+    (w4a8), for both nibbles, equal to quant.unpack_int4's values."""
+    from pallas_kernels.int4_unpack import HIGH_NIBBLES, NumpyOps, bf16_bits, int8_lo_bits
+
+    b = np.arange(1 << 16, dtype=np.uint32)  # b0 | b1 << 8, every pair
+    nib = quant.unpack_int4(jnp.asarray(b.astype(np.uint16).view(np.uint8).reshape(-1, 2)), 4)  # [pairs, 4]
+    nib = np.asarray(nib).astype(np.float32)  # per pair: lo(b0), lo(b1), hi(b0), hi(b1)
+    for half, bits in enumerate(bf16_bits(b, NumpyOps)):
+        for lane in range(2):
+            v = ((bits >> (16 * lane)) & 0xFFFF).astype(np.uint16).view(jnp.bfloat16).astype(np.float32) - 136
+            np.testing.assert_array_equal(v, nib[:, 2 * half + lane])
+    rand = np.random.default_rng(0).integers(0, 2**32, 4096, np.uint32)
+    r = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101, rand])  # every byte, then random words
+    lo, hi = int8_lo_bits(r, NumpyOps), r & np.uint32(HIGH_NIBBLES)
+    vals = np.asarray(quant.unpack_int4(jnp.asarray(r.view(np.uint8).reshape(-1, 4)), 8)).astype(np.int32)  # [.., 8]
+    np.testing.assert_array_equal(lo.view(np.int8).reshape(-1, 4), 16 * vals[:, :4])
+    np.testing.assert_array_equal(hi.view(np.int8).reshape(-1, 4), 16 * vals[:, 4:])
+
+
+def _tiling(spec):
+    """A test case's tiling: None (the default), "legacy", or Tiling's fields."""
+    from pallas_kernels.moe_int4 import Tiling
+
+    return spec if spec in (None, "legacy") else Tiling(*spec[:3], **spec[3] if len(spec) > 3 else {})
+
+
+KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
+    (256, 128, [5, 0, 20, 3], (16, 128, 2)),  # a group across two blocks, the last tile past M (zero-filled by the TMA)
+    (128, 64, [0, 17, 0, 40], None),
+    (128, 64, [70, 1, 0, 9], (48, 64, 3)),  # three blocks of one group; groups starting off the 8-row grid
+    (128, 64, [3, 2], (16, 64, 2)),  # M < bm (x padded to one block)
+    (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
+    (256, 128, [5, 0, 20, 3], "legacy"),  # the first version's tiling
+]
+
+
 @pytest.mark.usefixtures("_reset_interpreter")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
-@pytest.mark.parametrize(
-    "k, n, sizes, block_m",
-    [
-        (256, 128, [5, 0, 20, 3], 16),  # a group across two blocks, the last tile past M (zero-filled by the TMA)
-        (128, 64, [0, 17, 0, 40], None),
-        (128, 64, [70, 1, 0, 9], 32),  # three blocks of one group; groups starting off the 8-row grid
-        (128, 64, [3, 2], 16),  # M < BM (x padded to one block)
-    ],
-)
-def test_kernel_matches_reference_interpret(k, n, sizes, block_m, act):
+@pytest.mark.parametrize("k, n, sizes, tiling", KERNEL_CASES)
+def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
     """The Mosaic GPU kernel, run by its interpreter: empty groups, sizes not multiples of the token block, rows past
-    sum(group_sizes), several K/N; x unpadded, the output written in x's row order. Equal to the reference up to one
-    bf16 rounding of the output."""
-    from pallas_kernels.moe_int4 import int4_ragged_dot
+    sum(group_sizes), several K/N and tilings; x unpadded, the output written in x's row order. Equal to the reference
+    up to the weights' bf16 scale and one bf16 rounding of the output (w4a16), exact sums (w4a8)."""
+    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
 
     e, m = len(sizes), sum(sizes) + 3
     w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
     x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
     gs = jnp.array(sizes, jnp.int32)
     qw = quant.quantize(w, 4, act)
+    t = legacy_tiling(act, m, e) if tiling == "legacy" else _tiling(tiling)
     ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
-    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, block_m=block_m), np.float32)
+    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
     assert not y[sum(sizes) :].any()
 
 
 @pytest.mark.usefixtures("_reset_interpreter")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
+def test_kernel_group_256_interpret(act):
+    """A K group of 256: two 64-byte packed chunks per group and row tile (each K half of the group is two wgmma K
+    chunks), with two groups per pipeline step."""
+    from pallas_kernels.moe_int4 import Tiling, int4_ragged_dot
+
+    e, k, n, sizes = 4, 512, 128, [9, 30, 0, 2]
+    w = jax.random.normal(jax.random.key(3), (e, k, n)) / 16
+    x = jax.random.normal(jax.random.key(1), (sum(sizes) + 3, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    qw = quant.quantize(w, 4, act, group=256)
+    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    t = Tiling(32, 64, 2, gps=2)
+    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
+    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_matches_reference_interpret(act):
     """silu(x @ Wg) * (x @ Wu) in one kernel (two weights, one token tile), with an empty group and a partial block."""
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_gated_reference
+    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_gated_reference
 
     k, n, sizes = 256, 128, [9, 0, 30]
     e, m = len(sizes), sum(sizes) + 2
@@ -265,19 +314,21 @@ def test_gated_kernel_matches_reference_interpret(act):
     gs = jnp.array(sizes, jnp.int32)
     gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
     ref = np.asarray(int4_gated_reference(x, gate, up, gs, act), np.float32)
-    y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, block_m=16), np.float32)
+    t = Tiling(16, 128, 2)
+    y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, tiling=t), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
     assert not y[sum(sizes) :].any()
 
 
-@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", False)])
+@pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
 def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
-    """With the kernel on, gate/up + SiLU runs fused for w4a16 and as two kernel calls for w4a8 (fused w4a8 was
-    slower on the H200)."""
+    """With the kernel on, gate/up + SiLU runs as one fused kernel where quant.FUSED_GATE_UP says so, else as two
+    kernel calls."""
     from pallas_kernels import moe_int4
 
     calls = []
     monkeypatch.setattr(quant, "use_kernel", lambda: True)
+    monkeypatch.setitem(quant.FUSED_GATE_UP, act, fused)
     monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", lambda x, g, u, gs, act: calls.append("fused") or x[:, :64])
     monkeypatch.setattr(moe_int4, "int4_ragged_dot", lambda x, q, s, gs, act: calls.append("one") or x[:, :64])
     w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
@@ -285,24 +336,48 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
     assert calls == (["fused"] if fused else ["one", "one"])
 
 
-LOWER_CASES = [  # DeepSeek-V3 expert shapes: gate/up (K = hidden, N = expert width) and down; decode and prefill
-    (16, 128, 7168, 2048),
-    (16, 1024, 2048, 7168),
-    (32, 4096, 7168, 2048),
+BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden, N = expert width) and down
+    (e, m, k, n) for e in (16, 32) for m in (128, 1024, 4096, 16384) for k, n in ((7168, 2048), (2048, 7168))
 ]
 
 
 @pytest.mark.parametrize("act", ["bf16", "int8"])
-@pytest.mark.parametrize("e, m, k, n", LOWER_CASES)
-def test_kernel_lowers_for_hopper(e, m, k, n, act):
-    """Mosaic GPU's lowering for sm_90 on the CPU: layout inference, supported ops and smem (227 KiB) are checked here,
-    where the H200 first reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts."""
-    from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_ragged_dot
+def test_default_tilings_fit_the_sm(act):
+    """At every bench shape the default tiling's registers stay within REGS and at least two CTAs fit an SM's shared
+    memory (one overlaps the other's unpacking), with a pipeline of at least two steps."""
+    from pallas_kernels.moe_int4 import REGS, SMEM_PER_SM, default_tiling, regs, smem_bytes
 
+    for e, m, k, n in BENCH_SHAPES:
+        for nw in (1, 2):
+            t = default_tiling(act, m, n, k // 128, e, nw)
+            assert t.stages >= 2 and n % t.bn == 0 and t.bm % 16 == 0, (e, m, k, n, nw, t)
+            assert t.bm == 16 or regs(act, t.bm, t.bn, nw) <= REGS, (e, m, k, n, nw, t)
+            assert 2 * (smem_bytes(act, t, 128, nw) + 1024) <= SMEM_PER_SM, (e, m, k, n, nw, t)
+
+
+# DeepSeek-V3 expert shapes, decode and prefill (every bench row: `python -m pallas_kernels.bench.moe --lower`)
+LOWER_CASES = [
+    (16, 128, 7168, 2048, None),
+    (16, 1024, 2048, 7168, None),
+    (32, 4096, 7168, 2048, None),
+    (32, 4096, 7168, 2048, "legacy"),
+    (16, 128, 7168, 2048, (16, 256, 2, {"gps": 2})),
+]
+
+
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+@pytest.mark.parametrize("e, m, k, n, tiling", LOWER_CASES)
+def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act):
+    """Mosaic GPU's lowering for sm_90 on the CPU, with the GPU's own path (unpacking through inline_mgpu, wgmma with
+    A in registers): layout inference, supported ops and smem (227 KiB) are checked here, where the H200 first
+    reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
+
+    t = legacy_tiling(act, m, e) if tiling == "legacy" else _tiling(tiling)
     s = jax.ShapeDtypeStruct
     args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32), s((e,), jnp.int32))
-    assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act), *args)
+    assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act, tiling=t), *args)
 
 
 @pytest.mark.parametrize("act", ["bf16", "int8"])
@@ -310,7 +385,7 @@ def test_gated_kernel_lowers_for_hopper(act):
     from pallas_kernels.cross_lower import lower_for_hopper
     from pallas_kernels.moe_int4 import int4_gated_ragged_dot
 
-    e, m, k, n = 16, 1024, 7168, 2048  # block_m 128: w4a16 at 3 stages, 207,360 B of smem
+    e, m, k, n = 16, 1024, 7168, 2048
     s = jax.ShapeDtypeStruct
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act=act)  # noqa: E731
@@ -326,7 +401,7 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
 
     seen, emit = [], plgpu.emit_pipeline
 
@@ -344,19 +419,31 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     s = jax.ShapeDtypeStruct
     x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
-    for bm in (16, 32, 48, 64, 128):
+    for bm, bn, gps in [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]:
+        t = Tiling(bm, bn, 2, gps)
         if nw == 1:
-            lower_for_hopper(lambda x, w, gs, bm=bm: int4_ragged_dot(x, *w, gs, act=act, block_m=bm), x, w, gs)
+            lower_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
         else:
-            lower_for_hopper(lambda x, w, gs, bm=bm: int4_gated_ragged_dot(x, w, w, gs, act=act, block_m=bm), x, w, gs)
+            lower_for_hopper(lambda x, w, gs, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t), x, w, gs)
     assert seen
     for shape, dtype in seen:
         rows = [getattr(d, "block_size", d) for d in shape]  # pl.Element(bm): the token tile at a row offset
         assert np.prod(rows) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
 
 
-@pytest.mark.parametrize("act, block_m, stages, nw", [("bf16", 128, 4, 1), ("int8", 32, 3, 1), ("int8", 64, 4, 2)])
-def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, block_m, stages, nw):
+@pytest.mark.parametrize(
+    "act, tiling, nw",
+    [
+        ("bf16", (128, 64, 4, {"a_regs": False}), 1),
+        ("int8", (32, 128, 3), 1),
+        ("int8", (64, 64, 4), 2),
+        ("bf16", (80, 128, 3), 1),
+        ("int8", (256, 256, 2), 1),
+    ],
+)
+def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):
+    """smem_bytes is an upper bound within 2 KiB of Mosaic's own count, which includes the output tile reusing the
+    pipeline's buffers (the last case: the output tile [256, 256], 128 KiB, is larger than the two stages, 100 KiB)."""
     import re
 
     from jax.experimental.mosaic.gpu import core
@@ -365,15 +452,15 @@ def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, block_m, stag
     from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot, smem_bytes
 
     monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)  # Mosaic then reports its smem count in the error
+    t = _tiling(tiling)
     e, m, k, n = 4, 256, 1024, 256
     s = jax.ShapeDtypeStruct
     args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32), s((e,), jnp.int32))
-    cfg = dict(act=act, block_m=block_m, stages=stages)
     if nw == 1:
-        f = lambda x, q, sc, gs: int4_ragged_dot(x, q, sc, gs, **cfg)  # noqa: E731
+        f = lambda x, q, sc, gs: int4_ragged_dot(x, q, sc, gs, act=act, tiling=t)  # noqa: E731
     else:
-        f = lambda x, q, sc, gs: int4_gated_ragged_dot(x, (q, sc), (q, sc), gs, **cfg)  # noqa: E731
+        f = lambda x, q, sc, gs: int4_gated_ragged_dot(x, (q, sc), (q, sc), gs, act=act, tiling=t)  # noqa: E731
     with pytest.raises(ValueError, match="shared memory") as err:
         lower_for_hopper(f, *args)
     used = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
-    assert used <= smem_bytes(act, block_m, stages, nw=nw) < used + 2048
+    assert used <= smem_bytes(act, t, nw=nw) < used + 2048

@@ -1,5 +1,6 @@
 """Sharding plans on 8 fake CPU devices: prefill TP + EP with jit shardings, decode attention-DP x EP with explicit
-all_to_all dispatch and mock rows for idle ranks. Every plan must reproduce the single-device model."""
+EP dispatch (the dense exchange here; tests/test_ep.py checks the ragged one) and mock rows for idle ranks. Every
+plan must reproduce the single-device model."""
 
 import jax
 import jax.numpy as jnp

@@ -4,6 +4,7 @@ handoff, the sweep, the YAML config and the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -11,14 +12,14 @@ import pytest
 
 from hcfjax.bench.serve import workload
 from hcfjax.engine.scheduler import SchedulerConfig
-from hcfjax.sim import Deployment, Pool, Workload, simulate
+from hcfjax.sim import SLO, Deployment, Pool, Workload, simulate
 from hcfjax.sim.config import from_mapping, load_config
 from hcfjax.sim.cost import CostModel, Work, tokens_per_step
 from hcfjax.sim.deployment import model_config
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
 from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, PrefillInstance, new_request
 from hcfjax.sim.sweep import Search, candidates, max_rate
-from hcfjax.sim.work import EngineShapes, actual_works
+from hcfjax.sim.work import EngineShapes, PrefillShapes, actual_works
 
 CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
 IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads
@@ -207,6 +208,98 @@ def test_pd_deployment_runs_and_attributes_time():
     assert 0 < res.utilisation["decode0"] <= 1 and 0 < res.utilisation["prefill0"] <= 1
 
 
+def test_prefill_shapes_are_the_workers():
+    """The simulator's copy of PrefillWorker._shape (the sim does not import the model code) gives its shapes."""
+    from types import SimpleNamespace
+
+    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+
+    worker = SimpleNamespace(config=PrefillConfig(page_size=16, chunk=128, min_bucket=64))
+    shapes = PrefillShapes(page_size=16, chunk=128, min_bucket=64)
+    for rows, longest in [(1, 1), (1, 64), (2, 65), (3, 300), (4, 1000)]:
+        assert shapes.shape(rows, longest) == PrefillWorker._shape(worker, rows, longest)
+    assert shapes.shape(2, 300) == (2, 128, 384, 32)  # three chunks of 128, a table of 24 pages -> 32
+    (w,) = shapes.shape_works(2, 128, 384, 32)
+    assert (w.tokens, w.logits, w.pre_pairs) == (768, 2, 768 * 512)
+    assert w.pre_kv == w.pre_expand == 2 * 512 * 3  # each chunk of each row reads the whole table
+
+
+def _profile(path: Path, eff: Efficiency) -> str:
+    path.write_text(json.dumps(dataclasses.asdict(eff)))
+    return str(path)
+
+
+def test_pd_engine_shapes_by_hand(tmp_path):
+    """1P1D as sim.validate builds it, each pool with its own profile: the prefill instance batches whole prompts
+    in the worker's shapes, the cache moves over a measured link in whole pages, the decode instance steps every
+    slot. A lone request's TTFT is the prefill host's dispatch + its batch's step + the transfer, its TPOT the
+    decode step; two prompts arriving together are one prefill batch, and the second transfer waits for the first."""
+    pre = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0, step_overhead_s=0.05, host_dispatch_s=0.003)
+    dec = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0, step_overhead_s=0.01, transfer_gbs=1.0, transfer_latency_s=0.02)
+    dep = Deployment(
+        model="tiny-v3",
+        gpu="H200",
+        quant=None,
+        mode="pd",
+        engine_shapes=True,
+        max_model_len=512,
+        prefill=Pool(page_size=16, min_bucket=64, chunk=128, max_prefill_rows=2, token_budget=4096, num_pages=64),
+        decode=Pool(max_slots=4, page_size=16),
+    )
+    dep = dep.replace(
+        prefill=dataclasses.replace(dep.prefill, efficiency=_profile(tmp_path / "pre.json", pre)),
+        decode=dataclasses.replace(dep.decode, efficiency=_profile(tmp_path / "dec.json", dec)),
+    )
+    cfg = model_config("tiny-v3")
+    pc, dc = CostModel(cfg, gpu("H200"), pre), CostModel(cfg, gpu("H200"), dec)
+    shapes = PrefillShapes(16, 128, 64)
+    step = lambda n_rows, longest: pc.step(shapes.shape_works(*shapes.shape(n_rows, longest))).seconds
+    link = lambda tokens: 0.02 + dc.kv_bytes(-(-tokens // 16) * 16) / 1e9  # whole pages of 16
+    decode = dc.step(dep.engine_shapes_for(dep.decode, cfg).shape_works(0, 0, True)).seconds
+
+    trace = tmp_path / "one.csv"
+    trace.write_text("arrival_s,input,output\n0.0,100,5\n")
+    res = simulate(dep, Workload(requests=0, trace=str(trace)))
+    assert res.finished == 1
+    assert res.ttft[50] == pytest.approx(0.003 + step(1, 100) + link(100))
+    assert res.tpot[50] == pytest.approx(decode)
+
+    trace.write_text("arrival_s,input,output\n0.0,100,5\n0.0,300,5\n")
+    res = simulate(dep, Workload(requests=0, trace=str(trace)))
+    assert sum(res.parts["prefill"].values()) == pytest.approx(step(2, 300))  # one batch of (2, 128, 384, 32)
+    spread = (res.ttft[99] - res.ttft[50]) / 0.49  # two requests: percentiles interpolate between them
+    a, b = res.ttft[50] - spread / 2, res.ttft[50] + spread / 2
+    assert a == pytest.approx(0.003 + step(2, 300) + link(100))
+    assert a + link(300) <= b < a + link(300) + decode  # after its transfer, which waited for the first one's
+
+
+def test_validate_builds_the_workers_deployment():
+    """sim.validate's 1P1D deployment takes the workers' settings from their own command lines (bench.serve's)."""
+    import argparse
+
+    from hcfjax.bench.serve import pd_gpus, pd_role_args, role_env
+    from hcfjax.sim.validate_pd import deployment, worker_configs
+
+    args = argparse.Namespace(
+        preset="v2-lite", model=None, pd="jax", page_size=64, max_model_len=4096, token_budget=256, prefill_rows=2,
+        min_bucket=64, max_slots=32, requests=48,
+    )  # fmt: skip
+    pre, dec = worker_configs(*pd_role_args(args))
+    assert (pre.token_budget, pre.max_rows, pre.chunk, pre.min_bucket, pre.page_size) == (4096, 2, 2048, 64, 64)
+    assert (dec.max_slots, dec.page_size, dec.max_model_len, dec.token_budget) == (32, 64, 4096, 256)
+    dep = deployment("v2-lite", "H200", pre, dec, {"prefill": "a.json", "decode": "b.json"})
+    assert dep.prefill.efficiency == "a.json" and dep.decode.efficiency == "b.json" and dep.engine_shapes
+    cfg = model_config("v2-lite")
+    assert dep.engine_limits(dep.decode, cfg) == (4096, 65, 1040)  # Engine: 65 pages a request, 32 x 65 / 2
+    sched = dep.scheduler_config(dep.prefill, "prefill", pre.num_pages)
+    assert sched.whole_prompts and sched.spf_window_s == 0 and sched.token_budget == 4096
+    assert pd_gpus("0,1") == ("0", "1") and pd_gpus(None) is None
+    with pytest.raises(SystemExit, match="two GPU indices"):
+        pd_gpus("0")
+    env = role_env("1", 0.4, JAX_PLATFORMS="cpu")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"
+
+
 # -- workloads, sweep, config, CLI -------------------------------------------------------------------------------------
 def test_workload_is_the_benchmarks():
     wl = Workload(requests=16, rate=1.0, seed=3, scale=0.125, max_model_len=4096, vocab=1000)
@@ -222,8 +315,59 @@ def test_max_rate_and_candidates():
     assert any(not p.result.meets_slo and p.rate > best.rate for p in points)  # the search bracketed it
     h200 = load_config(CONFIGS / "reference-h200.yaml")
     layouts = candidates(h200.deployment, h200.grid, h200.total_gpus)
-    assert layouts and all(dep.gpus <= 16 for _, dep in layouts)
-    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep in layouts)
+    assert layouts and all(dep.gpus <= 16 for _, dep, _ in layouts)
+    assert not any(dep.prefill.tp == 4 and dep.decode.dp == 12 and dep.prefill.instances == 2 for _, dep, _ in layouts)
+
+
+def test_refinement_walks_to_the_finer_optimum(monkeypatch):
+    """The pattern search after the grid: with throughput peaking at 22 slots, the grid [8, 32, 64] finds 32; the
+    refinement rates it again on the lattice, then steps of 32, 16, 8, 4, 2 reach 22, each layout rated once."""
+    from types import SimpleNamespace
+
+    from hcfjax.sim import sweep as sweep_mod
+
+    grid_calls, fine_calls = [], []
+
+    def fake(calls):
+        def rate(dep, wl, slo, search, *start):
+            calls.append(dep.colocated.max_slots)
+            result = SimpleNamespace(output_tok_s=1000.0 - (dep.colocated.max_slots - 22) ** 2, meets_slo=True)
+            point = sweep_mod.Point(search.lo, result)
+            return point, [point]
+
+        return rate
+
+    monkeypatch.setattr(sweep_mod, "max_rate", fake(grid_calls))
+    monkeypatch.setattr(sweep_mod, "max_rate_on_lattice", fake(fine_calls))
+    cfg = load_config(CONFIGS / "tiny.yaml")
+    out = sweep_mod.sweep(
+        cfg.deployment, cfg.workload, cfg.slo, {"max_slots": [8, 32, 64]}, None, log=lambda s: None,
+        refine={"max_slots": 2},
+    )  # fmt: skip
+    assert out[0].values["max_slots"] == 22 and out[0].tok_s == 1000.0
+    assert grid_calls == [8, 32, 64] and fine_calls == [32, 64, 16, 48, 8, 24, 20, 28, 22, 26]
+    assert len(out) == 10  # the grid's layouts were rated again on the lattice: those replace their grid rates
+
+
+def test_lattice_rate_search(monkeypatch):
+    """Rates on search.lo x 1.03^i: from a start next to the answer a few runs find the highest rate meeting the
+    SLO; from far away more; the range's top, or None, at the ends."""
+    from types import SimpleNamespace
+
+    from hcfjax.sim import sweep as sweep_mod
+
+    runs, limit = [], [2.0]
+    monkeypatch.setattr(sweep_mod, "simulate", lambda dep, wl, slo: runs.append(wl.rate) or SimpleNamespace(
+        meets_slo=wl.rate <= limit[0]))  # fmt: skip
+    search, wl = Search(0.25, 16.0), Workload(requests=1)
+    top, points = sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.9)
+    assert top.rate <= 2.0 < top.rate * 1.03 and len(runs) == len(points) <= 4
+    far, _ = sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=0.3)
+    assert far.rate == top.rate and len(runs) <= 4 + 16
+    limit[0] = 100.0
+    assert sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.0)[0].rate == pytest.approx(16.0, rel=0.03)
+    limit[0] = 0.1
+    assert sweep_mod.max_rate_on_lattice(None, wl, SLO(), search, start=1.0)[0] is None
 
 
 def test_config_errors_name_the_key():

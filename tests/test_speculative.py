@@ -10,7 +10,7 @@ from hcfjax import cache as kvcache
 from hcfjax.generate import bucket, prefill
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams
-from hcfjax.speculative import SpeculativeConfig, speculative_decode
+from hcfjax.speculative import SpeculativeConfig, mtp_extend, speculative_decode
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
 
@@ -136,6 +136,27 @@ def test_rollback_leaves_exactly_the_accepted_entries(embedded):
     got = np.asarray(cache.kv[: cfg.num_hidden_layers, :4]).reshape(cfg.num_hidden_layers, -1, cfg.kv_dim)[:, :n]
     want = np.asarray(ref.kv[: cfg.num_hidden_layers, :4]).reshape(cfg.num_hidden_layers, -1, cfg.kv_dim)[:, :n]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_mtp_over_the_paged_cache_equals_the_training_view(embedded):
+    """Depth 1 over a prompt through the paged cache (what spec_prefill runs) gives the logits of train_mtp's
+    cache-free chain: the module attends to exactly the anchors 0..t. The cache starts full of garbage, as a reused
+    page would be, so a slot read before it is written (the module's first position, say) fails the comparison."""
+    from train_mtp.heads import base_hidden, chain_logits
+
+    cfg, params = embedded.cfg, embedded.params
+    t, page = 40, 16
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, t + 1)), jnp.int32)
+    h = base_hidden(params, cfg, tokens, t)
+    want = chain_logits(params["mtp"], params, cfg, h, tokens, 1)[0]  # row a predicts token a + 2
+    n_layers = cfg.num_hidden_layers + len(params["mtp"])
+    cache = kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers)
+    garbage = jax.random.normal(jax.random.key(1), cache.kv.shape, cache.kv.dtype)
+    cache = kvcache.KVCache(garbage, cache.scale)
+    table = jnp.asarray([[3, 0, 2, 1]])
+    anchors = jnp.arange(t)[None]
+    _, got, _ = mtp_extend(params, cfg, cache, table, h, tokens[:, 1:], anchors, anchors >= 0, jnp.asarray([t]), 1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-4)
 
 
 def test_bad_speculative_configs(embedded):

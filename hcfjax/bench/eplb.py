@@ -1,13 +1,14 @@
 """Per-rank expert load with and without live EPLB, from the serving engine under a decode plan.
 
     python -m hcfjax.bench.eplb --cpu-devices 8 [--ranks 8] [--experts 64] [--redundant 16] [--slots 8]
-        [--requests 64] [--new-tokens 48] [--interval 8] [--window 32] [--skew 0.5] [--out FILE]
+        [--requests 64] [--new-tokens 48] [--interval 8] [--window 32] [--nodes 1] [--skew 0.5] [--out FILE]
 
 A random tiny-v3-shaped model with `--experts` routed experts (8 groups, top-8, like DeepSeek-V3's routing) gets a
 skewed router: each MoE layer's bias (noaux_tc's e_score_correction_bias) favours experts Zipf-like (bias of the
 k-th hottest = skew / k^1.2), with a different hot set per layer. The engine serves --requests random prompts on
 --ranks attention-DP / EP ranks with EPLB re-placing the experts every --interval steps from the last --window
-steps' routed loads, in E + --redundant physical slots.
+steps' routed loads, in E + --redundant physical slots; with --nodes > 1 the ranks span that many nodes and the
+placement is hierarchical (groups packed onto nodes, replicas kept on their group's node).
 
 Each step's routed tokens per expert (the engine's own counters, real rows only) give the tokens per rank under two
 layouts: without EPLB (experts in order, E / ranks per rank, no replicas: the plain decode plan) and with the
@@ -63,6 +64,7 @@ def run(args) -> str:
         eplb_interval=args.interval,
         eplb_redundant=args.redundant,
         eplb_window=args.window,
+        eplb_nodes=args.nodes,
     )
     engine = Engine(model, config, decode_plan=decode_plan(args.ranks))
     eplb = engine.runner.eplb
@@ -90,7 +92,11 @@ def run(args) -> str:
     for name, steps, layout in (
         ("without EPLB (E / ranks experts per rank), all steps", sorted(loads), lambda s: static),
         ("without EPLB, the steps after the first re-placement", after, lambda s: static),
-        (f"live EPLB (+{args.redundant} slots, every {args.interval} steps), same steps", after, placements.get),
+        (
+            f"live EPLB (+{args.redundant} slots, every {args.interval} steps, {args.nodes} node(s)), same steps",
+            after,
+            placements.get,
+        ),
     ):
         per_rank = [gpu_loads(loads[s], layout(s)[0], layout(s)[2], r) for s in steps]  # [L, ranks] each
         per_step = np.mean([imbalance(x) for x in per_rank]) if steps else float("nan")
@@ -126,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument(
+        "--nodes", type=int, default=1, help="nodes the ranks span (hierarchical EPLB if it divides 8 groups)"
+    )
     ap.add_argument("--skew", type=float, default=0.5, help="router bias of each layer's hottest expert")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also append the table to this file")

@@ -53,9 +53,9 @@ def receiver_main(kind: str) -> None:
 class Decode:
     """The child process holding the receiver."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, env: dict | None = None):
         cmd = [sys.executable, "-m", "hcfjax.bench.pd_transfer", "--role", "receiver", "--kinds", kind]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.address = json.loads(self.proc.stdout.readline())["address"]
 
     def expect(self, key: str) -> None:

@@ -2,7 +2,7 @@
 
     python -m hcfjax.bench.serve [--model PATH | --preset v2-lite] [--requests 64] [--rate 2.0] [--scale 0.125]
         [--max-slots 32] [--page-size 64] [--token-budget 2048] [--max-model-len 4096] [--speculative K]
-        [--pd socket|jax] [--out FILE]
+        [--pd socket|jax [--pd-gpus P,D]] [--out FILE]
 
 Lengths follow the reference's workload (input mean 3.5k tokens, max 16k; output mean 1.2k, max 32k), each drawn
 from a log-normal with that mean (sigma 0.8), clipped at the max, and multiplied by --scale for small models.
@@ -11,8 +11,9 @@ output tokens/s, TTFT and TPOT percentiles, goodput under the SLO (TTFT < 2 s an
 that got no terminal response (must be 0). Engine.warmup() compiles every step shape first, so compiles stay out.
 
 --pd runs the same workload against prefill/decode disaggregation (hcfjax/pd/): a prefill worker, a decode worker
-and the router as three processes (on one GPU they share it, each worker with 45% of its memory), the KV cache
-moved over the given transport; the prefill worker's shapes are compiled by a few warm-up prompts first.
+and the router as three processes (on one GPU they share it, each worker with 45% of its memory; --pd-gpus 0,1 gives
+each worker a GPU of its own), the KV cache moved over the given transport; a few warm-up prompts of each length
+bucket go through first.
 """
 
 from __future__ import annotations
@@ -83,6 +84,33 @@ def run_one(stub, prompt, max_new, t_arrival, record):
     )
 
 
+def warm_pd(stub, ins, limit: int, rows: int) -> float:
+    """A PD deployment's first requests of each prompt-length bucket, `rows` at a time, before timing (the prefill
+    worker compiled its shapes at start; this warms the rest of the path). -> seconds."""
+    from hcfjax.serving.client import generate
+
+    t0 = time.perf_counter()
+    for k in sorted({min(1 << i, limit // 2) for i in range(4, int(ins.max()).bit_length() + 1)}):
+        with ThreadPoolExecutor(rows) as pool:  # batches of every row count, too
+            list(pool.map(lambda _, k=k: generate(stub, [1] * k, max_new_tokens=2, ignore_eos=True), range(2)))
+    return time.perf_counter() - t0
+
+
+def run_clients(stub, prompts, outs, arrivals) -> tuple[list[dict], float]:
+    """The workload's requests at their arrival times, one client thread each; -> (a record per request, seconds
+    from the first arrival to the last response)."""
+    n = len(prompts)
+    record: list[dict] = []
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for i in range(n):
+            delay = start + arrivals[i] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record)
+    return record, max(r["end"] for r in record) - start
+
+
 def shown_args(argv) -> str:
     """The command line without --out (the heading names the command that made the table)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -108,68 +136,89 @@ def engine_config(args, speculative=None):
     )
 
 
-def start_pd(args) -> tuple[list, int, float]:
-    """The three PD processes (`hcfjax serve --role ...`), the decode worker warmed up; -> (processes, the
-    router's port, seconds to start)."""
+def pd_role_args(args) -> tuple[list[str], list[str]]:
+    """The prefill and decode workers' `hcfjax serve` arguments for the benchmark's settings (the prefill worker
+    takes prompts whole, up to 4096 tokens per batch)."""
+    import hcfjax
+
+    model = f"preset:{args.preset}" if args.preset else (args.model or str(hcfjax.DEFAULT_MODEL))
+    common = ["--model", model, "--page-size", str(args.page_size), "--transport", args.pd, "--port", "0"]
+    common += ["--max-model-len", str(args.max_model_len)]  # the prefill worker compiles its shapes up to it
+    prefill = [
+        *("--role", "prefill", *common),
+        *("--token-budget", str(max(args.token_budget, 4096)), "--max-prefill-rows", str(args.prefill_rows)),
+        *("--min-prefill-bucket", str(args.min_bucket)),
+    ]
+    decode = [
+        *("--role", "decode", *common, "--max-slots", str(args.max_slots), "--token-budget", str(args.token_budget)),
+        *("--max-queue", str(args.requests + 8)),
+    ]
+    return prefill, decode
+
+
+def pd_gpus(spec: str | None) -> tuple[str, str] | None:
+    """--pd-gpus 'P,D': the GPU of the prefill worker and of the decode worker."""
+    if not spec:
+        return None
+    gpus = [g.strip() for g in spec.split(",")]
+    if len(gpus) != 2 or not all(g.isdigit() for g in gpus):
+        raise SystemExit(f"--pd-gpus takes two GPU indices, prefill's and decode's (e.g. 0,1), got {spec!r}")
+    return gpus[0], gpus[1]
+
+
+def role_env(gpu: str | None = None, mem_fraction: float | None = None, **extra) -> dict:
+    """A worker process's environment: on `gpu` only (CUDA_VISIBLE_DEVICES) with `mem_fraction` of its memory."""
     import os
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if mem_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(mem_fraction)
+    return env
+
+
+def launch_role(role_args: list[str], env: dict, procs: list) -> str:
+    """Starts `hcfjax serve ROLE_ARGS` (appended to procs), echoes its output, and returns the address it
+    listens on once it says so."""
     import re
     import subprocess
 
-    import hcfjax
+    cmd = [sys.executable, "-m", "hcfjax.cli", "serve", *role_args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    procs.append(p)
+    for line in p.stdout:
+        print("  |", line.rstrip(), flush=True)
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            threading.Thread(target=lambda: [print("  |", x.rstrip()) for x in p.stdout], daemon=True).start()
+            return m.group(1)
+    stop_pd(procs)
+    raise SystemExit(f"{role_args[:2]} exited before listening")
 
+
+def launch_router(prefill: str, decode: str, procs: list) -> int:
+    router = launch_role(
+        ["--role", "router", "--prefill", prefill, "--decode", decode, "--port", "0"],
+        role_env(JAX_PLATFORMS="cpu"),
+        procs,
+    )
+    return int(router.rsplit(":", 1)[1])
+
+
+def start_pd(args) -> tuple[list, int, float]:
+    """The three PD processes (`hcfjax serve --role ...`), the workers warmed up; -> (processes, the router's port,
+    seconds to start). With --pd-gpus each worker sees only its GPU; without, both share the default device,
+    each with 45% of its memory."""
     t0 = time.perf_counter()
-    model = f"preset:{args.preset}" if args.preset else (args.model or str(hcfjax.DEFAULT_MODEL))
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45", "PYTHONUNBUFFERED": "1"}
-    common = ["--model", model, "--page-size", str(args.page_size), "--transport", args.pd, "--port", "0"]
-    procs = []
-
-    def launch(role_args, env):
-        cmd = [sys.executable, "-m", "hcfjax.cli", "serve", *role_args]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        procs.append(p)
-        for line in p.stdout:
-            print("  |", line.rstrip(), flush=True)
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                threading.Thread(target=lambda: [print("  |", x.rstrip()) for x in p.stdout], daemon=True).start()
-                return m.group(1)
-        stop_pd(procs)
-        raise SystemExit(f"{role_args[:2]} exited before listening")
-
-    pre = launch(
-        [
-            "--role",
-            "prefill",
-            *common,
-            "--token-budget",
-            str(max(args.token_budget, 4096)),
-            "--max-prefill-rows",
-            str(args.prefill_rows),
-            "--min-prefill-bucket",
-            str(args.min_bucket),
-        ],
-        env,
-    )
-    dec = launch(
-        [
-            "--role",
-            "decode",
-            *common,
-            "--max-slots",
-            str(args.max_slots),
-            "--token-budget",
-            str(args.token_budget),
-            "--max-model-len",
-            str(args.max_model_len),
-            "--max-queue",
-            str(args.requests + 8),
-        ],
-        env,
-    )
-    router = launch(
-        ["--role", "router", "--prefill", pre, "--decode", dec, "--port", "0"], {**env, "JAX_PLATFORMS": "cpu"}
-    )
-    return procs, int(router.rsplit(":", 1)[1]), time.perf_counter() - t0
+    gpus = pd_gpus(args.pd_gpus)
+    shared = gpus is None or gpus[0] == gpus[1]
+    fraction = 0.45 if shared else None
+    pre_args, dec_args = pd_role_args(args)
+    procs: list = []
+    pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
+    dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
+    return procs, launch_router(pre, dec, procs), time.perf_counter() - t0
 
 
 def stop_pd(procs) -> None:
@@ -208,8 +257,10 @@ def main(argv=None) -> None:
         "--pd",
         choices=["socket", "jax"],
         help="prefill/decode disaggregated instead of colocated: a prefill worker, a decode worker and the router as "
-        "three processes on this machine (sharing one GPU, memory split), the KV cache over this transport",
+        "three processes on this machine (sharing one GPU, memory split, unless --pd-gpus), the KV cache over this "
+        "transport",
     )
+    ap.add_argument("--pd-gpus", metavar="P,D", help="with --pd: the prefill worker on GPU P, the decode worker on D")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -245,23 +296,11 @@ def main(argv=None) -> None:
     ins, outs, prompts, arrivals = workload(args.seed, n, args.rate, args.scale, limit, cfg.vocab_size)
 
     generate(stub, [1, 2, 3], max_new_tokens=4, ignore_eos=True)  # the server answers
-    if args.pd:  # the prefill worker compiles its chunk shapes on first use: one prompt per shape, before timing
-        t0 = time.perf_counter()
-        for k in sorted({min(1 << i, limit // 2) for i in range(4, int(ins.max()).bit_length() + 1)}):
-            with ThreadPoolExecutor(args.prefill_rows) as pool:  # batches of every row count, too
-                list(pool.map(lambda _, k=k: generate(stub, [1] * k, max_new_tokens=2, ignore_eos=True), range(2)))
-        warm += time.perf_counter() - t0
+    if args.pd:
+        warm += warm_pd(stub, ins, limit, args.prefill_rows)
     compiles_warm = engine.snapshot()["compiles"] if engine else 0
 
-    record: list[dict] = []
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        for i in range(n):
-            delay = start + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record)
-    wall = max(r["end"] for r in record) - start
+    record, wall = run_clients(stub, prompts, outs, arrivals)
     channel.close()
     if engine is not None:
         snap = engine.snapshot()
@@ -289,6 +328,7 @@ def main(argv=None) -> None:
         f"engine: {args.max_slots} slots, page {args.page_size}, token budget {args.token_budget}"
         + (f", speculative k={args.speculative}" if args.speculative else "")
         + (f"; PD: prefill, decode and router processes, KV over {args.pd}" if args.pd else "; colocated")
+        + (" (prefill on GPU {}, decode on GPU {})".format(*pd_gpus(args.pd_gpus)) if args.pd and args.pd_gpus else "")
         + f". Warm-up {warm:.0f} s ({compiles_warm} compiles); compiles during the run: "
         + (f"{snap['compiles'] - compiles_warm}" if engine else "n/a")
         + f"; preemptions {snap['preemptions']}.",

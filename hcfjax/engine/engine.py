@@ -57,7 +57,11 @@ class EngineConfig:
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last
     eplb_window steps (0: off, and no load counting); eplb_redundant: extra physical expert slots per MoE layer
-    (E + eplb_redundant must divide over the dp ranks), given to the hottest experts as replicas."""
+    (E + eplb_redundant must divide over the dp ranks), given to the hottest experts as replicas; eplb_nodes: the
+    nodes the dp ranks span (it must divide dp; node i holds ranks i * dp / nodes ..): when it also divides the
+    model's n_group, the placement is hierarchical as in DeepSeek's EPLB (expert groups packed onto nodes, every
+    replica of an expert on its group's node, so routed tokens cross nodes no more than without EPLB), else
+    global."""
 
     max_slots: int = 8
     dp: int = 1
@@ -76,6 +80,7 @@ class EngineConfig:
     eplb_interval: int = 0
     eplb_redundant: int = 0
     eplb_window: int = 100
+    eplb_nodes: int = 1
 
     def __post_init__(self):
         for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
@@ -86,6 +91,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (isinstance(self.eplb_window, int) and self.eplb_window >= 1):
             raise ValueError(f"eplb_window must be an integer >= 1, got {self.eplb_window!r}")
+        if not (isinstance(self.eplb_nodes, int) and self.eplb_nodes >= 1 and self.dp % self.eplb_nodes == 0):
+            raise ValueError(f"eplb_nodes must be an integer >= 1 dividing dp={self.dp}, got {self.eplb_nodes!r}")
         if self.cache_dtype not in ("auto", "int8"):
             raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
 
@@ -98,7 +105,13 @@ def _live_eplb(model: Model, c: EngineConfig, plan):
         return None
     from sharding.eplb import LiveEplb
 
-    return LiveEplb(model.cfg, plan, c.eplb_redundant, c.eplb_interval, c.eplb_window)
+    if c.eplb_nodes > 1 and model.cfg.n_group % c.eplb_nodes:
+        log.warning(
+            "EPLB: %d expert groups do not split over %d nodes, so the placement is global, not hierarchical",
+            model.cfg.n_group,
+            c.eplb_nodes,
+        )
+    return LiveEplb(model.cfg, plan, c.eplb_redundant, c.eplb_interval, c.eplb_window, num_nodes=c.eplb_nodes)
 
 
 class Engine:

@@ -68,17 +68,6 @@ def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
 
 
-def _clear_mtp_head(cache: kvcache.KVCache, first_mtp_layer: int, page, ok, spec) -> kvcache.KVCache:
-    """Zeroes positions 0..k of the MTP layers in each new sequence's first page. Module m's entries start at
-    position m + 1, so these positions are read but never written: a fresh cache holds zeros there, and a reused
-    page must too, or a sequence would attend to the previous owner's entries."""
-    page = jnp.where(ok, page, cache.num_pages)  # rows without a sequence: out of range, dropped
-    n = spec.num_draft_tokens + 1
-    kv = cache.kv.at[first_mtp_layer:, page, :n].set(0, mode="drop")
-    scale = None if cache.scale is None else cache.scale.at[first_mtp_layer:, page, :n].set(0, mode="drop")
-    return kvcache.KVCache(kv, scale)
-
-
 def step_body(
     params,
     cfg: ModelConfig,
@@ -116,7 +105,6 @@ def step_body(
         length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
         count = count.at[pre.slot].set(pre.count + 1, mode="drop")
         if spec is not None:  # prompts come whole (start 0): the MTP modules see every anchor
-            cache = _clear_mtp_head(cache, cfg.num_hidden_layers, pre.page_table[:, 0], pre.n > 0, spec)
             key, sub = jax.random.split(key)
             d, cache = spec_prefill(
                 params,
@@ -176,9 +164,9 @@ def planned_step(
     spec: SpeculativeConfig | None = None,
 ):
     """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
-    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens with
-    all_to_all. Every rank runs every step; rows without work are mock rows that write nothing (and, with_load, add
-    nothing to the expert loads, which are summed over the ranks)."""
+    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens over EP
+    (sharding.ep, exchange "auto"). Every rank runs every step; rows without work are mock rows that write nothing
+    (and, with_load, add nothing to the expert loads, which are summed over the ranks)."""
     from sharding.ep import ep_experts
     from sharding.plans import param_specs
 
@@ -368,13 +356,15 @@ class ModelRunner:
         )
 
     def warmup_install(self) -> None:
-        """Compiles install for every page-count bucket (a PD decode worker), writing nothing."""
+        """Compiles install for every page count (a PD decode worker: the padding to the count's bucket, then the
+        bucket's install), writing nothing."""
         cache = self.state.cache
         drafts = None if self.spec is None else jax.tree.map(lambda x: x[0], self.state.drafts)
-        for b in sorted({bucket(n, 1) for n in range(1, self.max_pages + 1)}):
-            kv = np.zeros((cache.kv.shape[0], b, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
-            scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
-            self._install_pages([cache.num_pages] * b, kv, scale, self.num_slots, 0, 0, 0, drafts)
+        kv = np.zeros((cache.kv.shape[0], self.max_pages, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
+        scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
+        for n in range(1, self.max_pages + 1):
+            part = None if scale is None else scale[:, :n]
+            self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
 
     def warmup(self, max_rows: int, max_chunk: int, prefill: bool = True) -> None:
         """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without

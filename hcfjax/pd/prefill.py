@@ -41,7 +41,7 @@ from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
-from hcfjax.engine.runner import _clear_mtp_head, _keys  # the colocated engine's: same first tokens, same drafts
+from hcfjax.engine.runner import _keys  # the colocated engine's: same first tokens, same drafts
 from hcfjax.generate import bucket
 from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
 from hcfjax.pd.transport import Piece
@@ -94,9 +94,16 @@ def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
 def _spec_prefill(params, cfg: ModelConfig, spec: SpeculativeConfig, x, tokens, first, n, cache, table, sp, key):
     """The MTP modules over the prompts and the first drafts (the engine's prefill step does the same)."""
-    cache = _clear_mtp_head(cache, cfg.num_hidden_layers, table[:, 0], n > 0, spec)
     h = final_hidden(params, cfg, x)
     return spec_prefill(params, cfg, spec, h, tokens, first, n, cache, table, sp, n > 0, key)
+
+
+@functools.partial(jax.jit, static_argnames=("lo", "hi"))
+def _take_pages(cache: kvcache.KVCache, pages, lo: int, hi: int):
+    """Layers [lo, hi) of these pages [n]: kv [hi - lo, n, page_size, D] and the scales (None for a bf16 cache).
+    One compile per page count and layer range; the warm-up compiles the whole-cache ones."""
+    take = lambda x: None if x is None else x[lo:hi][:, pages]
+    return take(cache.kv), take(cache.scale)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -273,12 +280,13 @@ class PrefillWorker:
         """The layer-major forward of a batch; send(lo, hi) hands layers [lo, hi) to the transport (each group
         once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent, the warm-up).
         -> (first tokens [B], Drafts [B] or None), on the device."""
-        cfg, c = self.cfg, self.config
+        cfg = self.cfg
         total, t = cfg.num_hidden_layers, tokens.shape[1]
         with self._mesh():
             x = _embed(self.params, jnp.asarray(tokens))
             table_j, n_j = jnp.asarray(table), jnp.asarray(n)
-            sent_to = 0
+            groups = iter(self._groups())
+            group = next(groups)
             for seg, (first, count_seg, is_moe) in zip(self.params["segments"], cfg.layer_segments, strict=True):
                 for i in range(count_seg):
                     layer = first + i
@@ -289,9 +297,9 @@ class PrefillWorker:
                         )
                         outs.append(xo)
                     x = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-                    if layerwise and (layer + 1 - sent_to >= c.layer_group or layer + 1 == total):
-                        send(sent_to, layer + 1)
-                        sent_to = layer + 1
+                    if layerwise and layer + 1 == group[1]:
+                        send(*group)
+                        group = next(groups, None)
             sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling))
             first_tok = _sample_first(self.params, cfg, x, n_j, sp, jnp.asarray(seed), jnp.asarray(count))
             drafts = None
@@ -310,16 +318,39 @@ class PrefillWorker:
 
     def warmup(self, max_len: int) -> float:
         """Compiles every batch shape prompts up to max_len tokens can take (rows x chunk buckets), on rows that
-        write nothing, so no request waits for a compile; returns the seconds it took."""
-        c = self.config
+        write nothing, and the gathers of every page count a send takes, so no request waits for a compile;
+        returns the seconds it took."""
         t0 = time.perf_counter()
-        shapes = {self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max_len)}
-        for b, tc, t, m in sorted(shapes):
-            z = np.zeros(b, np.int32)
-            table = np.full((b, m), self._pad_page, np.int32)
-            tokens, sampling = np.zeros((b, t), np.int32), [SamplingParams()] * b
-            jax.block_until_ready(self._forward(tokens, z, table, z.astype(np.uint32), z, sampling, tc, None, False))
+        for shape in self.shapes(max_len):
+            jax.block_until_ready(self.run_empty(shape))
+        c, total = self.config, self.cfg.num_hidden_layers
+        groups = self._groups() + ([(total, self.layers)] if self.spec is not None else [])
+        with self._mesh():  # what a send gathers, for every page count: the whole cache, or a layerwise piece
+            for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1):
+                pages = jnp.asarray(np.full(n, self._pad_page, np.int32))
+                layerwise = n >= self.alloc.pages_for(c.layerwise_threshold) and max_len >= c.layerwise_threshold
+                for lo, hi in [(0, self.layers)] + (groups if layerwise else []):
+                    jax.block_until_ready(_take_pages(self.cache, pages, lo, hi))
         return time.perf_counter() - t0
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """The layer ranges a layerwise send makes of the decoder layers: `layer_group` at a time."""
+        total, g = self.cfg.num_hidden_layers, self.config.layer_group
+        return [(lo, min(lo + g, total)) for lo in range(0, total, g)]
+
+    def shapes(self, max_len: int) -> list[tuple[int, int, int, int]]:
+        """Every (rows, chunk, padded length, page-table width) a batch of prompts up to max_len tokens takes."""
+        c = self.config
+        return sorted({self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max_len)})
+
+    def run_empty(self, shape: tuple[int, int, int, int]):
+        """Dispatches one forward of this batch shape on rows that write nothing (the warm-up's, and what
+        hcfjax.sim.validate times); -> its (first tokens, drafts), not waited for."""
+        b, tc, t, m = shape
+        z = np.zeros(b, np.int32)
+        table = np.full((b, m), self._pad_page, np.int32)
+        tokens, sampling = np.zeros((b, t), np.int32), [SamplingParams()] * b
+        return self._forward(tokens, z, table, z.astype(np.uint32), z, sampling, tc, None, False)
 
     def _mesh(self):
         import contextlib
@@ -329,9 +360,7 @@ class PrefillWorker:
     def _send(self, batch: list[PrefillJob], lo: int, hi: int) -> None:
         total = self.layers
         for j in batch:
-            pages = jnp.asarray(np.array(self._held[j.key], np.int32))
-            kv = self.cache.kv[lo:hi][:, pages]
-            scale = None if self.cache.scale is None else self.cache.scale[lo:hi][:, pages]
+            kv, scale = _take_pages(self.cache, jnp.asarray(np.array(self._held[j.key], np.int32)), lo, hi)
             self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total))
 
     def _finish(self, job: PrefillJob, result, row: int) -> None:

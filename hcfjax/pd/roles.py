@@ -9,23 +9,9 @@ Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks 
 
 from __future__ import annotations
 
-import signal
-import threading
-
 import jax.numpy as jnp
 
-
-def _until_signal(stop_fn, announce) -> None:
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
-            pass
-        announce("hcfjax serve: shutting down")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        stop_fn()
+from hcfjax.serving.server import until_signal
 
 
 def _log_to_stderr() -> None:
@@ -36,14 +22,32 @@ def _log_to_stderr() -> None:
 
 
 def run_prefill(model, args, plans, announce) -> None:
-    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+    from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
     from sharding.plans import prefill_plan
 
     _log_to_stderr()
     transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
-    config = PrefillConfig(
+    plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
+    worker = PrefillWorker(model, transport.sender(), prefill_config(args), plan)
+    if args.warmup:
+        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
+        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
+    with until_signal(announce):
+        worker.start()
+        server = prefill_server(worker, args.transport, args.host, args.port).start()
+        announce(f"hcfjax serve: prefill worker listening on {server.address}")
+    server.stop(args.grace)
+    worker.shutdown()
+    worker.sender.close()
+
+
+def prefill_config(args):
+    """The prefill worker's PrefillConfig from `hcfjax serve --role prefill` arguments."""
+    from hcfjax.pd.prefill import PrefillConfig
+
+    return PrefillConfig(
         num_pages=args.prefill_pages,
         page_size=args.page_size,
         max_rows=args.max_prefill_rows,
@@ -56,21 +60,6 @@ def run_prefill(model, args, plans, announce) -> None:
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
         speculative=_speculative(args),
     )
-    plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    worker = PrefillWorker(model, transport.sender(), config, plan)
-    if args.warmup:
-        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
-        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
-    worker.start()
-    server = prefill_server(worker, args.transport, args.host, args.port).start()
-    announce(f"hcfjax serve: prefill worker listening on {server.address}")
-
-    def stop():
-        server.stop(args.grace)
-        worker.shutdown()
-        worker.sender.close()
-
-    _until_signal(stop, announce)
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
@@ -88,17 +77,14 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
     if args.warmup:
         announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
-    engine.start()
-    server = decode_server(engine, remote, args.transport, args.host, args.port).start()
-    announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
-
-    def stop():
-        server.stop(args.grace)
-        engine.shutdown(args.grace)
-        remote.shutdown()
-        receiver.close()
-
-    _until_signal(stop, announce)
+    with until_signal(announce):
+        engine.start()
+        server = decode_server(engine, remote, args.transport, args.host, args.port).start()
+        announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
+    server.stop(args.grace)
+    engine.shutdown(args.grace)
+    remote.shutdown()
+    receiver.close()
 
 
 def run_router(args, announce) -> None:
@@ -108,9 +94,10 @@ def run_router(args, announce) -> None:
     if not args.prefill or not args.decode:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
-    server = RouterServer(router, args.host, args.port).start()
-    announce(f"hcfjax serve: router listening on {server.address}")
-    _until_signal(lambda: server.stop(args.grace), announce)
+    with until_signal(announce):
+        server = RouterServer(router, args.host, args.port).start()
+        announce(f"hcfjax serve: router listening on {server.address}")
+    server.stop(args.grace)
 
 
 def _speculative(args):

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import queue
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -425,7 +424,7 @@ def serve(
 ) -> None:
     """Runs the HTTP server, and the gRPC server too when grpc_port is given, over one engine until SIGINT or SIGTERM
     (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version."""
-    from hcfjax.serving.server import Server
+    from hcfjax.serving.server import Server, until_signal
 
     metrics = Metrics(engine)
     grpc_server = Server(engine, host, grpc_port, metrics=metrics) if grpc_port is not None else None
@@ -435,24 +434,19 @@ def serve(
     if warmup:
         announce("hcfjax serve: compiling the engine's step shapes")
         announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if grpc_server is not None:
-            grpc_server.start()
-            announce(f"hcfjax serve: listening on {host}:{grpc_server.port}")
-        http.start()
-        announce(
-            f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{http.port}/v1 (model {http.service.model_name!r})"
-        )
-        if metrics_port:
-            announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
-        while not stop.wait(0.5):  # a timed wait, so the signal handler gets to run
-            pass
-        announce("hcfjax serve: shutting down")
+        with until_signal(announce):
+            if grpc_server is not None:
+                grpc_server.start()
+                announce(f"hcfjax serve: listening on {host}:{grpc_server.port}")
+            http.start()
+            announce(
+                f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{http.port}/v1 "
+                f"(model {http.service.model_name!r})"
+            )
+            if metrics_port:
+                announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         http.service.stopping = True  # refuse new HTTP requests while gRPC drains
         if grpc_server is not None:
             grpc_server.shutdown(grace)  # shuts the engine down: every open stream, gRPC or HTTP, gets its end

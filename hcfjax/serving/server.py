@@ -12,6 +12,7 @@ rather than letting calls wait for a thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import signal
@@ -199,6 +200,25 @@ class Server:
         return self._server.wait_for_termination(timeout)
 
 
+@contextlib.contextmanager
+def until_signal(announce):
+    """Runs the block (start the servers in it), then waits until SIGINT or SIGTERM. The handlers are in place before
+    the block runs, so a signal right after a server announces itself is not lost; the previous handlers come back on
+    exit, so a second signal during the caller's shutdown acts as usual. Call from the main thread."""
+    # The handler only appends to a list: Event.set takes a lock, and a handler that interrupts Event.wait in this
+    # same thread while it holds that lock (a second signal in quick succession) would deadlock on it.
+    received = []
+    previous = {sig: signal.signal(sig, lambda sig, _: received.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+        while not received:
+            time.sleep(0.2)  # a signal ends the sleep; its handler runs in this (the main) thread
+        announce("hcfjax serve: shutting down")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve(
     engine: Engine,
     host: str = "127.0.0.1",
@@ -218,17 +238,11 @@ def serve(
     if warmup:
         announce("hcfjax serve: compiling the engine's step shapes")
         announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.start()
-        announce(f"hcfjax serve: listening on {host}:{server.port}")
-        if metrics_port:
-            announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
-        while not stop.wait(0.5):  # a timed wait, so the signal handler gets to run
-            pass
-        announce("hcfjax serve: shutting down")
+        with until_signal(announce):
+            server.start()
+            announce(f"hcfjax serve: listening on {host}:{server.port}")
+            if metrics_port:
+                announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
     finally:
-        for sig, handler in previous.items():  # a second signal during shutdown acts as usual
-            signal.signal(sig, handler)
         server.shutdown(grace)

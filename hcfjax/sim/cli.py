@@ -1,5 +1,6 @@
 """`hcfjax sim --config deployment.yaml`: simulate a deployment at the config's rate, or search the highest rate
-within the SLO (--search), or sweep layouts and batch limits (--sweep); --plot draws throughput against TPOT."""
+within the SLO (--search), or sweep layouts and batch limits (--sweep: the config's grid, then finer steps around
+its best where the config names them under `refine`); --plot draws throughput against TPOT."""
 
 from __future__ import annotations
 
@@ -62,9 +63,8 @@ def run(args) -> int:
             if not cfg.grid:
                 print("error: the config has no sweep grid", file=sys.stderr)
                 return 2
-            curves = sweep(
-                dep, wl, cfg.slo, cfg.grid, cfg.total_gpus, cfg.search, log=lambda s: print(s, file=sys.stderr)
-            )
+            log = lambda s: print(s, file=sys.stderr)
+            curves = sweep(dep, wl, cfg.slo, cfg.grid, cfg.total_gpus, cfg.search, log, cfg.refine)
             lines += [
                 "| layout | GPUs | rate (/s) | output tok/s | per GPU | TTFT p50 (s) | TPOT p50 (ms) |",
                 "|---|---|---|---|---|---|---|",

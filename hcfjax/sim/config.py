@@ -24,6 +24,7 @@ class Config:
     search: Search
     grid: dict  # sweep keys -> values (sweep.candidates)
     total_gpus: int | None  # the sweep's GPU budget
+    refine: dict = dataclasses.field(default_factory=dict)  # sweep keys -> the finest step (sweep.refine_best)
 
 
 def _build(cls, d: dict | None, what: str):
@@ -41,8 +42,9 @@ def from_mapping(d: dict, name: str = "sim") -> Config:
     sweep = dict(d.get("sweep") or {})
     total = sweep.pop("total_gpus", None)
     grid = sweep.pop("grid", {})
+    refine = sweep.pop("refine", {})
     if sweep:
-        raise ValueError(f"unknown sweep keys {sorted(sweep)} (expected total_gpus, grid)")
+        raise ValueError(f"unknown sweep keys {sorted(sweep)} (expected total_gpus, grid, refine)")
     return Config(
         d.get("name", name),
         from_dict(d.get("deployment") or {}),
@@ -51,6 +53,7 @@ def from_mapping(d: dict, name: str = "sim") -> Config:
         _build(Search, d.get("search"), "search"),
         grid,
         total,
+        refine,
     )
 
 

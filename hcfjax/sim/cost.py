@@ -18,7 +18,7 @@ overlap. A step sums its layers, the LM head, the MTP draft passes and fixed ove
 - EP all-to-all: a token goes to each rank holding one of its k experts (probability 1 - (1 - 1/ep)^k per rank),
   NVLink inside a node, RDMA across; dispatch in 1 byte per value with a8 experts, combine in bf16; each call pays
   a fixed latency. TP all-reduce: a ring over NVLink, twice per layer.
-- KV transfer: bytes of the request's cache over the receiving GPU's NIC.
+- KV transfer: bytes of the request's cache over the receiving GPU's NIC, or over a link measured as a whole.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ class Work:
     mtp_kv: int = 0
 
     def __iadd__(self, other: Work) -> Work:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _WORK_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
+
+
+_WORK_FIELDS = tuple(f.name for f in dataclasses.fields(Work))
 
 
 @dataclasses.dataclass
@@ -288,8 +291,11 @@ class CostModel:
 
     # -- transfers -----------------------------------------------------------------------------------------------
     def transfer_seconds(self, nbytes: float) -> float:
-        """KV bytes over one GPU's NIC (the receiving decode rank's)."""
-        return self.eff.comm_latency_s + nbytes / (self.gpu.rdma_bytes_s * self.eff.rdma)
+        """KV bytes over one GPU's NIC (the receiving decode rank's), or over the measured link the profile names."""
+        eff = self.eff
+        if eff.transfer_gbs:
+            return eff.transfer_latency_s + nbytes / (eff.transfer_gbs * 1e9)
+        return eff.comm_latency_s + nbytes / (self.gpu.rdma_bytes_s * eff.rdma)
 
 
 def tokens_per_step(acceptance: list[float]) -> float:

@@ -3,7 +3,9 @@ identical instances (colocated, or PD prefill + decode), read from YAML (see hcf
 
 Each pool's KV cache gets the HBM its weights leave (mem_fraction of the card, minus weights and an activation
 reserve) unless num_pages is given. `engine_shapes: true` prices steps as hcfjax's runner computes them (padded
-fixed shapes, pages sized as Engine does), for predicting this project's engine; otherwise as a production stack.
+fixed shapes, pages sized as Engine does) and, in PD, prefill batches as hcfjax's PrefillWorker forms and computes
+them, for predicting this project's engine; otherwise as a production stack. A pool may name its own efficiency
+profile (a PD validation fits one per role).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.engine.scheduler import SchedulerConfig
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, HCFJAX_XLA_H200_MICRO, Efficiency, gpu
-from hcfjax.sim.work import EngineShapes
+from hcfjax.sim.work import EngineShapes, PrefillShapes
 
 PROFILES = {"deepseek-kernels": DEEPSEEK_KERNELS, "hcfjax-xla-h200-micro": HCFJAX_XLA_H200_MICRO}
 
@@ -69,6 +71,8 @@ class Pool:
     spf_window_s: float = 0.05
     max_wait_s: float = 2.0
     min_bucket: int = 16  # engine_shapes only: the smallest prefill chunk shape
+    chunk: int = 2048  # engine_shapes, PD prefill: the worker's forward chunk (PrefillConfig.chunk)
+    efficiency: str | None = None  # this pool's profile (default: the deployment's)
 
     @property
     def gpus(self) -> int:
@@ -124,7 +128,7 @@ class Deployment:
         return CostModel(
             cfg or self.model_config(),
             gpu(self.gpu),
-            efficiency(self.efficiency, self.efficiency_overrides),
+            efficiency(pool.efficiency or self.efficiency, self.efficiency_overrides),
             self.quant,
             tp=pool.tp,
             dp=pool.dp,
@@ -161,12 +165,15 @@ class Deployment:
         k = self.spec_k
         common = dict(page_size=pool.page_size, spf_window_s=pool.spf_window_s, max_wait_s=pool.max_wait_s)
         if role == "prefill":  # one rank; each prompt gets max_new_tokens 1
+            if self.engine_shapes:  # hcfjax's PrefillWorker: whole prompts, shortest first, no starvation bound
+                common.update(spf_window_s=0.0, max_wait_s=math.inf)
             return SchedulerConfig(
                 dp=1,
                 max_slots=pool.max_slots,
                 num_pages=num_pages,
                 token_budget=pool.token_budget,
                 max_prefill_rows=pool.max_prefill_rows,
+                whole_prompts=self.engine_shapes,
                 **common,
             )
         extra: dict[str, Any] = {}
@@ -199,6 +206,9 @@ class Deployment:
             min_bucket=pool.min_bucket,
             spec_k=self.spec_k,
         )
+
+    def prefill_shapes_for(self, pool: Pool) -> PrefillShapes:
+        return PrefillShapes(pool.page_size, pool.chunk, pool.min_bucket, self.spec_k)
 
 
 def _pool(d: dict | None) -> Pool | None:

@@ -66,7 +66,9 @@ class Efficiency:
     comm_latency_s: fixed cost of one all-to-all call (dispatch or combine) or all-reduce. layer_overhead_s /
     step_overhead_s: launch and glue time per layer and per step that no roofline explains. host_dispatch_s: host
     time to plan and launch a step; host_process_s: host time to read back and stream a step's tokens (the engine
-    overlaps them with the device, see instances.py)."""
+    overlaps them with the device, see instances.py). transfer_gbs / transfer_latency_s: a KV transfer link measured
+    as a whole (GB/s, and fixed seconds per transfer), e.g. hcfjax's host-staged transports; transfer_gbs 0 means
+    the GPU's NIC at `rdma` plus comm_latency_s."""
 
     gemm_compute: float = 0.7
     gemm_memory: float = 0.7
@@ -81,6 +83,8 @@ class Efficiency:
     step_overhead_s: float = 0.0
     host_dispatch_s: float = 0.0
     host_process_s: float = 0.0
+    transfer_gbs: float = 0.0
+    transfer_latency_s: float = 0.0
     source: str = ""
 
     def replace(self, **kw) -> Efficiency:

@@ -184,10 +184,12 @@ class _Priced:
         return c.seconds
 
 
+def _host(cost: CostModel) -> Host:
+    return Host(cost.eff.host_dispatch_s, cost.eff.host_process_s)
+
+
 def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
     cfg = dep.model_config()
-    eff = dep.cost_model(dep.colocated or dep.decode, cfg).eff
-    host = Host(eff.host_dispatch_s, eff.host_process_s)
     clock = Clock()
     done: list[Request] = []
     on_finish = lambda req, inst: done.append(req)
@@ -212,17 +214,27 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
         scfg = dep.scheduler_config(pool, "colocated", pages)
         for i in range(pool.instances):
             engines.append(
-                EngineInstance(clock, f"colocated{i}", scfg, priced["colocated"], host, acceptance(), on_finish)
+                EngineInstance(clock, f"colocated{i}", scfg, priced["colocated"], _host(cost), acceptance(), on_finish)
             )
     else:
         pc, dc = dep.cost_model(dep.prefill, cfg), dep.cost_model(dep.decode, cfg)
-        priced["prefill"] = _Priced(dep, dep.prefill, pc, lambda plan: actual_works(plan, 1, k))
-        priced["decode"] = _Priced(dep, dep.decode, dc, lambda plan: actual_works(plan, dep.decode.dp, k, chunks=False))
+        if dep.engine_shapes:  # hcfjax's PrefillWorker and its decode engine (decode steps only, every slot)
+            pre_works = dep.prefill_shapes_for(dep.prefill).works
+            dec_works = dep.engine_shapes_for(dep.decode, cfg).works
+            dec_pages = dep.engine_limits(dep.decode, cfg)[2]
+        else:
+            pre_works = lambda plan: actual_works(plan, 1, k)
+            dec_works = lambda plan: actual_works(plan, dep.decode.dp, k, chunks=False)
+            dec_pages = dep.pages_per_rank(dep.decode, dc)
+        priced["prefill"] = _Priced(dep, dep.prefill, pc, pre_works)
+        priced["decode"] = _Priced(dep, dep.decode, dc, dec_works)
         nic_free: dict[tuple, float] = {}
+        page = dep.prefill.page_size
 
         def transfer(job, first_start: float, end: float) -> float:
             key = (id(job.target), job.req.rank)
-            nbytes = dc.kv_bytes(len(job.req.fill))
+            tokens = len(job.req.fill)
+            nbytes = dc.kv_bytes(-(-tokens // page) * page if dep.engine_shapes else tokens)  # hcfjax sends pages
             begin = max(end, nic_free.get(key, 0.0))
             arrive = begin + dc.transfer_seconds(nbytes)
             if len(job.req.fill) >= dep.layerwise_threshold:  # streamed while computed: one layer's share remains
@@ -234,15 +246,17 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
 
         pcfg = dep.scheduler_config(dep.prefill, "prefill", dep.pages_per_rank(dep.prefill, pc))
         for i in range(dep.prefill.instances):
-            prefills.append(PrefillInstance(clock, f"prefill{i}", pcfg, priced["prefill"], transfer, host))
+            prefills.append(PrefillInstance(clock, f"prefill{i}", pcfg, priced["prefill"], transfer, _host(pc)))
 
         def send(req: Request, epoch: int, target: DecodeInstance) -> None:
             min(prefills, key=lambda p: p.queued_tokens()).submit(req, epoch, target)
 
-        dcfg = dep.scheduler_config(dep.decode, "decode", dep.pages_per_rank(dep.decode, dc))
+        dcfg = dep.scheduler_config(dep.decode, "decode", dec_pages)
         for i in range(dep.decode.instances):
             engines.append(
-                DecodeInstance(clock, f"decode{i}", dcfg, priced["decode"], host, acceptance(), on_finish, send=send)
+                DecodeInstance(
+                    clock, f"decode{i}", dcfg, priced["decode"], _host(dc), acceptance(), on_finish, send=send
+                )
             )
 
     router = _Router(engines, (dep.colocated or dep.decode).balance)

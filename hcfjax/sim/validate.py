@@ -1,9 +1,11 @@
-"""Validate the simulator against the real engine on this device: calibrate, serve, simulate, compare.
+"""Validate the simulator against the real engine on this device: calibrate, serve, simulate, compare; colocated,
+and with --pd also prefill/decode disaggregated.
 
-    python -m hcfjax.sim.validate                       # the serve.md V2-Lite run's settings, on a GPU (~5 min)
+    python -m hcfjax.sim.validate                   # colocated, the serve.md V2-Lite run's settings, a GPU (~3 min)
+    python -m hcfjax.sim.validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: 2 GPUs, ~6-7 min (cold cache)
     python -m hcfjax.sim.validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
         --max-slots 4 --page-size 16 --token-budget 64 --prefill-rows 1 --min-bucket 64 --max-model-len 512 \\
-        --calib-slots 2                                  # the same on a CPU, in about a minute
+        --calib-slots 2 [--pd jax]                   # the same on a CPU, both PD roles on it (about a minute)
 
 1. Calibrate: time every step shape the engine compiles (ModelRunner, the warm-up's inputs) plus decode-only steps
    at other slot counts (--calib-slots), and fit the efficiency profile's factors (GEMM, routed experts, attention
@@ -12,34 +14,47 @@
    hcfjax/bench/serve.py's engine settings, timing tokens as a client receives them; the host's planning and
    read-back time per step are measured on the way.
 3. Simulate the same workload with the calibrated profile (engine_shapes: the runner's padded shapes).
-4. Print measured against predicted throughput, TTFT p50 and TPOT p50 (the issue's bar: within 15%).
+4. With --pd KIND (hcfjax/sim/validate_pd.py): the PD workers of `hcfjax.bench.serve --pd KIND`, the prefill worker
+   started first (it compiles while steps 1-2 run). After step 2 the prefill worker's batch shapes are timed in this
+   process and fitted to a prefill profile, the decode-only steps of step 1 to a decode profile, and the KV link is
+   timed; then the decode worker and the router start, a few lone requests time the handoff beyond prefill and
+   link (gRPC hops, threads), the workload goes through the router as the benchmark's client sends it, and a 1P1D
+   deployment with those profiles (the simulator's PD path) simulates it.
+5. Print measured against predicted throughput, TTFT p50 and TPOT p50 (the issue's bar: within 15%), the table last;
+   --out appends it to a file.
+
+On a GPU, --pd needs --pd-gpus P,D: the simulator's PD model has prefill and decode on separate devices. This
+process then sees only GPU D (with half its memory; the decode worker gets 40%). Every process shares one persistent
+compilation cache (--compile-cache), so a shape compiled by one is loaded by the others, and by the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import os
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hcfjax.sim.cost import CostModel
+from hcfjax.sim.cost import CostModel, Work
 from hcfjax.sim.gpus import Efficiency, gpu
 from hcfjax.sim.work import EngineShapes
 
 FITTED = ("gemm_compute", "moe_compute", "attn_compute", "attn_memory", "layer_overhead_s", "step_overhead_s")
 
 
-def fit(cfg, gpu_name: str, points: list[tuple[EngineShapes, int, int, bool, float]], base: Efficiency) -> Efficiency:
-    """The efficiency factors that best explain measured step times: points are (shapes, rows, chunk, decode, s)."""
+def fit(cfg, gpu_name: str, points: list[tuple[list[Work], float]], base: Efficiency) -> Efficiency:
+    """The efficiency factors that best explain measured step times: points are (the step's works, seconds)."""
     from scipy.optimize import least_squares
 
     g = gpu(gpu_name)
-    works = [(shapes.shape_works(b, t, d), s) for shapes, b, t, d, s in points]
     x0 = np.log([0.3, 0.1, 0.1, 0.1, 1e-4, 1e-3])
 
     def eff_of(x):
@@ -47,7 +62,7 @@ def fit(cfg, gpu_name: str, points: list[tuple[EngineShapes, int, int, bool, flo
 
     def residuals(x):
         cm = CostModel(cfg, g, eff_of(x))
-        return [np.log(cm.step(w).seconds / s) for w, s in works]
+        return [np.log(cm.step(w).seconds / s) for w, s in points]
 
     lo = np.log([1e-6, 1e-6, 1e-6, 1e-6, 1e-9, 1e-9])
     hi = np.log([1.0, 1.0, 1.0, 1.0, 1.0, 10.0])
@@ -165,16 +180,31 @@ def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
         th.join()
     engine.shutdown()
     wall = max(r["end"] for r in record) - start
-    measured = {
+    return metrics(record, wall), {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
+
+
+def metrics(record: list[dict], wall: float) -> dict[str, float]:
+    """What the table compares, from client records (ttft, tpot, out) over a run of `wall` seconds."""
+    from hcfjax.bench.serve import pct
+
+    return {
         "output tok/s": sum(r["out"] for r in record) / wall,
         "QPM": len(record) / wall * 60,
-        "TTFT p50 (s)": float(np.percentile([r["ttft"] for r in record], 50)),
-        "TPOT p50 (ms)": float(np.percentile([r["tpot"] for r in record if r["tpot"] is not None], 50)) * 1e3,
+        "TTFT p50 (s)": pct([r["ttft"] for r in record], 50),
+        "TPOT p50 (ms)": pct([r["tpot"] for r in record], 50) * 1e3,
     }
-    return measured, {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
 
 
-def main(argv=None) -> None:
+def predicted(res) -> dict[str, float]:
+    return {
+        "output tok/s": res.output_tok_s,
+        "QPM": res.qpm,
+        "TTFT p50 (s)": res.ttft[50],
+        "TPOT p50 (ms)": res.tpot[50] * 1e3,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hcfjax.sim.validate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: --preset)")
     ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
@@ -191,9 +221,78 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", default="H200", help="datasheet the efficiencies are relative to")
-    ap.add_argument("--out", default="sim-profile.json", help="where to write the fitted efficiency profile")
-    args = ap.parse_args(argv)
+    ap.add_argument("--pd", choices=["socket", "jax"], help="also validate PD over this KV transport")
+    ap.add_argument("--pd-gpus", metavar="P,D", help="with --pd: the prefill worker on GPU P, the decode worker on D")
+    ap.add_argument(
+        "--profile",
+        default="sim-profile.json",
+        help="where to write the fitted colocated profile (PD: also NAME-prefill.json and NAME-decode.json)",
+    )
+    ap.add_argument("--out", help="append the report (the tables) to this file")
+    ap.add_argument(
+        "--compile-cache",
+        default=os.path.join(tempfile.gettempdir(), "hcfjax-jax-cache"),
+        help="persistent compilation cache shared with the PD workers ('' for none)",
+    )
+    return ap
 
+
+def _compile_cache(path: str) -> dict:
+    """Points this process at the persistent compilation cache; -> the same settings for the workers' environment.
+    A size limit turns on jax's file lock around reads and writes (else one process may read an entry another is
+    still writing); only compiles of a second or more are kept (jax's default)."""
+    if not path:
+        return {}
+    import jax
+
+    settings = {"jax_compilation_cache_dir": path, "jax_compilation_cache_max_size": 32 << 30}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    return {name.upper(): str(value) for name, value in settings.items()}
+
+
+def main(argv=None) -> None:
+    from hcfjax.bench.serve import pd_gpus, shown_args
+
+    args = _parser().parse_args(argv)
+    if args.model:
+        args.preset = None  # the PD workers load what this process does
+    gpus = pd_gpus(args.pd_gpus) if args.pd else None
+    if gpus:  # before jax starts: this process on the decode worker's GPU only
+        if gpus[0] == gpus[1]:
+            raise SystemExit("--pd-gpus: the prefill and decode workers need a GPU each (the simulator's 1P1D model)")
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[1]
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    worker_env = _compile_cache(args.compile_cache)
+    import jax
+
+    if args.pd and not gpus and jax.default_backend() != "cpu":
+        raise SystemExit("on a GPU, --pd needs --pd-gpus P,D (the simulator models prefill and decode on GPUs apart)")
+    t_start = time.perf_counter()
+    stage = lambda msg: print(f"[validate {time.perf_counter() - t_start:5.0f} s] {msg}", flush=True)
+    workers = None
+    if args.pd:
+        from hcfjax.sim.validate_pd import Workers
+
+        stage(f"starting the PD prefill worker{f' on GPU {gpus[0]}' if gpus else ''} (it compiles its batch shapes)")
+        workers = Workers(args, gpus, worker_env)
+    try:
+        lines = run(args, stage, workers, gpus)
+    finally:
+        if workers is not None:
+            workers.stop()
+    heading = f"## `python -m hcfjax.sim.validate {shown_args(argv)}`"
+    stage("done")
+    text = "\n".join([heading, "", lines[0] + f" Total {time.perf_counter() - t_start:.0f} s.", *lines[1:]])
+    print("\n" + text, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(text + "\n\n")
+
+
+def run(args, stage, workers, gpus) -> list[str]:
+    """Steps 1-4; -> the report's lines (its first: the run's description, without the total time)."""
     import jax
     import jax.numpy as jnp
 
@@ -205,13 +304,15 @@ def main(argv=None) -> None:
     from hcfjax.sim.deployment import Deployment, Pool
     from hcfjax.sim.simulator import Workload, simulate
 
-    t_start = time.perf_counter()
+    stage(f"building the model ({args.model or 'random ' + args.preset}) on {jax.devices()[0].device_kind}")
     if args.model:
         model, model_name = hcfjax.load(args.model), args.model
     else:
         model, model_name = random_model(preset_config(args.preset), seed=0, dtype=jnp.bfloat16), args.preset
+    cfg = model.cfg
     config = engine_config(args)
     engine = Engine(model, config)
+    stage("compiling the colocated engine's step shapes")
     warm = engine.warmup()
     pool = Pool(
         dp=1,
@@ -233,60 +334,72 @@ def main(argv=None) -> None:
         engine_shapes=True,
         max_model_len=args.max_model_len,
     )
-    cfg = model.cfg
     sim_cfg = dep.scheduler_config(pool, "colocated", dep.engine_limits(pool, cfg)[2])
     if sim_cfg != engine.scheduler.cfg:
         raise SystemExit(
             f"the simulator's SchedulerConfig differs from the engine's:\n{sim_cfg}\n{engine.scheduler.cfg}"
         )
     shapes = dep.engine_shapes_for(pool, cfg)
+    limit = engine.max_model_len
+    ins, outs, prompts, arrivals = workload(args.seed, args.requests, args.rate, args.scale, limit, cfg.vocab_size)
+    wl = Workload(args.requests, args.rate, args.seed, args.scale, limit, cfg.vocab_size)
+    if workers is not None:
+        stage("waiting for the prefill worker to listen")
+        workers.prefill_ready()
 
+    stage("calibrating: timing the colocated engine's step shapes")
     t0 = time.perf_counter()
     points = calibrate(engine, model, args, shapes)
     t_cal = time.perf_counter() - t0
-    ins, outs, prompts, arrivals = workload(
-        args.seed, args.requests, args.rate, args.scale, engine.max_model_len, cfg.vocab_size
-    )
+    stage(f"serving {args.requests} requests colocated (in process)")
     measured, host = serve(engine, args, ins, outs, prompts, arrivals)
-    eff = fit(cfg, args.gpu, points, Efficiency(gemm_memory=0.86, moe_memory=0.86))
+    del engine
+    gc.collect()
+    stage("fitting and simulating colocated")
+    base = Efficiency(gemm_memory=0.86, moe_memory=0.86)
+    eff = fit(cfg, args.gpu, [(shp.shape_works(b, t, d), s) for shp, b, t, d, s in points], base)
     eff = eff.replace(host_dispatch_s=host["dispatch"], host_process_s=host["process"])
-    Path(args.out).write_text(json.dumps(dataclasses.asdict(eff), indent=1))
+    write_profile(args.profile, eff)
     cm = CostModel(cfg, gpu(args.gpu), eff)
-
-    wl = Workload(args.requests, args.rate, args.seed, args.scale, engine.max_model_len, cfg.vocab_size)
-    res = simulate(dep.replace(efficiency=args.out), wl)
-    predicted = {
-        "output tok/s": res.output_tok_s,
-        "QPM": res.qpm,
-        "TTFT p50 (s)": res.ttft[50],
-        "TPOT p50 (ms)": res.tpot[50] * 1e3,
-    }
-    fmt = lambda k, v: f"{v:.3f}" if "TTFT" in k else f"{v:.1f}"
-    print(f"## `python -m hcfjax.sim.validate {' '.join(argv if argv is not None else __import__('sys').argv[1:])}`")
-    print()
-    print(
+    rows = [("colocated", measured, predicted(simulate(dep.replace(efficiency=args.profile), wl)))]
+    what = f"{args.max_slots} slots, page {args.page_size}, budget {args.token_budget}"
+    what += f", {args.prefill_rows} prefill rows"
+    desc = (
         f"{header()}; {model_name}; {args.requests} requests, Poisson {args.rate}/s, lengths x {args.scale}; engine: "
-        f"{args.max_slots} slots, page {args.page_size}, budget {args.token_budget}, {args.prefill_rows} prefill rows. "
-        f"Warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes), total "
-        f"{time.perf_counter() - t_start:.0f} s; device {jax.devices()[0].device_kind}."
+        f"{what}. Colocated: in process, warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes)."
     )
-    print()
-    print("| metric | measured | predicted | error |")
-    print("|---|---|---|---|")
-    for k in measured:
-        err = (predicted[k] - measured[k]) / measured[k] * 100 if measured[k] else float("nan")
-        print(f"| {k} | {fmt(k, measured[k])} | {fmt(k, predicted[k])} | {err:+.1f}% |")
-    print()
-    print("Calibration (step shapes: prefill rows x chunk, decode slots; measured vs the fitted model):")
-    print()
-    print("| rows x chunk | decode slots | measured ms | model ms |")
-    print("|---|---|---|---|")
+    tables = ["Colocated calibration (step shapes: prefill rows x chunk, decode slots; measured vs the fitted model):"]
+    tables += ["", "| rows x chunk | decode slots | measured ms | model ms |", "|---|---|---|---|"]
     for shp, b, t, d, s in points:
         m = cm.step(shp.shape_works(b, t, d)).seconds
-        print(f"| {f'{b} x {t}' if b else '-'} | {shp.slots if d else '-'} | {s * 1e3:.2f} | {m * 1e3:.2f} |")
-    print()
-    fields = ", ".join(f"{k} {getattr(eff, k):.3g}" for k in (*FITTED, "host_dispatch_s", "host_process_s"))
-    print(f"Fitted profile ({args.out}): {fields}.")
+        tables.append(f"| {f'{b} x {t}' if b else '-'} | {shp.slots if d else '-'} | {s * 1e3:.2f} | {m * 1e3:.2f} |")
+    tables += ["", f"Fitted colocated profile ({args.profile}): {fitted(eff)}."]
+
+    if workers is not None:
+        from hcfjax.sim.validate_pd import run_pd
+
+        row, more, pd_tables = run_pd(
+            args, stage, workers, gpus, model, model_name, (ins, outs, prompts, arrivals), wl, points, host
+        )
+        rows.append(row)
+        desc += more
+        tables += pd_tables
+
+    table = ["| deployment | metric | measured | predicted | error |", "|---|---|---|---|---|"]
+    fmt = lambda k, v: f"{v:.3f}" if "TTFT" in k else f"{v:.1f}"
+    for mode, meas, pred in rows:
+        for k in meas:
+            err = (pred[k] - meas[k]) / meas[k] * 100 if meas[k] else float("nan")
+            table.append(f"| {mode} | {k} | {fmt(k, meas[k])} | {fmt(k, pred[k])} | {err:+.1f}% |")
+    return [desc, "", *tables, "", *table]
+
+
+def fitted(eff: Efficiency) -> str:
+    return ", ".join(f"{k} {getattr(eff, k):.3g}" for k in (*FITTED, "host_dispatch_s", "host_process_s"))
+
+
+def write_profile(path: str, eff: Efficiency) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(eff), indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ Two views of the same plan:
 - `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: every decode slot of every
   rank in every decode step, each row attending over the whole page table (max_pages x page_size positions, the
   XLA reference gathers them all), and prefill rows and chunk lengths bucketed to powers of two.
+- `PrefillShapes.works`: hcfjax's PD prefill worker (hcfjax/pd/prefill.py) computes whole prompts layer by layer
+  in fixed batch shapes: rows and lengths bucketed to powers of two, each chunk of a layer attending over the
+  batch's whole page table (its width bucketed too).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) 
     """Per-rank work of `plan` as a production stack computes it; chunks=False leaves the prefill chunks out (a PD
     decode instance, whose admissions are prefilled elsewhere)."""
     q = spec_k + 1
-    works = [Work() for _ in range(dp)]
+    rows, keys = [0] * dp, [0] * dp  # per rank: decode rows, and the positions they read
     for req in plan.decode:
-        keys = req.cached_bound  # positions written once this step's tokens are in
-        works[req.rank] += Work(tokens=q, logits=q, dec_pairs=q * keys, dec_kv=keys)
-        if spec_k:
-            works[req.rank] += Work(mtp_tokens=1, mtp_pairs=keys, mtp_kv=keys)
+        rows[req.rank] += 1
+        keys[req.rank] += req.cached_bound  # positions written once this step's tokens are in
+    works = [Work(tokens=q * n, logits=q * n, dec_pairs=q * k, dec_kv=k) for n, k in zip(rows, keys, strict=True)]
+    if spec_k:  # each draft pass: one token per row over its cache
+        for w, n, k in zip(works, rows, keys, strict=True):
+            w.mtp_tokens, w.mtp_pairs, w.mtp_kv = n, k, k
     if chunks:
         for c in plan.chunks:
             works[max(c.req.rank, 0)] += _chunk_work(c.start, c.n, c.final, spec_k)
@@ -101,3 +106,32 @@ class EngineShapes:
                 if k:
                     w += Work(mtp_tokens=b * t, mtp_pairs=b * t * self.keys, mtp_kv=b * self.keys)
         return works
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShapes:
+    """The batch shapes hcfjax's PD prefill worker compiles (PrefillWorker._shape): `page_size` of its scratch
+    cache, prompts run in chunks of at most `chunk` tokens, chunk lengths padded to powers of two from
+    `min_bucket`."""
+
+    page_size: int
+    chunk: int
+    min_bucket: int
+    spec_k: int = 0
+
+    def shape(self, rows: int, longest: int) -> tuple[int, int, int, int]:
+        """(rows, chunk, padded length, page-table width) of a batch of `rows` prompts, the longest `longest`."""
+        tc = min(_bucket(longest, self.min_bucket), self.chunk)
+        t = -(-longest // tc) * tc
+        return _bucket(rows, 1), tc, t, _bucket(-(-t // self.page_size), 1)
+
+    def works(self, plan: StepPlan) -> list[Work]:
+        return self.shape_works(*self.shape(len(plan.chunks), max(c.n for c in plan.chunks)))
+
+    def shape_works(self, b: int, tc: int, t: int, m: int) -> list[Work]:
+        keys = m * self.page_size
+        reads = b * keys * (t // tc)  # every chunk of every layer gathers and expands the whole page table
+        w = Work(tokens=b * t, pre_tokens=b * t, logits=b, pre_pairs=b * t * keys, pre_kv=reads, pre_expand=reads)
+        if self.spec_k:  # the MTP modules over the whole prompt, in one pass each
+            w += Work(mtp_tokens=b * t, mtp_pairs=b * t * keys, mtp_kv=b * keys)
+        return [w]

@@ -1,14 +1,19 @@
 """Int4 MoE grouped GEMM (pallas_kernels.moe_int4) on the GPU: correctness, then time against bf16 `ragged_dot` and
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
-    python -m pallas_kernels.bench.moe [--cases all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
-                                       [--stall 45] [--sweep] [--no-ceilings] [--interpret] [--out RESULTS.md]
+    python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
+                                       [--stall 45] [--sweep [CASES]] [--jnp-refs] [--no-ceilings] [--interpret]
+                                       [--lower] [--out RESULTS.md]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
-uniformly at random over the experts; the two headline cases (decode E=16 M=1024, prefill E=32 M=4096) run first.
-Each case first checks both kernels (w4a16, w4a8) against the exactly-quantised function computed in f32 (the max
-error over the max of the reference, and the norm-wise relative error), then times every implementation.
+uniformly at random over the experts. "default": decode (E=16 M=128), prefill (E=32 M=4096), E=16 M=1024 and
+E=32 M=16384 gate/up, in that order; "all": every combination, those four first.
+Each case first checks every kernel row (w4a16, w4a8) against the exactly-quantised function computed in f32 (the
+max error over the max of the reference, and the norm-wise relative error), then times every implementation. Kernel
+rows: the default tiling (moe_int4.default_tiling), the first version's tiling (legacy_tiling: 64 weight rows per
+CTA, power-of-two token blocks, A through smem) and with --sweep a few alternatives (`sweep_tilings`). `--lower`
+lowers every one of them for sm_90 on any host (Mosaic's checks without a GPU): run it before a GPU run.
 
 Gate/up shapes also time the fused gate + up + SiLU kernel (int4_gated_ragged_dot; its bytes and FLOPs count both
 weights) against two kernel calls and XLA's SiLU-and-multiply.
@@ -20,11 +25,12 @@ include the wrapper's XLA work: the per-block table from group_sizes and, for w4
 for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own copy if torch is missing), XLA bf16
 and int8 8192^3 matmuls.
 
-Robustness: the cases run in a worker process that prints one JSON line per case; a case that raises reports its error
-and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a fresh one goes on
-with the next case, skipping that kernel at that block size; a case that hangs (a deadlocked kernel) is killed after
---stall seconds without progress (the worker dumps its Python stack first), and a fresh worker continues with the next
-case. No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
+Robustness: the cases run in a worker process that prints one JSON line per row; a row that raises reports its error
+and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a kernel row that hangs
+(a deadlocked kernel) is killed after --stall seconds without progress (the worker dumps its Python stack first);
+either way a fresh worker resumes the case without that row (at most twice per case; rows already reported are not
+rerun) and later cases skip that kernel (a CUDA error: at that token block), and the gate/up rows that share its code.
+No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
 minutes).
 Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
@@ -40,12 +46,30 @@ import subprocess
 import sys
 import time
 
-HEADLINE = [(16, 1024, 7168, 2048), (32, 4096, 7168, 2048)]
+HEADLINE = [(16, 128, 7168, 2048), (32, 4096, 7168, 2048), (16, 1024, 7168, 2048), (32, 16384, 7168, 2048)]
 SHAPES = [(7168, 2048), (2048, 7168)]
 EXPERTS = (16, 32)
 TOKENS = (128, 1024, 4096, 16384)
 CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the output
-SWEEP = {"bf16": [(16, 4), (32, 4), (64, 3), (128, 2)], "int8": [(32, 4), (64, 4), (128, 4)]}
+
+
+def sweep_tilings(act: str, e: int, m: int, k: int, n: int) -> list:
+    """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
+    decode: 64 or 256 weight rows per CTA, two K groups per step; otherwise: 64 weight rows with larger token blocks
+    (the other side of the registers' trade) or with the same ones (more CTAs per SM), 64-row token blocks; and the
+    default tiling with A through smem (what the registers path gains)."""
+    import dataclasses
+
+    from pallas_kernels.moe_int4 import default_tiling
+
+    kg, d = k // 128, default_tiling(act, m, n, k // 128, e)
+    if d.bm <= 32:
+        alts = [dict(bn=64), dict(bn=256), dict(gps=2)]
+    else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
+        alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)]
+    out = [default_tiling(act, m, n, kg, e, **a) for a in alts if n % a.get("bn", 64) == 0]
+    out.append(dataclasses.replace(d, a_regs=False))
+    return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
 def all_cases() -> list[tuple[int, int, int, int]]:
@@ -123,18 +147,24 @@ def _emit(kind: str, spec: str, **data) -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("MOE_BENCH_STALL", "45")) - 3, exit=True)
 
 
-def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
+def _short(t) -> str:
+    gps = f" gps={t.gps}" if t.gps > 1 else ""
+    via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
+    return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
+
+
+def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, done: list) -> None:
     import jax
     import jax.numpy as jnp
 
     from hcfjax import quant
     from hcfjax.cache import quantize_int8
     from pallas_kernels.moe_int4 import (
-        default_block_m,
-        default_stages,
+        default_tiling,
         int4_gated_ragged_dot,
         int4_ragged_dot,
         kernel_operands,
+        legacy_tiling,
         smem_bytes,
     )
 
@@ -153,108 +183,119 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict) -> None:
     }
     del wf, xq, xs
 
-    def row(name, fn, *args, nbytes=0, int8=False, act=None, config=None, ref=None, mult=1, nw=1):
+    def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1, needs=()):
         """One timed row; kernels (act given) are first checked against ref (default: the plain product's). mult=0:
-        a row that is not a matmul (only its time is shown)."""
+        a row that is not a matmul (only its time is shown). A kernel that hung or hit a CUDA error earlier in the
+        run is skipped (by row name; a CUDA error by row name and token block), as is a row that needs it (the
+        gate/up rows share the default kernel's code); rows a lost worker already reported for this case (done) are
+        not rerun."""
+        key = f"{name} bm={tiling.bm}" if tiling is not None else None
+        if name in done:
+            return
+        if why := next((skip[k] for k in (name, key, *needs) if k in skip), None):
+            _emit("ROW", spec, row=dict(name=name, error=f"skipped: {why}"))
+            return
         r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
         _emit("BEGIN", spec, what=name)
         try:
             f = jax.jit(fn)
             if act is not None:  # a kernel: checked on this device before it is timed
-                bm, st = config
                 r["check"] = c = _errors(f(*args), refs[act] if ref is None else ref)
-                smem = smem_bytes(act, bm, st, nw=nw)
-                c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, block_m=bm, stages=st, smem=smem)
+                smem = smem_bytes(act, tiling, nw=nw)
+                c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
             r["t"] = _timed(f, *args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
             if _device_lost(r["error"]):  # the CUDA context is unusable: nothing later in this process can run
                 _emit("ROW", spec, row=r)
-                _lost(spec, name, f"{name.split()[0]} bm={config[0]}" if act is not None else None)
+                _lost(spec, name, key)
         _emit("ROW", spec, row=r)
 
+    kg = k // 128
+    default_bm = {act: default_tiling(act, m, n, kg, e).bm for act in ("bf16", "int8")}
+    for act in ("bf16", "int8"):  # the default tilings first: the rows that matter most if the run is cut short
+        name = "w4a16" if act == "bf16" else "w4a8"
+        t = default_tiling(act, m, n, kg, e)
+        fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
+        row(f"{name} kernel", fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
-        if name in skip:
-            _emit("ROW", spec, row=dict(name=f"{name} kernel", error=f"skipped: {skip[name]}"))
-            continue
-        bm0 = default_block_m(m, e)
-        configs = [(None, None)] + (SWEEP[act] if sweep else [])
-        for bm, st in configs:
-            label = f"{name} kernel" + (f" bm={bm} st={st}" if bm else "")
-            config = (bm or bm0, st or default_stages(act, bm or bm0))
-            if f"{name} bm={config[0]}" in skip:
-                _emit("ROW", spec, row=dict(name=label, error=f"skipped: {skip[f'{name} bm={config[0]}']}"))
-                continue
-            fn = functools.partial(int4_ragged_dot, act=act, block_m=bm, stages=st, interpret=interpret)
-            row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, config=config)
+        alternatives = sweep_tilings(act, e, m, k, n) if sweep else []
+        for label, t in [("v1 tiling", legacy_tiling(act, m, e))] + [(None, t) for t in alternatives]:
+            fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
+            label = f"{name} kernel, {label or _short(t)}"
+            row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
     if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
         qu, su = (q4.q + jnp.uint8(0x35)), q4.scale * 0.5  # a second, different weight for "up"
         wu = quant.dequantize(quant.QWeight(qu, su, 4, "bf16"), jnp.bfloat16).astype(jnp.float32)
         for act in ("bf16", "int8"):
             name = "w4a16" if act == "bf16" else "w4a8"
-            if name in skip:
-                continue
             xr = x.astype(jnp.float32)
             if act == "int8":
                 xq, xs = quantize_int8(x)
                 xr = xq.astype(jnp.float32) * xs[:, None]
             ref = jax.nn.silu(refs[act]) * f32_dot(xr, wu, gs)
-            bm0 = default_block_m(m, e)
-            # w4a8 at BM = 128 holds two f32 and two int32 [64, 128] accumulators (256 registers a thread): BM = 64
-            # too, to see whether spills are what makes the fused w4a8 kernel slower than two kernels.
-            for bm in [None] + ([64] if act == "int8" and bm0 > 64 else []):
-                config = (bm or bm0, default_stages(act, bm or bm0, 128, 2))
-                if f"{name} bm={config[0]}" in skip:
-                    continue
-                fused = functools.partial(int4_gated_ragged_dot, act=act, block_m=bm, interpret=interpret)
-                row(
-                    f"{name} gate+up+SiLU fused" + (f" bm={bm}" if bm else ""),
-                    fused,
-                    x,
-                    (q4.q, q4.scale),
-                    (qu, su),
-                    gs,
-                    nbytes=2 * nb_int4,
-                    int8=act == "int8",
-                    act=act,
-                    config=config,
-                    ref=ref,
-                    mult=2,
-                    nw=2,
-                )
+            t = default_tiling(act, m, n, kg, e, nw=2)
+            fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=t)
+            weights = (x, (q4.q, q4.scale), (qu, su), gs)
+            needs = (f"{name} kernel", f"{name} kernel bm={default_bm[act]}")  # the same code, and the unfused row's
+            kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2, needs=needs)
+            row(f"{name} gate+up+SiLU fused", fused, *weights, act=act, tiling=t, ref=ref, nw=2, **kw)
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
-            row(
-                f"{name} gate, up kernels + SiLU",
-                unfused,
-                x,
-                (q4.q, q4.scale),
-                (qu, su),
-                gs,
-                nbytes=2 * nb_int4,
-                int8=act == "int8",
-                mult=2,
-            )
+            row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
             del ref
         del wu
     refs.clear()  # free the f32 references before the bf16 rows
-    for act in ("bf16", "int8"):  # the wrapper's XLA passes alone (included in the kernel rows' times)
-        bm = default_block_m(m, e)
 
-        def passes(x, q, sc, gs, act=act, bm=bm):
-            args = kernel_operands(x, ((q, sc),), gs, act, bm)
-            # The block table, and w4a8's quantised tokens and scales (q's int8 bitcast, the scales and x pass as
-            # they are: returning them from a jit would time a copy).
-            return [args[0], *args[3:]] if act == "int8" else args[0]
+    def passes(x, q, sc, gs):  # w4a8's quantised tokens and scales (w4a16's wrapper does no XLA work)
+        return kernel_operands(x, ((q, sc),), gs, "int8", default_tiling("int8", m, n, kg, e).bm)[3:]
 
-        name = "w4a16" if act == "bf16" else "w4a8"
-        row(f"{name} wrapper's XLA passes only", passes, x, q4.q, q4.scale, gs, mult=0)
+    row("w4a8 wrapper's XLA passes only", passes, x, q4.q, q4.scale, gs, mult=0)
     row("bf16 ragged_dot (XLA)", jax.lax.ragged_dot, x, w, gs, nbytes=nb_bf16)
     del w
-    row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
-    q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
-    row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+    if jnp_refs:
+        row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
+        q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
+        row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+
+
+def kernel_configs(e: int, m: int, k: int, n: int, sweep: bool):
+    """(act, nw, tiling) of every kernel row a case times, in order."""
+    from pallas_kernels.moe_int4 import default_tiling, legacy_tiling
+
+    out = [(act, 1, default_tiling(act, m, n, k // 128, e)) for act in ("bf16", "int8")]
+    for act in ("bf16", "int8"):
+        out += [(act, 1, t) for t in [legacy_tiling(act, m, e)] + (sweep_tilings(act, e, m, k, n) if sweep else [])]
+    return out + [(act, 2, default_tiling(act, m, n, k // 128, e, nw=2)) for act in ("bf16", "int8") if k > n]
+
+
+def lower_all(cases, sweep: str) -> bool:
+    """Lowers every kernel the bench would run for sm_90 on this host (no GPU: layout inference, the ops Mosaic
+    supports, smem), one line each; the pre-flight check for a GPU run."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot, smem_bytes
+
+    s, ok = jax.ShapeDtypeStruct, True
+    for e, m, k, n in cases:
+        spec = f"{e}x{m}x{k}x{n}"
+        x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
+        w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
+        for act, nw, t in kernel_configs(e, m, k, n, sweep == "all" or spec in sweep.split(",")):
+            if nw == 1:
+                fn = lambda x, w, gs, act=act, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t)  # noqa: E731
+            else:
+                fn = lambda x, w, gs, act=act, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t)  # noqa: E731
+            try:
+                lower_for_hopper(fn, x, w, gs)
+                r = "ok"
+            except Exception as ex:  # noqa: BLE001 - reported, the others still lower
+                r, ok = f"FAIL {type(ex).__name__}: {str(ex)[:300]}", False
+            print(f"{spec} {act} nw={nw} {_short(t)} smem={smem_bytes(act, t, nw=nw)}: {r}", flush=True)
+    return ok
 
 
 def _device_lost(msg: str) -> bool:
@@ -270,14 +311,15 @@ def _lost(spec: str, what: str, skip_key: str | None) -> None:
     os._exit(3)
 
 
-def worker(specs: list[str], sweep: bool, interpret: bool, skip: dict) -> None:
+def worker(specs: list[str], sweep: str, interpret: bool, skip: dict, jnp_refs: bool) -> None:
+    done = skip.pop("__done__", {})  # rows of a case that a lost worker already reported
     for spec in specs:
         _emit("BEGIN", spec, what="case")
         try:
             if spec == "ceilings":
                 _emit("CEIL", spec, ceilings=_ceilings())
             else:
-                _case(spec, sweep, interpret, skip)
+                _case(spec, sweep == "all" or spec in sweep.split(","), interpret, skip, jnp_refs, done.get(spec, []))
             _emit("DONE", spec)
         except Exception as ex:  # noqa: BLE001
             msg = f"{type(ex).__name__}: {str(ex)[:2000]}"
@@ -320,12 +362,21 @@ def _lines(fd: int, timeout: float, buf: bytearray) -> list[str] | None:
 
 def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
     """Runs the specs in order in worker processes: {spec: {rows, ceilings, error, note}}. A worker that exits early
-    or stays silent for --stall seconds (a hung kernel) is killed; the item it was on is reported and a new worker
-    goes on with the next case. A kernel that hung is skipped in the later cases (each hang costs the stall time)."""
+    or stays silent for --stall seconds (a hung kernel) is killed, as is one whose CUDA context a kernel broke; the
+    row it was on is reported, and a new worker resumes the case without it (once or twice per case: the rows already
+    reported are not rerun) or goes on with the next case. A kernel that hung or broke the context is skipped in the
+    later cases too (each hang costs the stall time)."""
     results: dict[str, dict] = {s: dict(rows=[]) for s in specs}
     t_start = time.time()
     hard_stop = t_start + args.hard_limit
-    pending, skip = list(specs), {}
+    pending, skip, done, retries = list(specs), {}, {}, {}
+
+    def resume(spec: str) -> bool:  # whether a fresh worker should take this case up again
+        if spec == "ceilings" or retries.get(spec, 0) >= 2 or time.time() >= hard_stop:
+            return False
+        retries[spec] = retries.get(spec, 0) + 1
+        return True
+
     env = dict(os.environ, MOE_BENCH_STALL=str(args.stall))
     while pending:
         if time.time() - t_start > args.time_limit:
@@ -339,9 +390,10 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
             "--worker",
             ",".join(pending),
             "--skip",
-            json.dumps(skip),
+            json.dumps(dict(skip, __done__=done)),
         ]
-        cmd += ["--sweep"] * args.sweep + ["--interpret"] * args.interpret
+        cmd += ["--sweep", args.sweep] * bool(args.sweep) + ["--interpret"] * args.interpret
+        cmd += ["--jnp-refs"] * args.jnp_refs
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         fd, buf, last, begun, why = proc.stdout.fileno(), bytearray(), time.time(), None, None
         log(f"[{time.time() - t_start:6.1f} s] worker {proc.pid} starts at {pending[0]}")
@@ -362,15 +414,19 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
                     begun = (spec, ev["what"])
                 elif kind == "ROW":
                     results[spec]["rows"].append(ev["row"])
+                    done.setdefault(spec, []).append(ev["row"]["name"])
                     log(f"  {spec}: {_row_summary(ev['row'])}")
                 elif kind == "CEIL":
                     results[spec]["ceilings"] = ev["ceilings"]
-                elif kind == "LOST":  # a CUDA error: the worker exits; the case's later rows are not run
-                    pending.remove(spec)
-                    note = f"CUDA error in {ev['what']}: worker exited, a fresh one runs the next case"
-                    results[spec]["rows"].append(dict(name="(rest of the case)", error=f"not run: {note}"))
+                elif kind == "LOST":  # a CUDA error: the worker exits
                     if ev.get("skip"):
                         skip[ev["skip"]] = f"a CUDA error in case {spec}"
+                    if resume(spec):
+                        note = f"CUDA error in {ev['what']}: worker exited, a fresh one resumes the case without it"
+                    else:
+                        pending.remove(spec)
+                        note = f"CUDA error in {ev['what']}: worker exited, a fresh one runs the next case"
+                        results[spec]["rows"].append(dict(name="(rest of the case)", error=f"not run: {note}"))
                     log(f"[{time.time() - t_start:6.1f} s] {spec}: {note}")
                     why = "lost"
                     break
@@ -391,10 +447,14 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         proc.wait()
         if why in ("done", "limit", "lost") or not pending:
             continue
-        # The worker died or hung inside pending[0]: report the item it was on and move past the case.
-        spec = pending.pop(0)
+        # The worker died or hung inside pending[0]: report the item it was on; resume the case without a kernel row
+        # that hung, else move past the case.
+        spec = pending[0]
         what = begun[1] if begun and begun[0] == spec else "case"
         hard = time.time() >= hard_stop
+        kernel_row = what.split()[0] in ("w4a16", "w4a8")
+        if not (kernel_row and resume(spec)):
+            pending.pop(0)
         msg = f"no progress for {time.time() - last:.0f} s"
         if why == "exit":  # it dumps its stack ('Timeout') and exits itself shortly before a stall would be seen here
             stalled = f"a 'Timeout' stack dump above means no progress for {args.stall - 3:.0f} s"
@@ -404,11 +464,11 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
         if what == "case":
             results[spec]["error"] = msg
         else:
-            results[spec]["rows"].append(
-                dict(name=what, error=f"hung or crashed: {msg}; the case's later rows are lost")
-            )
-            if what.split()[0] in ("w4a16", "w4a8") and not hard:
-                skip[what.split()[0]] = f"it hung or crashed in case {spec}"
+            later = "the case resumes without it" if spec in pending else "the case's later rows are lost"
+            results[spec]["rows"].append(dict(name=what, error=f"hung or crashed: {msg}; {later}"))
+            done.setdefault(spec, []).append(what)
+            if kernel_row and not hard:
+                skip[what] = f"it hung or crashed in case {spec}"
         if hard:
             for s in pending:
                 results[s]["error"] = "skipped: the run's hard limit was reached"
@@ -464,21 +524,29 @@ def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="all", help="'all' or ExMxKxN,... (e.g. 16x1024x7168x2048)")
+    ap.add_argument("--cases", default="default", help="'default', 'all' or ExMxKxN,... (e.g. 16x1024x7168x2048)")
     ap.add_argument("--time-limit", type=float, default=200.0, help="start no new case after this many seconds")
     ap.add_argument("--hard-limit", type=float, default=235.0, help="kill whatever still runs after this many seconds")
     ap.add_argument("--stall", type=float, default=45.0, help="kill a worker silent this long (e.g. a hung kernel)")
-    ap.add_argument("--sweep", action="store_true", help="also time other (block_m, stages) configs of the kernel")
+    sweep = "also time other tilings (sweep_tilings): in all cases, or in these (ExMxKxN,...)"
+    ap.add_argument("--sweep", nargs="?", const="all", default="", help=sweep)
+    ap.add_argument("--jnp-refs", action="store_true", help="also time the jnp references (slow: ~0.1-10 ms)")
     ap.add_argument("--out", help="append the table to this markdown file")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpreter (a CPU smoke test)")
+    ap.add_argument("--lower", action="store_true", help="only lower every kernel for sm_90 here (no GPU needed)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--skip", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker.split(","), args.sweep, args.interpret, json.loads(args.skip))
+        worker(args.worker.split(","), args.sweep, args.interpret, json.loads(args.skip), args.jnp_refs)
         return
-    cases = all_cases() if args.cases == "all" else [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    if args.cases in ("default", "all"):
+        cases = HEADLINE if args.cases == "default" else all_cases()
+    else:
+        cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    if args.lower:
+        sys.exit(0 if lower_all(cases, args.sweep) else 1)
     log = Log()
     t0 = time.time()
     specs = ["ceilings"] * (not args.no_ceilings) + ["x".join(map(str, c)) for c in cases]
@@ -502,7 +570,7 @@ def main(argv=None) -> None:
         for r in results["x".join(map(str, c))]["rows"]:
             if "check" in r:
                 k = r["check"]
-                cfg = f"block_m {k['block_m']}, stages {k['stages']}, smem {k['smem']} B"
+                cfg = f"{k['tiling']}, smem {k['smem']} B"
                 checks.append(
                     f"- {c} {r['name']}: {'ok' if k['ok'] else 'FAIL'}, max rel {k['max_rel']:.2e}, "
                     f"norm rel {k['rel']:.2e} ({cfg})"
