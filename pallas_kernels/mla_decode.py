@@ -24,7 +24,8 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, spl
 __all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]
 
 # The kernel version `mla_decode` runs unless told (mla_kernel's docstring: 3 = leader/follower, 4 = seesaw).
-VERSION = 4
+# 3: v4 measured 1.7x slower on the H200 (bench/RESULTS.md, 2026-11-30).
+VERSION = 3
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -230,7 +230,10 @@ class _Ctx:
 
         if self.spec.quant:
             page, off = self.page(i, self.ins["pt"])
-            plgpu.async_prefetch(self.ins["kv"].at[page, pl.ds(off, BLOCK_KV)], predicate=i < self.n_steps)
+            for p in range(3):  # one per part: a TMA box is at most 256 wide
+                col, w = self.spec.part(p)
+                src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
+                plgpu.async_prefetch(src, predicate=i < self.n_steps)
 
 
 def _finish(m, den):
