@@ -2,7 +2,12 @@
 
 The interpreter starts every buffer as NaN (uninitialized_memory="nan"), so an output element the kernel never writes
 shows up as NaN. Shapes are small (C=128, R=64, page 64, heads padded to 64) to keep the file fast; the reference
-itself is checked against a float64 softmax written out here.
+itself is checked against a float64 softmax written out here. The interpreter runs each warpgroup as an XLA:CPU
+computation on the CPU client's thread pool; with fewer than three workers (one CPU device on a two-core machine) two
+waiting warpgroups starve the third and the run hangs. conftest's eight CPU devices give the pool enough threads.
+
+The interpreter's wgmma is synchronous, so it cannot catch a slot released while an MMA still reads it; the kernel
+keeps every MMA synchronous before a release (mla_kernel.py), and the lowering test checks the sm_90 lowering.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import pytest
 
 from hcfjax.cache import quantize_int8
 from pallas_kernels import mla_decode as M
+from pallas_kernels.mla_merge import combine_dense
+from pallas_kernels.mla_schedule import DIRECT, PADDING
 
 C, R, PAGE = 128, 64, 64
 
@@ -69,44 +76,84 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def check_kernel(seed, lengths, t, h, max_pages, **kw):
-    qn, qp, kv, _, pt, lengths = make(seed, lengths, t, h, max_pages=max_pages)
+def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, **kw):
+    qn, qp, kv, sc, pt, lengths = make(seed, lengths, t, h, max_pages=max_pages, quant=quant)
     scale = C**-0.5 * 3  # sharp enough that a wrong mask or rescale shows
-    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, return_lse=True, interpret=True, **kw)
+    if mode is not None:  # the merge path the case is meant to cover
+        plan_kw = {k: kw[k] for k in ("num_sms", "min_blocks_per_split", "blocks_per_split") if k in kw}
+        assert M.mla_plan(lengths, max_pages, PAGE, h, t, **plan_kw).mode == mode
+    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True, **kw)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
-    want = float64_attention(qn, qp, kv, None, pt, lengths, scale)
+    want = float64_attention(qn, qp, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 1e-2
-    ref, ref_lse = M.mla_decode_reference(qn, qp, kv, pt, lengths, scale, return_lse=True)
+    ref, ref_lse = M.mla_decode_reference(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True)
     assert rel(np.asarray(ref, np.float32), want) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize(
     "lengths,t,h,kw",
     [
-        # length 1, mid-page, exactly 3 pages; 8 SMs: bps 1, row 2 in 3 units, combined by the gather path
-        ([1, 150, 192], 1, 16, dict(num_sms=8, min_blocks_per_split=1)),
-        ([97, 200], 1, 80, {}),  # 80 heads: two head tiles, the second padded; default schedule
-        ([3, 130], 3, 32, dict(blocks_per_split=1)),  # T=3, causal within the new tokens; fixed 1-block splits
+        # length 1, mid-page, exactly 3 pages; 8 SMs: bps 1, row 2 in 3 units, merged in XLA
+        ([1, 150, 192], 1, 16, dict(num_sms=8, min_blocks_per_split=1, mode="dense")),
+        # 80 heads: two head tiles, the second padded; default schedule: one unit per row, written directly
+        ([97, 200], 1, 80, dict(mode="direct")),
+        # T=3, causal within the new tokens; fixed 3-block splits: version 4's pairs end on a lone block
+        ([3, 250], 3, 32, dict(blocks_per_split=3, mode="dense")),
     ],
 )
-def test_kernel_matches_reference(lengths, t, h, kw):
-    check_kernel(len(lengths) * 10 + t, lengths, t, h, max_pages=4, **kw)
+def test_kernel_matches_reference(lengths, t, h, kw, version):
+    check_kernel(len(lengths) * 10 + t, lengths, t, h, max_pages=4, version=version, **kw)
 
 
 def test_batch_1_long_context_splits_over_the_chip():
     # 1000 tokens (16 blocks, the last ending mid-block) over 16 SMs: 16 one-block units merged by log-sum-exp.
-    check_kernel(23, [1000], 1, 16, max_pages=16, num_sms=16, min_blocks_per_split=1)
+    check_kernel(23, [1000], 1, 16, max_pages=16, num_sms=16, min_blocks_per_split=1, mode="dense")
 
 
 def test_ragged_batch_of_mixed_lengths():
     # 20 rows in a 3-page table: lengths 0, 1, mid-page, a full table and random short ones. 8 SMs gives
-    # B * max_units > 2 * units, so the combine takes the segment-reduction path (as 128 rows on 132 SMs would).
+    # B * max_units > 2 * units, so single-unit rows are written by the kernel and the others merged by the combine
+    # kernel (as 128 rows on 132 SMs would be).
     lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 14))
-    b, max_pages, sms = len(lengths), 3, 8
-    assert b * min(sms, max_pages) > 2 * (sms + b)
-    check_kernel(37, lengths, 1, 16, max_pages=max_pages, num_sms=sms, min_blocks_per_split=1)
+    check_kernel(37, lengths, 1, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_int8_kernel_matches_reference(version):
+    # The loader converts each part in place (the int8 twin overlays the bf16 part) with the per-token scales.
+    check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, version=version, blocks_per_split=3)
+
+
+def test_plan_is_reusable_across_calls():
+    qn, qp, kv, _, pt, lengths = make(41, [70, 190], 1, 16, max_pages=3)
+    plan = M.mla_plan(lengths, 3, PAGE, 16, num_sms=8, min_blocks_per_split=1)
+    got = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, plan=plan, interpret=True)
+    want = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, num_sms=8, min_blocks_per_split=1, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="plan is for"):
+        M.mla_decode(qn[:1], qp[:1], kv, pt[:1], lengths[:1], 0.1, plan=plan, interpret=True)
+
+
+def test_dense_merge_is_the_softmax_over_all_units():
+    # combine_dense against the plain merge: row b's units wrote normalized partials with their lse to slots
+    # b * 3 + k, k < count[b]; the other slots hold garbage (NaN) that must not leak in.
+    rng = np.random.default_rng(3)
+    count = np.array([1, 3, 2], np.int32)
+    o = rng.normal(size=(9, 1, 4, 8)).astype(np.float32)
+    lse = rng.normal(size=(9, 1, 4)).astype(np.float32) * 3
+    lse[4, 0, 1] = -np.inf  # a unit that saw nothing for one head
+    for b, n in enumerate(count):
+        o[b * 3 + n : b * 3 + 3], lse[b * 3 + n : b * 3 + 3] = np.nan, np.nan
+    out, lse_out = combine_dense(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse), jnp.asarray(count), 3)
+    for b in range(3):
+        s = slice(b * 3, b * 3 + count[b])
+        w = np.exp(lse[s] - lse[s].max(0))
+        o_b = np.asarray(jnp.asarray(o[s], jnp.bfloat16), np.float32)
+        np.testing.assert_allclose(np.asarray(out[b]), (w[..., None] * o_b).sum(0) / w.sum(0)[..., None], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse_out[b]), lse[s].max(0) + np.log(w.sum(0)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_sms,min_blocks,bps", [(132, 4, None), (16, 1, None), (8, 2, None), (132, 1, 3)])
@@ -122,20 +169,41 @@ def test_split_schedule_covers_each_rows_blocks_once(num_sms, min_blocks, bps):
     first, count = np.asarray(first), np.asarray(count)
     nb = -(-vis.max(1) // 64)
     target = num_sms // q_tiles
-    assert sorted(slot) == list(range(work.shape[1]))  # every slot once
-    assert (count <= max_units).all() and (n_blk >= 0).all()
+    real = slot >= 0
+    assert sorted(slot[real]) == list(range(count.sum())) and (n_blk[~real] == 0).all()  # every slot once
+    assert (count >= 1).all() and (count <= max_units).all() and (n_blk >= 0).all()
     if bps is None:
         assert work.shape[1] <= target + len(vis)
-        assert n_blk.max() == min(max(min_blocks, -(-nb.sum() // target)), nb.max())
-    else:
-        assert n_blk.max() <= bps
+        bps = max(min(min_blocks, max_blocks), -(-nb.sum() // target))
+    assert n_blk.max() == min(bps, nb.max())
     for b in range(len(vis)):
-        mine = (row == b) & (n_blk > 0)
+        mine = (row == b) & real
         assert mine.sum() == count[b]
         assert sorted(slot[mine]) == list(range(first[b], first[b] + count[b]))  # row-major slots
         covered = sorted(k for s, n in zip(blk0[mine], n_blk[mine], strict=True) for k in range(s, s + n))
         assert covered == list(range(nb[b]))
-    assert (np.diff(n_blk) <= 0).all()  # longest first, padding (0 blocks) last
+    # Grid order: the full units, then the shorter tails (and empty rows' units), then padding.
+    kind = np.where(~real, 2, np.where(n_blk == bps, 0, 1))
+    assert (np.diff(kind) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "b,ctx,min_blocks,mode",
+    [(1, 256, 4, "direct"), (1, 16384, 4, "dense"), (4, 4096, 4, "dense"), (4, 16384, 4, "sparse")]
+    + [(128, 4096, 4, "sparse"), (128, 256, 4, "direct")],
+)
+def test_plan_picks_the_merge_by_the_static_shapes(b, ctx, min_blocks, mode):
+    plan = M.mla_plan(jnp.full((b,), ctx, jnp.int32), ctx // 64, 64, 128, num_sms=132, min_blocks_per_split=min_blocks)
+    assert plan.mode == mode
+    dest = np.asarray(plan.work[3])
+    n_real = int(np.asarray(plan.count).sum())
+    assert (dest[n_real:] == PADDING).all()
+    if mode == "direct":
+        assert (dest[:n_real] == DIRECT).all()
+    elif mode == "dense":  # row-major [B, max_units]: full rows fill it
+        assert sorted(dest[:n_real]) == list(range(n_real)) and n_real == b * plan.max_units
+    else:  # full rows of 4096 on 132 SMs are one unit each; of 16384 at batch 4, 16 each
+        assert ((dest[:n_real] == DIRECT) == (np.asarray(plan.count)[0] == 1)).all()
 
 
 def test_queries_with_no_visible_key_give_zeros():
@@ -183,16 +251,6 @@ def test_kernel_scales_index_the_same_token_in_both_layouts(layer):
         np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got[table], -1, -2)), np.asarray(want))
     got, table = M.kernel_scales(jnp.swapaxes(sc, -1, -2), pt, layer)
     assert got.shape[0] == sc.size // (2 * PAGE)  # token-minor: the cache itself, no per-call copy
-
-
-@pytest.mark.skip(
-    reason="Mosaic GPU's interpreter (jax 0.11.2) stalls with the int8 producer warpgroup; the int8 kernel lowers "
-    "(layout inference passes) but is not yet checked anywhere - see pallas_kernels/NOTES.md"
-)
-def test_int8_kernel_matches_reference():
-    qn, qp, kv, sc, pt, lengths = make(13, [1, 150], 1, 16, max_pages=3, quant=True)
-    out = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, scales=sc, interpret=True)
-    assert rel(np.asarray(out, np.float32), float64_attention(qn, qp, kv, sc, pt, lengths, 0.1)) < 1e-2
 
 
 def test_model_layer_index_reads_that_layer():
@@ -248,12 +306,17 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor",
-    [(128, 4096, "bf16", False, False), (4, 4096, "int8", True, True), (2, 256, "int8", True, False)],
+    "b,ctx,dtype,layer,minor,version",
+    [
+        (128, 4096, "bf16", False, False, 3),
+        (128, 4096, "bf16", False, False, 4),
+        (4, 4096, "int8", True, True, 4),
+        (2, 256, "int8", True, False, 3),
+    ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
-    # with the work list's scalar reads and both int8 scale layouts.
+    # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct).
     from jax import ShapeDtypeStruct as S
 
     from pallas_kernels.cross_lower import lower_for_hopper
@@ -266,6 +329,6 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor):
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132)
+        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=version)
 
     assert "mosaic_gpu" in lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)

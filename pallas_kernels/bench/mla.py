@@ -1,6 +1,7 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
     python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,...] [--reps 20]
+                                       [--versions 3,4]
 
 H=128, C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
@@ -16,12 +17,22 @@ rates. The kernel is checked against the reference on the device before it is ti
 FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the same shapes and lengths with its own
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
+
+--versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw) on every case, one row each, so
+one run compares them. A version other than 3 is first run on three small shapes in a child process with a timeout:
+a kernel that hangs there is dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
+in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
+e.g. batch 1 x 4096). Besides the whole call ("kernel us", plan
+included) each row times the call with the plan built beforehand ("w/ plan us", what every layer after the first
+costs when a model reuses the step's plan; FlashInfer's column excludes its plan() the same way) and the plan alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import subprocess
+import sys
 import time
 import traceback
 
@@ -31,7 +42,7 @@ import numpy as np
 
 from hcfjax.bench.common import header, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
-from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
 # Priority order (the run prints each row as it finishes): small batches and ragged batches first.
 CASES = (
@@ -115,23 +126,50 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
-def fns(scale):
-    kern = jax.jit(functools.partial(mla_decode, sm_scale=scale))
+MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
+
+
+def fns(scale, version=None):
+    kern = jax.jit(functools.partial(mla_decode, sm_scale=scale, version=version, min_blocks_per_split=MIN_BLOCKS))
     ref = jax.jit(functools.partial(mla_decode_reference, sm_scale=scale))
     return kern, ref
 
 
-def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full"):
+def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )
-    kern, ref = fns(c**-0.5)
+    kern, ref = fns(c**-0.5, version)
     out = kern(qn, qp, kv, pt, lengths, scales=sc)
     want = ref(qn.astype(jnp.float32), qp.astype(jnp.float32), kv, pt, lengths, scales=sc)
     return rel_err(out, want)
 
 
-def run_checks():
+# Small shapes that take each merge path (dense: 2 x 512; sparse, with the combine kernel: 40 x 4096) and int8.
+PREFLIGHT = (
+    dict(batch=2, context=512, dtype="bf16", kind="mixed"),
+    dict(batch=40, context=4096, dtype="bf16", kind="mixed"),
+    dict(batch=2, context=512, dtype="int8"),
+)
+
+
+def preflight(version: int, timeout_s: float = 90.0) -> bool:
+    """Runs `version` on two small shapes in a child process; False (and why) if it fails, is wrong or hangs."""
+    cmd = [sys.executable, "-m", "pallas_kernels.bench.mla", "--check", "--preflight", f"--versions={version}"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"version {version}: preflight timed out after {timeout_s:.0f} s (hang?); dropped", flush=True)
+        return False
+    ok = res.returncode == 0
+    print(f"version {version} preflight {'ok' if ok else 'FAILED, dropped'}:\n{res.stdout.strip()[-1500:]}", flush=True)
+    if not ok:
+        print(res.stderr[-3000:], flush=True)
+    return ok
+
+
+def run_checks(versions=(None,), quick=False) -> bool:
+    bad = False
     cases = [
         dict(batch=2, context=256, dtype="bf16", heads=16, c=128, r=64),
         dict(batch=2, context=256, dtype="int8", heads=16, c=128, r=64),
@@ -142,13 +180,19 @@ def run_checks():
         dict(batch=1, context=16384, dtype="bf16"),
         dict(batch=40, context=4096, dtype="bf16", kind="mixed"),
         dict(batch=32, context=16384, dtype="bf16", kind="skew"),
+        dict(batch=128, context=4096, dtype="int8", kind="mixed"),
     ]
-    for case in cases:
-        try:
-            print(f"check {case}: rel {check(**case):.2e}", flush=True)
-        except Exception as e:  # noqa: BLE001 (report every case)
-            print(f"check {case}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
-            traceback.print_exc(limit=3)
+    for version in versions:
+        for case in PREFLIGHT if quick else cases:
+            try:
+                err = check(**case, version=version)
+                bad |= not err < 2e-2
+                print(f"check v{version} {case}: rel {err:.2e}{'' if err < 2e-2 else ' FAILED'}", flush=True)
+            except Exception as e:  # noqa: BLE001 (report every case)
+                bad = True
+                print(f"check v{version} {case}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
+                traceback.print_exc(limit=3)
+    return not bad
 
 
 def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64):
@@ -214,23 +258,23 @@ def parse_case(text):
 
 
 TABLE_HEAD = (
-    "| cache | B | ctx | lengths | kernel us | kernel GB/s | % copy | TFLOP/s | XLA ref us | speedup | "
-    "FlashInfer us | FlashInfer GB/s | rel err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| cache | B | ctx | lengths | ver | kernel us | w/ plan us | plan us | kernel GB/s | % copy | TFLOP/s | "
+    "XLA ref us | speedup | FlashInfer us | FlashInfer GB/s | rel err |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
 def table_row(row, copy_bw) -> str:
-    dtype, b, ctx, kind, tk, bwk, tr, _bwr, sp, fl, err, tf = row
+    dtype, b, ctx, kind, ver, tk, tw, tp, bwk, tr, sp, fl, err, tf = row
     pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
     fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}") if tf else ("", "")
     return (
-        f"| {dtype} | {b} | {ctx} | {kind} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | "
-        f"{tr * 1e6:.1f} | {sp:.1f}x | {fi[0]} | {fi[1]} | {err:.1e} |"
+        f"| {dtype} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {tw * 1e6:.1f} | {tp * 1e6:.1f} | "
+        f"{bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | {tr * 1e6:.1f} | {sp:.1f}x | {fi[0]} | {fi[1]} | {err:.1e} |"
     )
 
 
-def bench(cases, reps, use_flashinfer=True):
+def bench(cases, reps, use_flashinfer=True, versions=(None,)):
     copy_bw = torch_copy_bandwidth(4.0)
     i8 = int8_matmul_ops()
     bf = matmul_flops()
@@ -255,10 +299,16 @@ def bench(cases, reps, use_flashinfer=True):
             qn, qp, kv, pt, lengths, sc = make_inputs(
                 jax.random.key(batch + context), batch, context, dtype=dtype, kind=kind
             )
-            kern, ref = fns(512**-0.5)
-            err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), ref(qn, qp, kv, pt, lengths, scales=sc))
-            tk = timed_async(functools.partial(kern, scales=sc), qn, qp, kv, pt, lengths, reps=reps)
+            _, ref = fns(512**-0.5)
+            want = ref(qn, qp, kv, pt, lengths, scales=sc)
             tr = timed_async(functools.partial(ref, scales=sc), qn, qp, kv, pt, lengths, reps=reps)
+            plan_fn = jax.jit(
+                functools.partial(
+                    mla_plan, max_pages=pt.shape[1], page_size=64, heads=128, min_blocks_per_split=MIN_BLOCKS
+                )
+            )
+            tp = timed_async(plan_fn, lengths, reps=reps)
+            plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
             tf = flashinfer_time(np.asarray(lengths), context, reps) if use_flashinfer and dtype == "bf16" else None
         except Exception as e:  # noqa: BLE001 (report the case, go on)
@@ -266,17 +316,29 @@ def bench(cases, reps, use_flashinfer=True):
             if "CUDA" in str(e):
                 raise  # a CUDA error leaves the context unusable; the rest would fail too
             continue
-        nb = cache_bytes(tokens, dtype=dtype)
-        flops = tokens * 128 * (576 + 512) * 2
-        rows.append((dtype, batch, context, kind, tk, nb / tk, tr, nb / tr, tr / tk, flops / tk, err, tf))
-        print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        del qn, qp, kv, pt, sc
+        for version in versions:
+            try:
+                kern, _ = fns(512**-0.5, version)
+                err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), want)
+                tk = timed_async(functools.partial(kern, scales=sc), qn, qp, kv, pt, lengths, reps=reps)
+                tw = timed_async(functools.partial(kern, scales=sc, plan=plan), qn, qp, kv, pt, lengths, reps=reps)
+            except Exception as e:  # noqa: BLE001
+                print(f"{dtype}:{batch}x{context}:{kind} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                if "CUDA" in str(e):
+                    raise
+                continue
+            nb = cache_bytes(tokens, dtype=dtype)
+            flops = tokens * 128 * (576 + 512) * 2
+            ver = "-" if version is None else version
+            rows.append((dtype, batch, context, kind, ver, tk, tw, tp, nb / tk, tr, tr / tk, flops / tk, err, tf))
+            print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
-    by = {(d, b, c, k): tk for d, b, c, k, tk, *_ in rows}
+    by = {(d, b, c, k, v): tk for d, b, c, k, v, tk, *_ in rows}
     pairs = [
-        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k} {by[('bf16', b, c, k)] / tk:.2f}x"
-        for (d, b, c, k), tk in by.items()
-        if d != "bf16" and ("bf16", b, c, k) in by
+        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k} v{v} {by[('bf16', b, c, k, v)] / tk:.2f}x"
+        for (d, b, c, k, v), tk in by.items()
+        if d != "bf16" and ("bf16", b, c, k, v) in by
     ]
     if pairs:
         lines += ["", "int8 speedup over bf16: " + ", ".join(pairs)]
@@ -286,14 +348,20 @@ def bench(cases, reps, use_flashinfer=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--preflight", action="store_true", help="with --check: only the three small shapes")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--versions", default="", help="kernel versions to time side by side, e.g. 3,4 (default: VERSION)")
+    ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
     args = ap.parse_args()
+    globals()["MIN_BLOCKS"] = args.min_blocks
+    versions = tuple(int(v) for v in args.versions.split(",") if v) or (None,)
     if args.check:
-        run_checks()
-        return
-    bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer)
+        sys.exit(0 if run_checks(versions, quick=args.preflight) else 1)
+    if len(versions) > 1 or versions != (None,):
+        versions = tuple(v for v in versions if v == 3 or preflight(v))
+    bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer, versions)
 
 
 if __name__ == "__main__":

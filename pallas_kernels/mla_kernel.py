@@ -1,0 +1,617 @@
+"""The Mosaic GPU (Hopper) attention kernel of absorbed-MLA decode over the paged latent cache (mla_decode.py is the
+wrapper, mla_schedule.py builds its work list, mla_merge.py merges the rows it splits).
+
+Attention: one CTA = 64 heads of one query token over one work unit (a row's block range), three warpgroups: WG0
+and WG1 compute, WG2 loads. A cache block (64 tokens) sits in one of two smem slots, as three parts with a barrier
+each: A = latent columns [0, C/2), B = [C/2, C), R = rope columns [C, C+R). A and B are V's two column halves; R is
+dead after Q.K and holds the block's softmax P (bf16 [64, 64], the same 128-byte swizzle as V, which wgmma wants).
+Q sits in smem as its latent and rope parts (two TMAs straight from q_nope and q_pe); the output halves reuse it.
+The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512: WG0 owns O[:, :C/2], WG1 O[:, C/2:].
+
+version 3 (leader): WG0 computes S = Q.K^T for every block, the online softmax, writes P and the row rescale, and
+  updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of the MMA work and all of
+  the softmax, so it is the critical path and WG1 mostly waits. A slot is reloaded once both have released it.
+version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. Each warpgroup computes S for its own
+  block of the pair (both Q.K run at once) and the softmax of it; the running max goes WG0 -> WG1 (m0) -> WG0 (m1),
+  so WG1's P1 is relative to the pair's max and WG0 rescales its P0 once more (a 64 x 64 multiply) before handing
+  it over. Each warpgroup multiplies both blocks' P into its own half of O. The MMA work is split evenly and one
+  warpgroup's softmax overlaps the other's MMAs. Each slot part is released as soon as its last reader is done
+  (slot 0's A after WG0's first P.V, slot 1's B after WG1's), and the loader refills parts in that order, so the
+  next pair's loads start in the middle of this one; Q.K then walks the parts in arrival order.
+
+int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
+smem beside Q and two bf16 slots), reads all of it into registers, and only then writes the bf16 part, so the
+overlap is harmless; the per-token scales are applied there (bf16(int8 * scale), as the reference dequantises), and
+the compute warpgroups run the bf16 code. Conversion of one slot overlaps the MMAs on the other.
+
+Outputs: a unit writes its normalized bf16 rows and lse either straight to the output (the row's only unit) or to
+its partial slot, as the work list says (mla_schedule.DIRECT / slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT, PADDING
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+A, B, R = 0, 1, 2  # slot parts
+M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute warpgroups
+# Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
+# launch; asking for 512 left setmaxnreg waiting forever on the H200). The int8 loader holds a part in registers.
+REGISTERS = {
+    (3, False): (232, 232, 40),
+    (3, True): (232, 176, 96),
+    (4, False): (232, 232, 40),
+    (4, True): (216, 216, 72),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    c: int  # kv_lora_rank
+    r: int  # rope dim
+    t: int  # query tokens per row
+    heads: int  # padded to a multiple of BLOCK
+    page_size: int
+    max_pages: int  # page table width
+    units: int  # work units in the grid, padding included
+    batch: int  # rows of the direct output (0: no unit writes it)
+    slots: int  # rows of the partial output (0: none)
+    quant: bool
+    version: int
+    sm_scale: float
+    interpret: bool
+
+    def part(self, p: int) -> tuple[int, int]:
+        """(first column, width) of slot part p."""
+        return ((0, self.c // 2), (self.c // 2, self.c // 2), (self.c, self.r))[p]
+
+
+def _pv(acc, p_smem, v_smem, interpret: bool):
+    """acc + P @ V with P, V in smem. On the GPU the accumulator is fed to wgmma in place (pl.run_state, which waits
+    for the MMA); GPU interpret mode has no run_state, so there it is a fresh accumulator added in registers."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if interpret:
+
+        def fresh(r):
+            plgpu.wgmma(r, p_smem, v_smem)
+            return r[...]
+
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(lambda r: plgpu.wgmma(r, p_smem, v_smem))(plgpu.ACC.init(acc))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    """One CTA's refs and work unit, shared by the warpgroups' code."""
+
+    spec: KernelSpec
+    ins: dict
+    out: tuple  # (out, lse) or None
+    part_out: tuple  # (partial out, partial lse) or None
+    q: tuple  # smem (latent [64, C], rope [64, R])
+    o_smem: object  # [2, 64, C/2] output halves (aliases q)
+    parts: tuple  # per part: bf16 [2, 64, w] (slot-major)
+    i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the bf16 parts (int8 caches), else None
+    rows: object  # [6, 64] f32 row vectors handed between warpgroups
+    scales: object  # [2, 2, 64] f32 int8 scales per slot, or None
+    bars: dict
+    b: object
+    t: object
+    h0: object
+    start: object
+    vis: object
+    n_steps: object
+    dest: object
+
+    def page(self, i, table):
+        """(page, offset in page) of the unit's block i."""
+        tok = self.start + i * BLOCK_KV
+        j = jnp.minimum(lax.div(tok, self.spec.page_size), self.spec.max_pages - 1)
+        return table[self.b, j], lax.rem(tok, self.spec.page_size)
+
+    def scores(self, slot: int | jax.Array, order):
+        """S = Q . K^T [64 heads, 64 tokens] of the block in `slot`, f32: one wgmma per part in `order`, each issued
+        once its part has landed."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def body(s_ref):
+            for p in order:
+                plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
+                col, w = self.spec.part(p)
+                q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col, w)]
+                plgpu.wgmma(s_ref, q, self.parts[p].at[slot].transpose((1, 0)))
+            return s_ref[...]
+
+        return pl.run_scoped(body, plgpu.ACC((BLOCK, BLOCK_KV)))
+
+    def masked(self, s, i):
+        """Scores of block i in the log2 domain, -inf past the query's visible keys."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+        key = key + (self.start + i * BLOCK_KV)
+        return jnp.where(key < self.vis, s * (self.spec.sm_scale * _LOG2E), -jnp.inf)
+
+    def load_q(self, issue: bool):
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        q_bar = self.bars["q"]
+        if issue:
+            heads = pl.ds(self.h0, BLOCK)
+            plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q[0], q_bar.at[0])
+            plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q[1], q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+
+    def store(self, acc, inv_l, w: int, lse=None):
+        """Writes output half w (acc / l, bf16) and, when given, the lse, to the output or the partial slot."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        half = self.spec.c // 2
+        heads, cols = pl.ds(self.h0, BLOCK), pl.ds(w * half, half)
+        o_half = self.o_smem.at[w]
+        o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
+        if lse is not None:
+            self.rows.at[5][...] = lse
+        plgpu.commit_smem()
+        targets = []
+        if self.out is not None:
+            targets.append((self.dest == DIRECT, self.out, self.b))
+        if self.part_out is not None:
+            targets.append((self.dest >= 0, self.part_out, jnp.maximum(self.dest, 0)))
+        for on, (o_ref, l_ref), idx in targets:
+
+            @pl.when(on)
+            def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
+                plgpu.copy_smem_to_gmem(o_half, o_ref.at[idx, self.t, heads, cols])
+                if lse is not None:
+                    plgpu.copy_smem_to_gmem(self.rows.at[5], l_ref.at[idx, self.t, heads])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def issue(self, i, slot, p: int, scales: bool):
+        """Starts loading part p of the unit's block i into `slot`: a TMA into the part (bf16 caches) or into its int8
+        twin, plus, with `scales`, the block's int8 scales."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        col, w = self.spec.part(p)
+        page, off = self.page(i, self.ins["pt"])
+        src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
+        if not self.spec.quant:
+            plgpu.copy_gmem_to_smem(src, self.parts[p].at[slot], self.bars["full"].at[slot * 3 + p])
+            return
+        plgpu.copy_gmem_to_smem(src, self.i8[p].at[slot, 0], self.bars["i8"].at[slot * 3 + p])
+        if scales:
+            page, off = self.page(i, self.ins["pts"])
+            sc = self.ins["sc"].at[page, :, pl.ds(off, BLOCK_KV)]
+            plgpu.copy_gmem_to_smem(sc, self.scales.at[slot], self.bars["sc"].at[slot])
+
+    def finish(self, slot, p: int, scales: bool):
+        """int8: converts the landed part p into bf16 in place and marks it loaded (bf16: nothing to do). The whole
+        twin is read into registers before any bf16 store, since the twin overlays the part's bytes."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        if not self.spec.quant:
+            return
+        w = self.spec.part(p)[1]
+        twin = self.i8[p].at[slot, 0]
+        if scales:
+            plgpu.barrier_wait(self.bars["sc"].at[slot])
+        plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+        tiles = [plgpu.load(twin.at[:, pl.ds(64 * j, 64)], layout=plgpu.Layout.WGMMA_8BIT) for j in range(w // 64)]
+        plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the twin
+        scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=plgpu.Layout.WGMMA.reduce(1))
+        scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
+        dst = self.parts[p].at[slot]
+        for j, x in enumerate(tiles):
+            dst.at[:, pl.ds(64 * j, 64)][...] = (x.astype(jnp.float32) * scale).astype(dst.dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
+
+    def prefetch(self, i):
+        """int8: warms L2 with block i (its TMA cannot start before its slot is free)."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        if self.spec.quant:
+            page, off = self.page(i, self.ins["pt"])
+            for p in range(3):  # one per part: a TMA box is at most 256 wide
+                col, w = self.spec.part(p)
+                src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
+                plgpu.async_prefetch(src, predicate=i < self.n_steps)
+
+
+def _finish(m, den):
+    """(1 / l, natural-log lse) from the running max (log2 domain) and the row sums; rows with nothing visible get
+    zeros and -inf."""
+    inv_l = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
+    lse = jnp.where(den > 0, (m + jnp.log2(jnp.maximum(den, 1e-30))) * _LN2, -jnp.inf)
+    return inv_l, lse
+
+
+def _init(half):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m0 = plgpu.layout_cast(jnp.full((BLOCK,), -1e30, jnp.float32), row)
+    l0 = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row)
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
+    return acc0, m0, l0
+
+
+def _v3(ctx: _Ctx, wg, active):
+    """Version 3: WG0 computes every block's scores and softmax; WG1 follows with the other output half."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    spec, bars = ctx.spec, ctx.bars
+    half = spec.c // 2
+    row = plgpu.Layout.WGMMA.reduce(1)
+    regs = REGISTERS[(3, spec.quant)]
+    b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
+
+    @pl.when(jnp.logical_and(wg == 0, active))
+    def _leader():
+        plgpu.set_max_registers(regs[0], action="increase")
+        ctx.load_q(issue=True)
+
+        def step(i, carry):
+            acc, m, den = carry
+            slot = lax.rem(i, 2)
+            s = ctx.masked(ctx.scores(slot, (A, B, R)), i)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - b(m_new, s.shape))
+            den = den * alpha + p.sum(axis=1)
+            # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here.
+            p_smem = ctx.parts[R].at[slot]
+            p_smem[...] = p.astype(p_smem.dtype)
+            ctx.rows.at[slot][...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bars["sig"].at[slot])
+            acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec.interpret)
+            plgpu.barrier_arrive(bars["consumed"].at[slot])
+            return acc, m_new, den
+
+        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, _init(half))
+        inv_l, lse = _finish(m, den)
+        ctx.rows.at[2][...] = inv_l
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(bars["sig"].at[2])
+        ctx.store(acc, inv_l, 0, lse)
+
+    @pl.when(jnp.logical_and(wg == 1, active))
+    def _second():
+        plgpu.set_max_registers(regs[1], action="increase")
+
+        def step(i, acc):
+            slot = lax.rem(i, 2)
+            plgpu.barrier_wait(bars["full"].at[slot * 3 + B])
+            plgpu.barrier_wait(bars["sig"].at[slot])
+            alpha = plgpu.load(ctx.rows.at[slot], layout=row)
+            acc = _pv(acc * b(alpha, acc.shape), ctx.parts[R].at[slot], ctx.parts[B].at[slot], spec.interpret)
+            plgpu.barrier_arrive(bars["consumed"].at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, ctx.n_steps, step, _init(half)[0])
+        plgpu.barrier_wait(bars["sig"].at[2])
+        ctx.store(acc, plgpu.load(ctx.rows.at[2], layout=row), 1)
+
+    @pl.when(jnp.logical_and(wg == 2, active))
+    def _loader():
+        plgpu.set_max_registers(regs[2], action="decrease")
+
+        @pl.loop(0, ctx.n_steps)
+        def _(i):
+            slot = lax.rem(i, 2)
+
+            @pl.when(i >= 2)
+            def _():
+                plgpu.barrier_wait(bars["consumed"].at[slot])
+
+            for p in (A, B, R):
+                ctx.issue(i, slot, p, scales=p == A)
+            ctx.prefetch(i + 1)
+            for p in (A, B, R):
+                ctx.finish(slot, p, scales=p == A)
+
+        # Observe the last slots' releases too: a waiter must see every phase of its barriers (the interpreter
+        # checks).
+        @pl.loop(jnp.maximum(ctx.n_steps - 2, 0), ctx.n_steps)
+        def _(i):
+            plgpu.barrier_wait(bars["consumed"].at[lax.rem(i, 2)])
+
+
+def _slots(j):
+    """Slots 0 and 1 as values traced in the loop body: a constant index into a ref that pl.run_state closes over
+    lowers to a Python int where Mosaic wants an MLIR value (NOTES.md, int4 MoE item 1)."""
+    zero = j - j
+    return zero, zero + 1
+
+
+def _v4(ctx: _Ctx, wg, active):
+    """Version 4: the seesaw over pairs of blocks (module docstring). Barrier protocol per pair j (blocks 2j in slot 0,
+    2j+1 in slot 1; `has1` when 2j+1 exists):
+      WG0: S0 (parts A, B, R) -> m0 -> [M0] -> P0 into 0.R -> O_L += P0 V0_L -> release 0.A -> wait [M1] ->
+           P0 *= 2^(m0 - m1) into 0.R -> [P0] -> (has1: wait [P1] -> O_L += P1 V1_L -> release 1.A, 1.R)
+      WG1: (has1: S1 (parts B, A, R)) -> wait [M0] -> m1 -> [M1] -> (has1: P1 into 1.R -> [P1] -> O_R += P1 V1_R ->
+           release 1.B) -> wait [P0] -> O_R += P0 V0_R -> release 0.B, 0.R
+    Every release has one arrival: 0.R and 0.B are last read by WG1 after WG0 is done with them ([P0] orders it),
+    1.A by WG0 after WG1 ([P1]); 1.R is read by both, and the loader reloads it only after 1.B, which WG1 releases
+    after its last use of 1.R. A warpgroup waits on the load barrier of every part it reads."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    spec, bars = ctx.spec, ctx.bars
+    half = spec.c // 2
+    row = plgpu.Layout.WGMMA.reduce(1)
+    regs = REGISTERS[(4, spec.quant)]
+    sig, full, consumed = bars["sig"], bars["full"], bars["consumed"]
+    b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
+    n_pairs = lax.div(ctx.n_steps, 2)  # pairs with both blocks; one more with block 2j alone when n_steps is odd
+    odd = lax.rem(ctx.n_steps, 2)
+
+    def publish(r, x, signal):
+        ctx.rows.at[r][...] = x
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(sig.at[signal])
+
+    def exchange_l(w, m, den):
+        publish(2 + w, den, L0 + w)
+        plgpu.barrier_wait(sig.at[L1 - w])
+        return _finish(m, den + plgpu.load(ctx.rows.at[2 + (1 - w)], layout=row))
+
+    @pl.when(jnp.logical_and(wg == 0, active))
+    def _wg0():
+        plgpu.set_max_registers(regs[0], action="increase")
+        ctx.load_q(issue=True)
+
+        def pair(j, carry, has1: bool):
+            acc, m, den = carry
+            z0, z1 = _slots(j)
+            s = ctx.masked(ctx.scores(0, (A, B, R)), 2 * j)
+            m0 = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp2(s - b(m0, s.shape))
+            a0 = jnp.exp2(m - m0)
+            publish(0, m0, M0)
+            p_smem = ctx.parts[R].at[z0]
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            den = den * a0 + p.sum(axis=1)
+            acc = _pv(acc * b(a0, acc.shape), p_smem, ctx.parts[A].at[z0], spec.interpret)
+            plgpu.barrier_arrive(consumed.at[0 * 3 + A])
+            plgpu.barrier_wait(sig.at[M1])
+            m1 = plgpu.load(ctx.rows.at[1], layout=row)
+            s1 = jnp.exp2(m0 - m1)
+            p_smem[...] = (p * b(s1, p.shape)).astype(p_smem.dtype)  # P0 relative to the pair's max, for WG1
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(sig.at[P0])
+            acc, den = acc * b(s1, acc.shape), den * s1
+            if has1:
+                plgpu.barrier_wait(sig.at[P1])
+                plgpu.barrier_wait(full.at[1 * 3 + A])
+                plgpu.barrier_wait(full.at[1 * 3 + R])
+                acc = _pv(acc, ctx.parts[R].at[z1], ctx.parts[A].at[z1], spec.interpret)
+                plgpu.barrier_arrive(consumed.at[1 * 3 + A])
+                plgpu.barrier_arrive(consumed.at[1 * 3 + R])
+            return acc, m1, den
+
+        carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
+        acc, m, den = lax.fori_loop(0, odd, lambda _, c: pair(n_pairs, c, has1=False), carry)
+        inv_l, lse = exchange_l(0, m, den)
+        ctx.store(acc, inv_l, 0, lse)
+
+    @pl.when(jnp.logical_and(wg == 1, active))
+    def _wg1():
+        plgpu.set_max_registers(regs[1], action="increase")
+        ctx.load_q(issue=False)
+
+        def pair(j, carry, has1: bool):
+            acc, m, den = carry
+            z0, z1 = _slots(j)
+            if has1:
+                s = ctx.masked(ctx.scores(1, (B, A, R)), 2 * j + 1)
+            plgpu.barrier_wait(sig.at[M0])
+            m0 = plgpu.load(ctx.rows.at[0], layout=row)
+            m1 = jnp.maximum(m0, s.max(axis=1)) if has1 else m0
+            publish(1, m1, M1)
+            a1 = jnp.exp2(m - m1)
+            acc, den = acc * b(a1, acc.shape), den * a1
+            if has1:
+                p = jnp.exp2(s - b(m1, s.shape))
+                p_smem = ctx.parts[R].at[z1]
+                p_smem[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sig.at[P1])
+                den = den + p.sum(axis=1)
+                acc = _pv(acc, p_smem, ctx.parts[B].at[z1], spec.interpret)
+                plgpu.barrier_arrive(consumed.at[1 * 3 + B])
+            plgpu.barrier_wait(sig.at[P0])
+            plgpu.barrier_wait(full.at[0 * 3 + B])
+            plgpu.barrier_wait(full.at[0 * 3 + R])
+            acc = _pv(acc, ctx.parts[R].at[z0], ctx.parts[B].at[z0], spec.interpret)
+            plgpu.barrier_arrive(consumed.at[0 * 3 + B])
+            plgpu.barrier_arrive(consumed.at[0 * 3 + R])
+            return acc, m1, den
+
+        carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
+        acc, m, den = lax.fori_loop(0, odd, lambda _, c: pair(n_pairs, c, has1=False), carry)
+        inv_l, _ = exchange_l(1, m, den)
+        ctx.store(acc, inv_l, 1)
+
+    @pl.when(jnp.logical_and(wg == 2, active))
+    def _loader():
+        plgpu.set_max_registers(regs[2], action="decrease")
+        # Parts in the order the previous pair releases them.
+        order = ((0, A), (1, B), (0, B), (0, R), (1, A), (1, R))
+
+        def load_pair(j, has1: bool):
+            # One part's TMA ahead of the previous part's int8 conversion.
+            todo = [(slot, p) for slot, p in order if slot == 0 or has1]
+            for k, (slot, p) in enumerate(todo):
+                first = p == (A, B)[slot]  # each slot's first part brings the block's int8 scales
+
+                @pl.when(j >= 1)
+                def _(slot=slot, p=p):
+                    plgpu.barrier_wait(consumed.at[slot * 3 + p])
+
+                ctx.issue(2 * j + slot, slot, p, scales=first)
+                if first:
+                    ctx.prefetch(2 * j + slot + 2)
+                if k:
+                    prev = todo[k - 1]
+                    ctx.finish(*prev, scales=prev[1] == (A, B)[prev[0]])
+            last = todo[-1]
+            ctx.finish(*last, scales=last[1] == (A, B)[last[0]])
+
+        @pl.loop(0, n_pairs)
+        def _(j):
+            load_pair(j, True)
+
+        @pl.loop(0, odd)
+        def _(_):
+            load_pair(n_pairs, False)
+
+        # The last pair's releases (every earlier one was waited on before reloading the part).
+        @pl.when(ctx.n_steps >= 1)
+        def _():
+            for p in (A, B, R):
+                plgpu.barrier_wait(consumed.at[0 * 3 + p])
+
+        @pl.when(ctx.n_steps >= 2)
+        def _():
+            for p in (A, B, R):
+                plgpu.barrier_wait(consumed.at[1 * 3 + p])
+
+
+def _kernel(spec: KernelSpec, *refs):
+    names = ["q_nope", "q_pe", "kv"] + (["sc", "pts"] if spec.quant else []) + ["pt", "vis", "work"]
+    ins = dict(zip(names, refs[: len(names)], strict=True))
+    rest = list(refs[len(names) :])
+    out = (rest.pop(0), rest.pop(0)) if spec.batch else None
+    part_out = (rest.pop(0), rest.pop(0)) if spec.slots else None
+    (((q_c, q_r), o_smem), parts, rows, scales), bars = rest
+    if spec.quant:
+        i8 = tuple(u[1] for u in parts)
+        parts = tuple(u[0] for u in parts)
+    else:
+        i8 = None
+    names = ["q", "full", "consumed", "sig"] + (["i8", "sc"] if spec.quant else [])
+    bars = dict(zip(names, bars[: len(names)], strict=True))
+
+    n_ht = spec.heads // BLOCK
+    qt, unit, wg = lax.axis_index("qt"), lax.axis_index("unit"), lax.axis_index("wg")
+    work = ins["work"]
+    # This CTA's work unit (mla_schedule): row b, blocks [blk0, blk0 + n_blk), where the output goes.
+    b, blk0, n_blk, dest = work[0, unit], work[1, unit], work[2, unit], work[3, unit]
+    t = lax.div(qt, n_ht)
+    vis = ins["vis"][b, t]
+    start = blk0 * BLOCK_KV
+    n_steps = jnp.minimum(lax.div(jnp.maximum(vis - start, 0) + (BLOCK_KV - 1), BLOCK_KV), n_blk)
+    ctx = _Ctx(
+        spec=spec,
+        ins=ins,
+        out=out,
+        part_out=part_out,
+        q=(q_c, q_r),
+        o_smem=o_smem,
+        parts=parts,
+        i8=i8,
+        rows=rows,
+        scales=scales,
+        bars=bars,
+        b=b,
+        t=t,
+        h0=lax.rem(qt, n_ht) * BLOCK,
+        start=start,
+        vis=vis,
+        n_steps=n_steps,
+        dest=dest,
+    )
+    (_v3 if spec.version == 3 else _v4)(ctx, wg, dest != PADDING)
+
+
+def smem_types(spec: KernelSpec):
+    """(scratch buffers, barriers) of the attention kernel."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bf16 = jnp.bfloat16
+    t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    t64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+    q = plgpu.RefUnion(  # Q, then (after the last Q.K) the two output halves
+        (plgpu.SMEM((BLOCK, spec.c), bf16, transforms=t128), plgpu.SMEM((BLOCK, spec.r), bf16, transforms=t128)),
+        plgpu.SMEM((2, BLOCK, spec.c // 2), bf16, transforms=t128),
+    )
+    parts = []
+    for p in (A, B, R):
+        w = spec.part(p)[1]
+        part = plgpu.SMEM((2, BLOCK_KV, w), bf16, transforms=t128)
+        if spec.quant:
+            # The int8 twin [slot, 0] starts where bf16 slot `slot` starts ([slot, 1] is padding).
+            part = plgpu.RefUnion(part, plgpu.SMEM((2, 2, BLOCK_KV, w), jnp.int8, transforms=t64))
+        parts.append(part)
+    smem = (
+        q,
+        tuple(parts),
+        plgpu.SMEM((6, BLOCK), jnp.float32),  # row vectors: v3 alpha per slot, 1/l; v4 m0, m1, l0, l1; lse staging
+        plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
+    )
+    consumed = (
+        plgpu.Barrier(num_arrivals=2, num_barriers=2)  # v3: both warpgroups release the whole slot
+        if spec.version == 3
+        else plgpu.Barrier(num_barriers=6)  # v4: per part, one arrival each
+    )
+    bars = [
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # Q: latent and rope copies
+        plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
+        consumed,
+        plgpu.Barrier(num_barriers=6),  # v3: P ready per slot, 1/l; v4: M0, M1, P0, P1, L0, L1
+    ]
+    if spec.quant:
+        bars += [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2)]  # int8 part TMAs, scales per slot
+    return smem, tuple(bars)
+
+
+def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work):
+    """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
+    (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    out_type = []
+    for rows in (spec.batch, spec.slots):
+        if rows:
+            out_type += [
+                jax.ShapeDtypeStruct((rows, spec.t, spec.heads, spec.c), jnp.bfloat16),
+                jax.ShapeDtypeStruct((rows, spec.t, spec.heads), jnp.float32),
+            ]
+    kern = plgpu.kernel(
+        functools.partial(_kernel, spec),
+        out_type=tuple(out_type),
+        scratch_types=smem_types(spec),
+        grid=(spec.t * (spec.heads // BLOCK), spec.units),
+        grid_names=("qt", "unit"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    args = (q_nope, q_pe, kv) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
+    if spec.interpret:
+        # Enough simulated TMA engines for every copy the kernel keeps in flight.
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=16)):
+            return kern(*args)
+    return kern(*args)
