@@ -199,12 +199,13 @@ def prefill_info(addr: str):
         return pd_grpc.WorkerStub(ch).Info(pdpb.InfoRequest(), timeout=10)
 
 
-def test_pd_processes_behind_the_router(model, colocated):
+def test_pd_processes_behind_the_router(model, colocated, tmp_path):
     """Router + prefill (TP=2 on 2 fake devices) + decode (DP=2 x EP=2) as processes over the socket transport:
-    concurrent requests give the colocated tokens and a bounded soak loses none; then the decode worker is killed
+    concurrent requests give the colocated tokens, and every process marked each request's way in order
+    (hcfjax.trace, what sim.validate's PD breakdown reads); a bounded soak loses none; then the decode worker is killed
     mid-stream: its client gets UNAVAILABLE within the timeout and the prefill worker holds no pages; a decode
     worker restarted on the same address rejoins."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "HCFJAX_TRACE_DIR": str(tmp_path)}
     common = ["--dtype", "float32", "--cpu-devices", "2", "--page-size", "16", "--no-warmup"]
     procs = []
     try:
@@ -223,6 +224,15 @@ def test_pd_processes_behind_the_router(model, colocated):
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: stream(addr, p, N), PROMPTS))
         assert got == colocated[: len(PROMPTS)]
+        from hcfjax.sim.validate_pd import STAGES, request_marks
+        from hcfjax.trace import read
+
+        way = [a for _, a, _ in STAGES[1:]] + ["relay_first"]  # the client's marks are bench.serve's
+        marks = request_marks(read(tmp_path), "rt-")
+        assert len(marks) == len(PROMPTS), marks
+        for rid, m in marks.items():
+            assert all(ev in m for ev in way), (rid, sorted(m))
+            assert [m[ev] for ev in way] == sorted(m[ev] for ev in way), (rid, m)
 
         # a bounded soak: 24 concurrent requests (more than the decode worker's 8 slots) all end with their tokens
         soak = [(PROMPTS[i % len(PROMPTS)], 1 + i % 7) for i in range(24)]

@@ -19,6 +19,7 @@ from hcfjax.sim.deployment import model_config
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
 from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, PrefillInstance, new_request
 from hcfjax.sim.sweep import Search, candidates, max_rate
+from hcfjax.sim.validate_pd import breakdown
 from hcfjax.sim.work import EngineShapes, PrefillShapes, actual_works
 
 CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
@@ -259,10 +260,20 @@ def test_pd_engine_shapes_by_hand(tmp_path):
 
     trace = tmp_path / "one.csv"
     trace.write_text("arrival_s,input,output\n0.0,100,5\n")
-    res = simulate(dep, Workload(requests=0, trace=str(trace)))
+    marks: dict[str, dict[str, float]] = {}
+    res = simulate(
+        dep, Workload(requests=0, trace=str(trace)), trace=lambda ev, r, t: marks.setdefault(r, {}).setdefault(ev, t)
+    )
     assert res.finished == 1
     assert res.ttft[50] == pytest.approx(0.003 + step(1, 100) + link(100))
     assert res.tpot[50] == pytest.approx(decode)
+    # the same request's marks, as sim.validate's breakdown lays them beside the workers' (hcfjax.trace)
+    (m,) = marks.values()
+    assert m["arrive"] == m["remote"] == 0.0 and m["batch"] == pytest.approx(0.003)
+    assert m["computed"] - m["batch"] == pytest.approx(step(1, 100))
+    assert m["received"] - m["computed"] == pytest.approx(link(100)) and m["first"] == m["received"]
+    table = breakdown({}, marks)
+    assert f"| TTFT | - | {res.ttft[50] * 1e3:.1f} |" in "\n".join(table)
 
     trace.write_text("arrival_s,input,output\n0.0,100,5\n0.0,300,5\n")
     res = simulate(dep, Workload(requests=0, trace=str(trace)))

@@ -57,16 +57,23 @@ def workload(seed: int, n: int, rate: float, scale: float, limit: int, vocab: in
     return ins, outs, prompts, arrivals
 
 
-def run_one(stub, prompt, max_new, t_arrival, record):
+def run_one(stub, prompt, max_new, t_arrival, record, request_id: str = ""):
+    from hcfjax import trace
     from hcfjax.serving import hcfjax_pb2 as pb
     from hcfjax.serving.client import generate_stream
 
     t_first = t_last = None
     n, finish = 0, None
+    trace.mark("send", request_id)
     try:
-        for chunk in generate_stream(stub, prompt, max_new_tokens=int(max_new), ignore_eos=True, timeout=600):
+        stream = generate_stream(
+            stub, prompt, max_new_tokens=int(max_new), ignore_eos=True, timeout=600, request_id=request_id
+        )
+        for chunk in stream:
             now = time.perf_counter()
             if chunk.token_ids:
+                if t_first is None:
+                    trace.mark("client_first", request_id)
                 t_first = t_first or now
                 t_last, n = now, n + len(chunk.token_ids)
             if chunk.finish_reason:
@@ -96,9 +103,9 @@ def warm_pd(stub, ins, limit: int, rows: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_clients(stub, prompts, outs, arrivals) -> tuple[list[dict], float]:
-    """The workload's requests at their arrival times, one client thread each; -> (a record per request, seconds
-    from the first arrival to the last response)."""
+def run_clients(stub, prompts, outs, arrivals, tag: str = "bench-") -> tuple[list[dict], float]:
+    """The workload's requests at their arrival times, one client thread each, with request ids tag0, tag1, ...;
+    -> (a record per request, seconds from the first arrival to the last response)."""
     n = len(prompts)
     record: list[dict] = []
     start = time.perf_counter()
@@ -107,7 +114,7 @@ def run_clients(stub, prompts, outs, arrivals) -> tuple[list[dict], float]:
             delay = start + arrivals[i] - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record)
+            pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record, f"{tag}{i}")
     return record, max(r["end"] for r in record) - start
 
 

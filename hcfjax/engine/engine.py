@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hcfjax import trace
 from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
@@ -212,6 +213,7 @@ class Engine:
             req = Request(rid, ids, sampling or SamplingParams(), max_new_tokens, frozenset(stops), seed, self.clock())
             self._requests[rid] = req
             self._inbox.append(req)
+            trace.mark("arrive", rid, n=len(ids))
             self._lock.notify()
         return req
 
@@ -343,6 +345,7 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: plan and dispatch step n + 1, then process step n's outputs."""
+        trace.mark("step", "")
         self._take_inbox()
         plan = self.scheduler.schedule(self.clock())
         for req in plan.remote:
@@ -438,6 +441,8 @@ class Engine:
                 reason = FinishReason.STOP if t in req.stop_ids else FinishReason.LENGTH
                 break
         req.output += kept
+        if req.first_token_time is None:
+            trace.mark("first", req.id)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         if reason is not None:

@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 
+from hcfjax import trace
 from hcfjax.engine.request import Request
 from hcfjax.pd.prefill import PrefillJob, PrefillWorker
 
@@ -81,6 +82,7 @@ class RemotePrefill:
     def start(self, engine, req: Request) -> None:
         key = transfer_key(req)
         job = PrefillJob(key, list(req.fill), req.sampling, req.seed, len(req.output), self.receiver.address)
+        trace.mark("remote", key)
         self._pool.submit(self._run, engine, req.id, req.epoch, job)
 
     def _run(self, engine, rid: str, epoch: int, job: PrefillJob) -> None:
@@ -89,7 +91,9 @@ class RemotePrefill:
             with self._lock:
                 self._active[job.key] = client
             first, drafts = client.prefill(job, self.timeout_s)
+            trace.mark("prefilled", job.key)
             kv, scale = self.receiver.take(job.key, self.timeout_s)
+            trace.mark("received", job.key)
             engine.land(rid, epoch, first, kv, scale, drafts)
         except Exception as e:  # noqa: BLE001 - the request ends with the error; nothing waits forever
             log.warning("remote prefill of %s failed: %s: %s", job.key, type(e).__name__, e)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
+from hcfjax import trace
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
@@ -150,6 +151,7 @@ class PrefillWorker:
             raise ValueError("a prefill job needs at least one token")
         if self.alloc.pages_for(len(job.tokens)) > self.config.num_pages:
             raise ValueError(f"a prompt of {len(job.tokens)} tokens needs more than the worker's scratch pages")
+        trace.mark("submit", job.key, n=len(job.tokens))
         self._queue.put(job)
         return job.future
 
@@ -261,7 +263,11 @@ class PrefillWorker:
             table[i, : len(pages)] = pages
         layerwise = max(lens) >= c.layerwise_threshold
         send = lambda lo, hi: self._send(batch, lo, hi)
+        for j in batch:
+            trace.mark("batch", j.key, shape=[b, tc, t, m])
         result = self._forward(tokens, n, table, seed, count, sampling, tc, send, layerwise)
+        for j in batch:
+            trace.mark("dispatched", j.key)
         self.stats["jobs"] += len(batch)
         self.stats["batches"] += 1
         self.stats["layerwise"] += len(batch) if layerwise else 0
@@ -367,7 +373,11 @@ class PrefillWorker:
         """(a flusher thread) Waits for the job's transfer; frees its pages; resolves its future with
         (first token, the row's Drafts as numpy arrays or None)."""
         try:
+            if trace.enabled():  # when the batch's compute ended (its first token is sampled after the last layer)
+                jax.block_until_ready(result[0])
+                trace.mark("computed", job.key)
             self.sender.flush(job.key, self.config.transfer_timeout_s)
+            trace.mark("flushed", job.key)
             first, drafts = result
             if drafts is not None:  # the row's Drafts, as {field: numpy array}
                 drafts = {f.name: np.asarray(getattr(drafts, f.name))[row] for f in dataclasses.fields(Drafts)}

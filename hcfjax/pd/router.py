@@ -24,6 +24,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hcfjax import trace
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.pd.service import PREFILL_METADATA
 from hcfjax.serving import hcfjax_pb2 as pb
@@ -155,6 +156,7 @@ class Router(pb_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         if not request.request_id:
             request.request_id = f"rt-{next(self._ids)}"
+        trace.mark("route", request.request_id)
         which = request.WhichOneof("prompt")
         prompt_len = len(request.token_ids.ids) if which == "token_ids" else len(request.text) // 4 + 1
         deadline = time.monotonic() + min(context.time_remaining() or self.request_timeout_s, self.request_timeout_s)
@@ -175,6 +177,8 @@ class Router(pb_grpc.GenerationServicer):
             try:
                 for resp in call:
                     if resp.token_ids:
+                        if not streamed:
+                            trace.mark("relay_first", request.request_id)
                         self._prefill_done(p, prompt_len, first)
                         streamed = True
                     yield resp

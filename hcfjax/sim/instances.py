@@ -64,6 +64,10 @@ class Tokens:
         return Tokens(self.n + len(other))
 
 
+def _no_trace(event: str, rid: str, t: float) -> None:
+    pass
+
+
 def new_request(rid: str, prompt_len: int, max_new: int, arrival: float) -> Request:
     p = Tokens(prompt_len)
     return Request(rid, p, _GREEDY, max_new, frozenset(), 0, arrival, fill=p)
@@ -125,9 +129,11 @@ class EngineInstance:
         self.steps = 0
         self.decode_rows = 0
         self.awake = False
+        self.trace = _no_trace  # (event, request id, simulated time): hcfjax.trace's events, for the PD breakdown
 
     # -- outside ----------------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        self.trace("arrive", req.id, self.clock.now)
         self.inbox.append(req)
         self.wake()
 
@@ -204,6 +210,8 @@ class EngineInstance:
     def _emit(self, req: Request, n: int, now: float) -> None:
         kept = min(n, req.max_new_tokens - len(req.output))
         req.output += [0] * kept
+        if req.first_token_time is None:
+            self.trace("first", req.id, now)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         if len(req.output) >= req.max_new_tokens:
@@ -222,6 +230,7 @@ class DecodeInstance(EngineInstance):
         self.arrived: list[tuple[Request, int]] = []
 
     def deliver(self, req: Request, epoch: int) -> None:
+        self.trace("received", req.id, self.clock.now)
         self.arrived.append((req, epoch))
         self.wake()
 
@@ -233,6 +242,7 @@ class DecodeInstance(EngineInstance):
             if req.done or req.epoch != epoch or req not in self.sched.running:
                 continue  # preempted (or aborted) while its prompt was away: it is queued again
             self.sched.activate(req)
+            self.trace("first", req.id, t)
             req.output.append(0)  # the prefill's token (its value does not matter here)
             req.first_token_time = req.first_token_time or t
             req.last_token_time = t
@@ -243,6 +253,7 @@ class DecodeInstance(EngineInstance):
 
     def _after_plan(self, plan: StepPlan, t: float) -> bool:
         for req in plan.remote:
+            self.trace("remote", req.id, t)
             self.send(req, req.epoch, self)
         return bool(plan.remote)
 
@@ -276,6 +287,7 @@ class PrefillInstance:
         self.steps = 0
         self.awake = False
         self._ids = itertools.count()
+        self.trace = _no_trace
 
     def submit(self, req: Request, epoch: int, target: DecodeInstance) -> None:
         job = new_request(f"{self.name}-{next(self._ids)}", len(req.fill), 1, self.clock.now)
@@ -308,6 +320,7 @@ class PrefillInstance:
             job = self.jobs[c.req]
             if job.first_start is None:
                 job.first_start = start
+                self.trace("batch", job.req.id, start)
         self.clock.at(end, lambda: self._done(plan, end))
 
     def _done(self, plan: StepPlan, end: float) -> None:
@@ -315,6 +328,7 @@ class PrefillInstance:
             if c.final:
                 job = self.jobs.pop(c.req)
                 self.sched.finish(c.req, FinishReason.LENGTH)
+                self.trace("computed", job.req.id, end)
                 arrive = self.transfer(job, job.first_start, end)
                 self.clock.at(arrive, lambda j=job: j.target.deliver(j.req, j.epoch))
         self.clock.at(end + self.host.process_s, self._iterate)

@@ -188,7 +188,9 @@ def _host(cost: CostModel) -> Host:
     return Host(cost.eff.host_dispatch_s, cost.eff.host_process_s)
 
 
-def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
+def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO(), trace=None) -> Result:
+    """trace: (event, request id, simulated seconds) -> None, called with hcfjax.trace's event names (arrive,
+    remote, batch, computed, received, first) as the simulated requests pass them."""
     cfg = dep.model_config()
     clock = Clock()
     done: list[Request] = []
@@ -259,6 +261,9 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO()) -> Result:
                 )
             )
 
+    if trace is not None:
+        for inst in [*engines, *prefills]:
+            inst.trace = trace
     router = _Router(engines, (dep.colocated or dep.decode).balance)
     reqs = [new_request(f"r{i}", n_in, n_out, t) for i, (t, n_in, n_out) in enumerate(wl.requests_list())]
     sched = engines[0].sched

@@ -274,6 +274,8 @@ def main(argv=None) -> None:
     if args.pd:
         from hcfjax.sim.validate_pd import Workers
 
+        # every process marks where each request's time goes (hcfjax.trace): the PD breakdown table
+        os.environ.setdefault("HCFJAX_TRACE_DIR", tempfile.mkdtemp(prefix="hcfjax-trace-"))
         stage(f"starting the PD prefill worker{f' on GPU {gpus[0]}' if gpus else ''} (it compiles its batch shapes)")
         workers = Workers(args, gpus, worker_env)
     try:

@@ -16,6 +16,7 @@ mode, a prefill instance batching as hcfjax's PrefillWorker does).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -168,6 +169,75 @@ def serve_pd(port: int, ins, outs, prompts, arrivals, limit: int, rows: int, pro
     return [r for r in record if r["finish"] == "length"], failed, wall, probes
 
 
+# Where a PD request's time to first token goes, from hcfjax.trace's marks: (stage, from event, to event). The
+# simulator's segments group them: it has no client, router or gRPC hops (a lone request's share of those is in its
+# transfer latency, as the handoff) and submits straight to the prefill queue.
+STAGES = [
+    ("client -> router", "send", "route"),
+    ("router -> decode worker", "route", "arrive"),
+    ("admission: the decode worker's next step", "arrive", "remote"),
+    ("decode -> prefill worker (gRPC)", "remote", "submit"),
+    ("prefill queue", "submit", "batch"),
+    ("prefill compute", "batch", "computed"),
+    ("KV transfer", "computed", "flushed"),
+    ("prefill reply (gRPC)", "flushed", "prefilled"),
+    ("cache taken from the receiver", "prefilled", "received"),
+    ("landing: the decode worker's next step", "received", "first"),
+    ("decode worker -> router", "first", "relay_first"),
+    ("router -> client", "relay_first", "client_first"),
+]
+SEGMENTS = [  # (segment, measured from, to, simulated from, to)
+    ("ingress (client, router)", "send", "arrive", None, None),
+    ("admission", "arrive", "remote", "arrive", "remote"),
+    ("to prefill and its queue", "remote", "batch", "remote", "batch"),
+    ("prefill compute", "batch", "computed", "batch", "computed"),
+    ("transfer and hand-off", "computed", "received", "computed", "received"),
+    ("landing", "received", "first", "received", "first"),
+    ("egress (router, client)", "first", "client_first", None, None),
+    ("TTFT", "send", "client_first", "arrive", "first"),
+]
+
+
+def request_marks(events: list[dict], prefix: str) -> dict[str, dict[str, float]]:
+    """{request id: {event: seconds}} for the requests whose id starts with `prefix`, the serving path's marks and
+    the remote prefill's (keyed id#epoch) together; a request prefilled twice (preempted) keeps its first."""
+    from hcfjax.trace import by_key
+
+    out: dict[str, dict[str, float]] = {}
+    for key, marks in by_key(events).items():
+        rid = key.split("#", 1)[0]
+        if rid.startswith(prefix):
+            for ev, t in marks.items():
+                out.setdefault(rid, {}).setdefault(ev, t)
+    return out
+
+
+def _spans(marks: dict[str, dict[str, float]], a: str, b: str) -> list[float]:
+    return [m[b] - m[a] for m in marks.values() if a in m and b in m]
+
+
+def breakdown(measured: dict[str, dict[str, float]], simulated: dict[str, dict[str, float]]) -> list[str]:
+    """The TTFT breakdown tables (markdown lines): every measured stage, then the simulator's segments beside the
+    measured ones (median and mean over requests, ms)."""
+    ms = lambda xs, f: f"{f(xs) * 1e3:.1f}" if xs else "-"
+    lines = ["| stage | requests | p50 ms | mean ms | max ms |", "|---|---|---|---|---|"]
+    for name, a, b in STAGES:
+        xs = _spans(measured, a, b)
+        lines.append(
+            f"| {name} | {len(xs)} | {ms(xs, statistics.median)} | {ms(xs, statistics.mean)} | {ms(xs, max)} |"
+        )
+    lines += ["", "| segment | measured p50 ms | simulated p50 ms | measured mean ms | simulated mean ms |"]
+    lines.append("|---|---|---|---|---|")
+    for name, a, b, sa, sb in SEGMENTS:
+        xs = _spans(measured, a, b)
+        ys = _spans(simulated, sa, sb) if sa else [0.0]
+        lines.append(
+            f"| {name} | {ms(xs, statistics.median)} | {ms(ys, statistics.median)} | {ms(xs, statistics.mean)} | "
+            f"{ms(ys, statistics.mean)} |"
+        )
+    return lines
+
+
 def deployment(model: str, gpu: str, prefill_config, engine_config, profiles: dict[str, str]) -> Deployment:
     """The 1P1D deployment of the run: pools with the workers' own settings and each role's fitted profile."""
     p, e = prefill_config, engine_config
@@ -260,7 +330,9 @@ def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests
     write_profile(profiles["prefill"], pre_eff)
     write_profile(profiles["decode"], dec_eff)
     dep = deployment(model_name, args.gpu, pre_cfg, dec_cfg, profiles)
-    row = (f"PD 1P1D ({args.pd})", metrics(record, wall), predicted(simulate(dep, wl)))
+    sim_marks: dict[str, dict[str, float]] = {}
+    mark = lambda ev, rid, t: sim_marks.setdefault(rid, {}).setdefault(ev, t)
+    row = (f"PD 1P1D ({args.pd})", metrics(record, wall), predicted(simulate(dep, wl, trace=mark)))
 
     where = f"prefill worker on GPU {gpus[0]}, decode worker on GPU {gpus[1]}" if gpus else "both workers here"
     desc = (
@@ -280,6 +352,13 @@ def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests
     tables += ["| prompt tokens | MB | measured ms | model ms |", "|---|---|---|---|"]
     for t, nbytes, s in link:
         tables.append(f"| {t} | {nbytes / 1e6:.1f} | {s * 1e3:.2f} | {dm.transfer_seconds(nbytes) * 1e3:.2f} |")
+    trace_dir = os.environ.get("HCFJAX_TRACE_DIR")
+    if trace_dir:
+        from hcfjax.trace import read
+
+        tables += ["", "Where PD's time to first token went (hcfjax.trace marks of the served requests; the simulated"]
+        tables += ["requests are the same workload's):", ""]
+        tables += breakdown(request_marks(read(trace_dir), "bench-"), sim_marks)
     tables += ["", f"Fitted prefill profile ({profiles['prefill']}): {fitted(pre_eff)}."]
     tables += ["", f"Fitted decode profile ({profiles['decode']}, the decode-only steps above): {fitted(dec_eff)}."]
     return row, desc, tables
