@@ -20,6 +20,29 @@ def timed(fn, *args, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def device_time(fn, *args, reps: int = 20) -> float:
+    """Seconds per call of fn(*args) on the device alone: `reps` calls chained in one jitted loop, less a loop of
+    one call, divided by reps - 1. Each call's inputs pass an optimization barrier with the loop's carry (which sums
+    one element of each output), so XLA can neither hoist the call out of the loop nor drop it. Back-to-back timing
+    of separate calls cannot go below the host's dispatch cost per call (about 60 us on the H200 machine), which
+    hides small kernels; this can."""
+    from jax import lax
+
+    def looped(n: int):
+        def run(*inputs):
+            def body(i, carry):
+                a, _ = lax.optimization_barrier((inputs, carry))
+                out = fn(*a)
+                return carry + sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(out))
+
+            return lax.fori_loop(0, n, body, jnp.float32(0))
+
+        return jax.jit(run)
+
+    one, many = timed(looped(1), *args), timed(looped(reps), *args)
+    return max(many - one, 0.0) / (reps - 1)
+
+
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Bytes/s of an XLA elementwise pass over a large buffer, counting read + write (XLA's own copy ceiling)."""
     n = int(gib * 2**30) // 2

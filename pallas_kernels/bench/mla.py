@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import header, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import device_time, header, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -274,11 +274,15 @@ def table_row(row, copy_bw) -> str:
     )
 
 
-def bench(cases, reps, use_flashinfer=True, versions=(None,)):
+def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False):
+    """device: time on the device alone (hcfjax.bench.common.device_time: calls chained in one jitted loop, no
+    host dispatch per call, as FlashInfer's CUDA-event timing); else calls dispatched back to back."""
+    timer = device_time if device else timed_async
     copy_bw = torch_copy_bandwidth(4.0)
     i8 = int8_matmul_ops()
     bf = matmul_flops()
     print(header())
+    print("times: " + ("on the device alone (device_time)" if device else "calls dispatched back to back"), flush=True)
     print(
         f"ceilings: copy {copy_bw / 1e12 if copy_bw else float('nan'):.2f} TB/s (torch copy_, read+write), "
         f"int8 matmul {i8 / 1e12:.0f} TOP/s, bf16 matmul {bf / 1e12:.0f} TFLOP/s (XLA, 8192^3)",
@@ -301,13 +305,14 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,)):
             )
             _, ref = fns(512**-0.5)
             want = ref(qn, qp, kv, pt, lengths, scales=sc)
-            tr = timed_async(functools.partial(ref, scales=sc), qn, qp, kv, pt, lengths, reps=reps)
+            ref_fn = lambda qn, qp, kv, pt, n, sc, ref=ref: ref(qn, qp, kv, pt, n, scales=sc)  # arrays as arguments
+            tr = timer(ref_fn, qn, qp, kv, pt, lengths, sc, reps=reps)
             plan_fn = jax.jit(
                 functools.partial(
                     mla_plan, max_pages=pt.shape[1], page_size=64, heads=128, min_blocks_per_split=MIN_BLOCKS
                 )
             )
-            tp = timed_async(plan_fn, lengths, reps=reps)
+            tp = timer(plan_fn, lengths, reps=reps)
             plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
             tf = flashinfer_time(np.asarray(lengths), context, reps) if use_flashinfer and dtype == "bf16" else None
@@ -320,8 +325,9 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,)):
             try:
                 kern, _ = fns(512**-0.5, version)
                 err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), want)
-                tk = timed_async(functools.partial(kern, scales=sc), qn, qp, kv, pt, lengths, reps=reps)
-                tw = timed_async(functools.partial(kern, scales=sc, plan=plan), qn, qp, kv, pt, lengths, reps=reps)
+                kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
+                tk = timer(kern_fn, qn, qp, kv, pt, lengths, sc, reps=reps)
+                tw = timer(kern_fn, qn, qp, kv, pt, lengths, sc, plan, reps=reps)
             except Exception as e:  # noqa: BLE001
                 print(f"{dtype}:{batch}x{context}:{kind} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
                 if "CUDA" in str(e):
@@ -352,6 +358,7 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--device-time", action="store_true", help="time on the device alone (no per-call dispatch)")
     ap.add_argument("--versions", default="", help="kernel versions to time side by side, e.g. 3,4 (default: VERSION)")
     ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
     args = ap.parse_args()
@@ -361,7 +368,7 @@ def main():
         sys.exit(0 if run_checks(versions, quick=args.preflight) else 1)
     if len(versions) > 1 or versions != (None,):
         versions = tuple(v for v in versions if v == 3 or preflight(v))
-    bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer, versions)
+    bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer, versions, args.device_time)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,10 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 smem = smem_bytes(act, tiling, nw=nw)
                 c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
             r["t"] = _timed(f, *args)
+            if os.environ.get("HCFJAX_BENCH_DEVICE_TIME"):
+                from hcfjax.bench.common import device_time
+
+                r["td"] = device_time(fn, *args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
             if _device_lost(r["error"]):  # the CUDA context is unusable: nothing later in this process can run
@@ -491,32 +495,38 @@ def _row_summary(r: dict) -> str:
 def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
     copy = ceil.get("torch_copy") or ceil.get("xla_copy")
     i8, bf = ceil.get("int8"), ceil.get("bf16")
+    device = any("td" in r for res in results.values() for r in res.get("rows", []))
     lines = [
-        "| E | M | K x N | implementation | time (us) | weights TB/s | % copy | TFLOP/s | % MMA ceiling | vs bf16 "
-        "| check (max rel) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| E | M | K x N | implementation | time (us) |"
+        + (" device (us) |" if device else "")
+        + " weights TB/s | % copy | TFLOP/s | % MMA ceiling | vs bf16 | check (max rel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device else ""),
     ]
+    when = lambda r: r.get("td") or r["t"]  # the rates: from the device time when measured
     for e, m, k, n in cases:
         res = results.get(f"{e}x{m}x{k}x{n}", {})
         head = f"| {e} | {m} | {k} x {n} |"
         rows = res.get("rows", [])
-        t_bf16 = next((r["t"] for r in rows if r["name"].startswith("bf16") and "t" in r), None)
+        t_bf16 = next((when(r) for r in rows if r["name"].startswith("bf16") and "t" in r), None)
         for r in rows:
             c = r.get("check", {})
             chk = f"{'ok' if c.get('ok') else 'FAIL'} {c.get('max_rel', float('nan')):.1e}" if c else ""
             if "t" not in r:
-                lines.append(f"{head} {r['name']} | error | | | | | | {chk} {r.get('error', '')[:160]} |")
+                lines.append(
+                    f"{head} {r['name']} | error |{' |' if device else ''} | | | | | {chk} {r.get('error', '')[:160]} |"
+                )
                 continue
-            t = r["t"]
+            t = when(r)
+            times = f"{r['t'] * 1e6:.1f} |" + (f" {r['td'] * 1e6:.1f} |" if "td" in r else " |" if device else "")
             if not r.get("mult", 1):  # not a matmul: its time only
-                lines.append(f"{head} {r['name']} | {t * 1e6:.1f} | | | | | | |")
+                lines.append(f"{head} {r['name']} | {times} | | | | | |")
                 continue
             tbs, flops = r["nbytes"] / t / 1e12, r.get("mult", 1) * 2 * m * k * n / t / 1e12
             ceiling = i8 if r.get("int8") else bf
             pc = f"{100 * r['nbytes'] / t / copy:.0f}%" if copy else ""
             pm = f"{100 * flops * 1e12 / ceiling:.0f}%" if ceiling else ""
             vs = f"{r.get('mult', 1) * t_bf16 / t:.2f}x" if t_bf16 else ""  # fused rows: against two bf16 calls
-            lines.append(f"{head} {r['name']} | {t * 1e6:.1f} | {tbs:.2f} | {pc} | {flops:.0f} | {pm} | {vs} | {chk} |")
+            lines.append(f"{head} {r['name']} | {times} {tbs:.2f} | {pc} | {flops:.0f} | {pm} | {vs} | {chk} |")
         if "error" in res:
             lines.append(f"{head} (case) | error | | | | | | | {res['error'][:160]} |")
     return lines
@@ -533,6 +543,11 @@ def main(argv=None) -> None:
     ap.add_argument("--jnp-refs", action="store_true", help="also time the jnp references (slow: ~0.1-10 ms)")
     ap.add_argument("--out", help="append the table to this markdown file")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
+    ap.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also time each row on the device alone (hcfjax.bench.common.device_time); the rates then use it",
+    )
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpreter (a CPU smoke test)")
     ap.add_argument("--lower", action="store_true", help="only lower every kernel for sm_90 here (no GPU needed)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -547,6 +562,8 @@ def main(argv=None) -> None:
         cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     if args.lower:
         sys.exit(0 if lower_all(cases, args.sweep) else 1)
+    if args.device_time:
+        os.environ["HCFJAX_BENCH_DEVICE_TIME"] = "1"  # the workers (child processes) read it
     log = Log()
     t0 = time.time()
     specs = ["ceilings"] * (not args.no_ceilings) + ["x".join(map(str, c)) for c in cases]
