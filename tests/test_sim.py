@@ -275,6 +275,25 @@ def test_pd_engine_shapes_by_hand(tmp_path):
     table = breakdown({}, marks)
     assert f"| TTFT | - | {res.ttft[50] * 1e3:.1f} |" in "\n".join(table)
 
+    # a transfer landing while the decode instance steps: at the first iteration after its bytes arrived, or (the
+    # jax transport as measured) when the step in flight ends, installed one iteration (one step) later
+    trace.write_text("arrival_s,input,output\n0.0,100,60\n0.2,100,5\n")
+    for waits in (False, True):
+        marks = {}
+        simulate(
+            dep.replace(transfer_waits_for_step=waits),
+            Workload(requests=0, trace=str(trace)),
+            trace=lambda ev, r, t, marks=marks: marks.setdefault(r, {}).setdefault(ev, t),
+        )
+        m = marks["r1"]
+        bytes_in = m["computed"] + link(100)
+        if waits:
+            assert bytes_in < m["received"] < bytes_in + decode
+            assert m["first"] - m["received"] == pytest.approx(decode)
+        else:
+            assert m["received"] == pytest.approx(bytes_in) and m["first"] - m["received"] < decode
+    assert marks["r0"]["first"] < 0.2 < marks["r0"]["received"] + 60 * decode  # r1 came while r0 decoded
+
     trace.write_text("arrival_s,input,output\n0.0,100,5\n0.0,300,5\n")
     res = simulate(dep, Workload(requests=0, trace=str(trace)))
     assert sum(res.parts["prefill"].values()) == pytest.approx(step(2, 300))  # one batch of (2, 128, 384, 32)

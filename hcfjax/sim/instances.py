@@ -129,6 +129,8 @@ class EngineInstance:
         self.steps = 0
         self.decode_rows = 0
         self.awake = False
+        self.processed_end = 0.0  # when the step the last iteration read back ended (the one dispatched before it)
+        self.iteration = 0
         self.trace = _no_trace  # (event, request id, simulated time): hcfjax.trace's events, for the PD breakdown
 
     # -- outside ----------------------------------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class EngineInstance:
     # -- the loop ---------------------------------------------------------------------------------------------------
     def _iterate(self) -> None:
         t = self.clock.now
+        self.iteration += 1
         self._before_plan(t)
         for req in self.inbox:
             self.sched.add(req)
@@ -173,14 +176,18 @@ class EngineInstance:
         if processed:
             nxt = max(ready, self.pending.end) + self.host.process_s
             self._process(self.pending, nxt)
+            self.processed_end = self.pending.end
         self.pending = current
-        if current is None and not processed and not admitted:
+        if current is None and not processed and not admitted and not self._waiting_to_land():
             self.awake = False  # nothing changes until a request or a KV cache arrives
             return
         self.clock.at(nxt, self._iterate)
 
     def _computes_chunks(self, plan: StepPlan) -> bool:
         return bool(plan.chunks)
+
+    def _waiting_to_land(self) -> bool:
+        return False
 
     def _before_plan(self, t: float) -> None:
         pass
@@ -222,23 +229,40 @@ class EngineInstance:
 
 
 class DecodeInstance(EngineInstance):
-    """PD decode: admissions are prefilled by `send(req, epoch, self)`; `deliver(req, epoch)` when the KV arrived."""
+    """PD decode: admissions are prefilled by `send(req, epoch, self)`; `deliver(req, epoch)` when the KV arrived.
 
-    def __init__(self, *args, send: Callable[[Request, int, DecodeInstance], None], **kw):
+    waits_for_step (Deployment.transfer_waits_for_step): a transfer whose bytes arrive while a decode step runs
+    completes when that step ends, just after the engine began its next iteration, so the following one installs
+    it (the engine's `_take_inbox`): about one and a half steps after the bytes arrived, against half a step."""
+
+    def __init__(self, *args, send: Callable[[Request, int, DecodeInstance], None], waits_for_step: bool = False, **kw):
         super().__init__(*args, **kw)
-        self.send = send
-        self.arrived: list[tuple[Request, int]] = []
+        self.send, self.waits_for_step = send, waits_for_step
+        self.arrived: list[tuple[int, Request, int]] = []  # (the iteration that installs it, request, epoch)
 
     def deliver(self, req: Request, epoch: int) -> None:
-        self.trace("received", req.id, self.clock.now)
-        self.arrived.append((req, epoch))
+        now, k = self.clock.now, self.iteration
+        done, install = now, k + 1
+        if self.waits_for_step and self.processed_end > now:
+            # the step iteration k reads back is running: the transfer completes as it ends, just after iteration
+            # k + 1 (which that end starts) took its inbox
+            done, install = self.processed_end, k + 2
+        elif self.waits_for_step and self.pending is not None:  # the step iteration k dispatched: read back by k + 1
+            done, install = self.pending.end, k + 3
+        self.clock.at(done, lambda: self.trace("received", req.id, done))
+        self.arrived.append((install, req, epoch))
         self.wake()
 
     def _computes_chunks(self, plan: StepPlan) -> bool:
         return False
 
+    def _waiting_to_land(self) -> bool:
+        return bool(self.arrived)
+
     def _before_plan(self, t: float) -> None:
-        for req, epoch in self.arrived:
+        now = [(r, e) for i, r, e in self.arrived if i <= self.iteration]
+        self.arrived = [a for a in self.arrived if a[0] > self.iteration]
+        for req, epoch in now:
             if req.done or req.epoch != epoch or req not in self.sched.running:
                 continue  # preempted (or aborted) while its prompt was away: it is queued again
             self.sched.activate(req)
@@ -249,7 +273,6 @@ class DecodeInstance(EngineInstance):
             if len(req.output) >= req.max_new_tokens:
                 self.sched.finish(req, FinishReason.LENGTH)
                 self.on_finish(req, self)
-        self.arrived.clear()
 
     def _after_plan(self, plan: StepPlan, t: float) -> bool:
         for req in plan.remote:

@@ -257,7 +257,15 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO(), trace=None) -> Res
         for i in range(dep.decode.instances):
             engines.append(
                 DecodeInstance(
-                    clock, f"decode{i}", dcfg, priced["decode"], _host(dc), acceptance(), on_finish, send=send
+                    clock,
+                    f"decode{i}",
+                    dcfg,
+                    priced["decode"],
+                    _host(dc),
+                    acceptance(),
+                    on_finish,
+                    send=send,
+                    waits_for_step=dep.transfer_waits_for_step,
                 )
             )
 

@@ -238,8 +238,12 @@ def breakdown(measured: dict[str, dict[str, float]], simulated: dict[str, dict[s
     return lines
 
 
-def deployment(model: str, gpu: str, prefill_config, engine_config, profiles: dict[str, str]) -> Deployment:
-    """The 1P1D deployment of the run: pools with the workers' own settings and each role's fitted profile."""
+def deployment(
+    model: str, gpu: str, prefill_config, engine_config, profiles: dict[str, str], transport: str = "jax"
+) -> Deployment:
+    """The 1P1D deployment of the run: pools with the workers' own settings and each role's fitted profile; with
+    the jax transport a transfer completes with the decode step in flight (Deployment.transfer_waits_for_step, as
+    this run's trace breakdown shows)."""
     p, e = prefill_config, engine_config
     prefill = Pool(
         max_slots=p.num_pages,  # the worker holds no slots: a prompt needs only scratch pages
@@ -273,6 +277,7 @@ def deployment(model: str, gpu: str, prefill_config, engine_config, profiles: di
         prefill=prefill,
         decode=decode,
         layerwise_threshold=p.layerwise_threshold,
+        transfer_waits_for_step=transport == "jax",
         engine_shapes=True,
         max_model_len=e.max_model_len,
     )
@@ -329,7 +334,7 @@ def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests
     )
     write_profile(profiles["prefill"], pre_eff)
     write_profile(profiles["decode"], dec_eff)
-    dep = deployment(model_name, args.gpu, pre_cfg, dec_cfg, profiles)
+    dep = deployment(model_name, args.gpu, pre_cfg, dec_cfg, profiles, args.pd)
     sim_marks: dict[str, dict[str, float]] = {}
     mark = lambda ev, rid, t: sim_marks.setdefault(rid, {}).setdefault(ev, t)
     row = (f"PD 1P1D ({args.pd})", metrics(record, wall), predicted(simulate(dep, wl, trace=mark)))
