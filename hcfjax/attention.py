@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
 from hcfjax.layers import apply_rope, rms_norm
-from pallas_kernels.mla_decode import decode_attention
+from pallas_kernels.mla_decode import MlaPlan, decode_attention, decode_mode, mla_plan
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +30,24 @@ class CacheContext:
     page_table: jax.Array  # [B, max_pages] int32
     kv_len: jax.Array  # [B] tokens in the cache after this step (keys at positions >= kv_len are masked)
     valid: jax.Array  # [B, T] bool: which query tokens are real (others write nothing)
+    plan: MlaPlan | None = None  # the MLA kernel's work list for this forward (with_decode_plan), read by every layer
+
+
+def with_decode_plan(cfg: ModelConfig, ctx: CacheContext | None, positions: jax.Array) -> CacheContext | None:
+    """ctx with the MLA decode kernel's plan for queries at positions [B, T] when the kernel will run: it depends
+    only on the lengths, positions and shapes, so one plan serves every layer of the forward (its head count only
+    sizes the splits). Unchanged otherwise."""
+    if ctx is None or ctx.plan is not None:
+        return ctx
+    b, t = positions.shape
+    h = cfg.num_attention_heads
+    q_nope = jax.ShapeDtypeStruct((b, t, h, cfg.kv_lora_rank), jnp.bfloat16)
+    q_pe = jax.ShapeDtypeStruct((b, t, h, cfg.qk_rope_head_dim), jnp.bfloat16)
+    cache = ctx.cache  # kv [L, P, page, C + R]: each layer passes its index
+    if decode_mode(q_nope, q_pe, cache.kv, ctx.page_table, ctx.kv_len, cache.scale, cfg.kv_lora_rank, 0) == "reference":
+        return ctx
+    plan = mla_plan(ctx.kv_len, ctx.page_table.shape[1], cache.page_size, h, t, positions=positions)
+    return dataclasses.replace(ctx, plan=plan)
 
 
 def project_q(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -96,6 +114,7 @@ def attend_absorbed_paged(p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, 
         kv_lora_rank=cfg.kv_lora_rank,
         positions=positions,
         layer=layer,
+        plan=ctx.plan,
     )  # [B, T, H, C]
     return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
 

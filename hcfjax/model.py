@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hcfjax.attention import CacheContext, mla
+from hcfjax.attention import CacheContext, mla, with_decode_plan
 from hcfjax.checkpoint import stacked_shapes, tensor_specs, to_pytree
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp, rms_norm
@@ -78,6 +78,8 @@ def run_layers(
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
     layer on the side of the forward)."""
     loads = []
+    if absorbed:
+        ctx = with_decode_plan(cfg, ctx, positions)  # one MLA kernel plan for every layer (when the kernel runs)
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
 
@@ -92,6 +94,8 @@ def run_layers(
         (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
         if collect:
             loads.append(load)
+    if ctx is not None and ctx.plan is not None:
+        ctx = dataclasses.replace(ctx, plan=None)  # for this forward's lengths only
     if with_load is not False:
         e = cfg.n_routed_experts
         return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)

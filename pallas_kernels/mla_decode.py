@@ -21,7 +21,7 @@ from pallas_kernels import mla_kernel
 from pallas_kernels.mla_merge import combine, combine_dense
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, split_schedule, visible_keys
 
-__all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]
+__all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]  # and the functions below
 
 # The kernel version `mla_decode` runs unless told (mla_kernel's docstring: 3 = leader/follower, 4 = seesaw).
 # 3: v4 measured 1.7x slower on the H200 (bench/RESULTS.md, 2026-11-30).
@@ -280,29 +280,38 @@ def kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_
     return True
 
 
-def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs):
-    """The model's absorbed decode attention: the kernel on a GPU when the shapes suit it, the jnp reference elsewhere.
-    HCFJAX_MLA=reference|kernel|interpret overrides (kernel/interpret raise on unsupported shapes); KERNEL_ON_GPU=False
-    turns the kernel off for `auto`."""
+def decode_mode(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_lora_rank=None, layer=None) -> str:
+    """'kernel', 'interpret' or 'reference': what `decode_attention` runs for these shapes (q_nope, q_pe may be
+    jax.ShapeDtypeStructs). HCFJAX_MLA=reference|kernel|interpret overrides `auto`."""
     mode = os.environ.get("HCFJAX_MLA", "auto")
     if mode == "auto":
         ok = (
             KERNEL_ON_GPU
             and jax.default_backend() == "gpu"
-            and kernel_applies(
-                q_nope,
-                q_pe,
-                kv_pages,
-                page_table,
-                lengths,
-                kwargs.get("scales"),
-                kwargs.get("kv_lora_rank"),
-                kwargs.get("layer"),
-            )
+            and kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
         )
-        mode = "kernel" if ok else "reference"
+        return "kernel" if ok else "reference"
+    if mode not in ("reference", "kernel", "interpret"):
+        raise ValueError(f"HCFJAX_MLA must be auto, reference, kernel or interpret, got {mode!r}")
+    return mode
+
+
+def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, plan=None, **kwargs):
+    """The model's absorbed decode attention: the kernel on a GPU when the shapes suit it, the jnp reference elsewhere
+    (`decode_mode`; kernel/interpret raise on unsupported shapes; KERNEL_ON_GPU=False turns the kernel off for
+    `auto`). plan: the kernel's plan for this step (`mla_plan`), shared by every layer; the reference ignores it."""
+    mode = decode_mode(
+        q_nope,
+        q_pe,
+        kv_pages,
+        page_table,
+        lengths,
+        kwargs.get("scales"),
+        kwargs.get("kv_lora_rank"),
+        kwargs.get("layer"),
+    )
     if mode == "reference":
         return mla_decode_reference(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs)
-    if mode not in ("kernel", "interpret"):
-        raise ValueError(f"HCFJAX_MLA must be auto, reference, kernel or interpret, got {mode!r}")
-    return mla_decode(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", **kwargs)
+    return mla_decode(
+        q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", plan=plan, **kwargs
+    )

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hcfjax import cache as kvcache
 from hcfjax.cache import quantize_int8
 from pallas_kernels import mla_decode as M
 from pallas_kernels.mla_merge import combine_dense
@@ -332,3 +333,37 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version):
         return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=version)
 
     assert "mosaic_gpu" in lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
+
+
+def test_model_decode_shares_one_plan_across_layers(monkeypatch):
+    """A decode step of a 2-layer model (a dense and an MoE segment, so two scans) with the kernel in interpret mode:
+    the forward builds one plan for both layers, leaves none behind, and gives the reference path's logits."""
+    from hcfjax import attention
+    from hcfjax.attention import CacheContext
+    from hcfjax.model import hidden_states, logits
+    from hcfjax.random_model import preset_config, random_model
+
+    cfg = preset_config("tiny-v3", num_hidden_layers=2, kv_lora_rank=128, qk_rope_head_dim=64)
+    m = random_model(cfg, seed=3, dtype=jnp.bfloat16)
+    b, page, pages = 3, PAGE, 3
+    cache = kvcache.KVCache(jax.random.normal(jax.random.key(5), (2, b * pages, page, 192), jnp.bfloat16))
+    table = jnp.asarray(np.random.default_rng(2).permutation(b * pages).reshape(b, pages), jnp.int32)
+    kv_len = jnp.array([1, 70, 190], jnp.int32)  # one token, mid-page, the last page's tail
+    tok = jnp.array([[5], [9], [200]], jnp.int32)
+
+    def step(mode):
+        monkeypatch.setenv("HCFJAX_MLA", mode)
+        ctx = CacheContext(cache, table, kv_len, jnp.ones((b, 1), bool))
+        h, ctx = hidden_states(m.params, cfg, tok, (kv_len - 1)[:, None], ctx, absorbed=True)
+        assert ctx.plan is None
+        return np.asarray(logits(m.params, h[:, 0]), np.float32)
+
+    calls = []
+    counting = lambda f: lambda *a, **k: calls.append(1) or f(*a, **k)  # noqa: E731
+    monkeypatch.setattr(attention, "mla_plan", counting(attention.mla_plan))
+    monkeypatch.setattr(M, "mla_plan", counting(M.mla_plan))
+    got = step("interpret")
+    assert len(calls) == 1  # built once before the layers; neither layer built its own
+    want = step("reference")
+    assert len(calls) == 1  # the reference path builds none
+    assert rel(got, want) < 2e-2
