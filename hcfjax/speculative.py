@@ -25,7 +25,7 @@ from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import hidden_states, logits, mtp_module
 from hcfjax.sampling import SamplingBatch, filtered_logprobs
-from hcfjax.verify import METHODS, sample_probs, verify
+from hcfjax.verify import METHODS, row_keys, sample_probs_rows, split_rows, verify
 
 SPEC_METHODS = (*METHODS, "tuned")
 
@@ -172,9 +172,9 @@ def draft_chain(
 
     Returns (drafts [B, k], draft distributions q [B, k, V], cache)."""
     modules = params["mtp"]
-    keys = jax.random.split(key, k)
+    keys = split_rows(row_keys(key, x1.shape[0]), k)  # [B, k]
     q = probs(lg1[:, None], sp_draft)[:, 0]
-    d = sample_probs(keys[0], q)
+    d = sample_probs_rows(keys[:, 0], q)
     ds, qs, x = [d], [q], x1[:, None]
     for i in range(2, k + 1):
         m = min(i, len(modules)) - 1
@@ -184,7 +184,7 @@ def draft_chain(
         x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, emb, ctx, True, head_norm, experts_fn)
         cache = ctx.cache
         q = probs(lg, sp_draft)[:, 0]
-        ds.append(sample_probs(keys[i - 1], q))
+        ds.append(sample_probs_rows(keys[:, i - 1], q))
         qs.append(q)
     return jnp.stack(ds, 1), jnp.stack(qs, 1), cache
 
@@ -284,7 +284,8 @@ def spec_step(
     """
     k = spec.num_draft_tokens
     r = 2 * k + 1
-    k_verify, k_draft = jax.random.split(key)
+    keys = split_rows(row_keys(key, d.last.shape[0]), 2)
+    k_verify, k_draft = keys[:, 0], keys[:, 1]
     # 1. target forward over [last, drafts]
     toks = jnp.concatenate([d.last[:, None], d.drafts], axis=1)  # [B, k+1]
     pos = d.pos[:, None] + jnp.arange(k + 1)
@@ -305,6 +306,8 @@ def spec_step(
     hist_h, hist_tok = _take_rows(all_h, idx), _take_rows(all_tok, idx)
     anchor_pos = new_pos[:, None] - r + jnp.arange(r)
     depths = min(len(params["mtp"]), k)
+    going = live & ~done  # rows that step and go on: only they write the MTP layers (an idle slot's page table is
+    # padding that points at page 0, someone else's)
     x1, lg1, cache = mtp_extend(
         params,
         cfg,
@@ -313,7 +316,7 @@ def spec_step(
         hist_h,
         hist_tok,
         anchor_pos,
-        (anchor_pos >= 0) & ~done[:, None],
+        (anchor_pos >= 0) & going[:, None],
         new_pos,
         depths,
         spec.mtp_head_norm,
@@ -331,7 +334,7 @@ def spec_step(
         new_pos - 1,
         sp_draft,
         k,
-        ~done,
+        going,
         k_draft,
         spec.mtp_head_norm,
         experts_fn,

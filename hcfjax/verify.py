@@ -38,6 +38,22 @@ def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
     return jax.random.categorical(key, jnp.log(jnp.maximum(probs, 0.0)), axis=-1).astype(jnp.int32)
 
 
+def row_keys(key: jax.Array, b: int) -> jax.Array:
+    """One key per row [B]: `key` itself when it already is (the engine's, from each request's seed and counter, so
+    a row's draws do not depend on its batch), else b keys split from one batch key."""
+    return key if key.ndim == 1 else jax.random.split(key, b)
+
+
+def split_rows(keys: jax.Array, n: int) -> jax.Array:
+    """keys [B] -> [B, n]: n independent keys per row."""
+    return jax.vmap(lambda k: jax.random.split(k, n))(keys)
+
+
+def sample_probs_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """Row r of probs [B, ..., V] sampled with keys[r]."""
+    return jax.vmap(sample_probs)(keys, probs)
+
+
 def verify(
     methods: tuple[str, ...],
     p: jax.Array,
@@ -47,15 +63,17 @@ def verify(
     epsilon: float = 0.09,
     delta: float = 0.3,
 ) -> tuple[jax.Array, jax.Array]:
-    """Accept a prefix of the drafts and choose the next token; `methods` has one entry per draft position."""
+    """Accept a prefix of the drafts and choose the next token; `methods` has one entry per draft position. key: one
+    key, or one per row [B] (`row_keys`)."""
     b, k = d.shape
     if len(methods) != k or any(m not in METHODS for m in methods):
         raise ValueError(f"need {k} methods from {METHODS}, got {methods}")
-    k_target, k_uniform, k_residual = jax.random.split(key, 3)
-    t = sample_probs(k_target, p)  # [B, k+1] the target's own samples
+    keys = split_rows(row_keys(key, b), 3)
+    k_target, k_uniform, k_residual = keys[:, 0], keys[:, 1], keys[:, 2]
+    t = sample_probs_rows(k_target, p)  # [B, k+1] the target's own samples
     p_d = jnp.take_along_axis(p[:, :k], d[..., None], axis=-1)[..., 0]  # [B, k]
     q_d = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_uniform, (b, k))
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(k_uniform)
     by_method = {
         "exact": d == t[:, :k],
         "rejection": u * q_d < p_d,  # u < p/q without dividing by q
@@ -70,7 +88,7 @@ def verify(
         n_c = jnp.minimum(n, k - 1)
         residual = jnp.maximum(p[rows, n_c] - q[rows, n_c], 0.0)
         residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p[rows, n_c])
-        recovered = sample_probs(k_residual, residual)
+        recovered = sample_probs_rows(k_residual, residual)
         is_rej = jnp.asarray([m == "rejection" for m in methods])[n_c]
         extra = jnp.where((n < k) & is_rej, recovered, extra)
     return n, extra

@@ -204,12 +204,16 @@ def test_after_warmup_serving_never_compiles(model):
     assert all(list(engine.stream(r, timeout=0))[-1].finish is not None for r in reqs)
 
 
-def test_sampled_request_does_not_depend_on_its_batch(model):
+@pytest.mark.parametrize("spec", [None, "rejection"])
+def test_sampled_request_does_not_depend_on_its_batch(model, spec):
+    """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
+    with speculation too (drafts, verification and recovered tokens)."""
     sp = SamplingParams(temperature=0.9, top_p=0.95)
-    alone = Engine(model, EngineConfig(max_slots=4))
+    spec = spec and hcfjax.SpeculativeConfig(2, method=spec)
+    alone = Engine(model, EngineConfig(max_slots=4, speculative=spec))
     r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(alone)
-    crowd = Engine(model, EngineConfig(max_slots=4))
+    crowd = Engine(model, EngineConfig(max_slots=4, speculative=spec))
     others = [crowd.submit(p, sampling=sp, seed=i, max_new_tokens=12) for i, p in enumerate(PROMPTS[1:3])]
     r2 = crowd.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(crowd)

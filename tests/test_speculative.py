@@ -28,7 +28,7 @@ def three_heads():
     )
 
 
-@pytest.mark.parametrize("k", [1, 2, 5])  # k = 3 also runs with independent modules below
+@pytest.mark.parametrize("k", [1, 5])  # k = 2 runs in the engine and PD tests, k = 3 with independent modules below
 def test_greedy_exact_equals_plain_greedy(embedded, k):
     plain = hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[])
     spec = hcfjax.generate(

@@ -68,13 +68,21 @@ def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
 
 
+_DRAFT_TAG = 0x5EED  # the prefill's first drafts: apart from the first decode step's keys (same counter)
+
+
+def draft_keys(seed: jax.Array, count: jax.Array) -> jax.Array:
+    """Per-row keys [B] for the first drafts after a prefill whose sampled token was the count-th: a request's
+    drafts depend only on its seed and counter, so the colocated engine and a PD prefill worker draw the same."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_TAG))(_keys(seed, count + 1))
+
+
 def step_body(
     params,
     cfg: ModelConfig,
     state: SlotState,
     pre: PrefillInputs | None,
     dec: DecodeInputs | None,
-    step,
     spec: SpeculativeConfig | None = None,
     experts_fn=None,
     with_load: bool = False,
@@ -89,7 +97,6 @@ def step_body(
     cache, tok, length, count, drafts = state.cache, state.tok, state.length, state.count, state.drafts
     first = nxt = None
     loads = []  # per part, [n_moe_layers, E]: only real tokens count (padding and mock rows route too)
-    key = jax.random.fold_in(jax.random.key(0), step)
     if pre is not None:
         b, t = pre.tokens.shape
         pos = pre.start[:, None] + jnp.arange(t)
@@ -105,7 +112,6 @@ def step_body(
         length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
         count = count.at[pre.slot].set(pre.count + 1, mode="drop")
         if spec is not None:  # prompts come whole (start 0): the MTP modules see every anchor
-            key, sub = jax.random.split(key)
             d, cache = spec_prefill(
                 params,
                 cfg,
@@ -118,15 +124,17 @@ def step_body(
                 pre.page_table,
                 pre.sp,
                 pre.n > 0,
-                sub,
+                draft_keys(pre.seed, pre.count),
                 experts_fn,
             )
             drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
     if dec is not None and spec is not None:
         no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # the host applies stops
+        keys = _keys(dec.seed, count)  # each row's own: its draws do not depend on its batch
         drafts, cache, emitted, n_emit, _, n_acc = spec_step(
-            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, key, experts_fn
+            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, keys, experts_fn
         )
+        count = count + jnp.where(dec.active, n_emit, 0)  # the rng counter: tokens emitted so far
         nxt = (emitted, n_emit, n_acc)
     elif dec is not None:
         ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
@@ -176,9 +184,8 @@ def planned_step(
     pre_spec = PrefillInputs(row, row, row, row, row, SamplingBatch(row, row, row, row), row, row)
     dec_spec = DecodeInputs(row, row, SamplingBatch(row, row, row, row), row)
 
-    def local(params, state, pre, dec, step):
-        step = step * plan.mesh.shape["ep"] + jax.lax.axis_index("ep")  # each rank its own sampling keys
-        state, first, nxt, load = step_body(params, cfg, state, pre, dec, step, spec, ep_experts("ep"), with_load)
+    def local(params, state, pre, dec):  # sampling keys come from each row's seed and counter
+        state, first, nxt, load = step_body(params, cfg, state, pre, dec, spec, ep_experts("ep"), with_load)
         return state, first, nxt, None if load is None else jax.lax.psum(load, "ep")
 
     specs = (
@@ -186,7 +193,6 @@ def planned_step(
         state_spec,
         pre_spec if with_prefill else None,
         dec_spec if with_decode else None,
-        P(),
     )
     out = (state_spec, row if with_prefill else None, row if with_decode else None, P() if with_load else None)
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
@@ -289,9 +295,7 @@ class ModelRunner:
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
         if self.plan is None:
-            self.state, first, nxt, load = engine_step(
-                self.params, self.cfg, self.state, pre, dec, self.steps, self.spec
-            )
+            self.state, first, nxt, load = engine_step(self.params, self.cfg, self.state, pre, dec, self.spec)
         else:
             parts = (pre is not None, dec is not None)
             if parts not in self._planned:
@@ -300,7 +304,7 @@ class ModelRunner:
                     self.plan, self.cfg, self.params, self.state, *parts, with_load, self.spec
                 )
             fn = self._planned[parts]
-            self.state, first, nxt, load = fn(self.params, self.state, pre, dec, jnp.int32(self.steps))
+            self.state, first, nxt, load = fn(self.params, self.state, pre, dec)
         self.steps += 1
         if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
             self.shapes.add(key)

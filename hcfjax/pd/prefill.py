@@ -42,7 +42,7 @@ from hcfjax import trace
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
-from hcfjax.engine.runner import _keys  # the colocated engine's: same first tokens, same drafts
+from hcfjax.engine.runner import _keys, draft_keys  # the colocated engine's: same first tokens, same drafts
 from hcfjax.generate import bucket
 from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
 from hcfjax.pd.transport import Piece
@@ -140,7 +140,6 @@ class PrefillWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats = {"jobs": 0, "batches": 0, "layerwise": 0, "failed": 0}
-        self._drafts_made = 0
 
     # -- any thread ------------------------------------------------------------------------------------------------
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
@@ -309,9 +308,8 @@ class PrefillWorker:
             sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling))
             first_tok = _sample_first(self.params, cfg, x, n_j, sp, jnp.asarray(seed), jnp.asarray(count))
             drafts = None
-            if self.spec is not None:
-                self._drafts_made += 1
-                key = jax.random.fold_in(jax.random.key(1), self._drafts_made)
+            if self.spec is not None:  # the colocated engine's keys: the same drafts as it would make
+                key = draft_keys(jnp.asarray(seed), jnp.asarray(count))
                 tok_j = jnp.asarray(tokens)
                 drafts, self.cache = _spec_prefill(
                     self.params, cfg, self.spec, x, tok_j, first_tok, n_j, self.cache, table_j, sp, key
