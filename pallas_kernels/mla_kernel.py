@@ -371,6 +371,17 @@ def _v4(ctx: _Ctx, wg, active):
         plgpu.commit_smem()
         plgpu.barrier_arrive(sig.at[signal])
 
+    def pv_other(acc, signal, slot, z, part):
+        """The other warpgroup's P (staged in slot's rope part, once `signal` says so) times this warpgroup's half
+        `part` of the slot's latent, then both parts released."""
+        plgpu.barrier_wait(sig.at[signal])
+        plgpu.barrier_wait(full.at[slot * 3 + part])
+        plgpu.barrier_wait(full.at[slot * 3 + R])
+        acc = _pv(acc, ctx.parts[R].at[z], ctx.parts[part].at[z], spec.interpret)
+        plgpu.barrier_arrive(consumed.at[slot * 3 + part])
+        plgpu.barrier_arrive(consumed.at[slot * 3 + R])
+        return acc
+
     def exchange_l(w, m, den):
         publish(2 + w, den, L0 + w)
         plgpu.barrier_wait(sig.at[L1 - w])
@@ -403,12 +414,7 @@ def _v4(ctx: _Ctx, wg, active):
             plgpu.barrier_arrive(sig.at[P0])
             acc, den = acc * b(s1, acc.shape), den * s1
             if has1:
-                plgpu.barrier_wait(sig.at[P1])
-                plgpu.barrier_wait(full.at[1 * 3 + A])
-                plgpu.barrier_wait(full.at[1 * 3 + R])
-                acc = _pv(acc, ctx.parts[R].at[z1], ctx.parts[A].at[z1], spec.interpret)
-                plgpu.barrier_arrive(consumed.at[1 * 3 + A])
-                plgpu.barrier_arrive(consumed.at[1 * 3 + R])
+                acc = pv_other(acc, P1, 1, z1, A)
             return acc, m1, den
 
         carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
@@ -441,12 +447,7 @@ def _v4(ctx: _Ctx, wg, active):
                 den = den + p.sum(axis=1)
                 acc = _pv(acc, p_smem, ctx.parts[B].at[z1], spec.interpret)
                 plgpu.barrier_arrive(consumed.at[1 * 3 + B])
-            plgpu.barrier_wait(sig.at[P0])
-            plgpu.barrier_wait(full.at[0 * 3 + B])
-            plgpu.barrier_wait(full.at[0 * 3 + R])
-            acc = _pv(acc, ctx.parts[R].at[z0], ctx.parts[B].at[z0], spec.interpret)
-            plgpu.barrier_arrive(consumed.at[0 * 3 + B])
-            plgpu.barrier_arrive(consumed.at[0 * 3 + R])
+            acc = pv_other(acc, P0, 0, z0, B)
             return acc, m1, den
 
         carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
