@@ -59,6 +59,7 @@ MAGIC_F = 12582912.0  # group sums 128 products of |16 q| <= 128 and |x| <= 127,
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
 SMEM_PER_SM = 228 * 1024  # shared by the CTAs of an SM, each also holding 1 KiB for the system
 REGS = 192  # registers per thread a default tiling may pin (`regs`; 2 CTAs per SM leave each thread 255)
+SMS = 132  # streaming multiprocessors of an H100 / H200 (default_tiling's split-K choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Tiling:
     a_regs: bool = True  # unpacked weights go to wgmma from registers; False: through smem, as the first version did
     inline: bool = True  # unpack with int4_unpack's inline_mgpu bit tricks; False: the same values from int16 ops
     # (widening conversions, as the first version; the interpreter's only way)
+    splits: int = 1  # K splits (split-K): CTAs per output tile, each over 1/splits of the K groups, writing an f32
+    # partial that the wrapper sums (decode: more CTAs, so more loads in flight, where one K loop per tile is too few)
 
     @property
     def tiles(self) -> int:
@@ -100,7 +103,9 @@ def _transforms(cols: int, itemsize: int):
 def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *refs):
     """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
     gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
-    and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs)."""
+    and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs). ksteps: pipeline steps
+    of one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials
+    [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -109,7 +114,7 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
     xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
     xs_smem, xs_bar, *rest = rest if act == "int8" else (None, None, *rest)
     a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
-    ni, mi = lax.axis_index("n"), lax.axis_index("m")
+    ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
     e, tile, off, count = block_info([gs_ref[i] for i in range(n_experts)], mi, m, t.bm)
     tile = pl.multiple_of(tile, ROW_ALIGN)
     half, chunks = g // 2, g // 2 // KC
@@ -150,39 +155,45 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
     def int8_step(idx, *smems_and_carry):
         *smems, accs = smems_and_carry
         accs, work = list(accs), list(steps(*split(smems)))
-        for first in range(0, len(work), accs_n):  # one K chunk of every accumulator: one int32 partial each
-            chunk = work[first : first + accs_n]
 
-            def partials(*rs, chunk=chunk, first=first):
-                for n_mma, (r, (_, _, _, p, _, xh)) in enumerate(zip(rs, chunk, strict=True), first):
-                    halves = int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
-                    if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
-                        r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
-                    for hh in range(2):
-                        mma(r, halves[hh], xh[hh], n_mma, hh)
-                return tuple(r[...] for r in rs)
+        def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
+            for n_mma, (r, (_, _, _, p, _, xh)) in enumerate(zip(rs, work, strict=True)):
+                halves = int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
+                if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
+                    r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+                for hh in range(2):
+                    mma(r, halves[hh], xh[hh], n_mma, hh)
+            return tuple(r[...] for r in rs)
 
-            parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * accs_n)
-            for v, (a, _, _, _, s, _) in zip(parts, chunk, strict=True):
-                f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
-                s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
-                accs[a] = accs[a] + f * s16
+        parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
+        for v, (a, _, _, _, s, _) in zip(parts, work, strict=True):
+            f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
+            s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
+            accs[a] = accs[a] + f * s16
         return tuple(accs)
 
-    w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k), transforms=_transforms(KC, 1))
-    s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k, ni))
+    w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k0 + k), transforms=_transforms(KC, 1))
+    s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k0 + k, ni))
     # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
     # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
     x_item = 2 if act == "bf16" else 1
-    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda k: (tile, k), transforms=_transforms(KC, x_item))
+    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item))
     in_specs = [w_spec, s_spec] * nw + [x_spec]
     operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
     pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
 
-    def store(outs):  # out^T [64, bm] f32 per 64-row tile -> the block's rows of out [M, N]
-        def scope(o_smem):  # [bm, bn] bf16, untiled; allocated after the pipeline, in its buffers
-            for h, out in enumerate(outs):
-                o_smem.at[:, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+    partial = t.splits > 1
+    n_out, o_dtype = (nw, jnp.float32) if partial else (1, jnp.bfloat16)
+    o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
+    n_cols = o_gmem.shape[1] // n_out  # N
+
+    def store(accs):  # out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N]
+        def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled; allocated after the pipeline, in its buffers
+            for i in range(n_out):
+                for h, out in enumerate(accs[i * t.tiles : (i + 1) * t.tiles]):
+                    if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
+                        out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                    o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
             plgpu.commit_smem()
             # Only rows [off, off + count) of the tile are this block's (the others belong to the neighbouring
             # groups' blocks). A TMA box has a static size, so they go out as a ladder of power-of-two row counts
@@ -193,13 +204,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
 
                 @pl.when(count & rows != 0)
                 def _(start=start, rows=rows):
-                    dst = o_ref.at[pl.ds(tile + start, rows), pl.ds(ni * t.bn, t.bn)]
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], dst)
+                    for i in range(n_out):
+                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
+                        plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
 
                 start, rows = start + (count & rows), rows // 2
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.run_scoped(scope, plgpu.SMEM((t.bm, t.bn), jnp.bfloat16))
+        pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
 
     @pl.when(jnp.logical_and(e >= 0, e < n_experts))
     def _():
@@ -220,13 +232,13 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
             plgpu.barrier_wait(xs_bar)
             xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
             accs = tuple(a * xs for a in accs)
-        if nw == 2:  # silu(gate) * up, in f32
+        if nw == 2 and not partial:  # silu(gate) * up, in f32
             accs = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[: t.tiles], accs[t.tiles :], strict=True)]
         store(accs)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
-        store([plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)] * t.tiles)
+        store([plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)] * t.tiles * n_out)
 
 
 def block_info(sizes, b, m: int, bm: int):
@@ -276,8 +288,10 @@ def _stage_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
 def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
     """Shared memory of one CTA, an upper bound on what Mosaic allocates (tests/test_quant.py checks it): the
     pipeline's buffers, which the output tile [bm, bn] bf16 reuses after the last step; w4a8's token scales [bm] f32
-    (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers."""
-    return max(t.stages * _stage_bytes(act, t, g, nw), t.bm * t.bn * 2) + _fixed_bytes(act, t, g, nw)
+    (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers. The
+    output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight."""
+    out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
+    return max(t.stages * _stage_bytes(act, t, g, nw), out) + _fixed_bytes(act, t, g, nw)
 
 
 def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
@@ -290,16 +304,28 @@ def _a_tiles(t: Tiling, g: int, nw: int) -> int:
     return nw * t.tiles * 2  # one K chunk's A operands (K halves x 64-row tiles x weights)
 
 
-def regs(act: str, bm: int, bn: int, nw: int = 1) -> int:
+def regs(act: str, bm: int, bn: int, nw: int = 1, gps: int = 1) -> int:
     """Registers per thread the tiling pins: the accumulators (f32 [64, bm] per 64-row tile and weight; w4a8 an int32
-    partial too) and one step's unpacked A operands, which stay live until the step's wgmmas are waited for (bf16
-    [64, 64]: 16 registers, int8: 8, two K halves per tile and weight)."""
-    per_tile = (bm // 2) * (2 if act == "int8" else 1) + 2 * (16 if act == "bf16" else 8)
+    partial per K group of the step too) and one step's unpacked A operands, which stay live until the step's wgmmas
+    are waited for (bf16 [64, 64]: 16 registers, int8: 8, two K halves per tile, weight and group)."""
+    per_tile = bm // 2 + gps * ((bm // 2 if act == "int8" else 0) + 2 * (16 if act == "bf16" else 8))
     return nw * (bn // BN) * per_tile
 
 
 def default_tiling(
-    act: str, m: int, n: int, k_groups: int, e: int, nw: int = 1, g: int = 128, *, bm=None, bn=None, gps: int = 1
+    act: str,
+    m: int,
+    n: int,
+    k_groups: int,
+    e: int,
+    nw: int = 1,
+    g: int = 128,
+    *,
+    bm=None,
+    bn=None,
+    gps: int = 1,
+    splits=None,
+    sms: int = SMS,
 ) -> Tiling:
     """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
     - bm: decode (<= 25 rows per expert on average) takes 16 or 32, about one block per expert (each block streams
@@ -309,7 +335,9 @@ def default_tiling(
     - bn: 128 (two wgmma M tiles share each token tile: half the token bytes per MMA) unless the registers would
       then force token blocks below 64 rows.
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
-      in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking)."""
+      in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
+    - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
+      at least 8 K steps per split: one K loop per output tile leaves each SM only about two CTAs there."""
     mu = m / max(e, 1)
     bn_ = bn or (128 if n % 128 == 0 else BN)
 
@@ -327,7 +355,7 @@ def default_tiling(
         nb = math.ceil(need / cap(bn_))
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
     t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps)
-    total = regs(act, bm, bn_, nw) * gps + 40  # + addresses, indices, temporaries
+    total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
         budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw)
@@ -335,7 +363,11 @@ def default_tiling(
 
     # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3).
     ctas = next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
-    return dataclasses.replace(t, stages=max(2, stages(ctas)))
+    if splits is None:  # the token blocks of uniform routing: each expert's rows plus its alignment, in bm blocks
+        tiles = (n // bn_) * e * math.ceil((mu + ROW_ALIGN - 1) / bm)
+        fits = [s for s in (1, 2, 4) if s == 1 or (bm <= 32 and k_groups % (s * gps) == 0 and k_groups // (s * gps) >= 8)]
+        splits = max(s for s in fits if s == 1 or tiles * s <= ctas * sms)
+    return dataclasses.replace(t, stages=max(2, min(stages(ctas), k_groups // (gps * splits))), splits=splits)
 
 
 def legacy_tiling(act: str, m: int, e: int, nw: int = 1, g: int = 128) -> Tiling:
@@ -375,8 +407,8 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
         raise ValueError(f"bm must be a multiple of 16 in [16, 256], got {t.bm}")
     if t.bn not in (64, 128, 256) or n % t.bn:
         raise ValueError(f"bn must be 64, 128 or 256 and divide N={n}, got {t.bn}")
-    if k_groups % t.gps or t.stages < 1:
-        raise ValueError(f"gps={t.gps} must divide the {k_groups} K groups; stages={t.stages} must be >= 1")
+    if k_groups % (t.gps * t.splits) or t.stages < 1:
+        raise ValueError(f"gps={t.gps} x splits={t.splits} must divide the {k_groups} K groups; stages={t.stages} >= 1")
     if interpret and t.a_regs:
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
     if smem_bytes(act, t, g, nw) > SMEM_LIMIT:
@@ -403,11 +435,17 @@ def _run(x, weights, group_sizes, act, interpret, tiling):
     args = kernel_operands(x, weights, group_sizes, act, t.bm)
     a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
     a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
+    rows = max(m, t.bm)
+    out_type = (
+        jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+        if t.splits == 1
+        else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
+    )
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, k // g // t.gps, nw, m, e, t, t.inline),
-        out_type=jax.ShapeDtypeStruct((max(m, t.bm), n), jnp.bfloat16),
-        grid=(n // t.bn, num_blocks(m, e, t.bm)),
-        grid_names=("n", "m"),
+        functools.partial(_kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline),
+        out_type=out_type,
+        grid=(n // t.bn, num_blocks(m, e, t.bm), t.splits),
+        grid_names=("n", "m", "k"),
         scratch_types=(
             *([plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
             *([] if t.a_regs else [a_smem]),
@@ -418,6 +456,9 @@ def _run(x, weights, group_sizes, act, interpret, tiling):
             out = kern(*args)
     else:
         out = kern(*args)
+    if t.splits > 1:  # the K splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
+        out = out.sum(0)
+        out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
     return out[:m]  # [M, N] (a slice only when M < bm)
 
 

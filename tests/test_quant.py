@@ -258,6 +258,7 @@ KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
     (128, 64, [3, 2], (16, 64, 2)),  # M < bm (x padded to one block)
     (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
     (256, 128, [5, 0, 20, 3], "legacy"),  # the first version's tiling
+    (512, 128, [5, 0, 20, 3], (16, 128, 2, {"splits": 2})),  # split-K: f32 partials of two K halves, summed after
 ]
 
 
@@ -314,10 +315,10 @@ def test_gated_kernel_matches_reference_interpret(act):
     gs = jnp.array(sizes, jnp.int32)
     gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
     ref = np.asarray(int4_gated_reference(x, gate, up, gs, act), np.float32)
-    t = Tiling(16, 128, 2)
-    y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, tiling=t), np.float32)
-    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
-    assert not y[sum(sizes) :].any()
+    for t in (Tiling(16, 128, 2), Tiling(16, 128, 2, splits=2)):  # one K loop; split-K (SiLU after the sum)
+        y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, tiling=t), np.float32)
+        np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
+        assert not y[sum(sizes) :].any()
 
 
 @pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
@@ -439,6 +440,7 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
         ("int8", (64, 64, 4), 2),
         ("bf16", (80, 128, 3), 1),
         ("int8", (256, 256, 2), 1),
+        ("int8", (128, 128, 2, {"splits": 2}), 2),  # split-K: the f32 partials of gate and up outgrow the stages
     ],
 )
 def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):

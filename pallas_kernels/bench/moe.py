@@ -53,22 +53,24 @@ TOKENS = (128, 1024, 4096, 16384)
 CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the output
 
 
-def sweep_tilings(act: str, e: int, m: int, k: int, n: int) -> list:
+def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
-    decode: 64 or 256 weight rows per CTA, two K groups per step; otherwise: 64 weight rows with larger token blocks
-    (the other side of the registers' trade) or with the same ones (more CTAs per SM), 64-row token blocks; and the
-    default tiling with A through smem (what the registers path gains)."""
+    decode: 1, 2 or 4 K splits, two K groups per step (with their own or one split), 64 or 256 weight rows per CTA;
+    otherwise: 64 weight rows with larger token blocks (the other side of the registers' trade) or with the same ones
+    (more CTAs per SM), 64-row token blocks; and the default tiling with A through smem (what the registers path
+    gains). nw = 2 (the fused gate/up kernel): the decode K splits only."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
 
-    kg, d = k // 128, default_tiling(act, m, n, k // 128, e)
+    kg, d = k // 128, default_tiling(act, m, n, k // 128, e, nw)
     if d.bm <= 32:
-        alts = [dict(bn=64), dict(bn=256), dict(gps=2)]
+        alts = [dict(splits=1), dict(splits=2), dict(splits=4), dict(gps=2, splits=1), dict(gps=2, splits=2)]
+        alts += [dict(bn=64), dict(bn=256)] if nw == 1 else []
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
-        alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)]
-    out = [default_tiling(act, m, n, kg, e, **a) for a in alts if n % a.get("bn", 64) == 0]
-    out.append(dataclasses.replace(d, a_regs=False))
+        alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)] if nw == 1 else []
+    out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
+    out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
@@ -149,6 +151,7 @@ def _emit(kind: str, spec: str, **data) -> None:
 
 def _short(t) -> str:
     gps = f" gps={t.gps}" if t.gps > 1 else ""
+    gps += f" split-K {t.splits}" if t.splits > 1 else ""
     via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
@@ -245,6 +248,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             needs = (f"{name} kernel", f"{name} kernel bm={default_bm[act]}")  # the same code, and the unfused row's
             kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2, needs=needs)
             row(f"{name} gate+up+SiLU fused", fused, *weights, act=act, tiling=t, ref=ref, nw=2, **kw)
+            for ts in sweep_tilings(act, e, m, k, n, nw=2) if sweep else []:
+                fn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=ts)
+                row(f"{name} gate+up+SiLU fused, {_short(ts)}", fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
             row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
@@ -271,7 +277,10 @@ def kernel_configs(e: int, m: int, k: int, n: int, sweep: bool):
     out = [(act, 1, default_tiling(act, m, n, k // 128, e)) for act in ("bf16", "int8")]
     for act in ("bf16", "int8"):
         out += [(act, 1, t) for t in [legacy_tiling(act, m, e)] + (sweep_tilings(act, e, m, k, n) if sweep else [])]
-    return out + [(act, 2, default_tiling(act, m, n, k // 128, e, nw=2)) for act in ("bf16", "int8") if k > n]
+    for act in ("bf16", "int8") if k > n else ():
+        out += [(act, 2, t) for t in [default_tiling(act, m, n, k // 128, e, nw=2)]]
+        out += [(act, 2, t) for t in (sweep_tilings(act, e, m, k, n, nw=2) if sweep else [])]
+    return out
 
 
 def lower_all(cases, sweep: str) -> bool:
