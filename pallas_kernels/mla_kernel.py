@@ -21,8 +21,12 @@ version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. E
 
 int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two bf16 slots), reads all of it into registers, and only then writes the bf16 part, so the
-overlap is harmless; the per-token scales are applied there (bf16(int8 * scale), as the reference dequantises), and
-the compute warpgroups run the bf16 code. Conversion of one slot overlaps the MMAs on the other.
+overlap is harmless. Conversion of one slot overlaps the MMAs on the other. Version 3 converts the latent parts
+exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
+conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
+s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
+which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
+dequantises.
 
 Outputs: a unit writes its normalized bf16 rows and lse either straight to the output (the row's only unit) or to
 its partial slot, as the work list says (mla_schedule.DIRECT / slot).
@@ -215,13 +219,30 @@ class _Ctx:
         plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
         tiles = [plgpu.load(twin.at[:, pl.ds(64 * j, 64)], layout=plgpu.Layout.WGMMA_8BIT) for j in range(w // 64)]
         plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the twin
-        scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=plgpu.Layout.WGMMA.reduce(1))
-        scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
         dst = self.parts[p].at[slot]
-        for j, x in enumerate(tiles):
-            dst.at[:, pl.ds(64 * j, 64)][...] = (x.astype(jnp.float32) * scale).astype(dst.dtype)
+        if self.spec.version == 3 and p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
+            for j, x in enumerate(tiles):  # exact, and a few integer and bf16x2 ops per pair (no I2F)
+                dst.at[:, pl.ds(64 * j, 64)][...] = x.astype(dst.dtype)
+        else:
+            token = plgpu.Layout.WGMMA.reduce(1)
+            scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=token)
+            if self.spec.version == 3:  # rope: relative to the latent scale, which multiplies all of S
+                scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
+            scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
+            for j, x in enumerate(tiles):
+                dst.at[:, pl.ds(64 * j, 64)][...] = (x.astype(jnp.float32) * scale).astype(dst.dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
+
+    def latent_scale(self, slot):
+        """int8, version 3: the block's latent scales as a row over S's key columns [64, 64] (zero scales as 1)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        col = plgpu.Layout.WGMMA.reduce(0)
+        sc = plgpu.load(self.scales.at[slot, 0], layout=col)
+        return lax.broadcast_in_dim(sc, (BLOCK, BLOCK_KV), [1]), lax.broadcast_in_dim(
+            _nonzero(sc), (BLOCK, BLOCK_KV), [1]
+        )
 
     def prefetch(self, i):
         """int8: warms L2 with block i (its TMA cannot start before its slot is free)."""
@@ -234,6 +255,11 @@ class _Ctx:
                 col, w = self.spec.part(p)
                 src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
                 plgpu.async_prefetch(src, predicate=i < self.n_steps)
+
+
+def _nonzero(scale):
+    """Zero scales (all-zero latent rows) as 1: the latent is then 0 whatever scale multiplies it."""
+    return jnp.where(scale > 0, scale, 1.0)
 
 
 def _finish(m, den):
@@ -273,14 +299,19 @@ def _v3(ctx: _Ctx, wg, active):
         def step(i, carry):
             acc, m, den = carry
             slot = lax.rem(i, 2)
-            s = ctx.masked(ctx.scores(slot, (A, B, R)), i)
+            s = ctx.scores(slot, (A, B, R))
+            if spec.quant:  # the parts hold the int8 latent exactly and the rope relative to the latent scale
+                sc_v, sc_k = ctx.latent_scale(slot)
+                s = s * sc_k
+            s = ctx.masked(s, i)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - b(m_new, s.shape))
             den = den * alpha + p.sum(axis=1)
-            # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here.
+            # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
+            # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
             p_smem = ctx.parts[R].at[slot]
-            p_smem[...] = p.astype(p_smem.dtype)
+            p_smem[...] = (p * sc_v if spec.quant else p).astype(p_smem.dtype)
             ctx.rows.at[slot][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(bars["sig"].at[slot])

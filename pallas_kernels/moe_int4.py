@@ -177,7 +177,9 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
     # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
     # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
     x_item = 2 if act == "bf16" else 1
-    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item))
+    x_spec = plgpu.BlockSpec(
+        (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
+    )
     in_specs = [w_spec, s_spec] * nw + [x_spec]
     operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
     pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
@@ -323,7 +325,7 @@ def default_tiling(
     *,
     bm=None,
     bn=None,
-    gps: int = 1,
+    gps=None,
     splits=None,
     sms: int = SMS,
 ) -> Tiling:
@@ -336,6 +338,8 @@ def default_tiling(
       then force token blocks below 64 rows.
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
+    - gps: 2 K groups per step in decode (one wait for both groups' MMAs: the per-step chain of loads, unpacking,
+      MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, RESULTS.md), else 1.
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
       at least 8 K steps per split: one K loop per output tile leaves each SM only about two CTAs there."""
     mu = m / max(e, 1)
@@ -354,6 +358,8 @@ def default_tiling(
             bn_ = BN
         nb = math.ceil(need / cap(bn_))
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
+    if gps is None:
+        gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
     t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps)
     total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
 
@@ -365,7 +371,9 @@ def default_tiling(
     ctas = next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
     if splits is None:  # the token blocks of uniform routing: each expert's rows plus its alignment, in bm blocks
         tiles = (n // bn_) * e * math.ceil((mu + ROW_ALIGN - 1) / bm)
-        fits = [s for s in (1, 2, 4) if s == 1 or (bm <= 32 and k_groups % (s * gps) == 0 and k_groups // (s * gps) >= 8)]
+        fits = [
+            s for s in (1, 2, 4) if s == 1 or (bm <= 32 and k_groups % (s * gps) == 0 and k_groups // (s * gps) >= 8)
+        ]
         splits = max(s for s in fits if s == 1 or tiles * s <= ctas * sms)
     return dataclasses.replace(t, stages=max(2, min(stages(ctas), k_groups // (gps * splits))), splits=splits)
 

@@ -55,7 +55,7 @@ CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the 
 
 def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
-    decode: 1, 2 or 4 K splits, two K groups per step (with their own or one split), 64 or 256 weight rows per CTA;
+    decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA;
     otherwise: 64 weight rows with larger token blocks (the other side of the registers' trade) or with the same ones
     (more CTAs per SM), 64-row token blocks; and the default tiling with A through smem (what the registers path
     gains). nw = 2 (the fused gate/up kernel): the decode K splits only."""
@@ -65,7 +65,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
 
     kg, d = k // 128, default_tiling(act, m, n, k // 128, e, nw)
     if d.bm <= 32:
-        alts = [dict(splits=1), dict(splits=2), dict(splits=4), dict(gps=2, splits=1), dict(gps=2, splits=2)]
+        alts = [dict(gps=1, splits=s) for s in (1, 2, 4)] + [dict(gps=2, splits=s) for s in (1, 2)]
         alts += [dict(bn=64), dict(bn=256)] if nw == 1 else []
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)] if nw == 1 else []
