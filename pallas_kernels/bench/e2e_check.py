@@ -3,7 +3,7 @@
     python pallas_kernels/bench/e2e_check.py [--kernel mla|int4] [--scheme w4a16|w4a8] [--preset v2-lite]
                                              [--layers 3] [--new 48] [--quick]
 
-Each mode prints its time as it ends; a full MLA check took 111 s on the H200 (give it `timeout 400`: compile times vary),
+Each mode prints its time as it ends; a full MLA check took 111 s on the H200 (give it `timeout 400`: compiles vary),
 `--quick` (bf16 cache only, no greedy runs) about half.
 
 A V2-Lite-shaped model (3 layers, random weights, bf16: 16 heads, C 512, R 64, 64 experts of 2048 x 1408, the shapes
