@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hcfjax.cache import quantize_int8
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
-from hcfjax.quant import gated_ragged_dot, ragged_dot
+from hcfjax.quant import gated_ragged_dot, int8_activations, ragged_dot
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -53,7 +54,11 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     token = order // k  # source token of each sorted copy
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
     xs = x[token]  # [N*K, D]
-    h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes)  # silu(xs @ gate) * (xs @ up) [N*K, F]
+    x_q = None
+    if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
+        xq, sc = quantize_int8(x)
+        x_q = (xq[token], sc[token])
+    h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q)  # silu(xs @ gate) * (xs @ up) [N*K, F]
     y = ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)

@@ -143,21 +143,22 @@ def matmul(x: jax.Array, w: QWeight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> jax.Array:
+def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference).
 
     x [M, K] rows sorted by expert, w: QWeight of [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0)
     -> [M, N] in x's dtype. w4a16/w8a16: dequantise, then a bf16 ragged_dot with f32 accumulation. int8
-    activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales.
+    activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales;
+    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations).
     """
     if w.act == "bf16":
         return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
             x.dtype
         )
-    return _int8_act_ragged_dot(x, w, group_sizes)
+    return _int8_act_ragged_dot(x, w, group_sizes, x_q)
 
 
-def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> jax.Array:
+def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """w4a8 / w8a8 experts: y[m] = xs[m] * sum_g s[e(m), :, g] * (xq[m, g] . q[e(m), :, g]) with the per-group dot
     products exact integers.
 
@@ -171,7 +172,7 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
     g, e, m = w.group, w.q.shape[0], x.shape[0]
     qmax = 7 if w.bits == 4 else 127
     c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
-    xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32
     # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
     # compare_all: jnp.searchsorted's default is a while loop, a host round trip per step on XLA GPU.
     ends = jnp.cumsum(group_sizes)
@@ -195,18 +196,24 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array) -> ja
     return (y * xs[:, None]).astype(x.dtype)
 
 
-def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """Grouped matmul over experts, the one place that picks how: plain weights -> `jax.lax.ragged_dot`; int4
     QWeights -> the Pallas Mosaic GPU kernel on a GPU (shapes it supports), the jnp reference elsewhere; int8
-    QWeights -> the reference."""
+    QWeights -> the reference. x_q: quantize_int8(x), when the caller made it (int8 activations use it)."""
     if not isinstance(w, QWeight):
         return lax.ragged_dot(x, w, group_sizes)
     if w.bits == 4 and use_kernel():
         from pallas_kernels.moe_int4 import int4_ragged_dot, supports
 
         if supports(x, w.q, w.scale):
-            return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act)
-    return ragged_dot_reference(x, w, group_sizes)
+            return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act, x_q=x_q if w.act == "int8" else None)
+    return ragged_dot_reference(x, w, group_sizes, x_q)
+
+
+def int8_activations(w) -> bool:
+    """Whether a weight takes int8 activations (w4a8, w8a8): callers may then quantise the rows before gathering
+    them (`ragged_dot`'s x_q), since per-row quantisation commutes with a row gather."""
+    return isinstance(w, QWeight) and w.act == "int8"
 
 
 # Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, kernel v2
@@ -215,17 +222,21 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
 FUSED_GATE_UP = {"bf16": True, "int8": True}
 
 
-def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array) -> jax.Array:
+def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU (shapes
     the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
-    where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots."""
+    where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots. x_q as in
+    `ragged_dot`."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
         if use_kernel() and FUSED_GATE_UP[gate.act]:
             from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
 
             if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
-                return int4_gated_ragged_dot(x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act)
-    return jax.nn.silu(ragged_dot(x, gate, group_sizes)) * ragged_dot(x, up, group_sizes)
+                xq = x_q if gate.act == "int8" else None
+                return int4_gated_ragged_dot(
+                    x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act, x_q=xq
+                )
+    return jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q)) * ragged_dot(x, up, group_sizes, x_q)
 
 
 def use_kernel() -> bool:

@@ -423,7 +423,7 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
         raise ValueError(f"{t}: {smem_bytes(act, t, g, nw)} B of smem > {SMEM_LIMIT}")
 
 
-def _run(x, weights, group_sizes, act, interpret, tiling):
+def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
     """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -440,7 +440,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling):
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
     _check_tiling(t, act, n, k // g, g, nw, interpret)
-    args = kernel_operands(x, weights, group_sizes, act, t.bm)
+    args = kernel_operands(x, weights, group_sizes, act, t.bm, x_q)
     a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
     a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
     rows = max(m, t.bm)
@@ -470,19 +470,21 @@ def _run(x, weights, group_sizes, act, interpret, tiling):
     return out[:m]  # [M, N] (a slice only when M < bm)
 
 
-def kernel_operands(x, weights, group_sizes, act: str, bm: int):
+def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     """The wrapper's XLA work before the kernel, all of it: q bitcast to int8 (free), and w4a8's per-token
-    quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales). x goes in unpadded: a token tile past its
-    last row is zero-filled by the TMA (only when M < bm is x padded to one block). The weight scales are used as
-    stored ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales are padded by bm (a
-    few bytes: their copy into smem is a plain [bm] slice, which must stay in bounds)."""
+    quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales) unless the caller gives it as x_q (the
+    model quantises its tokens before gathering their top-k copies: 1/k of the rows, fused with the gather). x goes
+    in unpadded: a token tile past its last row is zero-filled by the TMA (only when M < bm is x padded to one
+    block). The weight scales are used as stored ([E, K/G, N]); each CTA finds its token block from group_sizes
+    itself. The token scales are padded by bm (a few bytes: their copy into smem is a plain [bm] slice, which must
+    stay in bounds)."""
     m = x.shape[0]
     pad = ((0, max(bm - m, 0)), (0, 0))
     args = [group_sizes.astype(jnp.int32)]
     for q, scale in weights:
         args += [lax.bitcast_convert_type(q, jnp.int8), scale]
     if act == "int8":
-        xq, xs = quantize_int8(x)  # [M, K] int8, [M] f32
+        xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32
         args += [jnp.pad(xq, pad), jnp.pad(xs, (0, bm + ROW_ALIGN))]
     else:
         args.append(jnp.pad(x, pad))
@@ -490,20 +492,23 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int):
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
-def int4_ragged_dot(x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None):
+def int4_ragged_dot(
+    x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None, x_q=None
+):
     """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, K/G, N] f32), group_sizes [E]) ->
     [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `tiling` defaults
-    by the regime (`default_tiling`)."""
-    return _run(x, ((q, scale),), group_sizes, act, interpret, tiling)
+    by the regime (`default_tiling`). w4a8: x_q = quantize_int8(x) when the caller has it (x is then only a shape)."""
+    return _run(x, ((q, scale),), group_sizes, act, interpret, tiling, x_q)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
 def int4_gated_ragged_dot(
-    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None
+    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None, x_q=None
 ):
     """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel (an expert's gate/up projection): gate and up are
-    (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once."""
-    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling)
+    (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once. x_q as in
+    int4_ragged_dot."""
+    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling, x_q)
 
 
 def int4_gated_reference(x, gate, up, group_sizes, act="bf16"):

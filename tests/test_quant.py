@@ -13,6 +13,7 @@ import pytest
 
 import hcfjax
 from hcfjax import quant
+from hcfjax.cache import quantize_int8
 from hcfjax.cli import main as cli_main
 from hcfjax.config import ConfigError, ModelConfig, QuantConfig
 from hcfjax.quantize import default_cache_dtype, quantize_model
@@ -319,6 +320,33 @@ def test_gated_kernel_matches_reference_interpret(act):
         y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act=act, interpret=True, tiling=t), np.float32)
         np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
         assert not y[sum(sizes) :].any()
+    if act == "int8":  # the rows quantised by the caller (x then only gives the shape): the same kernel result
+        x_q = quantize_int8(x)
+        yq = int4_gated_ragged_dot(jnp.zeros_like(x), gate, up, gs, act=act, interpret=True, tiling=t, x_q=x_q)
+        np.testing.assert_array_equal(np.asarray(yq, np.float32), y)
+
+
+def test_experts_quantise_tokens_before_gathering_their_copies():
+    """w4a8 experts: moe.experts quantises the N tokens and gathers their top-k copies as int8 (x_q); per-row
+    quantisation commutes with the gather, so the output is exactly that of gathering bf16 rows and quantising them."""
+    from hcfjax import moe
+
+    n, d, f, e, k = 6, 256, 128, 4, 2
+    keys = jax.random.split(jax.random.key(5), 4)
+    p = {
+        name: quant.quantize(jax.random.normal(kk, shape) / 8, 4, "int8")
+        for name, kk, shape in (("gate", keys[0], (e, d, f)), ("up", keys[1], (e, d, f)), ("down", keys[2], (e, f, d)))
+    }
+    x = jax.random.normal(keys[3], (n, d)).astype(jnp.bfloat16)
+    ids = jnp.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], jnp.int32)
+    weights = jnp.full((n, k), 0.5, jnp.float32)
+    got = moe.experts(p, x, weights, ids)
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    token, gs = order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs)  # quantised after the gather
+    y = quant.ragged_dot(h, p["down"], gs).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    want = jnp.zeros((n, d), jnp.float32).at[token].add(y).astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
@@ -330,11 +358,16 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
     calls = []
     monkeypatch.setattr(quant, "use_kernel", lambda: True)
     monkeypatch.setitem(quant.FUSED_GATE_UP, act, fused)
-    monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", lambda x, g, u, gs, act: calls.append("fused") or x[:, :64])
-    monkeypatch.setattr(moe_int4, "int4_ragged_dot", lambda x, q, s, gs, act: calls.append("one") or x[:, :64])
+    # The caller's quantised rows (x_q) reach the kernel with int8 activations, and only then.
+    fused_fn = lambda x, g, u, gs, act, x_q: calls.append(("fused", x_q is not None)) or x[:, :64]  # noqa: E731
+    one_fn = lambda x, q, s, gs, act, x_q: calls.append(("one", x_q is not None)) or x[:, :64]  # noqa: E731
+    monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", fused_fn)
+    monkeypatch.setattr(moe_int4, "int4_ragged_dot", one_fn)
     w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
-    quant.gated_ragged_dot(jnp.ones((8, 128), jnp.bfloat16), w, w, jnp.array([3, 5], jnp.int32))
-    assert calls == (["fused"] if fused else ["one", "one"])
+    x = jnp.ones((8, 128), jnp.bfloat16)
+    quant.gated_ragged_dot(x, w, w, jnp.array([3, 5], jnp.int32), x_q=quantize_int8(x))
+    given = act == "int8"
+    assert calls == ([("fused", given)] if fused else [("one", given), ("one", given)])
 
 
 BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden, N = expert width) and down

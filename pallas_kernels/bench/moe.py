@@ -248,6 +248,12 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             needs = (f"{name} kernel", f"{name} kernel bm={default_bm[act]}")  # the same code, and the unfused row's
             kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2, needs=needs)
             row(f"{name} gate+up+SiLU fused", fused, *weights, act=act, tiling=t, ref=ref, nw=2, **kw)
+            if act == "int8":  # as the model calls it: tokens quantised before their top-k copies are gathered
+                xq_in = quantize_int8(x)
+                pre = lambda x, g, u, gs, xq, fused=fused: fused(x, g, u, gs, x_q=xq)  # noqa: E731
+                label = f"{name} gate+up+SiLU fused, x quantised by the caller"
+                row(label, pre, *weights, xq_in, act=act, tiling=t, ref=ref, nw=2, **kw)
+                del xq_in
             for ts in sweep_tilings(act, e, m, k, n, nw=2) if sweep else []:
                 fn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=ts)
                 row(f"{name} gate+up+SiLU fused, {_short(ts)}", fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
