@@ -216,10 +216,12 @@ def int8_activations(w) -> bool:
     return isinstance(w, QWeight) and w.act == "int8"
 
 
-# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, kernel v2
-# (pallas_kernels/bench/RESULTS.md): fused beats two kernel calls + SiLU in decode (w4a16 123 vs 192 us, w4a8 125 vs
-# 140 us at E=16 M=128) and ties at 4096-16384 tokens, in both modes.
-FUSED_GATE_UP = {"bf16": True, "int8": True}
+# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, decode tiles with two K groups per step
+# (pallas_kernels/bench/RESULTS.md, 2026-11-30, device time): w4a8 fused beats two kernel calls + SiLU (87-95 vs
+# 96-100 us at E=16 M=128, 149-161 vs 165 at E=32, 170 vs 181 back to back at E=16 M=1024) and ties in prefill; w4a16
+# fused now loses in decode (121-127 vs 116-117 us at E=16; its registers allow only two pipeline stages) and ties or
+# loses in prefill (2112 vs 2008 us at E=32 M=16384).
+FUSED_GATE_UP = {"bf16": False, "int8": True}
 
 
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None) -> jax.Array:

@@ -27,6 +27,9 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
   overlaps other CTAs' MMAs (2 to 4 CTAs per SM).
   int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two sets of accumulators and one token
   tile, and writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
+  Split-K (Tiling.splits > 1, decode calls with few output tiles): a third grid axis gives each CTA a slice of the
+  K groups, and the CTA stores its f32 partials (gate and up side by side, before SiLU) to [splits, M, nw N], which
+  the wrapper sums in one XLA fusion.
   The f32 tile out^T [bn, bm] is stored transposed into an untiled bf16 smem tile [bm, bn] that reuses the
   pipeline's buffers, and only the block's rows go to out [M, N] in x's row order, by TMA stores of power-of-two row
   counts (as jax's ragged_dot_mgpu.py does: a TMA box has a static size). No XLA pass after the kernel; before it
