@@ -129,7 +129,8 @@ def mtp_extend(
 
     h [B, R, D]: the target's hidden states at anchor positions anchor_pos [B, R] (consecutive per row);
     tok1 [B, R]: the token at anchor + 1; last_pos [B]: the newest verified position (depth i runs only where
-    anchor + i <= last_pos). Returns (chain hidden of depth 1 [B, R, D], depth-1 logits [B, R, V], cache).
+    anchor + i <= last_pos). Returns (every depth's chain hidden [depths] x [B, R, D], depth-1 logits [B, R, V],
+    cache).
 
     Cache slots: depth i's entry for anchor a, (h_a, token a + i), lives at position a of module i's layer, so every
     position from 0 up is written before it is read, as in training (train_mtp runs each depth over the sequence
@@ -138,7 +139,7 @@ def mtp_extend(
     """
     modules = params["mtp"]
     r = h.shape[1]
-    x, first = h, None
+    x, xs, lg1 = h, [], None
     for i in range(1, depths + 1):
         m = i - 1
         tok = jnp.concatenate([tok1[:, i - 1 :], jnp.zeros((tok1.shape[0], i - 1), tok1.dtype)], axis=1)[:, :r]
@@ -148,9 +149,9 @@ def mtp_extend(
             modules[m], cfg, m, x, tok, anchor_pos, params["embed"], ctx, True, head_norm, experts_fn
         )
         cache = ctx.cache
-        if first is None:
-            first = (x, lg)
-    return first[0], first[1], cache
+        xs.append(x)
+        lg1 = lg if lg1 is None else lg1
+    return xs, lg1, cache
 
 
 def draft_chain(
@@ -158,7 +159,7 @@ def draft_chain(
     cfg: ModelConfig,
     cache,
     page_table,
-    x1: jax.Array,
+    ext: list,
     lg1: jax.Array,
     anchor: jax.Array,
     sp_draft: SamplingBatch,
@@ -168,22 +169,36 @@ def draft_chain(
     head_norm: bool = True,
     experts_fn=None,
 ):
-    """Drafts k tokens from anchor A [B]: depth 1 is given (x1 [B, D], lg1 [B, V]), depths 2..k run one row each.
+    """Drafts k tokens from anchor A [B]. ext: mtp_extend's chain hidden of each depth it ran at the k anchors
+    A-k+1..A ([B, k, D] each); lg1 [B, V]: depth 1's logits at A, which give the first draft.
+
+    Depth i <= the number of modules (independent modules) runs its module over positions A+2-i..A, as training
+    does (train_mtp's chain): the inputs are depth i-1's hidden there (mtp_extend's at A+2-i, the last anchor whose
+    token at + i - 1 is verified; this chain's at the rest) and the tokens at + i, the drafts d_1..d_{i-1}. So its
+    cache holds an entry for every position it attends to; the ones built on drafts are rewritten by the next
+    mtp_extend once their tokens are verified. Deeper depths reuse the last module one position further each (a
+    shipped single MTP layer drafting autoregressively, as vLLM and SGLang run it).
 
     Returns (drafts [B, k], draft distributions q [B, k, V], cache)."""
     modules = params["mtp"]
-    keys = split_rows(row_keys(key, x1.shape[0]), k)  # [B, k]
+    keys = split_rows(row_keys(key, lg1.shape[0]), k)  # [B, k]
     q = probs(lg1[:, None], sp_draft)[:, 0]
     d = sample_probs_rows(keys[:, 0], q)
-    ds, qs, x = [d], [q], x1[:, None]
+    ds, qs, x = [d], [q], ext[0][:, -1:]  # x: the previous depth's hidden at the positions it ran
+    emb = params["embed"]
     for i in range(2, k + 1):
         m = min(i, len(modules)) - 1
-        pos = (anchor + i - 1 - m)[:, None]  # depth i past its module's own depth m + 1 goes that far after the anchor
-        ctx = CacheContext(cache, page_table, pos[:, 0] + 1, valid[:, None])
-        emb = params["embed"]
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, ds[-1][:, None], pos, emb, ctx, True, head_norm, experts_fn)
+        if i == m + 1:  # independent module i: positions A+2-i..A
+            chain = x if i > 2 else x[:, :0]  # depth i-1's chain rows A+3-i..A (depth 1 ran in mtp_extend only)
+            x = jnp.concatenate([ext[i - 2][:, k + 1 - i : k + 2 - i], chain], axis=1)  # [B, i-1, D]
+            pos = anchor[:, None] + jnp.arange(2 - i, 1)
+            tok = jnp.stack(ds, 1)  # d_1 .. d_{i-1}
+        else:  # the last module again, one position further
+            x, pos, tok = x[:, -1:], (anchor + i - 1 - m)[:, None], ds[-1][:, None]
+        ctx = CacheContext(cache, page_table, pos[:, -1] + 1, valid[:, None] & (pos >= 0))
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, emb, ctx, True, head_norm, experts_fn)
         cache = ctx.cache
-        q = probs(lg, sp_draft)[:, 0]
+        q = probs(lg[:, -1:], sp_draft)[:, 0]
         ds.append(sample_probs_rows(keys[:, i - 1], q))
         qs.append(q)
     return jnp.stack(ds, 1), jnp.stack(qs, 1), cache
@@ -239,7 +254,7 @@ def spec_prefill(
     )
     anchor_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     depths = min(len(params["mtp"]), k)
-    x1, lg1, cache = mtp_extend(
+    xs, lg1, cache = mtp_extend(
         params,
         cfg,
         cache,
@@ -253,10 +268,11 @@ def spec_prefill(
         spec.mtp_head_norm,
         experts_fn,
     )
-    x1, lg1 = x1[rows, lengths - 1], lg1[rows, lengths - 1]
+    last_k = (lengths - k)[:, None] + jnp.arange(k)  # the anchors lengths-k .. lengths-1 (clipped below 0: unused)
+    ext, lg1 = [_take_rows(x, last_k) for x in xs], lg1[rows, lengths - 1]
     sp_draft = scaled(sp, spec.draft_scale)
     drafts, q, cache = draft_chain(
-        params, cfg, cache, page_table, x1, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm, experts_fn
+        params, cfg, cache, page_table, ext, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm, experts_fn
     )
     hist_idx = lengths[:, None] - r + jnp.arange(r)
     return Drafts(first, lengths, drafts, q, _take_rows(h_prompt, hist_idx), _take_rows(tok1, hist_idx)), cache
@@ -308,7 +324,7 @@ def spec_step(
     depths = min(len(params["mtp"]), k)
     going = live & ~done  # rows that step and go on: only they write the MTP layers (an idle slot's page table is
     # padding that points at page 0, someone else's)
-    x1, lg1, cache = mtp_extend(
+    xs, lg1, cache = mtp_extend(
         params,
         cfg,
         ctx.cache,
@@ -329,7 +345,7 @@ def spec_step(
         cfg,
         cache,
         page_table,
-        x1[:, -1],
+        [x[:, -k:] for x in xs],
         lg1[:, -1],
         new_pos - 1,
         sp_draft,

@@ -10,7 +10,7 @@ from hcfjax import cache as kvcache
 from hcfjax.generate import bucket, prefill
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams
-from hcfjax.speculative import SpeculativeConfig, mtp_extend, speculative_decode
+from hcfjax.speculative import SpeculativeConfig, mtp_extend, spec_prefill, spec_step, speculative_decode
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
 
@@ -157,6 +157,41 @@ def test_mtp_over_the_paged_cache_equals_the_training_view(embedded):
     anchors = jnp.arange(t)[None]
     _, got, _ = mtp_extend(params, cfg, cache, table, h, tokens[:, 1:], anchors, anchors >= 0, jnp.asarray([t]), 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-4)
+
+
+def test_independent_drafts_equal_the_training_view(three_heads):
+    """With independent modules, depth i's draft at anchor A is module i's teacher-forced prediction over the whole
+    sequence (train_mtp's chain, the drafts taken as the tokens after A): its cache must hold entries for every
+    position up to A, including A+2-i..A-1, whose tokens are earlier drafts. Checked after the prefill's drafts and
+    after a step's, over a cache that starts as garbage (a slot read before it is written fails the comparison)."""
+    from train_mtp.heads import base_hidden, chain_logits
+
+    m, cfg, k = three_heads, three_heads.cfg, 3
+    prompt = [5, 9, 2, 33, 7, 41, 8, 8, 19, 60, 3]
+    t, page = bucket(len(prompt)), 8
+    table = jnp.arange(6)[None]
+    cache = kvcache.init_cache(cfg, 6, page, jnp.float32, num_layers=cfg.num_hidden_layers + 3)
+    cache = kvcache.KVCache(jax.random.normal(jax.random.key(2), cache.kv.shape, cache.kv.dtype), cache.scale)
+    tokens, lengths = jnp.asarray([prompt + [0] * (t - len(prompt))]), jnp.asarray([len(prompt)])
+    sp, live = SamplingBatch.of([SamplingParams(temperature=1.0)]), jnp.array([True])
+    spec = SpeculativeConfig(num_draft_tokens=k, method="rejection")  # drafts sampled from q = softmax(logits)
+    first, cache, h = prefill(m.params, cfg, tokens, lengths, cache, table, sp, jax.random.key(0), return_hidden=True)
+    d, cache = spec_prefill(m.params, cfg, spec, h, tokens, first, lengths, cache, table, sp, live, jax.random.key(1))
+
+    def check(seq, d):  # seq: the verified tokens, the newest at position A + 1
+        full = jnp.asarray([seq + [int(x) for x in d.drafts[0]]])
+        a = len(seq) - 2
+        h0 = base_hidden(m.params, cfg, full, a + 1)
+        want = [jax.nn.softmax(lg[0, a]) for lg in chain_logits(m.params["mtp"], m.params, cfg, h0, full, k)]
+        np.testing.assert_allclose(np.asarray(d.q[0]), np.stack(want), rtol=1e-3, atol=1e-6)
+
+    seq = prompt + [int(first[0])]
+    check(seq, d)
+    stops = lambda emitted, n_emit: (n_emit, jnp.zeros_like(live))  # noqa: E731
+    d, cache, emitted, n_emit, _, _ = spec_step(
+        m.params, cfg, spec, d, cache, table, sp, live, stops, jax.random.key(3)
+    )
+    check(seq + [int(x) for x in emitted[0, : int(n_emit[0])]], d)
 
 
 def test_bad_speculative_configs(embedded):
