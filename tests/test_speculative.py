@@ -176,21 +176,25 @@ def test_independent_drafts_equal_the_training_view(three_heads):
     sp, live = SamplingBatch.of([SamplingParams(temperature=1.0)]), jnp.array([True])
     spec = SpeculativeConfig(num_draft_tokens=k, method="rejection")  # drafts sampled from q = softmax(logits)
     first, cache, h = prefill(m.params, cfg, tokens, lengths, cache, table, sp, jax.random.key(0), return_hidden=True)
-    d, cache = spec_prefill(m.params, cfg, spec, h, tokens, first, lengths, cache, table, sp, live, jax.random.key(1))
+    d, cache = jax.jit(spec_prefill, static_argnums=(1, 2))(
+        m.params, cfg, spec, h, tokens, first, lengths, cache, table, sp, live, jax.random.key(1)
+    )
+
+    @jax.jit
+    def training_view(params, full):  # softmax of depths 1..k's logits at anchor A, tokens full [1, A + k + 2]
+        a = full.shape[1] - k - 2
+        h0 = base_hidden(params, cfg, full, a + 1)
+        return jnp.stack([jax.nn.softmax(lg[0, a]) for lg in chain_logits(params["mtp"], params, cfg, h0, full, k)])
 
     def check(seq, d):  # seq: the verified tokens, the newest at position A + 1
         full = jnp.asarray([seq + [int(x) for x in d.drafts[0]]])
-        a = len(seq) - 2
-        h0 = base_hidden(m.params, cfg, full, a + 1)
-        want = [jax.nn.softmax(lg[0, a]) for lg in chain_logits(m.params["mtp"], m.params, cfg, h0, full, k)]
-        np.testing.assert_allclose(np.asarray(d.q[0]), np.stack(want), rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(d.q[0]), np.asarray(training_view(m.params, full)), rtol=1e-3, atol=1e-6)
 
     seq = prompt + [int(first[0])]
     check(seq, d)
     stops = lambda emitted, n_emit: (n_emit, jnp.zeros_like(live))  # noqa: E731
-    d, cache, emitted, n_emit, _, _ = spec_step(
-        m.params, cfg, spec, d, cache, table, sp, live, stops, jax.random.key(3)
-    )
+    step = jax.jit(spec_step, static_argnums=(1, 2, 8))
+    d, cache, emitted, n_emit, _, _ = step(m.params, cfg, spec, d, cache, table, sp, live, stops, jax.random.key(3))
     check(seq + [int(x) for x in emitted[0, : int(n_emit[0])]], d)
 
 
