@@ -189,8 +189,9 @@ def draft_chain(
     for i in range(2, k + 1):
         m = min(i, len(modules)) - 1
         if i == m + 1:  # independent module i: positions A+2-i..A
-            chain = x if i > 2 else x[:, :0]  # depth i-1's chain rows A+3-i..A (depth 1 ran in mtp_extend only)
-            x = jnp.concatenate([ext[i - 2][:, k + 1 - i : k + 2 - i], chain], axis=1)  # [B, i-1, D]
+            if i > 2:  # mtp_extend's depth i-1 hidden at A+2-i, then the chain's at A+3-i..A (for i = 2, x is the
+                # extend's at A already)
+                x = jnp.concatenate([ext[i - 2][:, k + 1 - i : k + 2 - i], x], axis=1)  # [B, i-1, D]
             pos = anchor[:, None] + jnp.arange(2 - i, 1)
             tok = jnp.stack(ds, 1)  # d_1 .. d_{i-1}
         else:  # the last module again, one position further
