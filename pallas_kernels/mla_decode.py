@@ -26,6 +26,9 @@ __all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]  # 
 # The kernel version `mla_decode` runs unless told (mla_kernel's docstring: 3 = leader/follower, 4 = seesaw).
 # 3: v4 measured 1.7x slower on the H200 (bench/RESULTS.md, 2026-11-30).
 VERSION = 3
+# Whether the two head tiles of a token run as a CTA pair that multicasts the cache (mla_kernel.KernelSpec.pair)
+# where the head count allows it: bf16 128 x 4096 342 -> 296 us, 64 x 16384 694 -> 602 us on the H200 (RESULTS.md).
+PAIR = True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -51,9 +54,10 @@ def mla_decode_reference(
     min_blocks_per_split=None,
     plan=None,
     version=None,
+    pair=None,
 ):
     """The same function as `mla_decode`, in plain jnp over the gathered cache (the XLA baseline)."""
-    del blocks_per_split, interpret, num_sms, min_blocks_per_split, plan, version
+    del blocks_per_split, interpret, num_sms, min_blocks_per_split, plan, version, pair
     c = q_nope.shape[-1] if kv_lora_rank is None else kv_lora_rank
     b, t = q_nope.shape[:2]
     if layer is not None:
@@ -190,6 +194,7 @@ def mla_decode(
     min_blocks_per_split=4,
     plan=None,
     version=None,
+    pair=None,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -202,7 +207,8 @@ def mla_decode(
 
     `plan` (from `mla_plan` with the same lengths, positions and shapes) skips building the work list; otherwise it
     is built here from num_sms, min_blocks_per_split and blocks_per_split. `version` picks the kernel's schedule
-    (default VERSION).
+    (default VERSION), `pair` whether head tiles run in multicasting CTA pairs (default PAIR where the padded head
+    count is a multiple of 128; not in interpret mode).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -237,6 +243,9 @@ def mla_decode(
         )
     elif plan.vis.shape != (b, t):
         raise ValueError(f"plan is for [B, T] = {plan.vis.shape}, the queries are {(b, t)}")
+    can_pair = (heads // BLOCK) % 2 == 0 and not interpret
+    if pair and not can_pair:
+        raise ValueError(f"pair=True needs a multiple of {2 * BLOCK} heads (got {heads}) and a GPU (not interpret)")
     spec = mla_kernel.KernelSpec(
         c=c,
         r=r,
@@ -251,6 +260,7 @@ def mla_decode(
         version=VERSION if version is None else version,
         sm_scale=float(sm_scale),
         interpret=interpret,
+        pair=(PAIR if pair is None else pair) and can_pair,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work)
     if plan.mode == "direct":

@@ -28,6 +28,10 @@ s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_
 which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
 dequantises.
 
+Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
+loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
+cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
+
 Outputs: a unit writes its normalized bf16 rows and lse either straight to the output (the row's only unit) or to
 its partial slot, as the work list says (mla_schedule.DIRECT / slot).
 """
@@ -73,6 +77,13 @@ class KernelSpec:
     version: int
     sm_scale: float
     interpret: bool
+    # Run the two head tiles of a query token as a cluster of two CTAs that multicast each cache block into both
+    # (each loads half): the cache crosses L2 -> SM once per 128 heads instead of once per 64. Needs an even number
+    # of head tiles; GPU interpret mode has no multicast copies.
+    pair: bool = False
+
+    def collective(self):
+        return "pair" if self.pair else None
 
     def part(self, p: int) -> tuple[int, int]:
         """(first column, width) of slot part p."""
@@ -196,13 +207,16 @@ class _Ctx:
         page, off = self.page(i, self.ins["pt"])
         src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
         if not self.spec.quant:
-            plgpu.copy_gmem_to_smem(src, self.parts[p].at[slot], self.bars["full"].at[slot * 3 + p])
-            return
-        plgpu.copy_gmem_to_smem(src, self.i8[p].at[slot, 0], self.bars["i8"].at[slot * 3 + p])
-        if scales:
+            dst, bar = self.parts[p].at[slot], self.bars["full"].at[slot * 3 + p]
+        else:
+            dst, bar = self.i8[p].at[slot, 0], self.bars["i8"].at[slot * 3 + p]
+        plgpu.copy_gmem_to_smem(src, dst, bar, collective_axes=self.spec.collective())
+        if scales and self.spec.quant:
             page, off = self.page(i, self.ins["pts"])
             sc = self.ins["sc"].at[page, :, pl.ds(off, BLOCK_KV)]
-            plgpu.copy_gmem_to_smem(sc, self.scales.at[slot], self.bars["sc"].at[slot])
+            plgpu.copy_gmem_to_smem(
+                sc, self.scales.at[slot], self.bars["sc"].at[slot], collective_axes=self.spec.collective()
+            )
 
     def finish(self, slot, p: int, scales: bool):
         """int8: converts the landed part p into bf16 in place and marks it loaded (bf16: nothing to do). The whole
@@ -548,6 +562,8 @@ def _kernel(spec: KernelSpec, *refs):
 
     n_ht = spec.heads // BLOCK
     qt, unit, wg = lax.axis_index("qt"), lax.axis_index("unit"), lax.axis_index("wg")
+    if spec.pair:  # the grid counts pairs of head tiles
+        qt = qt * 2 + lax.axis_index("pair")
     work = ins["work"]
     # This CTA's work unit (mla_schedule): row b, blocks [blk0, blk0 + n_blk), where the output goes.
     b, blk0, n_blk, dest = work[0, unit], work[1, unit], work[2, unit], work[3, unit]
@@ -608,6 +624,10 @@ def smem_types(spec: KernelSpec):
         if spec.version == 3
         else plgpu.Barrier(num_barriers=6)  # v4: per part, one arrival each
     )
+    if spec.pair:  # a slot is refilled (in both CTAs, by multicast) once both CTAs' readers have released it
+        consumed = plgpu.ClusterBarrier(
+            collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals
+        )
     bars = [
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # Q: latent and rope copies
         plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
@@ -635,8 +655,9 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work):
         functools.partial(_kernel, spec),
         out_type=tuple(out_type),
         scratch_types=smem_types(spec),
-        grid=(spec.t * (spec.heads // BLOCK), spec.units),
+        grid=(spec.t * (spec.heads // BLOCK) // (2 if spec.pair else 1), spec.units),
         grid_names=("qt", "unit"),
+        **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

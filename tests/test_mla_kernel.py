@@ -318,17 +318,20 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor,version",
+    "b,ctx,dtype,layer,minor,version,pair",
     [
-        (128, 4096, "bf16", False, False, 3),
-        (128, 4096, "bf16", False, False, 4),
-        (4, 4096, "int8", True, True, 4),
-        (2, 256, "int8", True, False, 3),
+        (128, 4096, "bf16", False, False, 3, None),
+        (128, 4096, "bf16", False, False, 4, None),
+        (4, 4096, "int8", True, True, 4, None),
+        (2, 256, "int8", True, False, 3, None),
+        (32, 4096, "bf16", False, False, 3, False),
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
-    # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct).
+    # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
+    # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
+    # those: the lowering and the bench's device checks are their tests).
     from jax import ShapeDtypeStruct as S
 
     from pallas_kernels.cross_lower import lower_for_hopper
@@ -341,9 +344,22 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version):
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=version)
+        return M.mla_decode(
+            qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=version, pair=pair
+        )
 
-    assert "mosaic_gpu" in lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
+    text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
+    assert "mosaic_gpu" in text
+    assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
+
+
+def test_head_tile_pairs_need_128_heads_and_a_gpu():
+    args, kw = _args(h=128)
+    with pytest.raises(ValueError, match="pair=True needs"):
+        M.mla_decode(*args, **kw, interpret=True, pair=True)
+    args, kw = _args(h=64)
+    with pytest.raises(ValueError, match="pair=True needs"):
+        M.mla_decode(*args, **kw, pair=True)
 
 
 def test_model_decode_shares_one_plan_across_layers(monkeypatch):

@@ -18,8 +18,9 @@ FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the s
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
 
---versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw) on every case, one row each, so
-one run compares them. A version other than 3 is first run on three small shapes in a child process with a timeout:
+--versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw, 5 = pipelined leader; a p or n
+suffix runs it with or without paired head tiles, the multicast cluster) on every case, one row each, so one run
+compares them. A version other than 3 is first run on three small shapes in a child process with a timeout:
 a kernel that hangs there is dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
 in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
 e.g. batch 1 x 4096). Besides the whole call ("kernel us", plan
@@ -129,13 +130,27 @@ def rel_err(out, ref) -> float:
 MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
 
 
+def parse_version(text):
+    """--versions token -> mla_decode's (version, pair): "3" the kernel version, "3p" / "3n" with / without paired
+    head tiles (multicast), None the defaults."""
+    if text is None:
+        return None, None
+    text = str(text)
+    return int(text.rstrip("pn")), {"p": True, "n": False}.get(text[-1])
+
+
 def fns(scale, version=None):
-    kern = jax.jit(functools.partial(mla_decode, sm_scale=scale, version=version, min_blocks_per_split=MIN_BLOCKS))
+    version, pair = parse_version(version)
+    kern = jax.jit(
+        functools.partial(mla_decode, sm_scale=scale, version=version, pair=pair, min_blocks_per_split=MIN_BLOCKS)
+    )
     ref = jax.jit(functools.partial(mla_decode_reference, sm_scale=scale))
     return kern, ref
 
 
 def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
+    if heads % 128 and version is not None:  # head tiles pair only in multiples of 128 heads
+        version = str(version).rstrip("p")
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )
@@ -153,7 +168,7 @@ PREFLIGHT = (
 )
 
 
-def preflight(version: int, timeout_s: float = 90.0) -> bool:
+def preflight(version: str, timeout_s: float = 90.0) -> bool:
     """Runs `version` on two small shapes in a child process; False (and why) if it fails, is wrong or hangs."""
     cmd = [sys.executable, "-m", "pallas_kernels.bench.mla", "--check", "--preflight", f"--versions={version}"]
     try:
@@ -359,15 +374,19 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--device-time", action="store_true", help="time on the device alone (no per-call dispatch)")
-    ap.add_argument("--versions", default="", help="kernel versions to time side by side, e.g. 3,4 (default: VERSION)")
+    ap.add_argument(
+        "--versions",
+        default="",
+        help="kernel versions to time side by side, e.g. 3,4,3p (p / n: with / without paired head tiles)",
+    )
     ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
     args = ap.parse_args()
     globals()["MIN_BLOCKS"] = args.min_blocks
-    versions = tuple(int(v) for v in args.versions.split(",") if v) or (None,)
+    versions = tuple(v for v in args.versions.split(",") if v) or (None,)
     if args.check:
         sys.exit(0 if run_checks(versions, quick=args.preflight) else 1)
     if len(versions) > 1 or versions != (None,):
-        versions = tuple(v for v in versions if v == 3 or preflight(v))
+        versions = tuple(v for v in versions if v in ("3", "3n") or preflight(v))
     bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer, versions, args.device_time)
 
 
