@@ -2,7 +2,7 @@
 
 Each unit of a split row wrote its normalized bf16 rows and natural-log lse to a partial slot (mla_schedule); row b's
 slots are first[b] .. first[b] + count[b] - 1, or b * max_units + k in the dense mode. `combine_dense` merges the
-dense layout in one XLA reduction (small batches, where B x max_units is about the real number of slots);
+dense layout in XLA (small batches, where B x max_units is about the real number of slots);
 `combine` is a Mosaic GPU kernel that merges only the rows with two or more units, in place into the output the
 attention kernel wrote for the others.
 """
@@ -17,34 +17,24 @@ from jax import lax
 from pallas_kernels.mla_schedule import BLOCK
 
 
-def _merge(a, b):
-    """Merge of two (max lse M, sum of exp(lse - M) L, sum of exp(lse - M) * o A) states: two exps, no log. The
-    identity is (-inf, 0, 0)."""
-    (ma, la, oa), (mb, lb, ob) = a, b
-    m = jnp.maximum(ma, mb)
-    wa = jnp.where(ma == -jnp.inf, 0.0, jnp.exp(ma - m))
-    wb = jnp.where(mb == -jnp.inf, 0.0, jnp.exp(mb - m))
-    return m, la * wa + lb * wb, oa * wa + ob * wb
-
-
 def combine_dense(o, lse, count, max_units: int):
-    """Merges each row's partials in one XLA reduction. o [B * max_units, T, H, C] bf16, lse [B * max_units, T, H]
-    f32 (natural log); row b's units wrote slots b * max_units + k for k < count[b] (the rest is never written).
-    -> out [B, T, H, C] f32, lse [B, T, H]; rows with no visible key: zeros and -inf."""
+    """Merges each row's partials in XLA. o [B * max_units, T, H, C] bf16, lse [B * max_units, T, H] f32 (natural
+    log); row b's units wrote slots b * max_units + k for k < count[b] (the rest is never written).
+    -> out [B, T, H, C] f32, lse [B, T, H]; rows with no visible key: zeros and -inf.
+
+    The weights exp(lse - max lse) are computed once per (slot, head) on [B, max_units, T, H], then one fused
+    multiply-and-sum reads the partials: one pass over o and no exp per element."""
     b = count.shape[0]
     ok = jnp.arange(max_units)[None, :] < count[:, None]  # [B, S]
     o = o.reshape(b, max_units, *o.shape[1:])
-    lse = lse.reshape(b, max_units, *lse.shape[1:])
-    lse_g = jnp.where(ok[..., None, None], lse, -jnp.inf)  # [B, S, T, H]
-    o_g = jnp.where(ok[..., None, None, None], o.astype(jnp.float32), 0.0)  # [B, S, T, H, C]
-    m0 = jnp.broadcast_to(lse_g[..., None], o_g.shape)  # each partial as a state: M = its lse, L = 1, A = o
-    l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0)
-    zero = jnp.float32(0)
-    m, den, a = lax.reduce((m0, l0, o_g), (jnp.float32(-jnp.inf), zero, zero), _merge, (1,))
-    out = a / jnp.where(den > 0, den, 1.0)
-    den = den[..., 0]
-    lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.maximum(den, 1e-37)), -jnp.inf)
-    return out, lse
+    lse = jnp.where(ok[..., None, None], lse.reshape(b, max_units, *lse.shape[1:]), -jnp.inf)  # [B, S, T, H]
+    m = lse.max(axis=1)
+    w = jnp.exp(lse - jnp.where(m == -jnp.inf, 0.0, m)[:, None])  # 0 for unwritten and empty slots
+    den = w.sum(axis=1)
+    # Unwritten slots hold whatever was in memory (NaN included): masked, not weighted by 0.
+    o = jnp.where(ok[..., None, None, None], o.astype(jnp.float32), 0.0)
+    out = (o * w[..., None]).sum(axis=1) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out, jnp.where(den > 0, m + jnp.log(jnp.maximum(den, 1e-37)), -jnp.inf)
 
 
 COMBINE_STAGES = 4  # partial tiles in flight per merging CTA
