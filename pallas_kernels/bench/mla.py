@@ -18,10 +18,10 @@ FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the s
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
 
---versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw, 5 = pipelined leader; a p or n
-suffix runs it with or without paired head tiles, the multicast cluster) on every case, one row each, so one run
-compares them. A version other than 3 is first run on three small shapes in a child process with a timeout:
-a kernel that hangs there is dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
+--versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw; a p or n suffix runs it with or
+without paired head tiles, the multicast cluster) on every case, one row each, so one run compares them. A version
+other than 3 is first run on three small shapes in a child process with a timeout: a kernel that hangs there is
+dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
 in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
 e.g. batch 1 x 4096). Besides the whole call ("kernel us", plan
 included) each row times the call with the plan built beforehand ("w/ plan us", what every layer after the first
