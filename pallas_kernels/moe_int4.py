@@ -330,6 +330,7 @@ def default_tiling(
     bn=None,
     gps=None,
     splits=None,
+    ctas=None,
     sms: int = SMS,
 ) -> Tiling:
     """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
@@ -341,6 +342,7 @@ def default_tiling(
       then force token blocks below 64 rows.
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
+    - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
     - gps: 2 K groups per step in decode (one wait for both groups' MMAs: the per-step chain of loads, unpacking,
       MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, RESULTS.md), else 1.
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
@@ -371,7 +373,7 @@ def default_tiling(
         return min(8, k_groups // gps, budget // _stage_bytes(act, t, g, nw))
 
     # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3).
-    ctas = next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
+    ctas = ctas or next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
     if splits is None:  # the token blocks of uniform routing: each expert's rows plus its alignment, in bm blocks
         tiles = (n // bn_) * e * math.ceil((mu + ROW_ALIGN - 1) / bm)
         fits = [

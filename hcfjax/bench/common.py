@@ -26,6 +26,11 @@ def device_time(fn, *args, reps: int = 20) -> float:
     one element of each output), so XLA can neither hoist the call out of the loop nor drop it. Back-to-back timing
     of separate calls cannot go below the host's dispatch cost per call (about 60 us on the H200 machine), which
     hides small kernels; this can."""
+    return device_timer(fn, *args, reps=reps)()
+
+
+def device_timer(fn, *args, reps: int = 20):
+    """`device_time` as a function of no arguments that measures again on each call (its two loops compile once)."""
     from jax import lax
 
     def looped(n: int):
@@ -39,8 +44,12 @@ def device_time(fn, *args, reps: int = 20) -> float:
 
         return jax.jit(run)
 
-    one, many = timed(looped(1), *args), timed(looped(reps), *args)
-    return max(many - one, 0.0) / (reps - 1)
+    one, many = looped(1), looped(reps)
+
+    def measure() -> float:
+        return max(timed(many, *args) - timed(one, *args), 0.0) / (reps - 1)
+
+    return measure
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:

@@ -2,8 +2,8 @@
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
     python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
-                                       [--stall 45] [--sweep [CASES]] [--jnp-refs] [--no-ceilings] [--interpret]
-                                       [--lower] [--out RESULTS.md]
+                                       [--stall 45] [--sweep [CASES]] [--rounds N] [--jnp-refs] [--no-ceilings]
+                                       [--interpret] [--lower] [--out RESULTS.md]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
@@ -23,7 +23,9 @@ include the wrapper's XLA work: the per-block table from group_sizes and, for w4
 "wrapper's XLA passes only" rows time that work alone), weight bandwidth
 (bytes of the weights as stored, int4 + f32 scales or bf16, over the time) and TFLOP/s (2 M K N over the time; TOP/s
 for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own copy if torch is missing), XLA bf16
-and int8 8192^3 matmuls.
+and int8 8192^3 matmuls. --rounds N times every row of a case N times, interleaved (all rows, then all again), and
+keeps each row's best: the H200's times of one configuration varied by up to 1.5x between runs, and a slow spell then
+hits every row of a round alike instead of whichever row it fell on.
 
 Robustness: the cases run in a worker process that prints one JSON line per row; a row that raises reports its error
 and the next runs; a CUDA error (which poisons the process's CUDA context) ends the worker, and a kernel row that hangs
@@ -55,7 +57,8 @@ CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the 
 
 def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
-    decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA;
+    decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
+    kernel: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per SM);
     otherwise: 64 weight rows with larger token blocks (the other side of the registers' trade) or with the same ones
     (more CTAs per SM), 64-row token blocks; and the default tiling with A through smem (what the registers path
     gains). nw = 2 (the fused gate/up kernel): the decode K splits only."""
@@ -66,7 +69,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     kg, d = k // 128, default_tiling(act, m, n, k // 128, e, nw)
     if d.bm <= 32:
         alts = [dict(gps=1, splits=s) for s in (1, 2, 4)] + [dict(gps=2, splits=s) for s in (1, 2)]
-        alts += [dict(bn=64), dict(bn=256)] if nw == 1 else []
+        alts += [dict(bn=64), dict(bn=256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)] if nw == 1 else []
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
@@ -186,6 +189,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     }
     del wf, xq, xs
 
+    rounds = int(os.environ.get("MOE_BENCH_ROUNDS", "1"))
+    pending = []
+
     def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1, needs=()):
         """One timed row; kernels (act given) are first checked against ref (default: the plain product's). mult=0:
         a row that is not a matmul (only its time is shown). A kernel that hung or hit a CUDA error earlier in the
@@ -206,17 +212,16 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 r["check"] = c = _errors(f(*args), refs[act] if ref is None else ref)
                 smem = smem_bytes(act, tiling, nw=nw)
                 c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
-            r["t"] = _timed(f, *args)
-            if os.environ.get("HCFJAX_BENCH_DEVICE_TIME"):
-                from hcfjax.bench.common import device_time
-
-                r["td"] = device_time(fn, *args)
+            timers = (f, _device_timer(fn, args))
+            _time_row(r, *timers, args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
             if _device_lost(r["error"]):  # the CUDA context is unusable: nothing later in this process can run
                 _emit("ROW", spec, row=r)
                 _lost(spec, name, key)
         _emit("ROW", spec, row=r)
+        if rounds > 1 and "error" not in r:
+            pending.append((r, *timers, args))  # timed again in the later rounds, each reporting its row again
 
     kg = k // 128
     default_bm = {act: default_tiling(act, m, n, kg, e).bm for act in ("bf16", "int8")}
@@ -274,6 +279,30 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
         q8 = quant.QWeight(q4.q, q4.scale, 4, "int8")
         row("w4a8 jnp reference", quant.ragged_dot_reference, x, q8, gs, nbytes=nb_int4, int8=True)
+    for k in range(1, rounds):  # rounds 2..N over every row in turn: a slow spell of the device hits rows alike
+        for r, f, timer, args in pending:
+            _emit("BEGIN", spec, what=f"{r['name']} (round {k + 1})")
+            _time_row(r, f, timer, args)
+            _emit("ROW", spec, row=r)  # replaces the row's earlier report
+
+
+def _device_timer(fn, args):
+    """hcfjax.bench.common.device_timer of the row with --device-time, else None."""
+    if not os.environ.get("HCFJAX_BENCH_DEVICE_TIME"):
+        return None
+    from hcfjax.bench.common import device_timer
+
+    return device_timer(fn, *args)
+
+
+def _time_row(r: dict, f, timer, args) -> None:
+    """Times one row back to back (f) and, with --device-time, on the device alone (timer) into r, keeping the best
+    of the rounds so far ("t", "td") and every round's device time ("td_all")."""
+    t = _timed(f, *args)
+    r["t"], r["rounds"] = min(r.get("t", t), t), r.get("rounds", 0) + 1
+    if timer is not None:
+        r["td_all"] = r.get("td_all", []) + [timer()]
+        r["td"] = min(r["td_all"])
 
 
 def kernel_configs(e: int, m: int, k: int, n: int, sweep: bool):
@@ -431,10 +460,15 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
                 spec = ev["spec"]
                 if kind == "BEGIN":
                     begun = (spec, ev["what"])
-                elif kind == "ROW":
-                    results[spec]["rows"].append(ev["row"])
-                    done.setdefault(spec, []).append(ev["row"]["name"])
-                    log(f"  {spec}: {_row_summary(ev['row'])}")
+                elif kind == "ROW":  # a later round's report of a row replaces its earlier one
+                    rows, row = results[spec]["rows"], ev["row"]
+                    again = [i for i, r in enumerate(rows) if r["name"] == row["name"]]
+                    if again:
+                        rows[again[0]] = row
+                    else:
+                        rows.append(row)
+                        done.setdefault(spec, []).append(row["name"])
+                    log(f"  {spec}: {_row_summary(row)}" + (f" (round {row.get('rounds')})" if again else ""))
                 elif kind == "CEIL":
                     results[spec]["ceilings"] = ev["ceilings"]
                 elif kind == "LOST":  # a CUDA error: the worker exits
@@ -563,6 +597,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time each row on the device alone (hcfjax.bench.common.device_time); the rates then use it",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every row of a case this many times, interleaved (row 1..n, then again), and keep each row's best",
+    )
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU's interpreter (a CPU smoke test)")
     ap.add_argument("--lower", action="store_true", help="only lower every kernel for sm_90 here (no GPU needed)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -579,6 +619,7 @@ def main(argv=None) -> None:
         sys.exit(0 if lower_all(cases, args.sweep) else 1)
     if args.device_time:
         os.environ["HCFJAX_BENCH_DEVICE_TIME"] = "1"  # the workers (child processes) read it
+    os.environ["MOE_BENCH_ROUNDS"] = str(args.rounds)
     log = Log()
     t0 = time.time()
     specs = ["ceilings"] * (not args.no_ceilings) + ["x".join(map(str, c)) for c in cases]
@@ -612,7 +653,7 @@ def main(argv=None) -> None:
         f"{ceil.get('header', 'device: see the log')}; whole run {time.time() - t0:.0f} s",
         f"Ceilings (this run): copy {copy_s}; {mma_s}.",
         "Kernel times include the wrapper's XLA work. % MMA ceiling: of the bf16 rate (bf16, w4a16 rows) or the int8",
-        "rate (w4a8 rows).",
+        "rate (w4a8 rows)." + (f" Times: each row's best of {args.rounds} interleaved rounds." * (args.rounds > 1)),
         "",
         "Checks on this device (kernel vs the exactly-quantised function in f32; max |err| / max |ref| "
         f"< {CHECK_TOL}):",
