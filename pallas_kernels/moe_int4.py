@@ -160,12 +160,18 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
         accs, work = list(accs), list(steps(*split(smems)))
 
         def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
-            for n_mma, (r, (_, _, _, p, _, xh)) in enumerate(zip(rs, work, strict=True)):
-                halves = int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
+            # Every tile is unpacked (and every accumulator started) before the first wgmma: unpacking between them
+            # let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then waited for that wgmma
+            # before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"), serialising the step's eight
+            # (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
+            halves = []
+            for r, (_, _, _, p, _, _) in zip(rs, work, strict=True):
+                halves.append(int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast))
                 if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
                     r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+            for n_mma, (r, h, (*_, xh)) in enumerate(zip(rs, halves, work, strict=True)):
                 for hh in range(2):
-                    mma(r, halves[hh], xh[hh], n_mma, hh)
+                    mma(r, h[hh], xh[hh], n_mma, hh)
             return tuple(r[...] for r in rs)
 
         parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
