@@ -501,3 +501,24 @@ def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):
         lower_for_hopper(f, *args)
     used = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
     assert used <= smem_bytes(act, t, nw=nw) < used + 2048
+
+
+def test_ptx_report_parsing():
+    """bench.ptx's summary of a ptxas -v report and a SASS listing (the numbers the offline analysis rests on)."""
+    from pallas_kernels.bench.ptx import ptxas_report, sass_counts
+
+    text = """ptxas info    : (C7517) wgmma.wait_group is injected in around line 1220 by compiler
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 1300 by compiler
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 642 by compiler
+    112 bytes stack frame, 136 bytes spill stores, 156 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 112 bytes cumulative stack size, 1 bytes smem"""
+    assert ptxas_report(text) == dict(
+        registers=168, spill_stores=136, spill_loads=156, injected_waits=2, injected_arrives=1
+    )
+    assert ptxas_report("")["registers"] is None
+    sass = """/*3510*/ IGMMA.64x16x32.S8.S8 R72, R24, gdesc[UR44], R72 ;
+/*3550*/ IGMMA.64x16x32.S8.S8 R72, R28, gdesc[UR24], R72, gsb0 ;
+/*36b0*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+/*47d0*/ HGMMA.64x256x16.F32.BF16 R24, gdesc[UR56].tnspB, R24 ;
+/*47a0*/ WARPGROUP.ARRIVE ;"""
+    assert sass_counts(sass) == dict(wgmma=3, wgmma_waits=1)
