@@ -54,9 +54,12 @@ A, B, R = 0, 1, 2  # slot parts
 M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute warpgroups
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
 # launch; asking for 512 left setmaxnreg waiting forever on the H200). The int8 loader holds a part in registers.
+# v3's splits are ptxas's (the SASS of the H=128 kernel, NOTES.md "MLA: the leader's spills"): at (232, 232, 40) the
+# leader spilled 14 values a block in its loop (bf16; 22 with int8), at (256, 208, 40) nothing spills in either
+# compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6).
 REGISTERS = {
-    (3, False): (232, 232, 40),
-    (3, True): (232, 176, 96),
+    (3, False): (256, 208, 40),
+    (3, True): (248, 176, 80),
     (4, False): (232, 232, 40),
     (4, True): (216, 216, 72),
 }

@@ -353,6 +353,17 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
     assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
 
 
+def test_register_splits_fit_the_cta():
+    # setmaxnreg takes multiples of 8 in [24, 256], and the three warpgroups together may hold at most the 504 x 128
+    # registers the CTA launches with (a split asking for more leaves setmaxnreg waiting forever on the GPU).
+    from pallas_kernels.mla_kernel import REGISTERS
+
+    for key, split in REGISTERS.items():
+        assert sum(split) <= 504, (key, split)
+        assert all(n % 8 == 0 and 24 <= n <= 256 for n in split), (key, split)
+        assert split[0] > 168 and split[1] > 168 and split[2] < 168, (key, split)  # from the launch's 504 / 3
+
+
 def test_head_tile_pairs_need_128_heads_and_a_gpu():
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="pair=True needs"):
