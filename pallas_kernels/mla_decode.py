@@ -195,6 +195,7 @@ def mla_decode(
     plan=None,
     version=None,
     pair=None,
+    registers=None,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -208,7 +209,8 @@ def mla_decode(
     `plan` (from `mla_plan` with the same lengths, positions and shapes) skips building the work list; otherwise it
     is built here from num_sms, min_blocks_per_split and blocks_per_split. `version` picks the kernel's schedule
     (default VERSION), `pair` whether head tiles run in multicasting CTA pairs (default PAIR where the padded head
-    count is a multiple of 128; not in interpret mode).
+    count is a multiple of 128; not in interpret mode). `registers` overrides the warpgroups' register split
+    (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits.
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -261,6 +263,7 @@ def mla_decode(
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(PAIR if pair is None else pair) and can_pair,
+        registers=None if registers is None else mla_kernel.check_registers(registers),
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work)
     if plan.mode == "direct":

@@ -63,6 +63,17 @@ REGISTERS = {
     (4, False): (232, 232, 40),
     (4, True): (216, 216, 72),
 }
+LAUNCH_REGISTERS = 168  # per thread at launch: 64 Ki registers over 3 x 128 threads, down to a multiple of 8
+
+
+def check_registers(split) -> tuple[int, int, int]:
+    """A (WG0, WG1, loader) split that setmaxnreg can make: multiples of 8 in [24, 256], the compute warpgroups
+    growing from the launch's 168, the loader shrinking, the three within the CTA's 504 x 128 registers."""
+    split = tuple(int(n) for n in split)
+    ok = len(split) == 3 and sum(split) <= 3 * LAUNCH_REGISTERS and all(n % 8 == 0 and 24 <= n <= 256 for n in split)
+    if not (ok and min(split[:2]) > LAUNCH_REGISTERS > split[2]):
+        raise ValueError(f"register split {split}: 3 multiples of 8 in [24, 256], WG0, WG1 > 168 > loader, sum <= 504")
+    return split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +95,10 @@ class KernelSpec:
     # (each loads half): the cache crosses L2 -> SM once per 128 heads instead of once per 64. Needs an even number
     # of head tiles; GPU interpret mode has no multicast copies.
     pair: bool = False
+    registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
+
+    def register_split(self) -> tuple[int, int, int]:
+        return self.registers or REGISTERS[(self.version, self.quant)]
 
     def collective(self):
         return "pair" if self.pair else None
@@ -305,7 +320,7 @@ def _v3(ctx: _Ctx, wg, active):
     spec, bars = ctx.spec, ctx.bars
     half = spec.c // 2
     row = plgpu.Layout.WGMMA.reduce(1)
-    regs = REGISTERS[(3, spec.quant)]
+    regs = spec.register_split()
     b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
 
     @pl.when(jnp.logical_and(wg == 0, active))
@@ -408,7 +423,7 @@ def _v4(ctx: _Ctx, wg, active):
     spec, bars = ctx.spec, ctx.bars
     half = spec.c // 2
     row = plgpu.Layout.WGMMA.reduce(1)
-    regs = REGISTERS[(4, spec.quant)]
+    regs = spec.register_split()
     sig, full, consumed = bars["sig"], bars["full"], bars["consumed"]
     b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
     n_pairs = lax.div(ctx.n_steps, 2)  # pairs with both blocks; one more with block 2j alone when n_steps is odd

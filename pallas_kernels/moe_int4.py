@@ -78,6 +78,8 @@ class Tiling:
     # (widening conversions, as the first version; the interpreter's only way)
     splits: int = 1  # K splits (split-K): CTAs per output tile, each over 1/splits of the K groups, writing an f32
     # partial that the wrapper sums (decode: more CTAs, so more loads in flight, where one K loop per tile is too few)
+    unpack_first: bool = True  # w4a8: unpack every tile of a step before its first wgmma; False: each tile just before
+    # its own wgmmas, the order before 2026-11-30, which ptxas serialised (kept for the bench's comparison)
 
     @property
     def tiles(self) -> int:
@@ -164,12 +166,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
             # let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then waited for that wgmma
             # before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"), serialising the step's eight
             # (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
-            halves = []
-            for r, (_, _, _, p, _, _) in zip(rs, work, strict=True):
-                halves.append(int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast))
+            def unpack(r, p):
                 if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
                     r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
-            for n_mma, (r, h, (*_, xh)) in enumerate(zip(rs, halves, work, strict=True)):
+                return int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
+
+            halves = [unpack(r, w[3]) for r, w in zip(rs, work, strict=True)] if t.unpack_first else [None] * len(rs)
+            for n_mma, (r, h, (*_, p, _, xh)) in enumerate(zip(rs, halves, work, strict=True)):
+                h = h or unpack(r, p)
                 for hh in range(2):
                     mma(r, h[hh], xh[hh], n_mma, hh)
             return tuple(r[...] for r in rs)

@@ -356,12 +356,19 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
 def test_register_splits_fit_the_cta():
     # setmaxnreg takes multiples of 8 in [24, 256], and the three warpgroups together may hold at most the 504 x 128
     # registers the CTA launches with (a split asking for more leaves setmaxnreg waiting forever on the GPU).
-    from pallas_kernels.mla_kernel import REGISTERS
+    from pallas_kernels.bench.mla import parse_version
+    from pallas_kernels.mla_kernel import REGISTERS, check_registers
 
-    for key, split in REGISTERS.items():
-        assert sum(split) <= 504, (key, split)
-        assert all(n % 8 == 0 and 24 <= n <= 256 for n in split), (key, split)
-        assert split[0] > 168 and split[1] > 168 and split[2] < 168, (key, split)  # from the launch's 504 / 3
+    for split in REGISTERS.values():
+        assert check_registers(split) == split
+    for bad in [(256, 216, 40), (236, 228, 40), (168, 232, 40), (232, 232, 264), (232, 232)]:
+        with pytest.raises(ValueError, match="register split"):
+            check_registers(bad)
+    args, kw = _args(h=128)
+    with pytest.raises(ValueError, match="register split"):  # checked before anything runs
+        M.mla_decode(*args, **kw, interpret=True, registers=(256, 256, 40))
+    assert parse_version("3p@232/232/40") == (3, True, (232, 232, 40))
+    assert parse_version("4") == (4, None, None)
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

@@ -19,7 +19,8 @@ random data when `import flashinfer` works; its plan() (host-side scheduling) is
 compiles and checks small and full shapes.
 
 --versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw; a p or n suffix runs it with or
-without paired head tiles, the multicast cluster) on every case, one row each, so one run compares them. A version
+without paired head tiles, the multicast cluster; "@256/208/40" with that register split of WG0/WG1/loader, e.g.
+3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run compares them. A version
 other than 3 is first run on three small shapes in a child process with a timeout: a kernel that hangs there is
 dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
 in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
@@ -131,18 +132,27 @@ MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
 
 
 def parse_version(text):
-    """--versions token -> mla_decode's (version, pair): "3" the kernel version, "3p" / "3n" with / without paired
-    head tiles (multicast), None the defaults."""
+    """--versions token -> mla_decode's (version, pair, registers): "3" the kernel version, "3p" / "3n" with /
+    without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), None the
+    defaults."""
     if text is None:
-        return None, None
-    text = str(text)
-    return int(text.rstrip("pn")), {"p": True, "n": False}.get(text[-1])
+        return None, None, None
+    base, _, regs = str(text).partition("@")
+    registers = tuple(int(v) for v in regs.split("/")) if regs else None
+    return int(base.rstrip("pn")), {"p": True, "n": False}.get(base[-1]), registers
 
 
 def fns(scale, version=None):
-    version, pair = parse_version(version)
+    version, pair, registers = parse_version(version)
     kern = jax.jit(
-        functools.partial(mla_decode, sm_scale=scale, version=version, pair=pair, min_blocks_per_split=MIN_BLOCKS)
+        functools.partial(
+            mla_decode,
+            sm_scale=scale,
+            version=version,
+            pair=pair,
+            registers=registers,
+            min_blocks_per_split=MIN_BLOCKS,
+        )
     )
     ref = jax.jit(functools.partial(mla_decode_reference, sm_scale=scale))
     return kern, ref
@@ -150,7 +160,8 @@ def fns(scale, version=None):
 
 def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
     if heads % 128 and version is not None:  # head tiles pair only in multiples of 128 heads
-        version = str(version).rstrip("p")
+        base, at, regs = str(version).partition("@")
+        version = base.rstrip("p") + at + regs
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )

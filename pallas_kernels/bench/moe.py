@@ -58,10 +58,11 @@ CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the 
 def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
     decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
-    kernel: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per SM);
-    otherwise: 64 weight rows with larger token blocks (the other side of the registers' trade) or with the same ones
-    (more CTAs per SM), 64-row token blocks; and the default tiling with A through smem (what the registers path
-    gains). nw = 2 (the fused gate/up kernel): the decode K splits only."""
+    kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per
+    SM); otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or
+    with the same ones (more CTAs per SM), 64-row token blocks. Then the default tiling with A through smem (nw = 1:
+    what the registers path gains) and, for w4a8, with each tile unpacked just before its wgmmas (what unpacking a
+    step's tiles first gains)."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -74,6 +75,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)] if nw == 1 else []
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
+    out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
@@ -156,6 +158,7 @@ def _short(t) -> str:
     gps = f" gps={t.gps}" if t.gps > 1 else ""
     gps += f" split-K {t.splits}" if t.splits > 1 else ""
     via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
+    via += "" if t.unpack_first else " unpacked per tile"
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
