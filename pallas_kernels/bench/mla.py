@@ -1,7 +1,7 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
     python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,...] [--reps 20]
-                                       [--versions 3,4]
+                                       [--versions 3,4] [--device-time] [--rounds N]
 
 H=128, C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
@@ -22,7 +22,9 @@ compiles and checks small and full shapes.
 without paired head tiles, the multicast cluster; "@256/208/40" with that register split of WG0/WG1/loader, e.g.
 3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run compares them. A version
 other than 3 is first run on three small shapes in a child process with a timeout: a kernel that hangs there is
-dropped from the run instead of hanging it. --min-blocks sets the smallest work unit
+dropped from the run instead of hanging it. --rounds N times each case's kernel rows N times, interleaved, and
+keeps each row's best (the H200's times of one call vary between runs; side-by-side versions should see the same
+spells). --min-blocks sets the smallest work unit
 in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
 e.g. batch 1 x 4096). Besides the whole call ("kernel us", plan
 included) each row times the call with the plan built beforehand ("w/ plan us", what every layer after the first
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import device_time, header, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import device_time, device_timer, header, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -300,10 +302,16 @@ def table_row(row, copy_bw) -> str:
     )
 
 
-def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False):
+def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, rounds=1):
     """device: time on the device alone (hcfjax.bench.common.device_time: calls chained in one jitted loop, no
-    host dispatch per call, as FlashInfer's CUDA-event timing); else calls dispatched back to back."""
+    host dispatch per call, as FlashInfer's CUDA-event timing); else calls dispatched back to back. rounds > 1: each
+    case's kernel rows are timed that many times, interleaved (every version, then every version again), and keep
+    their best; the rows are printed again after the last round."""
     timer = device_time if device else timed_async
+
+    def again(fn, *args):  # a timer of fn(*args) to call once per round (device_timer compiles its loops once)
+        return device_timer(fn, *args, reps=reps) if device else lambda: timed_async(fn, *args, reps=reps)
+
     copy_bw = torch_copy_bandwidth(4.0)
     i8 = int8_matmul_ops()
     bf = matmul_flops()
@@ -347,13 +355,14 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False):
             if "CUDA" in str(e):
                 raise  # a CUDA error leaves the context unusable; the rest would fail too
             continue
+        timed_rows = []  # (row index, kernel timer, with-plan timer) for the later rounds
         for version in versions:
             try:
                 kern, _ = fns(512**-0.5, version)
                 err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), want)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
-                tk = timer(kern_fn, qn, qp, kv, pt, lengths, sc, reps=reps)
-                tw = timer(kern_fn, qn, qp, kv, pt, lengths, sc, plan, reps=reps)
+                timers = again(kern_fn, qn, qp, kv, pt, lengths, sc), again(kern_fn, qn, qp, kv, pt, lengths, sc, plan)
+                tk, tw = (t() for t in timers)
             except Exception as e:  # noqa: BLE001
                 print(f"{dtype}:{batch}x{context}:{kind} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
                 if "CUDA" in str(e):
@@ -364,6 +373,15 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False):
             ver = "-" if version is None else version
             rows.append((dtype, batch, context, kind, ver, tk, tw, tp, nb / tk, tr, tr / tk, flops / tk, err, tf))
             print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            timed_rows.append((len(rows) - 1, *timers))
+        for _ in range(rounds - 1):
+            for i, t_kern, t_plan in timed_rows:
+                row = list(rows[i])
+                row[5], row[6] = min(row[5], t_kern()), min(row[6], t_plan())
+                row[8], row[10], row[11] = nb / row[5], row[9] / row[5], flops / row[5]
+                rows[i] = tuple(row)
+        for i, *_ in timed_rows if rounds > 1 else ():
+            print(table_row(rows[i], copy_bw), f"(best of {rounds} rounds)", flush=True)
         del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
     by = {(d, b, c, k, v): tk for d, b, c, k, v, tk, *_ in rows}
@@ -391,6 +409,7 @@ def main():
         help="kernel versions to time side by side, e.g. 3,4,3p (p / n: with / without paired head tiles)",
     )
     ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
+    ap.add_argument("--rounds", type=int, default=1, help="time each case's kernel rows this many times, interleaved")
     args = ap.parse_args()
     globals()["MIN_BLOCKS"] = args.min_blocks
     versions = tuple(v for v in args.versions.split(",") if v) or (None,)
@@ -398,7 +417,8 @@ def main():
         sys.exit(0 if run_checks(versions, quick=args.preflight) else 1)
     if len(versions) > 1 or versions != (None,):
         versions = tuple(v for v in versions if v in ("3", "3n") or preflight(v))
-    bench([parse_case(c) for c in args.cases.split(",")], args.reps, not args.no_flashinfer, versions, args.device_time)
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    bench(cases, args.reps, not args.no_flashinfer, versions, args.device_time, args.rounds)
 
 
 if __name__ == "__main__":
