@@ -63,6 +63,7 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (
 SMEM_PER_SM = 228 * 1024  # shared by the CTAs of an SM, each also holding 1 KiB for the system
 REGS = 192  # registers per thread a default tiling may pin (`regs`; 2 CTAs per SM leave each thread 255)
 SMS = 132  # streaming multiprocessors of an H100 / H200 (default_tiling's split-K choice)
+UNPACK_FIRST_REGS = 224  # `regs` up to which a w4a8 step unpacks all its tiles first (Tiling.unpack_first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +376,11 @@ def default_tiling(
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
     if gps is None:
         gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
-    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps)
+    # w4a8 unpacks a step's tiles before its wgmmas where all their A operands fit in registers beside the
+    # accumulators (`regs` counts exactly that; ptxas measured ~20 more): fused decode at bm = 16 needs 224 (246 per
+    # ptxas), at bm = 32 it would need 320 and spill, so there each tile is unpacked before its own wgmmas.
+    first = act == "bf16" or regs(act, bm, bn_, nw, gps) <= UNPACK_FIRST_REGS  # (w4a16 steps ignore it)
+    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps, unpack_first=first)
     total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
@@ -401,7 +406,7 @@ def legacy_tiling(act: str, m: int, e: int, nw: int = 1, g: int = 128) -> Tiling
     (no I2F), w4a8 without I2F of the partials, one smem slot with a wait per step instead of two."""
     per_expert = 1.25 * m / max(e, 1)
     bm = next((b for b in (16, 32, 64) if per_expert <= b), 128)
-    t = Tiling(bm=bm, bn=BN, stages=4, a_regs=False, inline=False)
+    t = Tiling(bm=bm, bn=BN, stages=4, a_regs=False, inline=False, unpack_first=False)
     while t.stages > 2 and smem_bytes(act, t, g, nw) > SMEM_LIMIT:
         t = dataclasses.replace(t, stages=t.stages - 1)
     return t

@@ -394,6 +394,21 @@ def test_default_tilings_fit_the_sm(act):
             assert 2 * (smem_bytes(act, t, 128, nw) + 1024) <= SMEM_PER_SM, (e, m, k, n, nw, t)
 
 
+def test_w4a8_unpacks_a_step_first_only_where_registers_allow():
+    """A w4a8 step unpacks all its tiles before its wgmmas (so ptxas need not serialise them) only where every A
+    operand fits beside the accumulators: the fused decode kernel at 16 experts x 128 rows (bm = 16) does, at 8
+    experts (bm = 32, 320 registers by `regs`) it unpacks each tile before its own wgmmas."""
+    from pallas_kernels.moe_int4 import UNPACK_FIRST_REGS, default_tiling, regs
+
+    assert default_tiling("int8", 128, 2048, 56, 16, nw=2).unpack_first
+    t = default_tiling("int8", 128, 2048, 56, 8, nw=2)
+    assert (t.bm, t.gps, t.unpack_first) == (32, 2, False)
+    for e, m, k, n in BENCH_SHAPES:
+        for nw in (1, 2):
+            t = default_tiling("int8", m, n, k // 128, e, nw)
+            assert t.unpack_first == (regs("int8", t.bm, t.bn, nw, t.gps) <= UNPACK_FIRST_REGS), (e, m, k, n, nw)
+
+
 # DeepSeek-V3 expert shapes, decode and prefill (every bench row: `python -m pallas_kernels.bench.moe --lower`)
 LOWER_CASES = [
     (16, 128, 7168, 2048, None),
