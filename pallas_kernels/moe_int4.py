@@ -163,10 +163,11 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
         accs, work = list(accs), list(steps(*split(smems)))
 
         def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
-            # Every tile is unpacked (and every accumulator started) before the first wgmma: unpacking between them
-            # let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then waited for that wgmma
-            # before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"), serialising the step's eight
-            # (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
+            # With t.unpack_first every tile is unpacked (and every accumulator started) before the first wgmma:
+            # unpacking between them let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then
+            # waited for that wgmma before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"),
+            # serialising the step's eight (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised
+            # the w4a8 MMAs". Without it (registers too few), each tile is unpacked just before its own wgmmas.
             def unpack(r, p):
                 if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
                     r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import device_time, device_timer, header, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import device_timer, header, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -307,10 +307,12 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
     host dispatch per call, as FlashInfer's CUDA-event timing); else calls dispatched back to back. rounds > 1: each
     case's kernel rows are timed that many times, interleaved (every version, then every version again), and keep
     their best; the rows are printed again after the last round."""
-    timer = device_time if device else timed_async
 
     def again(fn, *args):  # a timer of fn(*args) to call once per round (device_timer compiles its loops once)
         return device_timer(fn, *args, reps=reps) if device else lambda: timed_async(fn, *args, reps=reps)
+
+    def timer(fn, *args):  # one measurement
+        return again(fn, *args)()
 
     copy_bw = torch_copy_bandwidth(4.0)
     i8 = int8_matmul_ops()
@@ -340,13 +342,13 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             _, ref = fns(512**-0.5)
             want = ref(qn, qp, kv, pt, lengths, scales=sc)
             ref_fn = lambda qn, qp, kv, pt, n, sc, ref=ref: ref(qn, qp, kv, pt, n, scales=sc)  # arrays as arguments
-            tr = timer(ref_fn, qn, qp, kv, pt, lengths, sc, reps=reps)
+            tr = timer(ref_fn, qn, qp, kv, pt, lengths, sc)
             plan_fn = jax.jit(
                 functools.partial(
                     mla_plan, max_pages=pt.shape[1], page_size=64, heads=128, min_blocks_per_split=MIN_BLOCKS
                 )
             )
-            tp = timer(plan_fn, lengths, reps=reps)
+            tp = timer(plan_fn, lengths)
             plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
             tf = flashinfer_time(np.asarray(lengths), context, reps) if use_flashinfer and dtype == "bf16" else None

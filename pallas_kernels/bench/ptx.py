@@ -64,7 +64,6 @@ def sass_counts(sass: str) -> dict:
 def _compile_one(spec: str) -> None:
     """Runs the kernel of `spec` once on this host's GPU (so Mosaic compiles it with the dumps the parent set)."""
     import jax
-    import jax.numpy as jnp
 
     kind, *rest = spec.split(":")
     if kind == "mla":
@@ -75,14 +74,12 @@ def _compile_one(spec: str) -> None:
         jax.block_until_ready(mla_decode(qn, qp, kv, pt, lengths, 512**-0.5, scales=sc))
     elif kind == "moe":
         from hcfjax import quant
+        from pallas_kernels.bench.moe import _problem
         from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
 
         act, fused, shape = rest
-        e, m, k, n = map(int, shape.split("x"))
-        w = jax.random.normal(jax.random.key(0), (e, k, n), jnp.bfloat16) / 16
+        w, x, gs = _problem(*map(int, shape.split("x")))  # the bench's weights, tokens and routing
         q4 = quant.quantize(w, 4, "bf16")
-        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-        gs = jnp.full((e,), m // e, jnp.int32)
         a = {"w4a8": "int8", "w4a16": "bf16"}[act]
         if fused == "fused":
             y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (q4.q, q4.scale), gs, act=a)
