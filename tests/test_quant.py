@@ -540,3 +540,32 @@ ptxas info    : Used 168 registers, used 16 barriers, 112 bytes cumulative stack
 /*47d0*/ HGMMA.64x256x16.F32.BF16 R24, gdesc[UR56].tnspB, R24 ;
 /*47a0*/ WARPGROUP.ARRIVE ;"""
     assert sass_counts(sass) == dict(wgmma=3, wgmma_waits=1)
+
+
+def test_ncu_raw_parsing():
+    """bench.ncu's summary of Nsight Compute's raw CSV page: units converted, short launches dropped, the largest
+    stall reasons first, metrics missing from the report left blank."""
+    from pallas_kernels.bench.ncu import parse_raw
+
+    names = [
+        "ID",
+        "Kernel Name",
+        "gpu__time_duration.sum",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+    ]
+    text = "\n".join(
+        [
+            '"==PROF== Connected to process"',
+            ",".join(f'"{n}"' for n in names),
+            '"","","usecond","%","ratio","ratio","ratio"',
+            '"0","mosaic_gpu_kernel","84.20","71.5","0.50","3.25","1,250.00"',
+            '"1","convert_fusion","2.10","10.0","0","0","0"',
+        ]
+    )
+    (row,) = parse_raw(text, min_us=5.0, top=2)
+    assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
+    assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
+    assert parse_raw("no table here") == []

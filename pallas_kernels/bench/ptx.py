@@ -16,8 +16,8 @@ nvidia-cuda-cuobjdump` and unzip them for ptxas and cuobjdump (CUDA 12's ptxas r
 on a hand-edited copy of the PTX (instructions moved, setmaxnreg values changed) to try a change before the next GPU
 run: NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
 
-Kernels: mla:bf16 | mla:int8 (the MLA decode kernel at H = 128, 4 rows x 1024 tokens: the same code as at larger
-shapes) and moe:ACT:fused|single:ExMxKxN (ACT w4a8 or w4a16; the default tiling of that shape).
+Kernels: mla:bf16|int8[:BxCTX] (the MLA decode kernel at H = 128, by default 4 rows x 1024 tokens: the same code
+as at larger shapes) and moe:ACT:fused|single:ExMxKxN (ACT w4a8 or w4a16; the default tiling of that shape).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def sass_counts(sass: str) -> dict:
     )
 
 
-def _compile_one(spec: str) -> None:
-    """Runs the kernel of `spec` once on this host's GPU (so Mosaic compiles it with the dumps the parent set)."""
+def run_one(spec: str) -> None:
+    """Runs the kernel of `spec` once on this host's GPU (so Mosaic compiles it with the dumps the parent set, or
+    Nsight Compute profiles it: bench.ncu)."""
     import jax
 
     kind, *rest = spec.split(":")
@@ -70,7 +71,8 @@ def _compile_one(spec: str) -> None:
         from pallas_kernels.bench.mla import make_inputs
         from pallas_kernels.mla_decode import mla_decode
 
-        qn, qp, kv, pt, lengths, sc = make_inputs(jax.random.key(0), 4, 1024, dtype=rest[0])
+        batch, context = map(int, (rest[1] if len(rest) > 1 else "4x1024").split("x"))
+        qn, qp, kv, pt, lengths, sc = make_inputs(jax.random.key(0), batch, context, dtype=rest[0])
         jax.block_until_ready(mla_decode(qn, qp, kv, pt, lengths, 512**-0.5, scales=sc))
     elif kind == "moe":
         from hcfjax import quant
@@ -144,7 +146,7 @@ def main(argv=None) -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        _compile_one(args.one)
+        run_one(args.one)
         return
     if args.sass:
         print(table(sass(Path(args.sass), args.ptxas, args.cuobjdump)))

@@ -1,0 +1,144 @@
+"""Hardware counters of the kernels through Nsight Compute (`ncu`, on the GPU host; the H200 machines have it).
+
+    python -m pallas_kernels.bench.ncu [--kernels mla:bf16:128x4096,moe:w4a8:fused:16x128x7168x2048] [--out DIR]
+
+Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN`) runs once in a child process
+under `ncu --set full --clock-control none` (the card's clocks are left alone). Every launch of the child is
+profiled (the input set-up's XLA kernels too: they are short); the report's details and raw pages go to
+DIR/<spec>.txt and .csv (default $OUT/ncu, packed into $OUT/ncu.tar.gz, since the device tool brings back at most 8
+files), and the printed table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of
+peak), L2 hit rate, achieved occupancy, cycles per issued instruction and the warp stall reasons that dominate.
+
+Warp-specialised kernels need care in reading the stalls: a loader warpgroup waiting on a barrier counts as stalled
+as much as a compute warpgroup waiting on its data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+DEFAULT = (
+    "moe:w4a8:fused:16x128x7168x2048",
+    "moe:w4a8:single:16x128x2048x7168",
+    "mla:bf16:128x4096",
+    "mla:int8:128x4096",
+)
+COLUMNS = {  # printed name: the raw metric (the first of these names that the report has)
+    "us": ("gpu__time_duration.sum",),
+    "DRAM %": (
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
+    "SM %": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "L2 hit %": ("lts__t_sector_hit_rate.pct",),
+    "occupancy %": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
+    "cycles/issue": ("smsp__average_warp_latency_per_inst_issued.ratio",),
+}
+STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+
+
+def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
+    """ncu's raw page (CSV: a header row, a units row, one row per launch) -> one dict per launch of at least
+    min_us: kernel name, the COLUMNS metrics found, and the `top` largest stall reasons (warps per issue)."""
+    rows = list(csv.reader(io.StringIO(text)))
+    head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+    if head is None:
+        return []
+    names, units = rows[head], rows[head + 1]
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+    out = []
+    for r in rows[head + 2 :]:
+        if len(r) != len(names):
+            continue
+        d = dict(zip(names, r, strict=True))
+        u = dict(zip(names, units, strict=True))
+
+        def num(metrics, d=d):
+            for m in (metrics,) if isinstance(metrics, str) else metrics:
+                try:
+                    return float(d[m].replace(",", ""))
+                except (KeyError, ValueError):
+                    continue
+            return None
+
+        us = num(COLUMNS["us"])
+        if us is None:
+            continue
+        us *= scale.get(u.get(COLUMNS["us"][0], "nsecond"), 1e-3)
+        if us < min_us:
+            continue
+        row = {"kernel": d["Kernel Name"][:40], "us": round(us, 1)}
+        for label, metric in list(COLUMNS.items())[1:]:
+            v = num(metric)
+            row[label] = "" if v is None else round(v, 1)
+        stalls = [(num(m), STALL.match(m).group(1)) for m in names if STALL.match(m)]
+        stalls = sorted(((v, n) for v, n in stalls if v), reverse=True)[:top]
+        row["top stalls (warps per issue)"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls)
+        out.append(row)
+    return out
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    if not rows:
+        return "(no launches)"
+    cols = ["kernel", *COLUMNS, "top stalls (warps per issue)"]
+    out = ["| spec | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for spec, r in rows:
+        out.append(f"| {spec} | " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def profile(spec: str, out: Path, ncu: str, min_us: float, timeout: float) -> list[tuple[str, dict]]:
+    name = spec.replace(":", "_")
+    rep = out / f"{name}.ncu-rep"
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [ncu, "--set", "full", "--clock-control", "none", "--target-processes", "all", "-f", "-o", str(rep)]
+    child = [sys.executable, "-m", "pallas_kernels.bench.ptx", "--one", spec]
+    try:
+        r = subprocess.run(cmd + child, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [(spec, {"kernel": f"ncu ran past {timeout:.0f} s"})]
+    (out / f"{name}.log").write_text(r.stdout + r.stderr)
+    if r.returncode or not rep.exists():
+        return [(spec, {"kernel": f"ncu exit {r.returncode}: {(r.stderr or r.stdout)[-200:]!r}"})]
+    details = subprocess.run([ncu, "--import", str(rep), "--page", "details"], capture_output=True, text=True)
+    (out / f"{name}.txt").write_text(details.stdout)
+    raw = subprocess.run([ncu, "--import", str(rep), "--page", "raw", "--csv"], capture_output=True, text=True)
+    (out / f"{name}.csv").write_text(raw.stdout)
+    return [(spec, row) for row in parse_raw(raw.stdout, min_us)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default=",".join(DEFAULT), help="comma-separated kernel specs (module docstring)")
+    ap.add_argument("--out", help="report directory (default: $OUT/ncu)")
+    ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    ap.add_argument("--min-us", type=float, default=5.0, help="leave shorter launches out of the table")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per kernel spec, profiling included")
+    args = ap.parse_args(argv)
+    base = Path(args.out or Path(os.environ.get("OUT", ".")) / "ncu")
+    base.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in args.kernels.split(","):
+        mine = profile(spec, base, args.ncu, args.min_us, args.timeout)
+        print(table(mine), flush=True)
+        rows += mine
+    with tarfile.open(base.parent / "ncu.tar.gz", "w:gz") as tar:
+        for f in base.iterdir():
+            if f.suffix != ".ncu-rep":
+                tar.add(f, arcname=f"ncu/{f.name}")
+    shutil.rmtree(base)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
