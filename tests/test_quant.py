@@ -569,3 +569,34 @@ def test_ncu_raw_parsing():
     assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
     assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
     assert parse_raw("no table here") == []
+
+
+def test_kernel_seconds_from_trace_planes():
+    """bench.moe --kernel-time's reading of a profiler trace: the GPU planes' stream lines summed per kernel name and
+    call; the "XLA Ops" line (the same time under the ops' names), host planes, copies and memsets left out; a plane
+    without stream lines falls back to its non-XLA lines. And kernel_times is empty on a backend without a GPU."""
+    from types import SimpleNamespace as NS
+
+    import jax
+    import jax.numpy as jnp
+
+    from hcfjax.bench.common import kernel_seconds, kernel_times
+
+    ev = lambda name, us: NS(name=name, duration_ns=us * 1e3)  # noqa: E731
+    gpu = NS(
+        name="/device:GPU:0",
+        lines=[
+            NS(name="Stream #14(Compute)", events=[ev("fused_gemm", 70), ev("fused_gemm", 74), ev("MemcpyD2D", 9)]),
+            NS(name="Stream #15(Compute)", events=[ev("quantize_fusion", 4), ev("memset32", 1)]),
+            NS(name="XLA Ops", events=[ev("custom-call.1", 144)]),
+        ],
+    )
+    host = NS(name="/host:CPU", lines=[NS(name="python", events=[ev("fused_gemm", 1000)])])
+    per = kernel_seconds([gpu, host], reps=2)
+    assert per == pytest.approx({"fused_gemm": 72e-6, "quantize_fusion": 2e-6})
+    other = NS(
+        name="/device:GPU:1", lines=[NS(name="XLA Modules", events=[ev("jit_f", 9)]), NS(name="k", events=[ev("k", 3)])]
+    )
+    assert kernel_seconds([other]) == pytest.approx({"k": 3e-6})
+    if jax.default_backend() == "cpu":
+        assert kernel_times(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2) == {}

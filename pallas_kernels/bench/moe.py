@@ -290,11 +290,22 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
 
 
 def _device_timer(fn, args):
-    """hcfjax.bench.common.device_timer of the row with --device-time, else None."""
-    if not os.environ.get("HCFJAX_BENCH_DEVICE_TIME"):
+    """The row's timer on the device: hcfjax.bench.common.device_timer with --device-time, the summed kernel records
+    of a profiler trace (kernel_times) with --kernel-time, else None."""
+    mode = os.environ.get("HCFJAX_BENCH_DEVICE_TIME")
+    if not mode:
         return None
-    from hcfjax.bench.common import device_timer
+    from hcfjax.bench.common import device_timer, kernel_times
 
+    if mode == "kernels":
+
+        def measure():
+            per = kernel_times(fn, *args)
+            if not per:
+                raise RuntimeError("the profiler trace holds no GPU kernels")
+            return sum(per.values())
+
+        return measure
     return device_timer(fn, *args)
 
 
@@ -601,6 +612,12 @@ def main(argv=None) -> None:
         help="also time each row on the device alone (hcfjax.bench.common.device_time); the rates then use it",
     )
     ap.add_argument(
+        "--kernel-time",
+        action="store_true",
+        help="as --device-time, but the device column is the GPU's kernel time from a profiler trace "
+        "(hcfjax.bench.common.kernel_times: no launch gaps or timing loop)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -620,8 +637,8 @@ def main(argv=None) -> None:
         cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     if args.lower:
         sys.exit(0 if lower_all(cases, args.sweep) else 1)
-    if args.device_time:
-        os.environ["HCFJAX_BENCH_DEVICE_TIME"] = "1"  # the workers (child processes) read it
+    if args.device_time or args.kernel_time:  # the workers (child processes) read it
+        os.environ["HCFJAX_BENCH_DEVICE_TIME"] = "kernels" if args.kernel_time else "1"
     os.environ["MOE_BENCH_ROUNDS"] = str(args.rounds)
     log = Log()
     t0 = time.time()
@@ -657,6 +674,14 @@ def main(argv=None) -> None:
         f"Ceilings (this run): copy {copy_s}; {mma_s}.",
         "Kernel times include the wrapper's XLA work. % MMA ceiling: of the bf16 rate (bf16, w4a16 rows) or the int8",
         "rate (w4a8 rows)." + (f" Times: each row's best of {args.rounds} interleaved rounds." * (args.rounds > 1)),
+        *(
+            [
+                "Device column: the GPU's kernel time (kernel records of a profiler trace summed per call: the",
+                "wrapper's XLA kernels included, launch gaps and the timing loop not); the rates use it.",
+            ]
+            if args.kernel_time
+            else []
+        ),
         "",
         "Checks on this device (kernel vs the exactly-quantised function in f32; max |err| / max |ref| "
         f"< {CHECK_TOL}):",

@@ -3,8 +3,8 @@
     python -m pallas_kernels.bench.ncu [--kernels mla:bf16:128x4096,moe:w4a8:fused:16x128x7168x2048] [--out DIR]
 
 Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN`) runs once in a child process
-under `ncu --set full --clock-control none` (the card's clocks are left alone). Every launch of the child is
-profiled (the input set-up's XLA kernels too: they are short); the report's details and raw pages go to
+under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU launches
+(KERNELS) with the SECTIONS below; the report's details and raw pages go to
 DIR/<spec>.txt and .csv (default $OUT/ncu, packed into $OUT/ncu.tar.gz, since the device tool brings back at most 8
 files), and the printed table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of
 peak), L2 hit rate, achieved occupancy, cycles per issued instruction and the warp stall reasons that dominate.
@@ -34,6 +34,8 @@ DEFAULT = (
 )
 COLUMNS = {  # printed name: the raw metric (the first of these names that the report has)
     "us": ("gpu__time_duration.sum",),
+    "SM GHz": ("smsp__cycles_elapsed.avg.per_second", "gpc__cycles_elapsed.avg.per_second"),
+    "DRAM TB/s": ("dram__bytes.sum.per_second",),
     "DRAM %": (
         "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -43,6 +45,10 @@ COLUMNS = {  # printed name: the raw metric (the first of these names that the r
     "occupancy %": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
     "cycles/issue": ("smsp__average_warp_latency_per_inst_issued.ratio",),
 }
+# Only the Mosaic GPU kernels (their host functions are "<name>_mosaic_gpu"), and sections without source-level
+# sampling: `--set full` over every launch of a child (the inputs' XLA kernels too) ran past 140 s per kernel.
+KERNELS = "mosaic"
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats", "SchedulerStats")
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
@@ -54,7 +60,8 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
     if head is None:
         return []
     names, units = rows[head], rows[head + 1]
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
+    per_second = {"Tbyte/s": 1.0, "Gbyte/s": 1e-3, "Mbyte/s": 1e-6, "Ghz": 1.0, "Mhz": 1e-3, "hz": 1e-9}
     out = []
     for r in rows[head + 2 :]:
         if len(r) != len(names):
@@ -62,10 +69,10 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
         d = dict(zip(names, r, strict=True))
         u = dict(zip(names, units, strict=True))
 
-        def num(metrics, d=d):
+        def num(metrics, d=d, u=u):  # TB/s and GHz whatever unit the report chose
             for m in (metrics,) if isinstance(metrics, str) else metrics:
                 try:
-                    return float(d[m].replace(",", ""))
+                    return float(d[m].replace(",", "")) * per_second.get(u[m], 1.0)
                 except (KeyError, ValueError):
                     continue
             return None
@@ -79,7 +86,7 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
         row = {"kernel": d["Kernel Name"][:40], "us": round(us, 1)}
         for label, metric in list(COLUMNS.items())[1:]:
             v = num(metric)
-            row[label] = "" if v is None else round(v, 1)
+            row[label] = "" if v is None else round(v, 2 if label in ("SM GHz", "DRAM TB/s") else 1)
         stalls = [(num(m), STALL.match(m).group(1)) for m in names if STALL.match(m)]
         stalls = sorted(((v, n) for v, n in stalls if v), reverse=True)[:top]
         row["top stalls (warps per issue)"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls)
@@ -101,15 +108,17 @@ def profile(spec: str, out: Path, ncu: str, min_us: float, timeout: float) -> li
     name = spec.replace(":", "_")
     rep = out / f"{name}.ncu-rep"
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    cmd = [ncu, "--set", "full", "--clock-control", "none", "--target-processes", "all", "-f", "-o", str(rep)]
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", f"regex:{KERNELS}"]
+    cmd += [a for s in SECTIONS for a in ("--section", s)] + ["-f", "-o", str(rep)]
     child = [sys.executable, "-m", "pallas_kernels.bench.ptx", "--one", spec]
-    try:
-        r = subprocess.run(cmd + child, env=env, capture_output=True, text=True, check=False, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [(spec, {"kernel": f"ncu ran past {timeout:.0f} s"})]
-    (out / f"{name}.log").write_text(r.stdout + r.stderr)
+    log = out / f"{name}.log"
+    with log.open("w") as f:  # written as it runs, so a timeout leaves what ncu said
+        try:
+            r = subprocess.run(cmd + child, env=env, stdout=f, stderr=subprocess.STDOUT, check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [(spec, {"kernel": f"ncu ran past {timeout:.0f} s: {log.read_text()[-300:]!r}"})]
     if r.returncode or not rep.exists():
-        return [(spec, {"kernel": f"ncu exit {r.returncode}: {(r.stderr or r.stdout)[-200:]!r}"})]
+        return [(spec, {"kernel": f"ncu exit {r.returncode}: {log.read_text()[-300:]!r}"})]
     details = subprocess.run([ncu, "--import", str(rep), "--page", "details"], capture_output=True, text=True)
     (out / f"{name}.txt").write_text(details.stdout)
     raw = subprocess.run([ncu, "--import", str(rep), "--page", "raw", "--csv"], capture_output=True, text=True)

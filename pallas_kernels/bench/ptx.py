@@ -80,11 +80,13 @@ def run_one(spec: str) -> None:
         from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
 
         act, fused, shape = rest
-        w, x, gs = _problem(*map(int, shape.split("x")))  # the bench's weights, tokens and routing
+        dims = tuple(map(int, shape.split("x")))
+        w, x, gs = _problem(*dims)  # the bench's weights, tokens and routing
         q4 = quant.quantize(w, 4, "bf16")
         a = {"w4a8": "int8", "w4a16": "bf16"}[act]
-        if fused == "fused":
-            y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (q4.q, q4.scale), gs, act=a)
+        if fused == "fused":  # up's weights differ from gate's (the same twice would be half read from L2)
+            u4 = quant.quantize(_problem(*dims, seed=1)[0], 4, "bf16")
+            y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (u4.q, u4.scale), gs, act=a)
         else:
             y = int4_ragged_dot(x, q4.q, q4.scale, gs, act=a)
         jax.block_until_ready(y)
