@@ -1,7 +1,7 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
     python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,...] [--reps 20]
-                                       [--versions 3,4] [--device-time] [--rounds N]
+                                       [--versions 3,4] [--device-time | --kernel-time] [--rounds N]
 
 H=128, C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
@@ -11,7 +11,10 @@ call), `int8t` the proposed token-minor [P, 2, page] (no per-call pass).
 
 Bandwidth is cache bytes actually read (sum of lengths x (c_kv + k_pe), plus 8 bytes of scales per int8 token) over
 the time. Times are the mean of `reps` back-to-back calls with one sync at the end (device time plus launch gaps; a
-per-call sync would add the host round trip, tens of us, which swamped the batch-1 rows of the first run). The
+per-call sync would add the host round trip, tens of us, which swamped the batch-1 rows of the first run);
+--device-time chains the calls in one jitted loop (about 18 us a call of that is the loop's own, measured
+2026-11-30), --kernel-time sums the kernel records of a profiler trace (the GPU's kernels alone, as FlashInfer's
+CUDA events see its kernels plus their launch gaps). The
 ceilings are measured in the same run: torch's device-to-device copy (read + write) and XLA's int8 and bf16 matmul
 rates. The kernel is checked against the reference on the device before it is timed (rel = ||out - ref|| / ||ref||).
 FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the same shapes and lengths with its own
@@ -44,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import device_timer, header, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import device_timer, header, kernel_times, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -302,13 +305,17 @@ def table_row(row, copy_bw) -> str:
     )
 
 
-def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, rounds=1):
+def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, rounds=1, kernels=False):
     """device: time on the device alone (hcfjax.bench.common.device_time: calls chained in one jitted loop, no
-    host dispatch per call, as FlashInfer's CUDA-event timing); else calls dispatched back to back. rounds > 1: each
+    host dispatch per call, as FlashInfer's CUDA-event timing); kernels: the GPU's kernel time, from a profiler
+    trace's kernel records summed per call (kernel_times: device_time's loop adds about 18 us a call, which matters at
+    small batches); else calls dispatched back to back. rounds > 1: each
     case's kernel rows are timed that many times, interleaved (every version, then every version again), and keep
     their best; the rows are printed again after the last round."""
 
     def again(fn, *args):  # a timer of fn(*args) to call once per round (device_timer compiles its loops once)
+        if kernels:
+            return lambda: sum(kernel_times(fn, *args, reps=reps).values())
         return device_timer(fn, *args, reps=reps) if device else lambda: timed_async(fn, *args, reps=reps)
 
     def timer(fn, *args):  # one measurement
@@ -318,7 +325,10 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
     i8 = int8_matmul_ops()
     bf = matmul_flops()
     print(header())
-    print("times: " + ("on the device alone (device_time)" if device else "calls dispatched back to back"), flush=True)
+    how = "calls dispatched back to back"
+    how = "on the device alone (device_time)" if device else how
+    how = "the GPU's kernels alone (kernel_times: a profiler trace's kernel records)" if kernels else how
+    print("times: " + how, flush=True)
     print(
         f"ceilings: copy {copy_bw / 1e12 if copy_bw else float('nan'):.2f} TB/s (torch copy_, read+write), "
         f"int8 matmul {i8 / 1e12:.0f} TOP/s, bf16 matmul {bf / 1e12:.0f} TFLOP/s (XLA, 8192^3)",
@@ -405,6 +415,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--device-time", action="store_true", help="time on the device alone (no per-call dispatch)")
+    ap.add_argument("--kernel-time", action="store_true", help="time the GPU's kernels alone (a profiler trace)")
     ap.add_argument(
         "--versions",
         default="",
@@ -420,7 +431,7 @@ def main():
     if len(versions) > 1 or versions != (None,):
         versions = tuple(v for v in versions if v in ("3", "3n") or preflight(v))
     cases = [parse_case(c) for c in args.cases.split(",")]
-    bench(cases, args.reps, not args.no_flashinfer, versions, args.device_time, args.rounds)
+    bench(cases, args.reps, not args.no_flashinfer, versions, args.device_time, args.rounds, args.kernel_time)
 
 
 if __name__ == "__main__":
