@@ -215,14 +215,21 @@ class _Ctx:
 
         plgpu.wait_smem_to_gmem(0)
 
-    def issue(self, i, slot, p: int, scales: bool):
+    def pages(self, i):
+        """Where block i lies: (page, offset) in the cache and, int8, in the scales' table. Global loads: the v3
+        loader reads them before it waits for the slot, so their latency overlaps the wait instead of following it
+        (ncu's dominant stall in this kernel was long_scoreboard, NOTES.md)."""
+        return self.page(i, self.ins["pt"]), self.page(i, self.ins["pts"]) if self.spec.quant else None
+
+    def issue(self, i, slot, p: int, scales: bool, where=None):
         """Starts loading part p of the unit's block i into `slot`: a TMA into the part (bf16 caches) or into its int8
-        twin, plus, with `scales`, the block's int8 scales."""
+        twin, plus, with `scales`, the block's int8 scales. `where`: the block's `pages(i)`, if already read."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         col, w = self.spec.part(p)
-        page, off = self.page(i, self.ins["pt"])
+        where = where or self.pages(i)
+        page, off = where[0]
         src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
         if not self.spec.quant:
             dst, bar = self.parts[p].at[slot], self.bars["full"].at[slot * 3 + p]
@@ -230,7 +237,7 @@ class _Ctx:
             dst, bar = self.i8[p].at[slot, 0], self.bars["i8"].at[slot * 3 + p]
         plgpu.copy_gmem_to_smem(src, dst, bar, collective_axes=self.spec.collective())
         if scales and self.spec.quant:
-            page, off = self.page(i, self.ins["pts"])
+            page, off = where[1]
             sc = self.ins["sc"].at[page, :, pl.ds(off, BLOCK_KV)]
             plgpu.copy_gmem_to_smem(
                 sc, self.scales.at[slot], self.bars["sc"].at[slot], collective_axes=self.spec.collective()
@@ -382,13 +389,14 @@ def _v3(ctx: _Ctx, wg, active):
         @pl.loop(0, ctx.n_steps)
         def _(i):
             slot = lax.rem(i, 2)
+            where = ctx.pages(i)  # before the wait: the page-table loads overlap it
 
             @pl.when(i >= 2)
             def _():
                 plgpu.barrier_wait(bars["consumed"].at[slot])
 
             for p in (A, B, R):
-                ctx.issue(i, slot, p, scales=p == A)
+                ctx.issue(i, slot, p, scales=p == A, where=where)
             ctx.prefetch(i + 1)
             for p in (A, B, R):
                 ctx.finish(slot, p, scales=p == A)
