@@ -81,6 +81,9 @@ class Tiling:
     # partial that the wrapper sums (decode: more CTAs, so more loads in flight, where one K loop per tile is too few)
     unpack_first: bool = True  # w4a8: unpack every tile of a step before its first wgmma; False: each tile just before
     # its own wgmmas, the order before 2026-11-30, which ptxas serialised (kept for the bench's comparison)
+    persistent: int = 0  # w4a8: a grid of this many CTAs per SM, each walking its share of the (token block, N tile)
+    # work items in one pipeline, so the next item's loads overlap this one's last steps and no CTA is launched for
+    # an unused block (0: one CTA per work item, the grid over N tiles and token blocks; `_persistent`)
 
     @property
     def tiles(self) -> int:
@@ -106,23 +109,29 @@ def _transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
 
 
-def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *refs):
+def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int, gs_ref, *refs):
     """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
     gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
     and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs). ksteps: pipeline steps
     of one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials
-    [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first)."""
+    [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). n_ctas: the grid of a
+    persistent tiling (`_persistent`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, *rest = refs[2 * nw :]
     xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
-    xs_smem, xs_bar, *rest = rest if act == "int8" else (None, None, *rest)
+    if t.persistent:  # the output tile and the CTA's work items, in smem (`_persistent`)
+        o_tile, items, *rest = rest
+    else:
+        xs_smem, xs_bar, *rest = rest if act == "int8" else (None, None, *rest)
     a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
-    ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
-    e, tile, off, count = block_info([gs_ref[i] for i in range(n_experts)], mi, m, t.bm)
-    tile = pl.multiple_of(tile, ROW_ALIGN)
+    sizes = [gs_ref[i] for i in range(n_experts)]
+    if not t.persistent:
+        ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
+        e, tile, off, count = block_info(sizes, mi, m, t.bm)
+        tile = pl.multiple_of(tile, ROW_ALIGN)
     half, chunks = g // 2, g // 2 // KC
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile
@@ -196,7 +205,8 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
         (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
     )
     in_specs = [w_spec, s_spec] * nw + [x_spec]
-    operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+    if not t.persistent:
+        operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
     pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
 
     partial = t.splits > 1
@@ -204,8 +214,11 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
     o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
     n_cols = o_gmem.shape[1] // n_out  # N
 
-    def store(accs):  # out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N]
-        def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled; allocated after the pipeline, in its buffers
+    def store(accs, ni, tile, off, count, o_tile=None):
+        """out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N], through o_tile or a
+        tile allocated after the pipeline, in its buffers."""
+
+        def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled
             for i in range(n_out):
                 for h, out in enumerate(accs[i * t.tiles : (i + 1) * t.tiles]):
                     if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
@@ -228,7 +241,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
                 start, rows = start + (count & rows), rows // 2
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
+        if o_tile is not None:
+            scope(o_tile)
+        else:
+            pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
+
+    if t.persistent:
+        _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g)
+        return
 
     @pl.when(jnp.logical_and(e >= 0, e < n_experts))
     def _():
@@ -251,11 +271,88 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, gs_ref, *re
             accs = tuple(a * xs for a in accs)
         if nw == 2 and not partial:  # silu(gate) * up, in f32
             accs = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[: t.tiles], accs[t.tiles :], strict=True)]
-        store(accs)
+        store(accs, ni, tile, off, count)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
-        store([plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)] * t.tiles * n_out)
+        zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+        store([zero] * t.tiles * n_out, ni, tile, off, count)
+
+
+MAX_ITEMS = 32  # work items a persistent CTA may take (their block_info is computed once, unrolled, at its start)
+
+
+def persistent_items(m: int, n: int, e: int, t: Tiling, n_ctas: int) -> int:
+    """A static bound on one persistent CTA's work items: (token blocks x N tiles) over the grid's CTAs."""
+    return -(-num_blocks(m, e, t.bm) * (n // t.bn) // n_ctas)
+
+
+def _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g):
+    """The w4a8 kernel's persistent schedule (Tiling.persistent). CTA c takes the work items c, c + n_ctas, ... of
+    (token block, N tile), N tile fastest, blocks [0, blocks_used) only, and runs one pipeline over (its items x K
+    steps): the next item's first loads are in flight while this item's last steps compute, and no CTA is started
+    for an unused block (the tile grid launches one per block bound `num_blocks`, about half of them empty in
+    decode, each reading the group sizes before it can exit). Each item's `block_info` and N tile are computed once
+    into `items` [5, n] int32 (smem), which the pipeline's index maps read. Every step also loads the item's token
+    scales (a [bm] block rounded up to 128 bytes, at the token tile's row); at an item's last step the accumulators
+    times them go out through o_tile, and the accumulators restart at zero."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
+    x_ref, xs_ref = refs[2 * nw], refs[2 * nw + 1]
+    c, n_tiles = lax.axis_index("c"), n_cols // t.bn
+    count = jnp.maximum(lax.div(blocks_used(sizes, m, t.bm) * n_tiles - c + (n_ctas - 1), jnp.int32(n_ctas)), 0)
+    expert, tile, off, rows, ntile = range(5)  # the fields of `items`
+    for j in range(items.shape[1]):
+        item = c + j * n_ctas
+        info = block_info(sizes, lax.div(item, jnp.int32(n_tiles)), m, t.bm) + (lax.rem(item, jnp.int32(n_tiles)),)
+        for f, v in enumerate(info):
+            items[f, j] = v
+    plgpu.commit_smem()
+
+    def weights(j):  # group E (rows past sum(group_sizes)) loads the last expert's weights and stores zeros
+        return jnp.minimum(items[expert, j], n_experts - 1)
+
+    def at_tile(j):
+        return pl.multiple_of(items[tile, j], ROW_ALIGN)
+
+    half = g // 2
+    w_spec = plgpu.BlockSpec(
+        (None, t.bn, t.gps * half), lambda j, k: (weights(j), items[ntile, j], k), transforms=_transforms(KC, 1)
+    )
+    s_spec = plgpu.BlockSpec((None, t.gps, t.bn), lambda j, k: (weights(j), k, items[ntile, j]))
+    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda j, k: (at_tile(j), k), transforms=_transforms(KC, 1))
+    xs_spec = plgpu.BlockSpec((pl.Element(_xs_block(t.bm)),), lambda j, k: (at_tile(j),))
+    col = plgpu.Layout.WGMMA.reduce(0)
+
+    def body(idx, *smems_and_carry):
+        *smems, xs_smem, accs = smems_and_carry
+        j, k = idx
+        accs = int8_step(idx, *smems, accs)
+        last = k == ksteps - 1
+
+        @pl.when(last)
+        def _():
+            xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col), (BN, t.bm), [1])
+            keep = (items[expert, j] < n_experts).astype(jnp.float32)  # group E: zeros
+            out = [a * xs * keep for a in accs]
+            if nw == 2:  # silu(gate) * up, in f32
+                out = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(out[: t.tiles], out[t.tiles :], strict=True)]
+            store(out, items[ntile, j], at_tile(j), items[off, j], items[rows, j], o_tile)
+
+        restart = jnp.where(last, 0.0, 1.0).astype(jnp.float32)
+        return tuple(a * restart for a in accs)
+
+    operands = [r for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref, xs_ref]
+    zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.emit_pipeline(
+        body,
+        grid=(count, ksteps),
+        in_specs=[w_spec, s_spec] * nw + [x_spec, xs_spec],
+        max_concurrent_steps=t.stages,
+        init_carry=(zero,) * (nw * t.tiles),
+    )(*operands)
 
 
 def block_info(sizes, b, m: int, bm: int):
@@ -267,20 +364,33 @@ def block_info(sizes, b, m: int, bm: int):
     A loop over the E + 1 groups with selects (about 15 scalar ops each): every CTA computes its own block in a
     fraction of a microsecond, so no XLA pass runs before the kernel."""
     expert = tile = first_row = end_row = jnp.zeros_like(b) - 1
+    for i, first, end, base, nb, bend in _group_blocks(sizes, m, bm):
+        hit = (bend <= b) & (b < bend + nb)
+        expert = jnp.where(hit, i, expert)
+        tile = jnp.where(hit, base + (b - bend) * bm, tile)
+        first_row, end_row = jnp.where(hit, first, first_row), jnp.where(hit, end, end_row)
+    lo, hi = jnp.maximum(tile, first_row), jnp.minimum(tile + bm, end_row)
+    expert = jnp.where(hi > lo, expert, -1)
+    return expert, jnp.maximum(tile, 0), lo - tile, jnp.maximum(hi - lo, 0)
+
+
+def _group_blocks(sizes, m: int, bm: int):
+    """Per group (the E experts, then the rows past their sum): (group, first row, end row, the 8-aligned row its
+    blocks start from, its blocks, the blocks of the groups before it)."""
     cs = bend = jnp.int32(0)
     for i in range(len(sizes) + 1):
         size = jnp.maximum(sizes[i], 0) if i < len(sizes) else jnp.maximum(m - cs, 0)  # group E: rows past the sum
         first, end = jnp.minimum(cs, m), jnp.minimum(cs + size, m)  # the group's rows, clipped to x's
         base = lax.div(first, jnp.int32(ROW_ALIGN)) * ROW_ALIGN
         nb = jnp.where(end > first, lax.div(end - base + bm - 1, jnp.int32(bm)), 0)
-        hit = (bend <= b) & (b < bend + nb)
-        expert = jnp.where(hit, i, expert)
-        tile = jnp.where(hit, base + (b - bend) * bm, tile)
-        first_row, end_row = jnp.where(hit, first, first_row), jnp.where(hit, end, end_row)
+        yield i, first, end, base, nb, bend
         cs, bend = cs + size, bend + nb
-    lo, hi = jnp.maximum(tile, first_row), jnp.minimum(tile + bm, end_row)
-    expert = jnp.where(hi > lo, expert, -1)
-    return expert, jnp.maximum(tile, 0), lo - tile, jnp.maximum(hi - lo, 0)
+
+
+def blocks_used(sizes, m: int, bm: int):
+    """How many token blocks the group sizes use: blocks [0, blocks_used) are the groups' (`block_info`), the rest
+    unused."""
+    return sum(nb for *_, nb, _ in _group_blocks(sizes, m, bm))
 
 
 def num_blocks(m: int, e: int, bm: int) -> int:
@@ -308,7 +418,15 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
     (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers. The
     output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight."""
     out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
+    if t.persistent:  # the output tile beside the pipeline, whose steps also carry the token scales
+        return t.stages * (_stage_bytes(act, t, g, nw) + 4 * _xs_block(t.bm)) + out + 1024
     return max(t.stages * _stage_bytes(act, t, g, nw), out) + _fixed_bytes(act, t, g, nw)
+
+
+def _xs_block(bm: int) -> int:
+    """Token scales per pipeline step of the persistent kernel: [bm] f32 rounded up to 128 bytes (each stage's TMA
+    destination must be 128-byte aligned)."""
+    return -(-bm // 32) * 32
 
 
 def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
@@ -440,6 +558,8 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
         raise ValueError(f"gps={t.gps} x splits={t.splits} must divide the {k_groups} K groups; stages={t.stages} >= 1")
     if interpret and t.a_regs:
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
+    if t.persistent and (act != "int8" or t.splits != 1):
+        raise ValueError(f"{t}: a persistent tiling is w4a8's, without split-K")
     if smem_bytes(act, t, g, nw) > SMEM_LIMIT:
         raise ValueError(f"{t}: {smem_bytes(act, t, g, nw)} B of smem > {SMEM_LIMIT}")
 
@@ -470,15 +590,23 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
         if t.splits == 1
         else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
     )
+    if t.persistent:  # interpret mode: t.persistent CTAs in all
+        sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS  # (SMS: lowering for sm_90 here)
+        n_ctas = t.persistent * (1 if interpret else sms)
+        n_items = persistent_items(m, n, e, t, n_ctas)
+        if n_items > MAX_ITEMS:
+            raise ValueError(f"{t}: {n_items} work items per CTA > {MAX_ITEMS}: a persistent tiling is for decode")
+        grid, names = (n_ctas,), ("c",)
+        fixed = [plgpu.SMEM((1, t.bm, t.bn), jnp.bfloat16), plgpu.SMEM((5, n_items), jnp.int32)]
+    else:
+        n_ctas, grid, names = 0, (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
+        fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline),
+        functools.partial(_kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, n_ctas),
         out_type=out_type,
-        grid=(n // t.bn, num_blocks(m, e, t.bm), t.splits),
-        grid_names=("n", "m", "k"),
-        scratch_types=(
-            *([plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []),
-            *([] if t.a_regs else [a_smem]),
-        ),
+        grid=grid,
+        grid_names=names,
+        scratch_types=(*fixed, *([] if t.a_regs else [a_smem])),
     )
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
@@ -506,7 +634,7 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
         args += [lax.bitcast_convert_type(q, jnp.int8), scale]
     if act == "int8":
         xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32
-        args += [jnp.pad(xq, pad), jnp.pad(xs, (0, bm + ROW_ALIGN))]
+        args += [jnp.pad(xq, pad), jnp.pad(xs, (0, _xs_block(bm) + ROW_ALIGN))]
     else:
         args.append(jnp.pad(x, pad))
     return args

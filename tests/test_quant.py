@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import json.decoder
@@ -208,7 +209,7 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
     """The kernel stores, per block, rows [tile + off, tile + off + count) of its expert's product (zeros for expert
     E, rows past the groups); so every row must belong to exactly one block, of its own group, within the block's
     bm-row tile, and each tile must start at a multiple of 8 rows (the TMA of an 8-row-tiled smem buffer)."""
-    from pallas_kernels.moe_int4 import ROW_ALIGN, block_table
+    from pallas_kernels.moe_int4 import ROW_ALIGN, block_table, blocks_used
 
     e = len(sizes)
     t = np.asarray(block_table(jnp.array(sizes, jnp.int32), m, bm))
@@ -222,6 +223,8 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
         assert (owner[rows] == expert[b]).all()
         seen[rows] += 1
     assert (seen == 1).all()
+    used_n = int(blocks_used([jnp.int32(v) for v in sizes], m, bm))  # the persistent kernel's work: blocks [0, n)
+    assert used[:used_n].all() and not used[used_n:].any()
 
 
 def test_unpack_bit_tricks_give_the_nibbles():
@@ -331,6 +334,64 @@ def test_gated_kernel_matches_reference_interpret(act):
         np.testing.assert_array_equal(np.asarray(yq, np.float32), y)
 
 
+@pytest.mark.usefixtures("_reset_interpreter")
+def test_persistent_kernel_matches_reference_interpret():
+    """w4a8 with persistent CTAs (Tiling.persistent): each CTA walks several (token block, N tile) items in one
+    pipeline, the accumulators restarting at each item's end. More items than CTAs, items that start off the 8-row
+    grid, rows past sum(group_sizes) (zeros), more CTAs than items (CTAs with none), and the gated kernel; exact
+    against the tile grid's kernel."""
+    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
+
+    cases = [(256, 128, [5, 0, 20, 3], Tiling(16, 64, 2, persistent=3)), (128, 64, [70, 1, 0, 9], Tiling(48, 64, 3))]
+    cases += [(128, 64, [3, 2], Tiling(16, 64, 2, persistent=8))]
+    for k, n, sizes, t in cases:
+        t = dataclasses.replace(t, a_regs=False, inline=False, persistent=t.persistent or 2)
+        e, m = len(sizes), sum(sizes) + 3
+        w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
+        x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+        gs = jnp.array(sizes, jnp.int32)
+        qw = quant.quantize(w, 4, "int8")
+        grid = dataclasses.replace(t, persistent=0)
+        y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=t), np.float32)
+        ref = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=grid), np.float32)
+        np.testing.assert_array_equal(y, ref)
+        exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+        np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
+        assert not y[sum(sizes) :].any()
+    k, n, sizes = 256, 128, [9, 0, 30]
+    qg, qu = (
+        quant.quantize(jax.random.normal(kk, (3, k, n)) / 4, 4, "int8") for kk in jax.random.split(jax.random.key(7))
+    )
+    x = jax.random.normal(jax.random.key(2), (sum(sizes) + 2, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    t = Tiling(16, 64, 2, a_regs=False, inline=False, persistent=3)
+    run = lambda t: np.asarray(  # noqa: E731
+        int4_gated_ragged_dot(x, (qg.q, qg.scale), (qu.q, qu.scale), gs, act="int8", interpret=True, tiling=t)
+    )
+    np.testing.assert_array_equal(run(t), run(dataclasses.replace(t, persistent=0)))
+
+
+def test_persistent_tiling_is_checked():
+    """A persistent tiling is w4a8's and for decode: w4a16, split-K and more work items per CTA than it takes are
+    refused before any kernel is built."""
+    from pallas_kernels.moe_int4 import MAX_ITEMS, Tiling, int4_ragged_dot, persistent_items
+
+    x, q, sc, gs = (
+        jnp.zeros((64, 256), jnp.bfloat16),
+        jnp.zeros((4, 128, 128), jnp.uint8),
+        jnp.ones((4, 2, 128)),
+        jnp.full((4,), 16, jnp.int32),
+    )
+    with pytest.raises(ValueError, match="w4a8's, without split-K"):
+        int4_ragged_dot(x, q, sc, gs, act="bf16", tiling=Tiling(16, 64, 2, persistent=1), interpret=True)
+    with pytest.raises(ValueError, match="w4a8's, without split-K"):
+        int4_ragged_dot(x, q, sc, gs, act="int8", tiling=Tiling(16, 64, 1, splits=2, persistent=1), interpret=True)
+    big = Tiling(16, 64, 2, a_regs=False, inline=False, persistent=1)
+    assert persistent_items(4096, 128, 4, big, 1) > MAX_ITEMS
+    with pytest.raises(ValueError, match="work items per CTA"):
+        int4_ragged_dot(jnp.zeros((4096, 256), jnp.bfloat16), q, sc, gs, act="int8", tiling=big, interpret=True)
+
+
 def test_experts_quantise_tokens_before_gathering_their_copies():
     """w4a8 experts: moe.experts quantises the N tokens and gathers their top-k copies as int8 (x_q); per-row
     quantisation commutes with the gather, so the output is exactly that of gathering bf16 rows and quantising them."""
@@ -434,6 +495,30 @@ def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act):
     assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act, tiling=t), *args)
 
 
+@pytest.mark.parametrize("nw", [1, 2])
+def test_persistent_kernel_lowers_for_hopper(nw):
+    """The persistent w4a8 kernel (the GPU's path: unpacking inline, A in registers) at the down and gate/up
+    projections' decode shapes: the items table's scalar stores and reads, the dynamic pipeline grid and the per-step
+    token-scale block lower for sm_90 within the smem limit."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
+
+    e, m, k, n = (16, 128, 2048, 7168) if nw == 1 else (16, 128, 7168, 2048)
+    s = jax.ShapeDtypeStruct
+    x, gs, w = (
+        s((m, k), jnp.bfloat16),
+        s((e,), jnp.int32),
+        (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32)),
+    )
+    t = Tiling(16, 128, 5 if nw == 1 else 2, gps=2, persistent=2)
+    if nw == 1:
+        f = lambda x, w, gs: int4_ragged_dot(x, *w, gs, act="int8", tiling=t)  # noqa: E731
+        assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs)
+    else:
+        f = lambda x, w, gs: int4_gated_ragged_dot(x, w, w, gs, act="int8", tiling=t)  # noqa: E731
+        assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs)
+
+
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_lowers_for_hopper(act):
     from pallas_kernels.cross_lower import lower_for_hopper
@@ -473,15 +558,17 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     s = jax.ShapeDtypeStruct
     x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
-    for bm, bn, gps in [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]:
-        t = Tiling(bm, bn, 2, gps)
+    shapes = [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]
+    for bm, bn, gps, persistent in [(*b, 0) for b in shapes] + [(*b, 2) for b in shapes[:3] if act == "int8"]:
+        t = Tiling(bm, bn, 2, gps, persistent=persistent)  # persistent: the token scales pipelined too
         if nw == 1:
             lower_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
         else:
             lower_for_hopper(lambda x, w, gs, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t), x, w, gs)
     assert seen
     for shape, dtype in seen:
-        rows = [getattr(d, "block_size", d) for d in shape]  # pl.Element(bm): the token tile at a row offset
+        rows = [getattr(d, "block_size", d) or 1 for d in shape]  # pl.Element(bm): a tile at a row offset; None:
+        # a squeezed dimension (the persistent kernel's expert)
         assert np.prod(rows) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
 
 

@@ -62,7 +62,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     SM); otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or
     with the same ones (more CTAs per SM), 64-row token blocks. Then the default tiling with A through smem (nw = 1:
     what the registers path gains) and, for w4a8, with each tile unpacked just before its wgmmas (what unpacking a
-    step's tiles first gains)."""
+    step's tiles first gains) and, in decode, as persistent CTAs (Tiling.persistent: 1 or 2 per SM)."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -76,6 +76,10 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
+    if act == "int8" and d.bm <= 32:  # persistent CTAs (1 or 2 per SM, stages sized for that), no split-K
+        out += [
+            dataclasses.replace(default_tiling(act, m, n, kg, e, nw, ctas=c, splits=1), persistent=c) for c in (1, 2)
+        ]
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
@@ -159,6 +163,7 @@ def _short(t) -> str:
     gps += f" split-K {t.splits}" if t.splits > 1 else ""
     via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
     via += "" if t.unpack_first else " unpacked per tile"
+    via += f" persistent x{t.persistent}" if t.persistent else ""
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
