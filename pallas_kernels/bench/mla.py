@@ -13,8 +13,8 @@ Bandwidth is cache bytes actually read (sum of lengths x (c_kv + k_pe), plus 8 b
 the time. Times are the mean of `reps` back-to-back calls with one sync at the end (device time plus launch gaps; a
 per-call sync would add the host round trip, tens of us, which swamped the batch-1 rows of the first run);
 --device-time chains the calls in one jitted loop (about 18 us a call of that is the loop's own, measured
-2026-11-30), --kernel-time sums the kernel records of a profiler trace (the GPU's kernels alone, as FlashInfer's
-CUDA events see its kernels plus their launch gaps). The
+2026-11-30; FlashInfer's CUDA events see its kernels plus their launch gaps); --kernel-time sums the kernel records
+of a profiler trace, ours through jax.profiler and FlashInfer's through torch's, the GPU's kernels alone. The
 ceilings are measured in the same run: torch's device-to-device copy (read + write) and XLA's int8 and bf16 matmul
 rates. The kernel is checked against the reference on the device before it is timed (rel = ||out - ref|| / ||ref||).
 FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the same shapes and lengths with its own
@@ -226,8 +226,10 @@ def run_checks(versions=(None,), quick=False) -> bool:
     return not bad
 
 
-def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64):
-    """Seconds per call of FlashInfer's MLA decode on the same shape and lengths (its own random data), or None."""
+def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, kernels=False):
+    """Seconds per call of FlashInfer's MLA decode on the same shape and lengths (its own random data), or None:
+    CUDA events around `reps` calls (kernels plus launch gaps), or with `kernels` the summed kernel times of a torch
+    profiler trace (what --kernel-time measures of ours)."""
     try:
         import flashinfer
         import torch
@@ -266,6 +268,8 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64):
             )
             w.run(q_nope, q_pe, ckv, kpe)
             torch.cuda.synchronize()
+            if kernels:
+                return _torch_kernel_seconds(lambda w=w: w.run(q_nope, q_pe, ckv, kpe), reps)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
@@ -276,6 +280,19 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64):
         except Exception as e:  # noqa: BLE001 (fa3 needs sm_90 and a matching build; try auto)
             print(f"flashinfer backend {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return None
+
+
+def _torch_kernel_seconds(fn, reps: int) -> float:
+    """GPU kernel seconds per call of fn() from a torch profiler trace (the CUDA events' kernel records summed)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+    return total_us * 1e-6 / reps
 
 
 def parse_case(text):
@@ -361,7 +378,11 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             tp = timer(plan_fn, lengths)
             plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
-            tf = flashinfer_time(np.asarray(lengths), context, reps) if use_flashinfer and dtype == "bf16" else None
+            tf = (
+                flashinfer_time(np.asarray(lengths), context, reps, kernels=kernels)
+                if use_flashinfer and dtype == "bf16"
+                else None
+            )
         except Exception as e:  # noqa: BLE001 (report the case, go on)
             print(f"{dtype}:{batch}x{context}:{kind}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
             if "CUDA" in str(e):
