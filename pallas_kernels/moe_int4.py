@@ -325,6 +325,10 @@ def _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step
     x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda j, k: (at_tile(j), k), transforms=_transforms(KC, 1))
     xs_spec = plgpu.BlockSpec((pl.Element(_xs_block(t.bm)),), lambda j, k: (at_tile(j),))
     col = plgpu.Layout.WGMMA.reduce(0)
+    zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+
+    def tile_of(flag):  # a scalar predicate as an accumulator-shaped one (Mosaic's select does not broadcast)
+        return plgpu.layout_cast(jnp.broadcast_to(flag, (BN, t.bm)), plgpu.Layout.WGMMA)
 
     def body(idx, *smems_and_carry):
         *smems, xs_smem, accs = smems_and_carry
@@ -335,17 +339,16 @@ def _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step
         @pl.when(last)
         def _():
             xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col), (BN, t.bm), [1])
-            keep = (items[expert, j] < n_experts).astype(jnp.float32)  # group E: zeros
-            out = [a * xs * keep for a in accs]
+            keep = tile_of(items[expert, j] < n_experts)  # group E: zeros (selected: 0 x a non-finite row is NaN)
+            out = [jnp.where(keep, a * xs, zero) for a in accs]
             if nw == 2:  # silu(gate) * up, in f32
                 out = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(out[: t.tiles], out[t.tiles :], strict=True)]
             store(out, items[ntile, j], at_tile(j), items[off, j], items[rows, j], o_tile)
 
-        restart = jnp.where(last, 0.0, 1.0).astype(jnp.float32)
-        return tuple(a * restart for a in accs)
+        restart = tile_of(last)
+        return tuple(jnp.where(restart, zero, a) for a in accs)  # the next item starts from zero (finite or not)
 
     operands = [r for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref, xs_ref]
-    zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
     plgpu.emit_pipeline(
         body,
         grid=(count, ksteps),

@@ -358,6 +358,17 @@ def test_persistent_kernel_matches_reference_interpret():
         exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
         np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
         assert not y[sum(sizes) :].any()
+        if t.persistent == 3:  # (the case with more items than CTAs)
+            # Non-finite values stay where they are: rows past the groups still give zeros, and a NaN scale of one
+            # expert spoils only its rows (not the items a CTA takes after it, as multiplying by 0 to restart would)
+            x = x.at[sum(sizes) :].set(jnp.inf)
+            qw = quant.QWeight(qw.q, qw.scale.at[0, 0, 0].set(jnp.nan), 4, "int8")
+            y, ref = (
+                np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=tt), np.float32)
+                for tt in (t, grid)
+            )
+            np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+            assert not y[sum(sizes) :].any() and np.isnan(y[: sizes[0]]).any()
     k, n, sizes = 256, 128, [9, 0, 30]
     qg, qu = (
         quant.quantize(jax.random.normal(kk, (3, k, n)) / 4, 4, "int8") for kk in jax.random.split(jax.random.key(7))
