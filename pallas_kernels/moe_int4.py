@@ -421,8 +421,13 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
     (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers. The
     output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight."""
     out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
-    if t.persistent:  # the output tile beside the pipeline, whose steps also carry the token scales
-        return t.stages * (_stage_bytes(act, t, g, nw) + 4 * _xs_block(t.bm)) + out + 1024
+    if t.persistent:  # every buffer its own (Mosaic aligns each to 1 KiB): the pipeline's, whose steps also carry
+        # the token scales, the output tile and the items table beside it
+        kib = lambda b: -(-b // 1024) * 1024  # noqa: E731
+        w, sc = t.stages * t.bn * t.gps * g // 2, t.stages * t.gps * t.bn * 4
+        x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
+        table = kib(5 * 4 * MAX_ITEMS)
+        return nw * (kib(w) + kib(sc)) + kib(x) + kib(xs) + kib(out) + table + _a_bytes(act, t, g, nw) + 1024
     return max(t.stages * _stage_bytes(act, t, g, nw), out) + _fixed_bytes(act, t, g, nw)
 
 
@@ -434,8 +439,12 @@ def _xs_block(bm: int) -> int:
 
 def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
     token_scales = -(-t.bm * 4 // 1024) * 1024 if act == "int8" else 0
-    a_tiles = 0 if t.a_regs else _a_tiles(t, g, nw) * BN * KC * (2 if act == "bf16" else 1)
-    return token_scales + a_tiles + 1024  # + barriers (Mosaic adds < 600 B)
+    return token_scales + _a_bytes(act, t, g, nw) + 1024  # + barriers (Mosaic adds < 600 B)
+
+
+def _a_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
+    """The smem for A operands without a_regs: one K chunk's tiles."""
+    return 0 if t.a_regs else _a_tiles(t, g, nw) * BN * KC * (2 if act == "bf16" else 1)
 
 
 def _a_tiles(t: Tiling, g: int, nw: int) -> int:

@@ -592,6 +592,9 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
         ("bf16", (80, 128, 3), 1),
         ("int8", (256, 256, 2), 1),
         ("int8", (128, 128, 2, {"splits": 2}), 2),  # split-K: the f32 partials of gate and up outgrow the stages
+        ("int8", (16, 128, 5, {"gps": 2, "persistent": 2}), 1),  # persistent: output tile and table beside them
+        ("int8", (16, 64, 2, {"persistent": 2}), 2),
+        ("int8", (32, 64, 3, {"persistent": 1, "a_regs": False}), 1),
     ],
 )
 def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):
@@ -667,12 +670,18 @@ def test_ncu_raw_parsing():
     assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
     assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
     assert parse_raw("no table here") == []
+    odd = text.replace('"usecond","%"', '"usecond","%"').replace(
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum.per_second"
+    )
+    odd = odd.replace('"","","usecond","%"', '"","","usecond","Kbyte/second"')
+    (row,) = parse_raw(odd, min_us=5.0)
+    assert row["DRAM TB/s"] == "? 71.5 Kbyte/second"  # a unit it does not know is shown, not scaled as TB/s
 
 
 def test_kernel_seconds_from_trace_planes():
-    """bench.moe --kernel-time's reading of a profiler trace: the GPU planes' stream lines summed per kernel name and
-    call; the "XLA Ops" line (the same time under the ops' names), host planes, copies and memsets left out; a plane
-    without stream lines falls back to its non-XLA lines. And kernel_times is empty on a backend without a GPU."""
+    """bench.moe --kernel-time's reading of a profiler trace: the GPU plane's stream lines summed per kernel name and
+    call; the "XLA Ops" line (the same time under the ops' names), host planes, copies and memsets left out. And
+    kernel_times is empty on a backend without a GPU."""
     from types import SimpleNamespace as NS
 
     import jax
@@ -692,9 +701,29 @@ def test_kernel_seconds_from_trace_planes():
     host = NS(name="/host:CPU", lines=[NS(name="python", events=[ev("fused_gemm", 1000)])])
     per = kernel_seconds([gpu, host], reps=2)
     assert per == pytest.approx({"fused_gemm": 72e-6, "quantize_fusion": 2e-6})
-    other = NS(
-        name="/device:GPU:1", lines=[NS(name="XLA Modules", events=[ev("jit_f", 9)]), NS(name="k", events=[ev("k", 3)])]
+    # Another device's plane with less kernel time is not added in (one call's time is one device's); a plane
+    # without stream lines gives nothing (its other lines repeat kernel time under op names)
+    other = NS(name="/device:GPU:1", lines=[NS(name="Stream #3(Compute)", events=[ev("fused_gemm", 20)])])
+    assert kernel_seconds([other, gpu, host], reps=2) == pytest.approx(per)
+    bare = NS(
+        name="/device:GPU:0",
+        lines=[NS(name="XLA Modules", events=[ev("jit_f", 9)]), NS(name="Framework Ops", events=[ev("k", 3)])],
     )
-    assert kernel_seconds([other]) == pytest.approx({"k": 3e-6})
+    assert kernel_seconds([bare]) == {}
     if jax.default_backend() == "cpu":
         assert kernel_times(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2) == {}
+
+
+def test_ncu_keeps_what_it_did_not_write(tmp_path):
+    """bench.ncu works in a fresh folder of its own under --out and removes only that: files already there stay
+    (an --out of the repository once would have been packed and deleted), and the archive holds its logs."""
+    import tarfile
+
+    from pallas_kernels.bench.ncu import main
+
+    (tmp_path / "keep.txt").write_text("mine")
+    main(["--out", str(tmp_path), "--ncu", "false", "--kernels", "mla:bf16"])  # an ncu that fails at once
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "ncu.tar.gz"]
+    with tarfile.open(tmp_path / "ncu.tar.gz") as tar:
+        assert tar.getnames() == ["ncu/mla_bf16.log"]

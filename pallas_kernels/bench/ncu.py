@@ -5,7 +5,7 @@
 Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN`) runs once in a child process
 under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU launches
 (KERNELS) with the SECTIONS below; the report's details and raw pages go to
-DIR/<spec>.txt and .csv (default $OUT/ncu, packed into $OUT/ncu.tar.gz, since the device tool brings back at most 8
+ncu/<spec>.txt and .csv in DIR/ncu.tar.gz (default DIR: $OUT; one archive, since the device tool brings back at most 8
 files), and the printed table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of
 peak), L2 hit rate, achieved occupancy, cycles per issued instruction and the warp stall reasons that dominate.
 
@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 DEFAULT = (
@@ -69,12 +70,15 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
         d = dict(zip(names, r, strict=True))
         u = dict(zip(names, units, strict=True))
 
-        def num(metrics, d=d, u=u):  # TB/s and GHz whatever unit the report chose
+        def num(metrics, d=d, u=u):  # TB/s and GHz whatever unit the report chose; "?" for a unit not known
             for m in (metrics,) if isinstance(metrics, str) else metrics:
                 try:
-                    return float(d[m].replace(",", "")) * per_second.get(u[m], 1.0)
+                    v = float(d[m].replace(",", ""))
                 except (KeyError, ValueError):
                     continue
+                if "/" in u[m] or u[m].lower().endswith("hz"):
+                    return v * per_second[u[m]] if u[m] in per_second else f"? {v} {u[m]}"
+                return v
             return None
 
         us = num(COLUMNS["us"])
@@ -86,7 +90,10 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
         row = {"kernel": d["Kernel Name"][:40], "us": round(us, 1)}
         for label, metric in list(COLUMNS.items())[1:]:
             v = num(metric)
-            row[label] = "" if v is None else round(v, 2 if label in ("SM GHz", "DRAM TB/s") else 1)
+            row[label] = (
+                v if v is None or isinstance(v, str) else round(v, 2 if label in ("SM GHz", "DRAM TB/s") else 1)
+            )
+            row[label] = "" if v is None else row[label]
         stalls = [(num(m), STALL.match(m).group(1)) for m in names if STALL.match(m)]
         stalls = sorted(((v, n) for v, n in stalls if v), reverse=True)[:top]
         row["top stalls (warps per issue)"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls)
@@ -129,19 +136,22 @@ def profile(spec: str, out: Path, ncu: str, min_us: float, timeout: float) -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default=",".join(DEFAULT), help="comma-separated kernel specs (module docstring)")
-    ap.add_argument("--out", help="report directory (default: $OUT/ncu)")
+    ap.add_argument("--out", help="where ncu.tar.gz goes (default: $OUT); the reports are made in a fresh folder there")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     ap.add_argument("--min-us", type=float, default=5.0, help="leave shorter launches out of the table")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per kernel spec, profiling included")
     args = ap.parse_args(argv)
-    base = Path(args.out or Path(os.environ.get("OUT", ".")) / "ncu")
-    base.mkdir(parents=True, exist_ok=True)
+    # Reports go to a fresh folder of their own (`--out` names where it is made), which is packed and removed at
+    # the end: nothing else is deleted.
+    parent = Path(args.out or os.environ.get("OUT", "."))
+    parent.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="ncu-", dir=parent))
     rows = []
     for spec in args.kernels.split(","):
         mine = profile(spec, base, args.ncu, args.min_us, args.timeout)
         print(table(mine), flush=True)
         rows += mine
-    with tarfile.open(base.parent / "ncu.tar.gz", "w:gz") as tar:
+    with tarfile.open(parent / "ncu.tar.gz", "w:gz") as tar:
         for f in base.iterdir():
             if f.suffix != ".ncu-rep":
                 tar.add(f, arcname=f"ncu/{f.name}")
