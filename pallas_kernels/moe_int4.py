@@ -269,14 +269,19 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int
             plgpu.barrier_wait(xs_bar)
             xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
             accs = tuple(a * xs for a in accs)
-        if nw == 2 and not partial:  # silu(gate) * up, in f32
-            accs = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[: t.tiles], accs[t.tiles :], strict=True)]
+        if nw == 2 and not partial:
+            accs = _silu_mul(accs, t.tiles)
         store(accs, ni, tile, off, count)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
         zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
         store([zero] * t.tiles * n_out, ni, tile, off, count)
+
+
+def _silu_mul(accs, tiles: int) -> list:
+    """silu(gate) * up in f32, over the gate tiles (the first `tiles` accumulators) and the up tiles after them."""
+    return [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[:tiles], accs[tiles:], strict=True)]
 
 
 MAX_ITEMS = 32  # work items a persistent CTA may take (their block_info is computed once, unrolled, at its start)
@@ -341,8 +346,8 @@ def _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step
             xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col), (BN, t.bm), [1])
             keep = tile_of(items[expert, j] < n_experts)  # group E: zeros (selected: 0 x a non-finite row is NaN)
             out = [jnp.where(keep, a * xs, zero) for a in accs]
-            if nw == 2:  # silu(gate) * up, in f32
-                out = [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(out[: t.tiles], out[t.tiles :], strict=True)]
+            if nw == 2:
+                out = _silu_mul(out, t.tiles)
             store(out, items[ntile, j], at_tile(j), items[off, j], items[rows, j], o_tile)
 
         restart = tile_of(last)
@@ -423,11 +428,10 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
     out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
     if t.persistent:  # every buffer its own (Mosaic aligns each to 1 KiB): the pipeline's, whose steps also carry
         # the token scales, the output tile and the items table beside it
-        kib = lambda b: -(-b // 1024) * 1024  # noqa: E731
         w, sc = t.stages * t.bn * t.gps * g // 2, t.stages * t.gps * t.bn * 4
         x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
-        table = kib(5 * 4 * MAX_ITEMS)
-        return nw * (kib(w) + kib(sc)) + kib(x) + kib(xs) + kib(out) + table + _a_bytes(act, t, g, nw) + 1024
+        table = _kib(5 * 4 * MAX_ITEMS)
+        return nw * (_kib(w) + _kib(sc)) + _kib(x) + _kib(xs) + _kib(out) + table + _a_bytes(act, t, g, nw) + 1024
     return max(t.stages * _stage_bytes(act, t, g, nw), out) + _fixed_bytes(act, t, g, nw)
 
 
@@ -437,8 +441,13 @@ def _xs_block(bm: int) -> int:
     return -(-bm // 32) * 32
 
 
+def _kib(nbytes: int) -> int:
+    """A buffer's bytes as Mosaic allocates them: rounded up to 1 KiB."""
+    return -(-nbytes // 1024) * 1024
+
+
 def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
-    token_scales = -(-t.bm * 4 // 1024) * 1024 if act == "int8" else 0
+    token_scales = _kib(t.bm * 4) if act == "int8" else 0
     return token_scales + _a_bytes(act, t, g, nw) + 1024  # + barriers (Mosaic adds < 600 B)
 
 

@@ -687,7 +687,7 @@ def test_kernel_seconds_from_trace_planes():
     import jax
     import jax.numpy as jnp
 
-    from hcfjax.bench.common import kernel_seconds, kernel_times
+    from hcfjax.bench.common import kernel_seconds, kernel_time, kernel_times
 
     ev = lambda name, us: NS(name=name, duration_ns=us * 1e3)  # noqa: E731
     gpu = NS(
@@ -712,6 +712,8 @@ def test_kernel_seconds_from_trace_planes():
     assert kernel_seconds([bare]) == {}
     if jax.default_backend() == "cpu":
         assert kernel_times(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2) == {}
+        with pytest.raises(RuntimeError, match="no GPU kernels"):
+            kernel_time(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2)
 
 
 def test_ncu_keeps_what_it_did_not_write(tmp_path):

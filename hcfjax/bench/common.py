@@ -56,7 +56,7 @@ def kernel_times(fn, *args, reps: int = 20) -> dict[str, float]:
     """Seconds per call that the GPU spent in each kernel of fn(*args), by kernel name: CUPTI's kernel records from a
     jax.profiler trace of `reps` calls (after a warm-up). Unlike `device_time`, no launch gaps, host work or timing
     loop count, only the kernels themselves (as torch's CUDA events around a large copy_ time the copy ceiling);
-    the per-iteration cost of device_time's loop (about 10 us on the H200) made 40-80 us kernels look 15-25% slower.
+    the per-iteration cost of device_time's loop (about 18 us on the H200) made 40-80 us kernels look 15-30% slower.
     Empty where the trace has no GPU kernels (a CPU backend)."""
     import glob
     import tempfile
@@ -72,6 +72,15 @@ def kernel_times(fn, *args, reps: int = 20) -> dict[str, float]:
             jax.profiler.stop_trace()
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     return kernel_seconds(data.planes, reps)
+
+
+def kernel_time(fn, *args, reps: int = 20) -> float:
+    """Seconds per call of all the GPU kernels of fn(*args) together (`kernel_times` summed); an error where the
+    trace holds none (no GPU), rather than a time of 0."""
+    per = kernel_times(fn, *args, reps=reps)
+    if not per:
+        raise RuntimeError("the profiler trace holds no GPU kernels")
+    return sum(per.values())
 
 
 def kernel_seconds(planes, reps: int = 1) -> dict[str, float]:

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import device_timer, header, kernel_times, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import device_timer, header, kernel_time, matmul_flops, timed, torch_copy_bandwidth
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -332,7 +332,7 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
 
     def again(fn, *args):  # a timer of fn(*args) to call once per round (device_timer compiles its loops once)
         if kernels:
-            return lambda: sum(kernel_times(fn, *args, reps=reps).values())
+            return lambda: kernel_time(fn, *args, reps=reps)
         return device_timer(fn, *args, reps=reps) if device else lambda: timed_async(fn, *args, reps=reps)
 
     def timer(fn, *args):  # one measurement
