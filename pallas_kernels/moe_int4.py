@@ -402,8 +402,13 @@ def blocks_used(sizes, m: int, bm: int):
 
 
 def num_blocks(m: int, e: int, bm: int) -> int:
-    """A static bound on the token blocks of any group_sizes [e] over m rows (the grid's second dimension)."""
-    return -(-(m + (ROW_ALIGN - 1) * (e + 1)) // bm) + e + 1
+    """A static bound on the token blocks of any group_sizes [e] over m rows (the grid's second dimension). A group
+    with rows has at most ceil((rows + 7) / bm) blocks (`block_info`), and at most min(m, e + 1) groups have rows (the
+    E experts and the rows past their sum, one row each at least): in decode with many experts (64 experts, 6 routed
+    rows at batch 1) that is 9 blocks where a bound over all E + 1 groups launched 94, each CTA scanning the sizes
+    before it exits."""
+    groups = min(m, e + 1)
+    return -(-(m + (ROW_ALIGN - 1) * groups) // bm) + groups
 
 
 def block_table(group_sizes, m: int, bm: int):
@@ -628,6 +633,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
         grid=grid,
         grid_names=names,
         scratch_types=(*fixed, *([] if t.a_regs else [a_smem])),
+        kernel_name=f"moe_{'w4a8' if act == 'int8' else 'w4a16'}{'_gated' if nw == 2 else ''}",  # in profiles, ncu
     )
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):

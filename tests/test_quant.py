@@ -204,7 +204,17 @@ def _reset_interpreter():
 
 
 @pytest.mark.parametrize("bm", [16, 128])
-@pytest.mark.parametrize("sizes, m", [([5, 0, 20, 3], 31), ([0, 17, 0, 40], 57), ([3, 2], 5), ([9] * 12, 130)])
+@pytest.mark.parametrize(
+    "sizes, m",
+    [
+        ([5, 0, 20, 3], 31),
+        ([0, 17, 0, 40], 57),
+        ([3, 2], 5),
+        ([9] * 12, 130),
+        ([0, 1] * 20 + [0] * 4, 27),  # fewer rows than experts (decode): the bound counts the groups with rows
+        ([0] * 9 + [7] + [0] * 20 + [9] + [0] * 33, 16),
+    ],
+)
 def test_block_table_covers_each_row_once(sizes, m, bm):
     """The kernel stores, per block, rows [tile + off, tile + off + count) of its expert's product (zeros for expert
     E, rows past the groups); so every row must belong to exactly one block, of its own group, within the block's
@@ -225,6 +235,23 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
     assert (seen == 1).all()
     used_n = int(blocks_used([jnp.int32(v) for v in sizes], m, bm))  # the persistent kernel's work: blocks [0, n)
     assert used[:used_n].all() and not used[used_n:].any()
+
+
+def test_block_bound_holds_with_more_experts_than_rows():
+    """num_blocks bounds blocks_used for any sizes; with few rows over many experts it counts only the groups that
+    can have rows. Random sizes, and every row its own group (the most groups with rows)."""
+    from pallas_kernels.moe_int4 import blocks_used, num_blocks
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        e, m, bm = int(rng.choice([16, 64, 256])), int(rng.integers(1, 40)), int(rng.choice([16, 32]))
+        sizes = np.bincount(rng.integers(0, e, int(rng.integers(0, m + 1))), minlength=e)
+        assert int(blocks_used([jnp.int32(v) for v in sizes], m, bm)) <= num_blocks(m, e, bm)
+    e, m, bm = 64, 12, 16
+    sizes = np.zeros(e, int)
+    sizes[::5][:m] = 1
+    assert int(blocks_used([jnp.int32(v) for v in sizes], m, bm)) <= num_blocks(m, e, bm) < 94
+    assert num_blocks(128, 16, 16) == -(-(128 + 7 * 17) // 16) + 17  # decode at 16 experts: as before
 
 
 def test_unpack_bit_tricks_give_the_nibbles():
@@ -263,6 +290,7 @@ KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
     (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
     (256, 128, [5, 0, 20, 3], "legacy"),  # the first version's tiling
     (256, 128, [5, 0, 20, 3], (16, 128, 1, {"splits": 2})),  # split-K: f32 partials of two K halves, summed after
+    (128, 64, [0, 1, 0, 0, 2, 0, 0, 9, 1] + [0] * 7, (16, 64, 2)),  # more experts than rows: the grid's tighter bound
 ]
 
 
