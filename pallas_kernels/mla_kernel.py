@@ -687,6 +687,7 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work):
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # profiles and ncu: "mla_decode_bf16_mosaic..."
     )
     args = (q_nope, q_pe, kv) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
     if spec.interpret:

@@ -52,34 +52,41 @@ def device_timer(fn, *args, reps: int = 20):
     return measure
 
 
-def kernel_times(fn, *args, reps: int = 20) -> dict[str, float]:
+def kernel_times(fn, *args, reps: int = 20, wait=None) -> dict[str, float]:
     """Seconds per call that the GPU spent in each kernel of fn(*args), by kernel name: CUPTI's kernel records from a
     jax.profiler trace of `reps` calls (after a warm-up). Unlike `device_time`, no launch gaps, host work or timing
     loop count, only the kernels themselves (as torch's CUDA events around a large copy_ time the copy ceiling);
     the per-iteration cost of device_time's loop (about 18 us on the H200) made 40-80 us kernels look 15-30% slower.
-    Empty where the trace has no GPU kernels (a CPU backend)."""
+    Empty where the trace has no GPU kernels (a CPU backend). `wait(outputs)` waits for the calls
+    (jax.block_until_ready by default; torch.cuda.synchronize for a torch peer, whose kernels the same CUPTI trace
+    records: a torch profiler beside it would fail, as CUPTI takes one subscriber per process)."""
     import glob
     import tempfile
 
     from jax.profiler import ProfileData
 
-    jax.block_until_ready(fn(*args))
+    wait = wait or jax.block_until_ready
+    wait(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            jax.block_until_ready([fn(*args) for _ in range(reps)])
+            wait([fn(*args) for _ in range(reps)])
         finally:
             jax.profiler.stop_trace()
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     return kernel_seconds(data.planes, reps)
 
 
-def kernel_time(fn, *args, reps: int = 20) -> float:
+def kernel_time(fn, *args, reps: int = 20, wait=None, show=None) -> float:
     """Seconds per call of all the GPU kernels of fn(*args) together (`kernel_times` summed); an error where the
-    trace holds none (no GPU), rather than a time of 0."""
-    per = kernel_times(fn, *args, reps=reps)
+    trace holds none (no GPU), rather than a time of 0. `show(line)`, if given, gets the longest kernels' times
+    ("name 38.1 us, name 5.2 us, ...")."""
+    per = kernel_times(fn, *args, reps=reps, wait=wait)
     if not per:
         raise RuntimeError("the profiler trace holds no GPU kernels")
+    if show is not None:
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:4]
+        show(", ".join(f"{name[:48]} {t * 1e6:.1f} us" for name, t in top) + (", ..." if len(per) > 4 else ""))
     return sum(per.values())
 
 

@@ -14,7 +14,8 @@ the time. Times are the mean of `reps` back-to-back calls with one sync at the e
 per-call sync would add the host round trip, tens of us, which swamped the batch-1 rows of the first run);
 --device-time chains the calls in one jitted loop (about 18 us a call of that is the loop's own, measured
 2026-11-30; FlashInfer's CUDA events see its kernels plus their launch gaps); --kernel-time sums the kernel records
-of a profiler trace, ours through jax.profiler and FlashInfer's through torch's, the GPU's kernels alone. The
+of one jax.profiler trace (CUPTI records FlashInfer's torch kernels too; a torch profiler beside it would fail, CUPTI
+takes one subscriber per process), the GPU's kernels alone. The
 ceilings are measured in the same run: torch's device-to-device copy (read + write) and XLA's int8 and bf16 matmul
 rates. The kernel is checked against the reference on the device before it is timed (rel = ||out - ref|| / ||ref||).
 FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the same shapes and lengths with its own
@@ -29,9 +30,10 @@ dropped from the run instead of hanging it. --rounds N times each case's kernel 
 keeps each row's best (the H200's times of one call vary between runs; side-by-side versions should see the same
 spells). --min-blocks sets the smallest work unit
 in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
-e.g. batch 1 x 4096). Besides the whole call ("kernel us", plan
-included) each row times the call with the plan built beforehand ("w/ plan us", what every layer after the first
-costs when a model reuses the step's plan; FlashInfer's column excludes its plan() the same way) and the plan alone.
+e.g. batch 1 x 4096). "kernel us" is the kernel given a plan built beforehand (what every layer costs: the model
+makes one plan per forward; FlashInfer's column excludes its plan() the same way, and "vs FlashInfer" is its time
+over ours); "call us" also makes the plan inside the call, and "plan us" is the plan alone. Before 2026-11-30 the
+tables' "kernel us" was the call with its plan, and "w/ plan us" the kernel given its plan.
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ def run_checks(versions=(None,), quick=False) -> bool:
 
 def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, kernels=False):
     """Seconds per call of FlashInfer's MLA decode on the same shape and lengths (its own random data), or None:
-    CUDA events around `reps` calls (kernels plus launch gaps), or with `kernels` the summed kernel times of a torch
-    profiler trace (what --kernel-time measures of ours)."""
+    CUDA events around `reps` calls (kernels plus launch gaps), or with `kernels` its kernels' summed times in a
+    jax.profiler trace (kernel_time, as --kernel-time measures ours)."""
     try:
         import flashinfer
         import torch
@@ -269,7 +271,8 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
             w.run(q_nope, q_pe, ckv, kpe)
             torch.cuda.synchronize()
             if kernels:
-                return _torch_kernel_seconds(lambda w=w: w.run(q_nope, q_pe, ckv, kpe), reps)
+                sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+                return kernel_time(lambda w=w: w.run(q_nope, q_pe, ckv, kpe), reps=reps, wait=sync)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
@@ -282,19 +285,6 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
     return None
 
 
-def _torch_kernel_seconds(fn, reps: int) -> float:
-    """GPU kernel seconds per call of fn() from a torch profiler trace (the CUDA events' kernel records summed)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
-    return total_us * 1e-6 / reps
-
-
 def parse_case(text):
     parts = text.split(":")
     dtype, shape = parts[0], parts[1]
@@ -305,20 +295,23 @@ def parse_case(text):
     return dtype, b, ctx, kind
 
 
+# kernel us: the kernel given its plan, as every layer of a forward runs it (the model makes one plan per forward,
+# attention.with_decode_plan); GB/s, % copy, TFLOP/s, speedup and "vs FlashInfer" (its time over ours: > 1 is
+# faster) are of that time. call us: one call that also makes its plan (plan us alone).
 TABLE_HEAD = (
-    "| cache | B | ctx | lengths | ver | kernel us | w/ plan us | plan us | kernel GB/s | % copy | TFLOP/s | "
-    "XLA ref us | speedup | FlashInfer us | FlashInfer GB/s | rel err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| cache | B | ctx | lengths | ver | kernel us | GB/s | % copy | TFLOP/s | plan us | call us | "
+    "XLA ref us | speedup | FlashInfer us | FlashInfer GB/s | vs FlashInfer | rel err |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
 def table_row(row, copy_bw) -> str:
-    dtype, b, ctx, kind, ver, tk, tw, tp, bwk, tr, sp, fl, err, tf = row
+    dtype, b, ctx, kind, ver, tc, tk, tp, bwk, tr, sp, fl, err, tf = row
     pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
-    fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}") if tf else ("", "")
+    fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}", f"{tf / tk:.2f}x") if tf else ("", "", "")
     return (
-        f"| {dtype} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {tw * 1e6:.1f} | {tp * 1e6:.1f} | "
-        f"{bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | {tr * 1e6:.1f} | {sp:.1f}x | {fi[0]} | {fi[1]} | {err:.1e} |"
+        f"| {dtype} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | "
+        f"{tp * 1e6:.1f} | {tc * 1e6:.1f} | {tr * 1e6:.1f} | {sp:.1f}x | {' | '.join(fi)} | {err:.1e} |"
     )
 
 
@@ -395,7 +388,7 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
                 err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), want)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
                 timers = again(kern_fn, qn, qp, kv, pt, lengths, sc), again(kern_fn, qn, qp, kv, pt, lengths, sc, plan)
-                tk, tw = (t() for t in timers)
+                tc, tk = (t() for t in timers)  # the call (plan inside), the kernel given its plan
             except Exception as e:  # noqa: BLE001
                 print(f"{dtype}:{batch}x{context}:{kind} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
                 if "CUDA" in str(e):
@@ -404,20 +397,20 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             nb = cache_bytes(tokens, dtype=dtype)
             flops = tokens * 128 * (576 + 512) * 2
             ver = "-" if version is None else version
-            rows.append((dtype, batch, context, kind, ver, tk, tw, tp, nb / tk, tr, tr / tk, flops / tk, err, tf))
+            rows.append((dtype, batch, context, kind, ver, tc, tk, tp, nb / tk, tr, tr / tk, flops / tk, err, tf))
             print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             timed_rows.append((len(rows) - 1, *timers))
         for _ in range(rounds - 1):
-            for i, t_kern, t_plan in timed_rows:
+            for i, t_call, t_kern in timed_rows:
                 row = list(rows[i])
-                row[5], row[6] = min(row[5], t_kern()), min(row[6], t_plan())
-                row[8], row[10], row[11] = nb / row[5], row[9] / row[5], flops / row[5]
+                row[5], row[6] = min(row[5], t_call()), min(row[6], t_kern())
+                row[8], row[10], row[11] = nb / row[6], row[9] / row[6], flops / row[6]
                 rows[i] = tuple(row)
         for i, *_ in timed_rows if rounds > 1 else ():
             print(table_row(rows[i], copy_bw), f"(best of {rounds} rounds)", flush=True)
         del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
-    by = {(d, b, c, k, v): tk for d, b, c, k, v, tk, *_ in rows}
+    by = {(d, b, c, k, v): tk for d, b, c, k, v, _, tk, *_ in rows}
     pairs = [
         f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k} v{v} {by[('bf16', b, c, k, v)] / tk:.2f}x"
         for (d, b, c, k, v), tk in by.items()

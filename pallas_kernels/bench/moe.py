@@ -302,8 +302,8 @@ def _device_timer(fn, args):
         return None
     from hcfjax.bench.common import device_timer, kernel_time
 
-    if mode == "kernels":
-        return lambda: kernel_time(fn, *args)
+    if mode == "kernels":  # the log shows where a row's time goes (the kernel, the wrapper's XLA passes)
+        return lambda: kernel_time(fn, *args, show=lambda line: print(f"kernels: {line}", flush=True))
     return device_timer(fn, *args)
 
 
