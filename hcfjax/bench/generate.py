@@ -1,17 +1,24 @@
 """Generation benchmark: decode tokens/s at several batch sizes and prefill tokens/s, through `hcfjax.generate`.
 
-    python -m hcfjax.bench.generate [--preset v2-lite] [--batches 1,32,128] [--prompt-len 512] [--new-tokens 128]
-                                    [--prefill-len 4096] [--out hcfjax/bench/results/generate.md]
+    python -m hcfjax.bench.generate [--preset v2-lite] [--scheme bf16|w4a16|w4a8|w4a8c8|w8a8] [--batches 1,32,128]
+                                    [--prompt-len 512] [--new-tokens 128] [--prefill-len 4096] [--profile]
+                                    [--out hcfjax/bench/results/generate.md]
 
 Random weights of a real shape (default DeepSeek-V2-Lite: 27 layers, hidden 2048, 64 experts top-6, 2 shared,
 kv_lora 512). Every figure is the second of two identical runs (the first compiles). The floor column is the time to
 stream the bytes a decode step must read (weights of attention, dense and shared layers, the routed experts a batch
 of that size touches in expectation, and the batch's KV cache) at the copy bandwidth measured in the same run.
+--scheme quantises the random model as `hcfjax quantize` would (int4 experts run the Pallas grouped GEMM on a GPU;
+w4a8c8 also decodes over an int8 cache); the MLA decode kernel runs on a GPU wherever its shapes apply
+(HCFJAX_MLA, HCFJAX_INT4_KERNEL=0 turn the kernels off). --profile adds, per batch, where a decode step's GPU time
+goes: the kernels of a profiler trace of the whole generate call less those of a one-token call (the prefill), per
+decode step, longest first, and their sum against the step's wall time (the rest is launch gaps and host work).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import jax
@@ -19,12 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import hcfjax
-from hcfjax.bench.common import copy_bandwidth, header, matmul_flops, torch_copy_bandwidth
+from hcfjax import quant
+from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.config import ModelConfig
+from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
 
+SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8")
 
-def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int) -> float:
+
+def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache_dtype=jnp.bfloat16) -> float:
     """Bytes one decode step must read at least: non-expert weights, expected touched experts, KV cache."""
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     expert = sum(
@@ -36,7 +47,8 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int) -> fl
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch) / e if e else 0.0
     lm_and_embed = params["embed"].nbytes  # the embedding is gathered, not streamed
-    kv = cfg.num_hidden_layers * batch * context * cfg.kv_dim * 2
+    per_token = cfg.kv_dim * jnp.dtype(cache_dtype).itemsize + (8 if jnp.dtype(cache_dtype) == jnp.int8 else 0)
+    kv = cfg.num_hidden_layers * batch * context * per_token
     return total - lm_and_embed - expert + expert * touched + kv
 
 
@@ -44,24 +56,31 @@ def run(args) -> str:
     cfg = preset_config(args.preset, num_nextn_predict_layers=0)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     n_params = sum(x.size for x in jax.tree.leaves(model.params))
+    if args.scheme != "bf16":
+        model = quantize_model(model, args.scheme)
+    cache_dtype = default_cache_dtype(model)
     rng = np.random.default_rng(0)
     torch_bw = torch_copy_bandwidth()
     xla_bw = copy_bandwidth()
     bw = torch_bw or xla_bw
     flops = matmul_flops()
 
-    rows = []
+    rows, profiles = [], []
     for b in args.batches:
         prompts = [list(rng.integers(2, cfg.vocab_size, args.prompt_len)) for _ in range(b)]
+        gen = lambda n, prompts=prompts: hcfjax.generate(model, prompts, max_new_tokens=n, stop_token_ids=[])  # noqa: E731
         for _ in range(2):
-            out = hcfjax.generate(model, prompts, max_new_tokens=args.new_tokens, stop_token_ids=[])
+            out = gen(args.new_tokens)
         s = out.stats
         step = s["decode_s"] / (args.new_tokens - 1)
-        floor = decode_bytes(cfg, model.params, b, args.prompt_len + args.new_tokens // 2) / bw
+        context = args.prompt_len + args.new_tokens // 2
+        floor = decode_bytes(cfg, model.params, b, context, cache_dtype) / bw
         rows.append(
             f"| decode | {b} | {args.prompt_len} + {args.new_tokens} | {s['decode_tokens_per_s']:,.0f} | "
             f"{step * 1e3:.2f} ms | {floor * 1e3:.2f} ms | {floor / step:.0%} |"
         )
+        if args.profile:
+            profiles += step_profile(gen, args.new_tokens, b, step)
     prompt = [list(rng.integers(2, cfg.vocab_size, args.prefill_len))]
     for _ in range(2):
         out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[])
@@ -74,11 +93,13 @@ def run(args) -> str:
         f"{s['prefill_s'] * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {floor / s['prefill_s']:.0%} |"
     )
 
+    gb = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
+    weights = "bf16" if args.scheme == "bf16" else f"{args.scheme} ({gb:.2f} GB)"
     lines = [
-        f"## `python -m hcfjax.bench.generate --preset {args.preset}`",
+        f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
         "",
-        f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, bf16, "
-        f"page size 64, XLA reference path (no Pallas kernels).",
+        f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(args.scheme)}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -90,7 +111,47 @@ def run(args) -> str:
         "decode floor = bytes a step must read (weights, expected routed experts touched, KV cache) / copy "
         "bandwidth; prefill floor = matmul FLOPs of active parameters + causal attention / bf16 matmul rate.",
     ]
+    if profiles:
+        lines += [
+            "",
+            "Where a decode step's GPU time goes (--profile: kernel records of a profiler trace, per step):",
+            "",
+            "| batch | kernel | us per step | share of the step |",
+            "|---|---|---|---|",
+            *profiles,
+        ]
     return "\n".join(lines)
+
+
+def kernels_in_use(scheme: str) -> str:
+    """What the decode runs on this backend, as the model selects it (the MLA kernel where its shapes apply)."""
+    gpu = jax.default_backend() == "gpu"
+    mla = os.environ.get("HCFJAX_MLA", "auto")
+    mla = ("Pallas MLA decode" if gpu else "jnp MLA reference") if mla == "auto" else f"HCFJAX_MLA={mla}"
+    if scheme in ("bf16", "w8a8"):
+        moe = "XLA ragged_dot experts"
+    else:
+        moe = "Pallas int4 grouped GEMM" if quant.use_kernel() else "jnp int4 reference experts"
+    return f"{mla}, {moe}"
+
+
+def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> list[str]:
+    """Table rows: the decode's kernels per step (a trace of gen(new_tokens) less one of gen(1), the prefill and the
+    first token), the `top` longest, then all of them against the step's wall time."""
+    sync = lambda _: None  # noqa: E731 (generate returns host values)
+    whole = kernel_times(lambda: gen(new_tokens), reps=1, wait=sync)
+    if not whole:
+        return [f"| {batch} | (no GPU kernels in the trace) | | |"]
+    prefill = kernel_times(lambda: gen(1), reps=1, wait=sync)
+    steps = new_tokens - 1
+    per = {k: (v - prefill.get(k, 0.0)) / steps for k, v in whole.items()}
+    per = {k: v for k, v in per.items() if v > 0}
+    rows = [
+        f"| {batch} | {name[:60]} | {t * 1e6:,.1f} | {t / step:.1%} |"
+        for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    ]
+    total = sum(per.values())
+    return rows + [f"| {batch} | all {len(per)} kernels | {total * 1e6:,.1f} | {total / step:.1%} |"]
 
 
 def _active_params(cfg: ModelConfig) -> int:
@@ -107,6 +168,8 @@ def _active_params(cfg: ModelConfig) -> int:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hcfjax.bench.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="v2-lite", choices=sorted(PRESETS))
+    ap.add_argument("--scheme", default="bf16", choices=SCHEMES, help="quantise the random model first")
+    ap.add_argument("--profile", action="store_true", help="also show where a decode step's GPU time goes")
     ap.add_argument("--batches", default="1,32,128", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
