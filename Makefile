@@ -21,7 +21,7 @@ run: install
 		--temperature 0.7 --top-p 0.9 --stats
 
 test: install
-	$(PY) -m pytest tests -n 2 --dist loadfile
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
