@@ -57,21 +57,29 @@ class SamplingBatch:
 def filtered_logprobs(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """Temperature-scaled log-probabilities [B, V] with top-k / top-p / min-p filtered tokens at -inf.
 
-    Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax).
+    Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax). The filters need the
+    vocabulary sorted per row (a [B, V] sort every step); when no row of the batch uses one, the sort does not run.
     """
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
-    v = logits.shape[-1]
+    filtering = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
+    return jax.lax.cond(jnp.any(filtering), _filter, lambda logp, _: logp, logp, sp)
+
+
+def _filter(logp: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """logp [B, V] with each row's top-k / top-p / min-p filtered tokens at -inf (a filter that is off keeps all)."""
+    v = logp.shape[-1]
     sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]  # descending
     # top-k: keep values >= the k-th largest.
     k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
     kth = jnp.take_along_axis(sorted_logp, (k - 1)[:, None], axis=-1)
     keep = logp >= kth
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p. top_p = 1 is off, not
+    # "mass 1": the f32 running sum can reach 1.0 before the tail, which would drop its tokens.
     cum = jnp.cumsum(jnp.exp(sorted_logp), axis=-1)
     last = jnp.sum(cum - jnp.exp(sorted_logp) < sp.top_p[:, None], axis=-1)  # tokens needed, >= 1
     pth = jnp.take_along_axis(sorted_logp, (jnp.maximum(last, 1) - 1)[:, None], axis=-1)
-    keep &= logp >= pth
+    keep &= (sp.top_p[:, None] >= 1) | (logp >= pth)
     # min-p: keep tokens with p >= min_p * p_max.
     min_p_floor = sorted_logp[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
     keep &= (sp.min_p[:, None] <= 0) | (logp >= min_p_floor)
@@ -79,16 +87,24 @@ def filtered_logprobs(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
 
 
 def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32."""
+    """logits [B, V] -> tokens [B] int32. An all-greedy batch only takes the argmax (nothing over [B, V] is drawn)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, filtered_logprobs(logits, sp), axis=-1).astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, drawn, greedy)
+
+    def drawn():
+        d = jax.random.categorical(key, filtered_logprobs(logits, sp), axis=-1).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0, d, greedy)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)
 
 
 def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Array:
     """logits [B, V] -> tokens [B] int32 with one rng key per row (keys [B]), so a request's draws do not depend on
-    which other requests share its batch (the serving engine's case)."""
+    which other requests share its batch (the serving engine's case). All-greedy batches only take the argmax."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
-    drawn = jnp.argmax(filtered_logprobs(logits, sp) + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, drawn, greedy)
+
+    def drawn():
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
+        d = jnp.argmax(filtered_logprobs(logits, sp) + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0, d, greedy)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)

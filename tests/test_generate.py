@@ -89,6 +89,19 @@ def test_sampling_filters_on_a_known_distribution():
     assert kept.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
 
 
+def test_filters_that_are_off_keep_every_token():
+    """top_p = 1 is off: a top token at p = 1 - 1e-8 (1.0 in f32) made the running sum reach 1 before the tail, and
+    'mass below top_p' dropped the tail's tokens. With no filter on in the batch the sort is skipped (lax.cond), and
+    a row with none on keeps every token beside a row that filters."""
+    logits = jnp.array([[20.0] + [0.0] * 9, [20.0] + [0.0] * 9])
+    temp_only = SamplingBatch.of([SamplingParams(1.0), SamplingParams(1.0, top_p=1.0)])
+    lp = np.asarray(filtered_logprobs(logits, temp_only))
+    np.testing.assert_array_equal(lp, np.asarray(jax.nn.log_softmax(logits, axis=-1)))
+    mixed = SamplingBatch.of([SamplingParams(1.0, top_k=1), SamplingParams(1.0)])
+    kept = np.isfinite(np.asarray(filtered_logprobs(logits, mixed)))
+    assert kept.sum(1).tolist() == [1, 10]
+
+
 def test_sampling_frequencies_follow_the_filtered_distribution():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))
     sp = SamplingBatch.of([SamplingParams(temperature=1.0, top_k=2)])
