@@ -80,6 +80,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         out += [
             dataclasses.replace(default_tiling(act, m, n, kg, e, nw, ctas=c, splits=1), persistent=c) for c in (1, 2)
         ]
+    out = [t for t in out if kg % (t.gps * t.splits) == 0]  # K = 1408 (V2-Lite's down projection): 11 groups
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
