@@ -407,7 +407,7 @@ def num_blocks(m: int, e: int, bm: int) -> int:
     E experts and the rows past their sum, one row each at least): in decode with many experts (64 experts, 6 routed
     rows at batch 1) that is 9 blocks where a bound over all E + 1 groups launched 94, each CTA scanning the sizes
     before it exits."""
-    groups = min(m, e + 1)
+    groups = max(min(m, e + 1), 1)  # (1 with m = 0: a grid dimension of 0 may not launch)
     return -(-(m + (ROW_ALIGN - 1) * groups) // bm) + groups
 
 
