@@ -21,7 +21,8 @@ weights) against two kernel calls and XLA's SiLU-and-multiply.
 Per row: time (pipelined: `reps` calls back to back, then one wait, so dispatch overlaps execution; the kernel rows
 include the wrapper's XLA work: the per-block table from group_sizes and, for w4a8, the activation quantisation; the
 "wrapper's XLA passes only" rows time that work alone), weight bandwidth
-(bytes of the weights as stored, int4 + f32 scales or bf16, over the time) and TFLOP/s (2 M K N over the time; TOP/s
+(bytes of the weights of the experts with rows as stored, int4 + f32 scales or bf16, over the time: every expert's
+unless M is small) and TFLOP/s (2 M K N over the time; TOP/s
 for w4a8). Ceilings: torch `copy_` over 2 GiB counting read + write (XLA's own copy if torch is missing), XLA bf16
 and int8 8192^3 matmuls. --rounds N times every row of a case N times, interleaved (all rows, then all again), and
 keeps each row's best: the H200's times of one configuration varied by up to 1.5x between runs, and a slow spell then
@@ -186,7 +187,8 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     e, m, k, n = map(int, spec.split("x"))
     w, x, gs = _problem(e, m, k, n)
     q4 = quant.quantize(w, 4, "bf16")
-    nb_bf16, nb_int4 = w.size * 2, q4.q.nbytes + q4.scale.nbytes
+    touched = int((gs > 0).sum()) / e  # the experts with rows: all of them unless M is small (64 experts x 6 rows)
+    nb_bf16, nb_int4 = w.size * 2 * touched, (q4.q.nbytes + q4.scale.nbytes) * touched
 
     # The exactly-quantised function in f32 (dequantised weights; w4a8: dequantised int8 tokens too).
     wf = quant.dequantize(q4, jnp.bfloat16).astype(jnp.float32)
