@@ -87,24 +87,27 @@ def _filter(logp: jax.Array, sp: SamplingBatch) -> jax.Array:
 
 
 def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32. An all-greedy batch only takes the argmax (nothing over [B, V] is drawn)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn():
-        d = jax.random.categorical(key, filtered_logprobs(logits, sp), axis=-1).astype(jnp.int32)
-        return jnp.where(sp.temperature > 0, d, greedy)
-
-    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)
+    """logits [B, V] -> tokens [B] int32."""
+    return _greedy_or_drawn(logits, sp, lambda lp: jax.random.categorical(key, lp, axis=-1))
 
 
 def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Array:
     """logits [B, V] -> tokens [B] int32 with one rng key per row (keys [B]), so a request's draws do not depend on
-    which other requests share its batch (the serving engine's case). All-greedy batches only take the argmax."""
+    which other requests share its batch (the serving engine's case)."""
+
+    def draw(lp):
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
+        return jnp.argmax(lp + gumbel, axis=-1)
+
+    return _greedy_or_drawn(logits, sp, draw)
+
+
+def _greedy_or_drawn(logits: jax.Array, sp: SamplingBatch, draw) -> jax.Array:
+    """The argmax for rows at temperature 0, draw(filtered_logprobs) for the others; an all-greedy batch only takes
+    the argmax (nothing over [B, V] is filtered or drawn)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def drawn():
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
-        d = jnp.argmax(filtered_logprobs(logits, sp) + gumbel, axis=-1).astype(jnp.int32)
-        return jnp.where(sp.temperature > 0, d, greedy)
+        return jnp.where(sp.temperature > 0, draw(filtered_logprobs(logits, sp)).astype(jnp.int32), greedy)
 
     return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)
