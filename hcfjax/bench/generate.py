@@ -18,7 +18,6 @@ decode step, longest first, and their sum against the step's wall time (the rest
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import jax
@@ -31,6 +30,7 @@ from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flo
 from hcfjax.config import ModelConfig
 from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
+from pallas_kernels.mla_decode import decode_mode
 
 SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8")
 
@@ -99,7 +99,7 @@ def run(args) -> str:
         f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
-        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(args.scheme)}.",
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -123,11 +123,16 @@ def run(args) -> str:
     return "\n".join(lines)
 
 
-def kernels_in_use(scheme: str) -> str:
-    """What the decode runs on this backend, as the model selects it (the MLA kernel where its shapes apply)."""
-    gpu = jax.default_backend() == "gpu"
-    mla = os.environ.get("HCFJAX_MLA", "auto")
-    mla = ("Pallas MLA decode" if gpu else "jnp MLA reference") if mla == "auto" else f"HCFJAX_MLA={mla}"
+def kernels_in_use(cfg: ModelConfig, scheme: str, cache_dtype) -> str:
+    """What the decode runs on this backend, as the model selects it: the MLA kernel where `decode_mode` says (its
+    shapes, HCFJAX_MLA), the int4 kernel where `quant.use_kernel` does."""
+    s = jax.ShapeDtypeStruct
+    h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    kv = s((cfg.num_hidden_layers, 1, 64, cfg.kv_dim), cache_dtype)
+    scales = s(kv.shape[:-1] + (2,), jnp.float32) if jnp.dtype(cache_dtype) == jnp.int8 else None
+    q_nope, q_pe = s((1, 1, h, c), jnp.bfloat16), s((1, 1, h, r), jnp.bfloat16)
+    mode = decode_mode(q_nope, q_pe, kv, s((1, 1), jnp.int32), s((1,), jnp.int32), scales, c, 0)
+    mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
     if scheme in ("bf16", "w8a8"):
         moe = "XLA ragged_dot experts"
     else:
