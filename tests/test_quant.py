@@ -6,6 +6,8 @@ import dataclasses
 import inspect
 import json
 import json.decoder
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -742,6 +744,35 @@ def test_kernel_seconds_from_trace_planes():
         assert kernel_times(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2) == {}
         with pytest.raises(RuntimeError, match="no GPU kernels"):
             kernel_time(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2)
+
+
+def test_hlo_names_finds_a_fusions_source(tmp_path):
+    """bench.hlo_names resolves a profile's kernel name (`loop_..._fusion_N`, HLO's `%..fusion.N`) in an XLA dump to the
+    jax op at its root, the source line that made it (through the module's stack-frame tables) and the ops inside."""
+    import subprocess
+    import sys
+
+    from hcfjax.bench.hlo_names import describe, fusion_sources
+
+    script = tmp_path / "make_fusion.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def scaled_max(x):\n"
+        "    return jnp.max(jnp.exp(x) * 2, axis=1) + 1\n"
+        "jax.jit(scaled_max)(jnp.ones((4, 8)))\n"
+    )
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path / 'dump'} --xla_dump_hlo_as_text", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
+    text = "\n".join(p.read_text() for p in (tmp_path / "dump").glob("*jit_scaled_max*after_optimizations.txt"))
+    (name,) = {m.replace(".", "_") for m in re.findall(r"%(\w*fusion[\w.]*) = ", text)}
+    (hit,) = fusion_sources(tmp_path / "dump", [name])[name]
+    assert hit.startswith("jit_scaled_max: f32[4]")
+    assert "make_fusion.py:3 (scaled_max)" in hit
+    assert "ops: add, exp, mul, reduce_max" in hit
+    assert describe(tmp_path / "dump", ["no_such_fusion"]) == [
+        "no_such_fusion:",
+        "  (not in any *after_optimizations.txt)",
+    ]
 
 
 def test_ncu_keeps_what_it_did_not_write(tmp_path):

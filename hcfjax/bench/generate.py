@@ -13,11 +13,15 @@ w4a8c8 also decodes over an int8 cache); the MLA decode kernel runs on a GPU whe
 (HCFJAX_MLA, HCFJAX_INT4_KERNEL=0 turn the kernels off). --profile adds, per batch, where a decode step's GPU time
 goes: the kernels of a profiler trace of the whole generate call less those of a one-token call (the prefill), per
 decode step, longest first, and their sum against the step's wall time (the rest is launch gaps and host work).
+Run it with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" and the profile also says where each XLA fusion among
+the longest came from (`hcfjax.bench.hlo_names`: the jax op and source line at its root).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -27,6 +31,7 @@ import numpy as np
 import hcfjax
 from hcfjax import quant
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
+from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
 from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
@@ -65,7 +70,7 @@ def run(args) -> str:
     bw = torch_bw or xla_bw
     flops = matmul_flops()
 
-    rows, profiles = [], []
+    rows, profiles, names = [], [], []
     for b in args.batches:
         prompts = [list(rng.integers(2, cfg.vocab_size, args.prompt_len)) for _ in range(b)]
         gen = lambda n, prompts=prompts: hcfjax.generate(model, prompts, max_new_tokens=n, stop_token_ids=[])  # noqa: E731
@@ -80,7 +85,9 @@ def run(args) -> str:
             f"{step * 1e3:.2f} ms | {floor * 1e3:.2f} ms | {floor / step:.0%} |"
         )
         if args.profile:
-            profiles += step_profile(gen, args.new_tokens, b, step)
+            prof, top = step_profile(gen, args.new_tokens, b, step)
+            profiles += prof
+            names += [n for n in top if n not in names]
     prompt = [list(rng.integers(2, cfg.vocab_size, args.prefill_len))]
     for _ in range(2):
         out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[])
@@ -120,6 +127,11 @@ def run(args) -> str:
             "|---|---|---|---|",
             *profiles,
         ]
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    fusions = [n for n in names if "fusion" in n]
+    if profiles and dump and fusions:
+        lines += ["", f"Where those XLA fusions come from (`python -m hcfjax.bench.hlo_names {dump.group(1)} ...`):"]
+        lines += ["", "```", *describe(Path(dump.group(1)), fusions), "```"]
     return "\n".join(lines)
 
 
@@ -140,23 +152,23 @@ def kernels_in_use(cfg: ModelConfig, scheme: str, cache_dtype) -> str:
     return f"{mla}, {moe}"
 
 
-def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> list[str]:
+def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:
     """Table rows: the decode's kernels per step (a trace of gen(new_tokens) less one of gen(1), the prefill and the
-    first token), the `top` longest, then all of them against the step's wall time."""
+    first token), the `top` longest, then all of them against the step's wall time; and the `top` kernels' names."""
     sync = lambda _: None  # noqa: E731 (generate returns host values)
     whole = kernel_times(lambda: gen(new_tokens), reps=1, wait=sync)
     if not whole:
-        return [f"| {batch} | (no GPU kernels in the trace) | | |"]
+        return [f"| {batch} | (no GPU kernels in the trace) | | |"], []
     prefill = kernel_times(lambda: gen(1), reps=1, wait=sync)
     steps = new_tokens - 1
     per = {k: (v - prefill.get(k, 0.0)) / steps for k, v in whole.items()}
     per = {k: v for k, v in per.items() if v > 0}
-    rows = [
-        f"| {batch} | {name[:60]} | {t * 1e6:,.1f} | {t / step:.1%} |"
-        for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:top]
-    ]
+    longest = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    rows = [f"| {batch} | {name[:60]} | {t * 1e6:,.1f} | {t / step:.1%} |" for name, t in longest]
     total = sum(per.values())
-    return rows + [f"| {batch} | all {len(per)} kernels | {total * 1e6:,.1f} | {total / step:.1%} |"]
+    return rows + [f"| {batch} | all {len(per)} kernels | {total * 1e6:,.1f} | {total / step:.1%} |"], [
+        name for name, _ in longest
+    ]
 
 
 def _active_params(cfg: ModelConfig) -> int:
