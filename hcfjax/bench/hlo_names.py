@@ -17,7 +17,7 @@ import argparse
 import re
 from pathlib import Path
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\S+)\s+(\w+)\(")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\S+)\s+\w+\(")
 _COMP = re.compile(r"^%([\w.\-]+)\s.*\{\s*$")
 _OP = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
@@ -76,14 +76,14 @@ def fusion_sources(dump: Path, names: list[str]) -> dict[str, list[str]]:
                 current.append(line)
         for line in lines:
             m = _INSTR.match(line)
-            if not m or m.group(1).replace(".", "_") not in want:
+            key = m.group(1).replace(".", "_") if m else None
+            if key not in want:
                 continue
-            op = _OP.search(line)
-            frame = _FRAME.search(line)
-            inner = comps.get(_CALLS.search(line).group(1), []) if _CALLS.search(line) else []
+            op, frame, calls = _OP.search(line), _FRAME.search(line), _CALLS.search(line)
+            inner = comps.get(calls.group(1), []) if calls else []
             named = [o.group(1) for body in inner if (o := _OP.search(body))]
             ops = sorted({o.rsplit("/", 1)[-1] for o in named if "/" in o})
-            found[want[m.group(1).replace(".", "_")]].append(
+            found[want[key]].append(
                 f"{module}: {m.group(2)} {op.group(1) if op else '?'}\n"
                 f"    at {_stack(tables, int(frame.group(1))) if frame else '?'}\n"
                 f"    ops: {', '.join(ops) or '-'}"
