@@ -11,6 +11,7 @@ A layer is {"attn_norm", "mlp_norm", "attn": {...}, "mlp": {...}} (checkpoint.la
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -73,10 +74,11 @@ def run_layers(
     absorbed: bool,
     experts_fn=None,
     with_load=False,
+    unroll: int | bool = 1,
 ):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
-    layer on the side of the forward)."""
+    layer on the side of the forward). unroll: lax.scan's, per run of layers."""
     loads = []
     if absorbed:
         ctx = with_decode_plan(cfg, ctx, positions)  # one MLA kernel plan for every layer (when the kernel runs)
@@ -91,7 +93,7 @@ def run_layers(
             )
             return (x, ctx), (load[0] if collect else None)
 
-        (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)))
+        (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)), unroll=unroll)
         if collect:
             loads.append(load)
     if ctx is not None and ctx.plan is not None:
@@ -130,9 +132,47 @@ def hidden_states(
 
     experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one).
     with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]; True counts every
-    token, a bool mask [B, T] only its tokens (so padding and mock rows do not count)."""
+    token, a bool mask [B, T] only its tokens (so padding and mock rows do not count).
+
+    A cached forward of one query token (batch-1 decode) runs as two identical rows where `two_rows` says so."""
+    if two_rows(tokens, ctx, experts_fn):
+        return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load)
     x, ctx, *load = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load)
     return (final_hidden(params, cfg, x), ctx, *load)
+
+
+# Batch-1 decode as two identical rows, its layers unrolled: on the GPU, XLA rewrites a one-row product under 10M
+# elements (every projection of a V2-Lite-sized layer but the LM head) as a multiply and a reduction at 12-16% of
+# copy bandwidth; with two rows it is a GEMM, 2.6-4.5x faster (hcfjax.bench.gemv). With those GEMMs the layer loops'
+# bodies run slower (split into more command buffers, presumably), so the layers are unrolled too; only both
+# together pay (H200, V2-Lite w4a8: a step 4.61 -> 4.09 ms; two rows alone 4.90, unrolled alone 4.66;
+# hcfjax/bench/results/generate.md). The price is compile time, about a minute more for the unrolled decode loop.
+# "gpu": on GPU backends only; True / False force it (tests).
+TWO_ROWS: bool | str = "gpu"
+
+
+def two_rows(tokens, ctx, experts_fn) -> bool:
+    """Whether hidden_states runs this forward as two rows: one query token over the cache, routed experts local
+    (an expert-parallel exchange would carry the copy too)."""
+    on = TWO_ROWS if TWO_ROWS != "gpu" else jax.default_backend() == "gpu"
+    return bool(on) and ctx is not None and experts_fn is None and tuple(tokens.shape) == (1, 1)
+
+
+def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, with_load):
+    """hidden_states over [row, copy of row]: the copy reads the same page table and length, so it sees the cache
+    entry the row writes in each layer and computes exactly what the row does (the same attention, the same
+    experts: no extra weights are read), but it writes nothing (valid False) and counts no load. -> row 0's."""
+    twice = lambda a: jnp.concatenate([a, a])  # noqa: E731
+    valid = jnp.concatenate([ctx.valid, jnp.zeros_like(ctx.valid)])
+    ctx2 = CacheContext(ctx.cache, twice(ctx.page_table), twice(ctx.kv_len), valid)
+    if with_load is not False:
+        counted = jnp.broadcast_to(jnp.asarray(with_load, bool), tokens.shape)
+        with_load = jnp.concatenate([counted, jnp.zeros_like(ctx.valid)])
+    x, out_ctx, *load = run_layers(
+        params, cfg, embed(params, twice(tokens)), twice(positions), ctx2, absorbed, None, with_load, unroll=True
+    )
+    out_ctx = dataclasses.replace(ctx, cache=out_ctx.cache)
+    return (final_hidden(params, cfg, x[:1]), out_ctx, *load)
 
 
 def mtp_module(
@@ -172,25 +212,42 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
     Matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), router bias ~ U(0, 0.1): activations stay O(1) through
     any depth, and routing is far from uniform.
     """
-    shapes = stacked_shapes(tensor_specs(cfg, mtp=mtp))
-    keys = jax.random.split(key, len(shapes))
+    shapes = sorted(stacked_shapes(tensor_specs(cfg, mtp=mtp)).items(), key=str)
+    # XLA:CPU compiles each random op in ~0.2-0.4 s, so tensors up to _SHARED_DRAW elements are cut from one shared
+    # draw (a tiny model compiles in about a second, not 10-20); larger ones get a draw of their own (no flat
+    # buffer the size of the model on the GPU).
+    small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
+    large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
+
+    def init(name, shape, z, u, dt):
+        if "norm" in name:
+            return (1.0 + 0.1 * z).astype(dt)
+        if name == "router_bias":
+            return 0.1 * u
+        fan_in = cfg.hidden_size if name == "embed" else _fan_in(name, shape)
+        return (z * fan_in**-0.5).astype(dt)
 
     @jax.jit
-    def make(keys):
-        out = {}
-        for k, (path, (shape, fp32)) in zip(keys, sorted(shapes.items(), key=str), strict=True):
-            name = path[-1]
-            dt = jnp.float32 if fp32 else dtype
-            if "norm" in name:
-                out[path] = (1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dt)
-            elif name == "router_bias":
-                out[path] = 0.1 * jax.random.uniform(k, shape, jnp.float32)
-            else:
-                fan_in = cfg.hidden_size if name == "embed" else _fan_in(name, shape)
-                out[path] = (jax.random.normal(k, shape, jnp.float32) * fan_in**-0.5).astype(dt)
+    def make(key):
+        k_small, k_u, *k_large = jax.random.split(key, 2 + len(large))
+        sizes = [math.prod(shape) for _, (shape, _) in small]
+        z_all = jax.random.normal(k_small, (sum(sizes),), jnp.float32)
+        u_all = jax.random.uniform(k_u, (sum(sizes),), jnp.float32)
+        out, start = {}, 0
+        for (path, (shape, fp32)), n in zip(small, sizes, strict=True):
+            z, u = (x[start : start + n].reshape(shape) for x in (z_all, u_all))
+            out[path] = init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype)
+            start += n
+        for k, (path, (shape, fp32)) in zip(k_large, large, strict=True):
+            u = jax.random.uniform(k, shape, jnp.float32) if path[-1] == "router_bias" else None
+            z = None if u is not None else jax.random.normal(k, shape, jnp.float32)
+            out[path] = init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype)
         return out
 
-    return to_pytree(make(keys))
+    return to_pytree(make(key))
+
+
+_SHARED_DRAW = 1 << 20  # elements
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:

@@ -91,3 +91,29 @@ def test_padding_and_mock_rows_never_write(v3_model):
     kv = np.asarray(ctx.cache.kv)
     assert not np.any(kv[:, 0, :3] == 7.0)  # the 3 valid tokens were written
     assert np.all(kv[:, 0, 3:] == 7.0) and np.all(kv[:, 1:] == 7.0)  # nothing else was
+
+
+def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
+    """hidden_states runs a one-token cached forward as the row and a copy (model.TWO_ROWS, on by default on GPUs):
+    the same logits, cache and expert loads as one row, and the copy writes nothing."""
+    from hcfjax import model as model_mod
+
+    cfg, p = v3_model.cfg, v3_model.params
+    ids = jnp.asarray(np.load("tests/fixtures/tiny_v3/reference.npz")["ids"][:1, :14])
+    order = np.random.default_rng(1).permutation(8)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(model_mod, "TWO_ROWS", on)
+        assert model_mod.two_rows(ids[:, :1], object(), None) == on
+        step_fn = jax.jit(hidden_states, static_argnames=("cfg", "absorbed", "with_load"))  # a fresh trace each
+        monkeypatch.setitem(globals(), "step", step_fn)
+        got, cache = run_cached(v3_model, ids, prefix=9, page_size=4, page_order=order)
+        ctx = CacheContext(cache, jnp.asarray(order[:4].reshape(1, 4)), jnp.array([15]), jnp.ones((1, 1), bool))
+        h, ctx2, load = step_fn(p, cfg, ids[:, 13:14], jnp.array([[14]]), ctx, absorbed=True, with_load=True)
+        runs[on] = got, cache, load, ctx2
+    (one, c1, l1, _), (two, c2, l2, x2) = runs[False], runs[True]
+    assert one.shape == two.shape == (1, 14, cfg.vocab_size)
+    assert rel_err(two, one) < 1e-5
+    np.testing.assert_allclose(np.asarray(c2.kv), np.asarray(c1.kv), rtol=1e-5, atol=1e-6)
+    assert bool(jnp.all(l1 == l2)) and int(l2.sum()) == cfg.num_experts_per_tok * l2.shape[0]  # one token counted
+    assert x2.page_table.shape == (1, 4) and x2.kv_len.shape == (1,)  # the caller's view comes back

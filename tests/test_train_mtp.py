@@ -32,14 +32,14 @@ def pretrained(tmp_path_factory):
     from train_mtp import corpus
 
     corpus.build(tmp / "data", vocab_size=300, root=make_lib(tmp, n=30))
-    tc = TrainConfig(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
+    tc = TrainConfig(steps=24, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=12)
     summary = pretrain.run(tmp / "ckpt", tmp / "work", tc, data_dir=tmp / "data", arch_overrides=TINY)
     return tmp, summary
 
 
 def test_pretraining_lowers_the_loss_and_writes_a_checkpoint(pretrained):
     tmp, summary = pretrained
-    assert summary["steps"] == 40
+    assert summary["steps"] == 24
     # random init predicts ~uniformly: ln(300) = 5.7 nats; a few steps on this repetitive corpus must beat it clearly
     assert summary["val_main_loss"] < math.log(300) - 1.5
     assert summary["val_mtp_loss"] < math.log(300) - 1.0
@@ -50,11 +50,11 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint(pretrained):
 
 def test_resume_continues_from_the_checkpoint(pretrained):
     tmp, _ = pretrained
-    tc = TrainConfig(steps=45, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=20)
+    tc = TrainConfig(steps=27, batch_size=8, seq_len=32, lr=1e-2, warmup=4, eval_batches=2, ckpt_every=12)
     summary = pretrain.run(tmp / "ckpt2", tmp / "work", tc, data_dir=tmp / "data", arch_overrides=TINY)
-    assert summary["steps"] == 45  # 5 more steps, not 45 from scratch
+    assert summary["steps"] == 27  # 3 more steps, not 27 from scratch
     lines = (tmp / "work" / "log.jsonl").read_text().splitlines()
-    assert sum('"step": 40' in line for line in lines) == 1
+    assert sum('"step": 24' in line for line in lines) == 1
 
 
 @pytest.mark.parametrize("mode,modules", [("shared", 1), ("independent", 3)])

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hcfjax
+from hcfjax import model as hcfjax_model
 from hcfjax import quant
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
@@ -106,7 +107,8 @@ def run(args) -> str:
         f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
-        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}.",
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}; "
+        f"batch-1 decode as two rows: {args.two_rows}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -192,7 +194,14 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--out", help="append the table to this markdown file")
+    ap.add_argument(
+        "--two-rows",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="batch-1 decode as two identical rows (hcfjax.model.TWO_ROWS; auto: on GPUs)",
+    )
     args = ap.parse_args(argv)
+    hcfjax_model.TWO_ROWS = {"auto": "gpu", "on": True, "off": False}[args.two_rows]
     table = run(args)
     print(table)
     if args.out:
