@@ -134,31 +134,42 @@ def hidden_states(
     with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]; True counts every
     token, a bool mask [B, T] only its tokens (so padding and mock rows do not count).
 
-    A cached forward of one query token (batch-1 decode) runs as two identical rows where `two_rows` says so."""
+    Decode forwards (absorbed) unroll the layer loops where UNROLL_DECODE says so, and one query token (batch-1
+    decode) runs as two identical rows where `two_rows` does."""
+    unroll = bool(absorbed and _on(UNROLL_DECODE))
     if two_rows(tokens, ctx, experts_fn):
-        return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load)
-    x, ctx, *load = run_layers(params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load)
+        return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load, unroll)
+    x, ctx, *load = run_layers(
+        params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load, unroll=unroll
+    )
     return (final_hidden(params, cfg, x), ctx, *load)
 
 
-# Batch-1 decode as two identical rows, its layers unrolled: on the GPU, XLA rewrites a one-row product under 10M
-# elements (every projection of a V2-Lite-sized layer but the LM head) as a multiply and a reduction at 12-16% of
-# copy bandwidth; with two rows it is a GEMM, 2.6-4.5x faster (hcfjax.bench.gemv). With those GEMMs the layer loops'
-# bodies run slower (split into more command buffers, presumably), so the layers are unrolled too; only both
-# together pay (H200, V2-Lite w4a8: a step 4.61 -> 4.09 ms; two rows alone 4.90, unrolled alone 4.66;
-# hcfjax/bench/results/generate.md). The price is compile time, about a minute more for the unrolled decode loop.
+# Decode's layer loops unrolled: XLA runs a step's kernels with fewer gaps when the layers are not a loop (H200,
+# V2-Lite w4a8: batch 32 a step 7.26 -> 6.29 ms, batch 128 9.53 -> 9.16; hcfjax/bench/results/generate.md). Prefill
+# keeps the loop (unrolled, its 512-token forward took 39.4 ms instead of 18.2). "gpu": on GPU backends only;
+# True / False force it.
+UNROLL_DECODE: bool | str = "gpu"
+
+# Batch-1 decode as two identical rows: on the GPU, XLA rewrites a one-row product under 10M elements (every
+# projection of a V2-Lite-sized layer but the LM head) as a multiply and a reduction at 12-16% of copy bandwidth;
+# with two rows it is a GEMM, 2.6-4.5x faster (hcfjax.bench.gemv). Over the layer loops that made the step slower
+# (4.90 against 4.57 ms); unrolled, it is 3% faster (4.42 against 4.57 ms; H200, V2-Lite w4a8, batch 1).
 # "gpu": on GPU backends only; True / False force it (tests).
 TWO_ROWS: bool | str = "gpu"
+
+
+def _on(flag: bool | str) -> bool:
+    return jax.default_backend() == "gpu" if flag == "gpu" else bool(flag)
 
 
 def two_rows(tokens, ctx, experts_fn) -> bool:
     """Whether hidden_states runs this forward as two rows: one query token over the cache, routed experts local
     (an expert-parallel exchange would carry the copy too)."""
-    on = TWO_ROWS if TWO_ROWS != "gpu" else jax.default_backend() == "gpu"
-    return bool(on) and ctx is not None and experts_fn is None and tuple(tokens.shape) == (1, 1)
+    return _on(TWO_ROWS) and ctx is not None and experts_fn is None and tuple(tokens.shape) == (1, 1)
 
 
-def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, with_load):
+def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, with_load, unroll):
     """hidden_states over [row, copy of row]: the copy reads the same page table and length, so it sees the cache
     entry the row writes in each layer and computes exactly what the row does (the same attention, the same
     experts: no extra weights are read), but it writes nothing (valid False) and counts no load. -> row 0's."""
@@ -169,7 +180,7 @@ def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, wi
         counted = jnp.broadcast_to(jnp.asarray(with_load, bool), tokens.shape)
         with_load = jnp.concatenate([counted, jnp.zeros_like(ctx.valid)])
     x, out_ctx, *load = run_layers(
-        params, cfg, embed(params, twice(tokens)), twice(positions), ctx2, absorbed, None, with_load, unroll=True
+        params, cfg, embed(params, twice(tokens)), twice(positions), ctx2, absorbed, None, with_load, unroll=unroll
     )
     out_ctx = dataclasses.replace(ctx, cache=out_ctx.cache)
     return (final_hidden(params, cfg, x[:1]), out_ctx, *load)

@@ -94,8 +94,8 @@ def test_padding_and_mock_rows_never_write(v3_model):
 
 
 def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
-    """hidden_states runs a one-token cached forward as the row and a copy (model.TWO_ROWS, on by default on GPUs):
-    the same logits, cache and expert loads as one row, and the copy writes nothing."""
+    """hidden_states runs a one-token cached forward as the row and a copy, its layers unrolled (model.TWO_ROWS and
+    UNROLL_DECODE, on by default on GPUs): the same logits, cache and expert loads as one row over the layer loops."""
     from hcfjax import model as model_mod
 
     cfg, p = v3_model.cfg, v3_model.params
@@ -104,6 +104,7 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(model_mod, "TWO_ROWS", on)
+        monkeypatch.setattr(model_mod, "UNROLL_DECODE", on)
         assert model_mod.two_rows(ids[:, :1], object(), None) == on
         step_fn = jax.jit(hidden_states, static_argnames=("cfg", "absorbed", "with_load"))  # a fresh trace each
         monkeypatch.setitem(globals(), "step", step_fn)

@@ -108,7 +108,7 @@ def run(args) -> str:
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
         f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}; "
-        f"batch-1 decode as two rows: {args.two_rows}.",
+        f"batch-1 decode as two rows: {args.two_rows}, decode layers unrolled: {args.unroll_decode}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -200,8 +200,15 @@ def main(argv=None) -> None:
         choices=("auto", "on", "off"),
         help="batch-1 decode as two identical rows (hcfjax.model.TWO_ROWS; auto: on GPUs)",
     )
+    ap.add_argument(
+        "--unroll-decode",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="unroll the decode step's layer loops (hcfjax.model.UNROLL_DECODE; auto: on GPUs)",
+    )
     args = ap.parse_args(argv)
-    hcfjax_model.TWO_ROWS = {"auto": "gpu", "on": True, "off": False}[args.two_rows]
+    flag = {"auto": "gpu", "on": True, "off": False}
+    hcfjax_model.TWO_ROWS, hcfjax_model.UNROLL_DECODE = flag[args.two_rows], flag[args.unroll_decode]
     table = run(args)
     print(table)
     if args.out:
