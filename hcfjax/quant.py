@@ -143,13 +143,25 @@ def matmul(x: jax.Array, w: QWeight) -> jax.Array:
     return y.astype(x.dtype)
 
 
+ACT_GROUP = 128  # channels per activation scale where activations are quantised per group (DeepSeek-V3's 1 x 128)
+
+
+def quantize_int8_groups(x: jax.Array, group: int = ACT_GROUP) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per (row, `group` channels): x [M, K] -> (q [M, K] int8, scales [K/group, M] f32). The scales
+    are group-major, as the int4 kernel reads them (a block of rows for each K group of a pipeline step); each group
+    is quantised as `quantize_int8` quantises a row."""
+    q, s = quantize_int8(_grouped(x, group))  # [M, K/G, G], [M, K/G]
+    return q.reshape(x.shape), s.T
+
+
 def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference).
 
     x [M, K] rows sorted by expert, w: QWeight of [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0)
     -> [M, N] in x's dtype. w4a16/w8a16: dequantise, then a bf16 ragged_dot with f32 accumulation. int8
     activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales;
-    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations).
+    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations), or quantize_int8_groups(x)
+    (scales per row and K group, [K/G, M'] with M' >= M) where the producer quantised x in groups.
     """
     if w.act == "bf16":
         return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
@@ -172,7 +184,10 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=N
     g, e, m = w.group, w.q.shape[0], x.shape[0]
     qmax = 7 if w.bits == 4 else 127
     c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
-    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32
+    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32 or per group [K/G, M'] f32
+    grouped = xs.ndim == 2
+    if grouped and xs.shape[0] != w.k // g:
+        raise ValueError(f"group scales {xs.shape} do not match {w.k // g} K groups of {g}")
     # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
     # compare_all: jnp.searchsorted's default is a while loop, a host round trip per step on XLA GPU.
     ends = jnp.cumsum(group_sizes)
@@ -189,11 +204,13 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=N
             )
             for j in range(0, g, c)
         )  # [M, N] the exact int32 dot products of group i
-        s = lax.dynamic_index_in_dim(w.scale, i, axis=-2, keepdims=False)  # [E, N]
-        return y + acc.astype(jnp.float32) * s[rows]
+        s = lax.dynamic_index_in_dim(w.scale, i, axis=-2, keepdims=False)[rows]  # [M, N]
+        if grouped:
+            s = s * lax.dynamic_index_in_dim(xs, i, keepdims=False)[:m, None]
+        return y + acc.astype(jnp.float32) * s
 
     y = lax.fori_loop(0, w.k // g, group, jnp.zeros((m, w.n), jnp.float32))
-    return (y * xs[:, None]).astype(x.dtype)
+    return (y if grouped else y * xs[:, None]).astype(x.dtype)
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None) -> jax.Array:

@@ -49,14 +49,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from hcfjax.cache import quantize_int8
-from hcfjax.quant import QWeight, ragged_dot_reference
+from hcfjax.quant import QWeight, quantize_int8_groups, ragged_dot_reference
 from pallas_kernels.int4_unpack import bf16_halves, int8_halves
 
 BN = 64  # weight rows of one wgmma (its M dimension); a CTA takes 1, 2 or 4 such tiles
 KC = 64  # K per wgmma call: one 64-byte packed column tile, one K half of a 128 group
 ACTS = ("bf16", "int8")
+QGROUP = 128  # channels per scale of the gate/up kernel's quantised output (qout), the down projection's K group
 ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is tiled in 8-row tiles, and the TMA of a
 # tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
+HS_PAD = 256 + ROW_ALIGN  # rows past M in the quantised output's scales: enough for any down projection's block
 MAGIC = 0x4B400000  # int32 bits of the f32 1.5 * 2^23: MAGIC + v reads as 1.5 * 2^23 + v for |v| < 2^22; a w4a8 K
 MAGIC_F = 12582912.0  # group sums 128 products of |16 q| <= 128 and |x| <= 127, below 2^21
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
@@ -109,23 +111,28 @@ def _transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
 
 
-def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int, gs_ref, *refs):
+def _kernel(
+    act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int, xgroups: bool, qout: bool, gs_ref, *refs
+):
     """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
     gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
     and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs). ksteps: pipeline steps
     of one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials
     [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). n_ctas: the grid of a
-    persistent tiling (`_persistent`)."""
+    persistent tiling (`_persistent`). xgroups (w4a8): x's scales are per row and K group, [K/G, M'] (a block of them
+    per pipeline step, applied to each group's partial) instead of per row. qout (gate/up): the output is the SiLU
+    product quantised per row and 128 channels, int8 [M, N] and its scales [N/128, M'] (`_store_quantized`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, *rest = refs[2 * nw :]
     xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
+    hs_ref, *rest = rest if qout else (None, *rest)
     if t.persistent:  # the output tile and the CTA's work items, in smem (`_persistent`)
         o_tile, items, *rest = rest
     else:
-        xs_smem, xs_bar, *rest = rest if act == "int8" else (None, None, *rest)
+        xs_smem, xs_bar, *rest = rest if act == "int8" and not xgroups else (None, None, *rest)
     a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
     sizes = [gs_ref[i] for i in range(n_experts)]
     if not t.persistent:
@@ -190,9 +197,15 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int
             return tuple(r[...] for r in rs)
 
         parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
-        for v, (a, _, _, _, s, _) in zip(parts, work, strict=True):
+        x_scales = {}  # xgroups: per K group of the step, its rows' scales as a [BN, bm] column broadcast
+        for v, (a, j, _, _, s, _) in zip(parts, work, strict=True):
             f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
             s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
+            if xgroups:
+                if j not in x_scales:
+                    sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
+                    x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
+                s16 = s16 * x_scales[j]
             accs[a] = accs[a] + f * s16
         return tuple(accs)
 
@@ -205,14 +218,71 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int
         (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
     )
     in_specs = [w_spec, s_spec] * nw + [x_spec]
+    if xgroups:  # the step's K groups' scales for the token tile's rows (rounded up to 128 bytes per group)
+        in_specs.append(plgpu.BlockSpec((t.gps, pl.Element(_xs_block(t.bm))), lambda k: (k0 + k, tile)))
     if not t.persistent:
         operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+        operands += [xs_ref] if xgroups else []
     pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
 
     partial = t.splits > 1
     n_out, o_dtype = (nw, jnp.float32) if partial else (1, jnp.bfloat16)
     o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
     n_cols = o_gmem.shape[1] // n_out  # N
+
+    def rows_out(o_smem, ni, tile, off, count):
+        """The block's rows of o_smem [n_out, bm, bn] -> out. Only rows [off, off + count) of the tile are this
+        block's (the others belong to the neighbouring groups' blocks). A TMA box has a static size, so they go out
+        as a ladder of power-of-two row counts (count's binary digits), each from the smem row after the last (rows
+        of bn x 2 >= 128 bytes, or bn int8 bytes: every start stays TMA-aligned)."""
+        start, rows = off, 1 << (t.bm.bit_length() - 1)
+        while rows:
+
+            @pl.when(count & rows != 0)
+            def _(start=start, rows=rows):
+                for i in range(o_smem.shape[0]):
+                    dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
+
+            start, rows = start + (count & rows), rows // 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def store_quantized(accs, ni, tile, off, count):
+        """qout: per row, each 128 channels of the SiLU product (bf16-rounded, as the reference quantises its bf16
+        output) as int8 with one f32 scale (quantize_int8's arithmetic). The integers go through a bf16 tile (a
+        transposed store, which Mosaic lays out for 16-bit values) into an int8 tile and out by `rows_out`; the
+        scales, [count] f32 per group (below a TMA box's 16-byte minimum for short blocks), by one scalar store per
+        row and group into hs [N/128, M']."""
+        per, groups = QGROUP // BN, t.bn // QGROUP
+
+        def scope(b_smem, q_smem, s_smem):  # [bm, bn] bf16, [1, bm, bn] int8, [groups, bm] f32
+            # Every value carries its layout: left to Mosaic's layout search, this epilogue ran its fuel out.
+            wg = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)  # noqa: E731
+            for j in range(groups):
+                vals = [wg(a.astype(jnp.bfloat16).astype(jnp.float32)) for a in accs[j * per : (j + 1) * per]]
+                amax = functools.reduce(jnp.maximum, [plgpu.layout_cast(wg(jnp.abs(v)).max(axis=0), col) for v in vals])
+                scale = plgpu.layout_cast(jnp.maximum(amax, 1e-8) / 127.0, col)  # [bm]: per row
+                s_smem.at[j][...] = scale
+                sb = wg(lax.broadcast_in_dim(scale, (BN, t.bm), [1]))
+                for h, v in enumerate(vals):
+                    qv = wg(jnp.clip(jnp.round(v / sb), -127.0, 127.0).astype(jnp.bfloat16))  # integers: exact in bf16
+                    b_smem.at[:, pl.ds((j * per + h) * BN, BN)].transpose((1, 0))[...] = qv
+            plgpu.commit_smem()
+            _to_int8(b_smem, q_smem.at[0], fast)
+            plgpu.commit_smem()
+            rows_out(q_smem, ni, tile, off, count)
+
+            @pl.loop(0, count)
+            def _(i):
+                for j in range(groups):
+                    hs_ref[ni * groups + j, tile + off + i] = s_smem[j, off + i]
+
+        pl.run_scoped(
+            scope,
+            plgpu.SMEM((t.bm, t.bn), jnp.bfloat16),
+            plgpu.SMEM((1, t.bm, t.bn), jnp.int8),
+            plgpu.SMEM((groups, t.bm), jnp.float32),
+        )
 
     def store(accs, ni, tile, off, count, o_tile=None):
         """out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N], through o_tile or a
@@ -225,21 +295,7 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int
                         out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
                     o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
             plgpu.commit_smem()
-            # Only rows [off, off + count) of the tile are this block's (the others belong to the neighbouring
-            # groups' blocks). A TMA box has a static size, so they go out as a ladder of power-of-two row counts
-            # (count's binary digits), each from the smem row after the last (rows of bn x 2 >= 128 bytes: every
-            # start stays TMA-aligned).
-            start, rows = off, 1 << (t.bm.bit_length() - 1)
-            while rows:
-
-                @pl.when(count & rows != 0)
-                def _(start=start, rows=rows):
-                    for i in range(n_out):
-                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
-                        plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
-
-                start, rows = start + (count & rows), rows // 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            rows_out(o_smem, ni, tile, off, count)
 
         if o_tile is not None:
             scope(o_tile)
@@ -262,21 +318,48 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int
         else:
             # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined as
             # a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at bm = 16
-            # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.)
-            plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem, xs_bar)
+            # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group scales come
+            # with each pipeline step instead (xgroups).
+            if not xgroups:
+                plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem, xs_bar)
             zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
             accs = pipeline(int8_step, init_carry=(zero,) * accs_n)(*operands)
-            plgpu.barrier_wait(xs_bar)
-            xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
-            accs = tuple(a * xs for a in accs)
+            if not xgroups:
+                plgpu.barrier_wait(xs_bar)
+                xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
+                accs = tuple(a * xs for a in accs)
         if nw == 2 and not partial:
             accs = _silu_mul(accs, t.tiles)
-        store(accs, ni, tile, off, count)
+        (store_quantized if qout else store)(accs, ni, tile, off, count)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
         zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-        store([zero] * t.tiles * n_out, ni, tile, off, count)
+        if qout:
+            store_quantized([zero] * t.tiles, ni, tile, off, count)
+        else:
+            store([zero] * t.tiles * n_out, ni, tile, off, count)
+
+
+def _to_int8(src, dst, fast: bool):
+    """dst[...] = src[...] as int8, for a [rows, cols] smem tile of bf16 integers in [-127, 127]. On the GPU through
+    inline Mosaic GPU code: written in Pallas, this conversion ran Mosaic's layout search out of fuel in the gate/up
+    kernel (NOTES.md). The interpreter (fast=False) runs the same as jnp."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not fast:
+        dst[...] = src[...].astype(jnp.int8)
+        return
+
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def run(ctx, src_ref, dst_ref):
+        x = fa.FragmentedArray.load_strided(src_ref, vec_size=8)
+        x.astype(ir.IntegerType.get_signless(8), is_signed=True).store_untiled(dst_ref)
+
+    run(src, dst)
 
 
 def _silu_mul(accs, tiles: int) -> list:
@@ -418,26 +501,31 @@ def block_table(group_sizes, m: int, bm: int):
     return jnp.stack(block_info(sizes, b, m, bm)).astype(jnp.int32)
 
 
-def _stage_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
+def _stage_bytes(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False) -> int:
     """One pipeline step's blocks: per weight the packed tile [bn, gps G/2] and its scales [gps, bn] f32; the token
-    tile [bm, gps G] (bf16 or int8). Each is a multiple of 128 bytes (a TMA's smem destination must be 128-byte
-    aligned, and a pipeline buffer holds its stages' blocks back to back)."""
-    return nw * t.bn * t.gps * (g // 2 + 4) + t.bm * t.gps * g * (2 if act == "bf16" else 1)
+    tile [bm, gps G] (bf16 or int8); with xgroups the token tile's scales [gps, bm rounded up to 32] f32. Each is a
+    multiple of 128 bytes (a TMA's smem destination must be 128-byte aligned, and a pipeline buffer holds its
+    stages' blocks back to back)."""
+    x_scales = t.gps * _xs_block(t.bm) * 4 if xgroups else 0
+    return nw * t.bn * t.gps * (g // 2 + 4) + t.bm * t.gps * g * (2 if act == "bf16" else 1) + x_scales
 
 
-def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1) -> int:
+def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = False, qout: bool = False) -> int:
     """Shared memory of one CTA, an upper bound on what Mosaic allocates (tests/test_quant.py checks it): the
     pipeline's buffers, which the output tile [bm, bn] bf16 reuses after the last step; w4a8's token scales [bm] f32
     (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers. The
-    output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight."""
+    output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight; with qout a bf16, an int8 and a
+    scales tile (1 KiB-aligned each). xgroups: the token scales come with each pipeline step."""
     out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
+    if qout:
+        out = _kib(t.bm * t.bn * 2) + _kib(t.bm * t.bn) + _kib(t.bn // QGROUP * t.bm * 4)
     if t.persistent:  # every buffer its own (Mosaic aligns each to 1 KiB): the pipeline's, whose steps also carry
         # the token scales, the output tile and the items table beside it
         w, sc = t.stages * t.bn * t.gps * g // 2, t.stages * t.gps * t.bn * 4
         x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
         table = _kib(5 * 4 * MAX_ITEMS)
         return nw * (_kib(w) + _kib(sc)) + _kib(x) + _kib(xs) + _kib(out) + table + _a_bytes(act, t, g, nw) + 1024
-    return max(t.stages * _stage_bytes(act, t, g, nw), out) + _fixed_bytes(act, t, g, nw)
+    return max(t.stages * _stage_bytes(act, t, g, nw, xgroups), out) + _fixed_bytes(act, t, g, nw, xgroups)
 
 
 def _xs_block(bm: int) -> int:
@@ -451,8 +539,8 @@ def _kib(nbytes: int) -> int:
     return -(-nbytes // 1024) * 1024
 
 
-def _fixed_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
-    token_scales = _kib(t.bm * 4) if act == "int8" else 0
+def _fixed_bytes(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False) -> int:
+    token_scales = _kib(t.bm * 4) if act == "int8" and not xgroups else 0
     return token_scales + _a_bytes(act, t, g, nw) + 1024  # + barriers (Mosaic adds < 600 B)
 
 
@@ -575,7 +663,7 @@ def _check(x, q, scale, group_sizes, act):
         raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
 
 
-def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
+def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, qout=False):
     if t.bm % 16 or not 16 <= t.bm <= 256:
         raise ValueError(f"bm must be a multiple of 16 in [16, 256], got {t.bm}")
     if t.bn not in (64, 128, 256) or n % t.bn:
@@ -586,12 +674,18 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret):
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
     if t.persistent and (act != "int8" or t.splits != 1):
         raise ValueError(f"{t}: a persistent tiling is w4a8's, without split-K")
-    if smem_bytes(act, t, g, nw) > SMEM_LIMIT:
-        raise ValueError(f"{t}: {smem_bytes(act, t, g, nw)} B of smem > {SMEM_LIMIT}")
+    if (xgroups or qout) and (t.persistent or t.splits != 1 or act != "int8"):
+        raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K or persistence")
+    if qout and (nw != 2 or t.bn % QGROUP):
+        raise ValueError(f"{t}: a quantised output is gate/up's, with bn a multiple of {QGROUP}")
+    smem = smem_bytes(act, t, g, nw, xgroups, qout)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{t}: {smem} B of smem > {SMEM_LIMIT}")
 
 
-def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
-    """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
+def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=False):
+    """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16, or with quant_out
+    (int8 [M, N], scales [N/128, M'] with M' >= M + HS_PAD)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     for q, scale in weights:
@@ -603,10 +697,16 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
     n = weights[0][0].shape[1]
     g = k // weights[0][1].shape[1]
     e = group_sizes.shape[0]
-    t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
+    xgroups = act == "int8" and x_q is not None and x_q[1].ndim == 2
+    if xgroups and (g != QGROUP or x_q[1].shape[0] != k // g):
+        raise ValueError(f"per-group x scales {x_q[1].shape} need K groups of {QGROUP} ({k // QGROUP} of them)")
+    if quant_out and tiling is None:  # one CTA's N tile must hold whole 128-channel groups
+        t = default_tiling(act, m, n, k // g, e, nw, g, bn=max(QGROUP, default_tiling(act, m, n, k // g, e, nw, g).bn))
+    else:
+        t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
-    _check_tiling(t, act, n, k // g, g, nw, interpret)
+    _check_tiling(t, act, n, k // g, g, nw, interpret, xgroups, quant_out)
     args = kernel_operands(x, weights, group_sizes, act, t.bm, x_q)
     a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
     a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
@@ -616,6 +716,11 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
         if t.splits == 1
         else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
     )
+    if quant_out:
+        out_type = (
+            jax.ShapeDtypeStruct((rows, n), jnp.int8),
+            jax.ShapeDtypeStruct((n // QGROUP, _hs_rows(m)), jnp.float32),
+        )
     if t.persistent:  # interpret mode: t.persistent CTAs in all
         sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS  # (SMS: lowering for sm_90 here)
         n_ctas = t.persistent * (1 if interpret else sms)
@@ -626,9 +731,11 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
         fixed = [plgpu.SMEM((1, t.bm, t.bn), jnp.bfloat16), plgpu.SMEM((5, n_items), jnp.int32)]
     else:
         n_ctas, grid, names = 0, (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
-        fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" else []
+        fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
     kern = plgpu.kernel(
-        functools.partial(_kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, n_ctas),
+        functools.partial(
+            _kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, n_ctas, xgroups, quant_out
+        ),
         out_type=out_type,
         grid=grid,
         grid_names=names,
@@ -643,6 +750,8 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None):
     if t.splits > 1:  # the K splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
         out = out.sum(0)
         out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
+    if quant_out:
+        return out[0][:m], out[1]  # the scales keep their padding rows: the down projection's blocks read past M
     return out[:m]  # [M, N] (a slice only when M < bm)
 
 
@@ -653,18 +762,33 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     in unpadded: a token tile past its last row is zero-filled by the TMA (only when M < bm is x padded to one
     block). The weight scales are used as stored ([E, K/G, N]); each CTA finds its token block from group_sizes
     itself. The token scales are padded by bm (a few bytes: their copy into smem is a plain [bm] slice, which must
-    stay in bounds)."""
+    stay in bounds); per-group scales [K/G, M'] (x_q from a producer that quantised in groups) are padded only if
+    M' is short of that (the gate/up kernel's quantised output leaves HS_PAD rows)."""
     m = x.shape[0]
     pad = ((0, max(bm - m, 0)), (0, 0))
     args = [group_sizes.astype(jnp.int32)]
     for q, scale in weights:
         args += [lax.bitcast_convert_type(q, jnp.int8), scale]
     if act == "int8":
-        xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32
-        args += [jnp.pad(xq, pad), jnp.pad(xs, (0, _xs_block(bm) + ROW_ALIGN))]
+        xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32 or [K/G, M'] f32
+        need = m + _xs_block(bm) + ROW_ALIGN
+        xs = jnp.pad(xs, (0, _xs_block(bm) + ROW_ALIGN)) if xs.ndim == 1 else _pad_rows(xs, need)
+        args += [jnp.pad(xq, pad), xs]
     else:
         args.append(jnp.pad(x, pad))
     return args
+
+
+def _hs_rows(m: int) -> int:
+    """Columns of the per-group scales the gate/up kernel writes for m rows: m + HS_PAD, a multiple of 32 (a TMA
+    source's row stride must be a multiple of 16 bytes)."""
+    return -(-(m + HS_PAD) // 32) * 32
+
+
+def _pad_rows(xs, rows: int):
+    """Per-group scales [K/G, M'] with at least `rows` columns and a 16-byte row stride."""
+    want = -(-max(rows, xs.shape[1]) // 4) * 4
+    return xs if xs.shape[1] == want else jnp.pad(xs, ((0, 0), (0, want - xs.shape[1])))
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
@@ -673,23 +797,36 @@ def int4_ragged_dot(
 ):
     """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, K/G, N] f32), group_sizes [E]) ->
     [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `tiling` defaults
-    by the regime (`default_tiling`). w4a8: x_q = quantize_int8(x) when the caller has it (x is then only a shape)."""
+    by the regime (`default_tiling`). w4a8: x_q = quantize_int8(x) when the caller has it (x is then only a shape),
+    or (int8 [M, K], scales [K/128, M' >= M]) quantised per row and 128 channels (hcfjax.quant.quantize_int8_groups;
+    int4_gated_ragged_dot(..., quant_out=True) writes it): each K group's partial is then scaled by its own."""
     return _run(x, ((q, scale),), group_sizes, act, interpret, tiling, x_q)
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "quant_out"))
 def int4_gated_ragged_dot(
-    x, gate, up, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None, x_q=None
+    x,
+    gate,
+    up,
+    group_sizes,
+    act: str = "bf16",
+    interpret: bool = False,
+    tiling: Tiling | None = None,
+    x_q=None,
+    quant_out: bool = False,
 ):
     """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel (an expert's gate/up projection): gate and up are
     (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once. x_q as in
-    int4_ragged_dot."""
-    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling, x_q)
+    int4_ragged_dot. quant_out (w4a8): the product is written quantised per row and 128 channels, as
+    (int8 [M, N], scales [N/128, M' >= M + HS_PAD] f32) = quantize_int8_groups of the bf16 product (the scales'
+    columns past M are padding), which the down projection takes as its x_q: no XLA pass between the kernels."""
+    return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling, x_q, quant_out)
 
 
-def int4_gated_reference(x, gate, up, group_sizes, act="bf16"):
+def int4_gated_reference(x, gate, up, group_sizes, act="bf16", quant_out=False):
     """The gated kernel's function in plain jnp: the two projections as in int4_ragged_dot_reference (bf16 outputs),
-    then silu(gate) * up in f32."""
+    then silu(gate) * up in f32; quant_out: that product quantised per row and 128 channels (the scales unpadded)."""
     yg = int4_ragged_dot_reference(x, *gate, group_sizes, act).astype(jnp.float32)
     yu = int4_ragged_dot_reference(x, *up, group_sizes, act).astype(jnp.float32)
-    return (jax.nn.silu(yg) * yu).astype(x.dtype)
+    h = (jax.nn.silu(yg) * yu).astype(x.dtype)
+    return quantize_int8_groups(h, QGROUP) if quant_out else h

@@ -788,3 +788,56 @@ def test_ncu_keeps_what_it_did_not_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "ncu.tar.gz"]
     with tarfile.open(tmp_path / "ncu.tar.gz") as tar:
         assert tar.getnames() == ["ncu/mla_bf16.log"]
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
+    """w4a8 gate/up with quant_out: the kernel writes the SiLU product as int8 per row and 128 channels with its
+    scales (no XLA pass before the down projection), exactly quantize_int8_groups of its own bf16 product (an empty
+    group, a partial block, rows past the groups, two groups per N tile); the down projection takes those per-group
+    scales and matches the reference given the same operands."""
+    from hcfjax.quant import quantize_int8_groups
+    from pallas_kernels.moe_int4 import HS_PAD, Tiling, int4_gated_ragged_dot, int4_gated_reference, int4_ragged_dot
+
+    k, n, sizes = 256, 256, [9, 0, 30]
+    e, m = len(sizes), sum(sizes) + 2
+    kg, ku, kd = jax.random.split(jax.random.key(7), 3)
+    qg, qu = (quant.quantize(jax.random.normal(kk, (e, k, n)) / 4, 4, "int8") for kk in (kg, ku))
+    qd = quant.quantize(jax.random.normal(kd, (e, n, k)) / 4, 4, "int8")
+    x = jax.random.normal(jax.random.key(2), (m, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
+    t = Tiling(16, 256, 2)
+    h = int4_gated_ragged_dot(x, gate, up, gs, act="int8", interpret=True, tiling=t)
+    hq, hs = int4_gated_ragged_dot(x, gate, up, gs, act="int8", interpret=True, tiling=t, quant_out=True)
+    assert hq.shape == (m, n) and hq.dtype == jnp.int8 and hs.shape[0] == n // 128 and hs.shape[1] >= m + HS_PAD
+    want_q, want_s = quantize_int8_groups(h)
+    np.testing.assert_array_equal(np.asarray(hq), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(hs[:, :m]), np.asarray(want_s))
+    ref_q, ref_s = int4_gated_reference(x, gate, up, gs, "int8", quant_out=True)  # bf16-rounding away from it
+    deq = lambda q, s: np.asarray(q, np.float32).reshape(m, -1, 128) * np.asarray(s)[:, :m].T[..., None]  # noqa: E731
+    np.testing.assert_allclose(deq(hq, hs), deq(ref_q, ref_s), atol=0.02 * np.abs(deq(ref_q, ref_s)).max())
+    y = int4_ragged_dot(h, qd.q, qd.scale, gs, act="int8", interpret=True, tiling=Tiling(16, 128, 2), x_q=(hq, hs))
+    ref = np.asarray(quant.ragged_dot_reference(h, qd, gs, x_q=(hq, hs)), np.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
+    assert not np.asarray(y, np.float32)[sum(sizes) :].any()
+    per_token = np.asarray(quant.ragged_dot_reference(h, qd, gs), np.float32)  # finer scales, the same product
+    np.testing.assert_allclose(ref, per_token, atol=0.03 * np.abs(per_token).max())
+
+
+@pytest.mark.parametrize("e, m, k, n", [(16, 128, 7168, 2048), (64, 6, 2048, 1408)])
+def test_quantised_output_and_group_scales_lower_for_hopper(e, m, k, n):
+    """The GPU path of quant_out (the int8 pass through inline Mosaic GPU code, the scales' scalar stores) and of
+    the down projection's per-group scales lower for sm_90 at V3's and V2-Lite's decode shapes."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import _hs_rows, int4_gated_ragged_dot, int4_ragged_dot
+
+    s = jax.ShapeDtypeStruct
+    w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
+    gs = s((e,), jnp.int32)
+    f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act="int8", quant_out=True)  # noqa: E731
+    assert "mosaic_gpu" in lower_for_hopper(f, s((m, k), jnp.bfloat16), w, w, gs)
+    wd = (s((e, k, n // 2), jnp.uint8), s((e, n // 128, k), jnp.float32))
+    x_q = (s((m, n), jnp.int8), s((n // 128, _hs_rows(m)), jnp.float32))
+    f2 = lambda x, q, sc, gs, x_q: int4_ragged_dot(x, q, sc, gs, act="int8", x_q=x_q)  # noqa: E731
+    assert "mosaic_gpu" in lower_for_hopper(f2, s((m, n), jnp.bfloat16), *wd, gs, x_q)
