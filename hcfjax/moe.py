@@ -13,7 +13,18 @@ import jax.numpy as jnp
 from hcfjax.cache import quantize_int8
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
-from hcfjax.quant import gated_ragged_dot, int8_activations, ragged_dot
+from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations, ragged_dot
+
+# w4a8 / w8a8 experts: the down projection's input quantised per row and 128 channels (DeepSeek-V3's activation
+# grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels), instead of per row after it.
+# Built and checked on the CPU (interpreter, sm_90 lowering); off until the H200 times it (pallas_kernels/NOTES.md,
+# "1 x 128 activation quantisation"; bench.moe's "x in 128-channel groups" and "output quantised" rows).
+GROUPED_DOWN_INPUT = False
+
+
+def grouped_down_input(down) -> bool:
+    """Whether the experts' down projection takes its input quantised in 128-channel groups (GROUPED_DOWN_INPUT)."""
+    return GROUPED_DOWN_INPUT and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -58,8 +69,13 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
         xq, sc = quantize_int8(x)
         x_q = (xq[token], sc[token])
-    h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q)  # silu(xs @ gate) * (xs @ up) [N*K, F]
-    y = ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
+    if grouped_down_input(p["down"]):  # the product quantised per 128 channels by its producer (int8, scales)
+        h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, quant_out=True)
+        h = jnp.zeros(h_q[0].shape, x.dtype)  # only a shape for the down projection (unused, so never made)
+        y = ragged_dot(h, p["down"], group_sizes, h_q)
+    else:
+        h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q)  # silu(xs @ gate) * (xs @ up) [N*K, F]
+        y = ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 

@@ -241,21 +241,25 @@ def int8_activations(w) -> bool:
 FUSED_GATE_UP = {"bf16": False, "int8": True}
 
 
-def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None) -> jax.Array:
+def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, quant_out: bool = False):
     """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU (shapes
     the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
     where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots. x_q as in
-    `ragged_dot`."""
+    `ragged_dot`. quant_out: the product as quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the
+    fused w4a8 kernel itself where it runs, else quantised after it: a down projection's x_q."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
         if use_kernel() and FUSED_GATE_UP[gate.act]:
             from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
 
             if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
                 xq = x_q if gate.act == "int8" else None
-                return int4_gated_ragged_dot(
-                    x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act, x_q=xq
+                in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0
+                out = int4_gated_ragged_dot(
+                    x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act, x_q=xq, quant_out=in_kernel
                 )
-    return jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q)) * ragged_dot(x, up, group_sizes, x_q)
+                return out if in_kernel or not quant_out else quantize_int8_groups(out)
+    h = jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q)) * ragged_dot(x, up, group_sizes, x_q)
+    return quantize_int8_groups(h) if quant_out else h
 
 
 def use_kernel() -> bool:

@@ -20,6 +20,7 @@ from hcfjax.cache import quantize_int8
 from hcfjax.cli import main as cli_main
 from hcfjax.config import ConfigError, ModelConfig, QuantConfig
 from hcfjax.quantize import default_cache_dtype, quantize_model
+from tests.conftest import rel_err
 
 
 def test_int4_pack_round_trip():
@@ -456,6 +457,37 @@ def test_experts_quantise_tokens_before_gathering_their_copies():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_grouped_down_input_is_the_group_quantised_product(monkeypatch):
+    """moe.GROUPED_DOWN_INPUT: the down projection takes the gate/up product quantised per row and 128 channels
+    (quantize_int8_groups of the bf16 product, as the fused kernel writes it), exactly on the reference path, and
+    within quantisation noise of the per-row path."""
+    from hcfjax import moe
+
+    n, d, f, e, k = 6, 256, 256, 4, 2
+    keys = jax.random.split(jax.random.key(5), 4)
+    p = {
+        name: quant.quantize(jax.random.normal(kk, shape) / 8, 4, "int8")
+        for name, kk, shape in (("gate", keys[0], (e, d, f)), ("up", keys[1], (e, d, f)), ("down", keys[2], (e, f, d)))
+    }
+    x = jax.random.normal(keys[3], (n, d)).astype(jnp.bfloat16)
+    ids = jnp.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], jnp.int32)
+    weights = jnp.full((n, k), 0.5, jnp.float32)
+    per_row = moe.experts(p, x, weights, ids)
+    monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", True)
+    assert moe.grouped_down_input(p["down"]) and not moe.grouped_down_input(quant.quantize(jnp.ones((e, f, d)), 4))
+    got = moe.experts(p, x, weights, ids)
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    token, gs = order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    xq = quantize_int8(x)
+    h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
+    h_q = quant.quantize_int8_groups(h)
+    assert h_q[1].shape == (f // 128, n * k)
+    y = quant.ragged_dot(h, p["down"], gs, h_q).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    want = jnp.zeros((n, d), jnp.float32).at[token].add(y).astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert rel_err(got, per_row) < 0.02 and not np.array_equal(np.asarray(got), np.asarray(per_row))
+
+
 @pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
 def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
     """With the kernel on, gate/up + SiLU runs as one fused kernel where quant.FUSED_GATE_UP says so, else as two
@@ -465,16 +497,26 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
     calls = []
     monkeypatch.setattr(quant, "use_kernel", lambda: True)
     monkeypatch.setitem(quant.FUSED_GATE_UP, act, fused)
+
     # The caller's quantised rows (x_q) reach the kernel with int8 activations, and only then.
-    fused_fn = lambda x, g, u, gs, act, x_q: calls.append(("fused", x_q is not None)) or x[:, :64]  # noqa: E731
-    one_fn = lambda x, q, s, gs, act, x_q: calls.append(("one", x_q is not None)) or x[:, :64]  # noqa: E731
+    def fused_fn(x, g, u, gs, act, x_q, quant_out):
+        calls.append(("fused", x_q is not None, quant_out))
+        return (x[:, :128].astype(jnp.int8), jnp.ones((1, 8))) if quant_out else x[:, :128]
+
+    one_fn = lambda x, q, s, gs, act, x_q: calls.append(("one", x_q is not None)) or x[:, :128]  # noqa: E731
     monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", fused_fn)
     monkeypatch.setattr(moe_int4, "int4_ragged_dot", one_fn)
-    w = quant.quantize(jnp.ones((2, 128, 64)), 4, act)
+    w = quant.quantize(jnp.ones((2, 128, 128)), 4, act)
     x = jnp.ones((8, 128), jnp.bfloat16)
-    quant.gated_ragged_dot(x, w, w, jnp.array([3, 5], jnp.int32), x_q=quantize_int8(x))
+    gs = jnp.array([3, 5], jnp.int32)
+    quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x))
     given = act == "int8"
-    assert calls == ([("fused", given)] if fused else [("one", given), ("one", given)])
+    assert calls == ([("fused", given, False)] if fused else [("one", given), ("one", given)])
+    # quant_out (a down projection's grouped input): written by the w4a8 kernel itself, else quantised after
+    calls.clear()
+    hq, hs = quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x), quant_out=True)
+    assert hq.dtype == jnp.int8 and hs.shape[0] == 1
+    assert calls == ([("fused", given, given)] if fused else [("one", given), ("one", given)])
 
 
 BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden, N = expert width) and down

@@ -175,7 +175,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
 
     from hcfjax import quant
     from hcfjax.cache import quantize_int8
+    from hcfjax.quant import quantize_int8_groups
     from pallas_kernels.moe_int4 import (
+        _hs_rows,
         default_tiling,
         int4_gated_ragged_dot,
         int4_ragged_dot,
@@ -194,21 +196,26 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     wf = quant.dequantize(q4, jnp.bfloat16).astype(jnp.float32)
     f32_dot = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, precision="highest"))
     xq, xs = quantize_int8(x)
+    # x in 128-channel groups, as the gate/up kernel's quant_out writes it (scales padded as that kernel leaves them)
+    xg, xgs = quantize_int8_groups(x)
+    xg_deq = (xg.astype(jnp.float32).reshape(m, -1, 128) * xgs.T[..., None]).reshape(m, k)
+    x_groups = (xg, jnp.pad(xgs, ((0, 0), (0, _hs_rows(m) - m))))
     refs = {
         "bf16": f32_dot(x.astype(jnp.float32), wf, gs),
         "int8": f32_dot(xq.astype(jnp.float32) * xs[:, None], wf, gs),
+        "int8 groups": f32_dot(xg_deq, wf, gs),
     }
-    del wf, xq, xs
+    del wf, xq, xs, xg, xgs, xg_deq
 
     rounds = int(os.environ.get("MOE_BENCH_ROUNDS", "1"))
     pending = []
 
-    def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1, needs=()):
+    def row(name, fn, *args, nbytes=0, int8=False, act=None, tiling=None, ref=None, mult=1, nw=1, needs=(), post=None):
         """One timed row; kernels (act given) are first checked against ref (default: the plain product's). mult=0:
         a row that is not a matmul (only its time is shown). A kernel that hung or hit a CUDA error earlier in the
         run is skipped (by row name; a CUDA error by row name and token block), as is a row that needs it (the
         gate/up rows share the default kernel's code); rows a lost worker already reported for this case (done) are
-        not rerun."""
+        not rerun. post: what turns the output into the product to check (a quantised output: dequantised)."""
         key = f"{name} bm={tiling.bm}" if tiling is not None else None
         if name in done:
             return
@@ -220,7 +227,8 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         try:
             f = jax.jit(fn)
             if act is not None:  # a kernel: checked on this device before it is timed
-                r["check"] = c = _errors(f(*args), refs[act] if ref is None else ref)
+                y = f(*args)
+                r["check"] = c = _errors(post(y) if post else y, refs[act] if ref is None else ref)
                 smem = smem_bytes(act, tiling, nw=nw)
                 c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
             timers = (f, _device_timer(fn, args))
@@ -241,6 +249,11 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         t = default_tiling(act, m, n, kg, e)
         fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
         row(f"{name} kernel", fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
+        if act == "int8" and k % 128 == 0:  # as the down projection gets x from the gate/up kernel's quant_out
+            grouped = lambda x, q, sc, gs, x_q, fn=fn: fn(x, q, sc, gs, x_q=x_q)  # noqa: E731
+            label = f"{name} kernel, x in 128-channel groups by the producer"
+            kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, ref=refs["int8 groups"], needs=(f"{name} kernel",))
+            row(label, grouped, x, q4.q, q4.scale, gs, x_groups, **kw)
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
         alternatives = sweep_tilings(act, e, m, k, n) if sweep else []
@@ -269,6 +282,13 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 pre = lambda x, g, u, gs, xq, fused=fused: fused(x, g, u, gs, x_q=xq)  # noqa: E731
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller"
                 row(label, pre, *weights, xq_in, act=act, tiling=t, ref=ref, nw=2, **kw)
+                # the product written as int8 + per-(row, 128-channel) scales for the down projection (quant_out)
+                tq = default_tiling(act, m, n, kg, e, nw=2, bn=max(128, t.bn))
+                qfn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=tq, quant_out=True)
+                qout = lambda x, g, u, gs, xq, qfn=qfn: qfn(x, g, u, gs, x_q=xq)  # noqa: E731
+                deq = lambda y: (y[0].astype(jnp.float32).reshape(m, -1, 128) * y[1][:, :m].T[..., None]).reshape(m, n)  # noqa: E731
+                label = f"{name} gate+up+SiLU fused, x quantised by the caller, output quantised (quant_out)"
+                row(label, qout, *weights, xq_in, act=act, tiling=tq, ref=ref, nw=2, post=deq, **kw)
                 del xq_in
             for ts in sweep_tilings(act, e, m, k, n, nw=2) if sweep else []:
                 fn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=ts)
