@@ -121,7 +121,7 @@ def _kernel(
     [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). n_ctas: the grid of a
     persistent tiling (`_persistent`). xgroups (w4a8): x's scales are per row and K group, [K/G, M'] (a block of them
     per pipeline step, applied to each group's partial) instead of per row. qout (gate/up): the output is the SiLU
-    product quantised per row and 128 channels, int8 [M, N] and its scales [N/128, M'] (`_store_quantized`)."""
+    product quantised per row and 128 channels, int8 [M, N] and its scales [N/128, M'] (`store_quantized`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -256,7 +256,8 @@ def _kernel(
         per, groups = QGROUP // BN, t.bn // QGROUP
 
         def scope(b_smem, q_smem, s_smem):  # [bm, bn] bf16, [1, bm, bn] int8, [groups, bm] f32
-            # Every value carries its layout: left to Mosaic's layout search, this epilogue ran its fuel out.
+            # Layouts spelled out: Mosaic's layout search runs short of fuel in this kernel (the int8 pass runs
+            # outside it, `_to_int8`).
             wg = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)  # noqa: E731
             for j in range(groups):
                 vals = [wg(a.astype(jnp.bfloat16).astype(jnp.float32)) for a in accs[j * per : (j + 1) * per]]
