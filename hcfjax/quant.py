@@ -154,6 +154,14 @@ def quantize_int8_groups(x: jax.Array, group: int = ACT_GROUP) -> tuple[jax.Arra
     return q.reshape(x.shape), s.T
 
 
+def dequantize_int8_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """quantize_int8_groups' inverse: q [M, K] int8, scales [K/G, M' >= M] (columns past M are padding) -> [M, K]
+    f32."""
+    m, k = q.shape
+    g = k // scales.shape[0]
+    return (_grouped(q.astype(jnp.float32), g) * scales[:, :m].T[..., None]).reshape(m, k)
+
+
 def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
     """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference).
 

@@ -336,10 +336,7 @@ def _kernel(
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
         zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-        if qout:
-            store_quantized([zero] * t.tiles, ni, tile, off, count)
-        else:
-            store([zero] * t.tiles * n_out, ni, tile, off, count)
+        (store_quantized if qout else store)([zero] * t.tiles * n_out, ni, tile, off, count)
 
 
 def _to_int8(src, dst, fast: bool):
@@ -701,10 +698,9 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     xgroups = act == "int8" and x_q is not None and x_q[1].ndim == 2
     if xgroups and (g != QGROUP or x_q[1].shape[0] != k // g):
         raise ValueError(f"per-group x scales {x_q[1].shape} need K groups of {QGROUP} ({k // QGROUP} of them)")
-    if quant_out and tiling is None:  # one CTA's N tile must hold whole 128-channel groups
-        t = default_tiling(act, m, n, k // g, e, nw, g, bn=max(QGROUP, default_tiling(act, m, n, k // g, e, nw, g).bn))
-    else:
-        t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
+    t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
+    if quant_out and tiling is None and t.bn < QGROUP:  # one CTA's N tile must hold whole 128-channel groups
+        t = default_tiling(act, m, n, k // g, e, nw, g, bn=QGROUP)
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
     _check_tiling(t, act, n, k // g, g, nw, interpret, xgroups, quant_out)

@@ -16,9 +16,18 @@ step = jax.jit(hidden_states, static_argnames=("cfg", "absorbed"))
 
 
 def run_cached(
-    model, ids, prefix, page_size, page_order, absorbed_decode=True, prefill_absorbed=False, cache_dtype=jnp.float32
+    model,
+    ids,
+    prefix,
+    page_size,
+    page_order,
+    absorbed_decode=True,
+    prefill_absorbed=False,
+    cache_dtype=jnp.float32,
+    step=step,
 ):
-    """Prefill ids[:, :prefix] then decode one token at a time; returns logits [B, T, V] for every position."""
+    """Prefill ids[:, :prefix] then decode one token at a time (each forward a `step`); returns logits [B, T, V]
+    for every position."""
     cfg, p = model.cfg, model.params
     b, t = ids.shape
     pages = -(-t // page_size)
@@ -107,8 +116,7 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
         monkeypatch.setattr(model_mod, "UNROLL_DECODE", on)
         assert model_mod.two_rows(ids[:, :1], object(), None) == on
         step_fn = jax.jit(hidden_states, static_argnames=("cfg", "absorbed", "with_load"))  # a fresh trace each
-        monkeypatch.setitem(globals(), "step", step_fn)
-        got, cache = run_cached(v3_model, ids, prefix=9, page_size=4, page_order=order)
+        got, cache = run_cached(v3_model, ids, prefix=9, page_size=4, page_order=order, step=step_fn)
         ctx = CacheContext(cache, jnp.asarray(order[:4].reshape(1, 4)), jnp.array([15]), jnp.ones((1, 1), bool))
         h, ctx2, load = step_fn(p, cfg, ids[:, 13:14], jnp.array([[14]]), ctx, absorbed=True, with_load=True)
         runs[on] = got, cache, load, ctx2

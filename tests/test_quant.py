@@ -434,12 +434,10 @@ def test_persistent_tiling_is_checked():
         int4_ragged_dot(jnp.zeros((4096, 256), jnp.bfloat16), q, sc, gs, act="int8", tiling=big, interpret=True)
 
 
-def test_experts_quantise_tokens_before_gathering_their_copies():
-    """w4a8 experts: moe.experts quantises the N tokens and gathers their top-k copies as int8 (x_q); per-row
-    quantisation commutes with the gather, so the output is exactly that of gathering bf16 rows and quantising them."""
-    from hcfjax import moe
-
-    n, d, f, e, k = 6, 256, 128, 4, 2
+def _w4a8_experts(f: int):
+    """Six tokens routed top-2 over four w4a8 experts (hidden 256, width f): (params, x, ids, weights), and the
+    routing as moe.experts sorts it (order, source token of each copy, group sizes)."""
+    n, d, e, k = 6, 256, 4, 2
     keys = jax.random.split(jax.random.key(5), 4)
     p = {
         name: quant.quantize(jax.random.normal(kk, shape) / 8, 4, "int8")
@@ -448,12 +446,26 @@ def test_experts_quantise_tokens_before_gathering_their_copies():
     x = jax.random.normal(keys[3], (n, d)).astype(jnp.bfloat16)
     ids = jnp.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], jnp.int32)
     weights = jnp.full((n, k), 0.5, jnp.float32)
-    got = moe.experts(p, x, weights, ids)
     order = jnp.argsort(ids.reshape(-1), stable=True)
-    token, gs = order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    routing = order, order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    return (p, x, ids, weights), routing
+
+
+def _combine(y, weights, order, token, x):
+    """The copies' outputs y [N*K, D] weighted and summed back per token, as moe.experts does."""
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def test_experts_quantise_tokens_before_gathering_their_copies():
+    """w4a8 experts: moe.experts quantises the N tokens and gathers their top-k copies as int8 (x_q); per-row
+    quantisation commutes with the gather, so the output is exactly that of gathering bf16 rows and quantising them."""
+    from hcfjax import moe
+
+    (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=128)
+    got = moe.experts(p, x, weights, ids)
     h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs)  # quantised after the gather
-    y = quant.ragged_dot(h, p["down"], gs).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    want = jnp.zeros((n, d), jnp.float32).at[token].add(y).astype(x.dtype)
+    want = _combine(quant.ragged_dot(h, p["down"], gs), weights, order, token, x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -463,27 +475,17 @@ def test_grouped_down_input_is_the_group_quantised_product(monkeypatch):
     within quantisation noise of the per-row path."""
     from hcfjax import moe
 
-    n, d, f, e, k = 6, 256, 256, 4, 2
-    keys = jax.random.split(jax.random.key(5), 4)
-    p = {
-        name: quant.quantize(jax.random.normal(kk, shape) / 8, 4, "int8")
-        for name, kk, shape in (("gate", keys[0], (e, d, f)), ("up", keys[1], (e, d, f)), ("down", keys[2], (e, f, d)))
-    }
-    x = jax.random.normal(keys[3], (n, d)).astype(jnp.bfloat16)
-    ids = jnp.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], jnp.int32)
-    weights = jnp.full((n, k), 0.5, jnp.float32)
+    (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=256)
     per_row = moe.experts(p, x, weights, ids)
     monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", True)
+    e, f, d = p["down"].shape
     assert moe.grouped_down_input(p["down"]) and not moe.grouped_down_input(quant.quantize(jnp.ones((e, f, d)), 4))
     got = moe.experts(p, x, weights, ids)
-    order = jnp.argsort(ids.reshape(-1), stable=True)
-    token, gs = order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
     xq = quantize_int8(x)
     h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
     h_q = quant.quantize_int8_groups(h)
-    assert h_q[1].shape == (f // 128, n * k)
-    y = quant.ragged_dot(h, p["down"], gs, h_q).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    want = jnp.zeros((n, d), jnp.float32).at[token].add(y).astype(x.dtype)
+    assert h_q[1].shape == (f // 128, token.shape[0])
+    want = _combine(quant.ragged_dot(h, p["down"], gs, h_q), weights, order, token, x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert rel_err(got, per_row) < 0.02 and not np.array_equal(np.asarray(got), np.asarray(per_row))
 
@@ -857,8 +859,8 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     np.testing.assert_array_equal(np.asarray(hq), np.asarray(want_q))
     np.testing.assert_array_equal(np.asarray(hs[:, :m]), np.asarray(want_s))
     ref_q, ref_s = int4_gated_reference(x, gate, up, gs, "int8", quant_out=True)  # bf16-rounding away from it
-    deq = lambda q, s: np.asarray(q, np.float32).reshape(m, -1, 128) * np.asarray(s)[:, :m].T[..., None]  # noqa: E731
-    np.testing.assert_allclose(deq(hq, hs), deq(ref_q, ref_s), atol=0.02 * np.abs(deq(ref_q, ref_s)).max())
+    got, want = (np.asarray(quant.dequantize_int8_groups(*pair)) for pair in ((hq, hs), (ref_q, ref_s)))
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
     y = int4_ragged_dot(h, qd.q, qd.scale, gs, act="int8", interpret=True, tiling=Tiling(16, 128, 2), x_q=(hq, hs))
     ref = np.asarray(quant.ragged_dot_reference(h, qd, gs, x_q=(hq, hs)), np.float32)
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)

@@ -175,7 +175,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
 
     from hcfjax import quant
     from hcfjax.cache import quantize_int8
-    from hcfjax.quant import quantize_int8_groups
+    from hcfjax.quant import dequantize_int8_groups, quantize_int8_groups
     from pallas_kernels.moe_int4 import (
         _hs_rows,
         default_tiling,
@@ -198,14 +198,13 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     xq, xs = quantize_int8(x)
     # x in 128-channel groups, as the gate/up kernel's quant_out writes it (scales padded as that kernel leaves them)
     xg, xgs = quantize_int8_groups(x)
-    xg_deq = (xg.astype(jnp.float32).reshape(m, -1, 128) * xgs.T[..., None]).reshape(m, k)
     x_groups = (xg, jnp.pad(xgs, ((0, 0), (0, _hs_rows(m) - m))))
     refs = {
         "bf16": f32_dot(x.astype(jnp.float32), wf, gs),
         "int8": f32_dot(xq.astype(jnp.float32) * xs[:, None], wf, gs),
-        "int8 groups": f32_dot(xg_deq, wf, gs),
+        "int8 groups": f32_dot(dequantize_int8_groups(xg, xgs), wf, gs),
     }
-    del wf, xq, xs, xg, xgs, xg_deq
+    del wf, xq, xs, xg, xgs
 
     rounds = int(os.environ.get("MOE_BENCH_ROUNDS", "1"))
     pending = []
@@ -286,8 +285,8 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 tq = default_tiling(act, m, n, kg, e, nw=2, bn=max(128, t.bn))
                 qfn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=tq, quant_out=True)
                 qout = lambda x, g, u, gs, xq, qfn=qfn: qfn(x, g, u, gs, x_q=xq)  # noqa: E731
-                deq = lambda y: (y[0].astype(jnp.float32).reshape(m, -1, 128) * y[1][:, :m].T[..., None]).reshape(m, n)  # noqa: E731
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller, output quantised (quant_out)"
+                deq = lambda y: dequantize_int8_groups(*y)  # noqa: E731
                 row(label, qout, *weights, xq_in, act=act, tiling=tq, ref=ref, nw=2, post=deq, **kw)
                 del xq_in
             for ts in sweep_tilings(act, e, m, k, n, nw=2) if sweep else []:
