@@ -17,9 +17,9 @@ from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations,
 
 # w4a8 / w8a8 experts: the down projection's input quantised per row and 128 channels (DeepSeek-V3's activation
 # grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels), instead of per row after it.
-# Built and checked on the CPU (interpreter, sm_90 lowering); off until the H200 times it (pallas_kernels/NOTES.md,
-# "1 x 128 activation quantisation"; bench.moe's "x in 128-channel groups" and "output quantised" rows).
-GROUPED_DOWN_INPUT = False
+# On the H200 (V2-Lite shape, w4a8): batch-1 decode step 4.42 -> 4.00 ms, batches 32 and 128 unchanged
+# (hcfjax/bench/results/generate.md; pallas_kernels/NOTES.md, "1 x 128 activation quantisation").
+GROUPED_DOWN_INPUT = True
 
 
 def grouped_down_input(down) -> bool:

@@ -476,6 +476,7 @@ def test_grouped_down_input_is_the_group_quantised_product(monkeypatch):
     from hcfjax import moe
 
     (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=256)
+    monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", False)
     per_row = moe.experts(p, x, weights, ids)
     monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", True)
     e, f, d = p["down"].shape

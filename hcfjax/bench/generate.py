@@ -30,6 +30,7 @@ import numpy as np
 
 import hcfjax
 from hcfjax import model as hcfjax_model
+from hcfjax import moe as hcfjax_moe
 from hcfjax import quant
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
@@ -85,21 +86,23 @@ def run(args) -> str:
             f"| decode | {b} | {args.prompt_len} + {args.new_tokens} | {s['decode_tokens_per_s']:,.0f} | "
             f"{step * 1e3:.2f} ms | {floor * 1e3:.2f} ms | {floor / step:.0%} |"
         )
+        print(rows[-1], flush=True)
         if args.profile:
             prof, top = step_profile(gen, args.new_tokens, b, step)
             profiles += prof
             names += [n for n in top if n not in names]
-    prompt = [list(rng.integers(2, cfg.vocab_size, args.prefill_len))]
-    for _ in range(2):
-        out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[])
-    s = out.stats
-    active = 2 * args.prefill_len * _active_params(cfg)
-    attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * args.prefill_len**2 * cfg.qk_head_dim / 2
-    floor = (active + attn) / flops
-    rows.append(
-        f"| prefill | 1 | {args.prefill_len} | {s['prefill_tokens_per_s']:,.0f} | "
-        f"{s['prefill_s'] * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {floor / s['prefill_s']:.0%} |"
-    )
+    if args.prefill_len:
+        prompt = [list(rng.integers(2, cfg.vocab_size, args.prefill_len))]
+        for _ in range(2):
+            out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[])
+        s = out.stats
+        active = 2 * args.prefill_len * _active_params(cfg)
+        attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * args.prefill_len**2 * cfg.qk_head_dim / 2
+        floor = (active + attn) / flops
+        rows.append(
+            f"| prefill | 1 | {args.prefill_len} | {s['prefill_tokens_per_s']:,.0f} | "
+            f"{s['prefill_s'] * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {floor / s['prefill_s']:.0%} |"
+        )
 
     gb = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
     weights = "bf16" if args.scheme == "bf16" else f"{args.scheme} ({gb:.2f} GB)"
@@ -108,7 +111,8 @@ def run(args) -> str:
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
         f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}; "
-        f"batch-1 decode as two rows: {args.two_rows}, decode layers unrolled: {args.unroll_decode}.",
+        f"batch-1 decode as two rows: {args.two_rows}, decode layers unrolled: {args.unroll_decode}, "
+        f"down projection's input quantised by the gate/up kernel: {hcfjax_moe.GROUPED_DOWN_INPUT}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -192,7 +196,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,32,128", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--prefill-len", type=int, default=4096, help="0: no prefill row")
     ap.add_argument("--out", help="append the table to this markdown file")
     ap.add_argument(
         "--two-rows",
@@ -206,9 +210,18 @@ def main(argv=None) -> None:
         choices=("auto", "on", "off"),
         help="unroll the decode step's layer loops (hcfjax.model.UNROLL_DECODE; auto: on GPUs)",
     )
+    ap.add_argument(
+        "--grouped-down-input",
+        default="default",
+        choices=("default", "on", "off"),
+        help="w4a8 experts: the gate/up kernel quantises the down projection's input in 128-channel groups "
+        "(hcfjax.moe.GROUPED_DOWN_INPUT)",
+    )
     args = ap.parse_args(argv)
     flag = {"auto": "gpu", "on": True, "off": False}
     hcfjax_model.TWO_ROWS, hcfjax_model.UNROLL_DECODE = flag[args.two_rows], flag[args.unroll_decode]
+    if args.grouped_down_input != "default":
+        hcfjax_moe.GROUPED_DOWN_INPUT = flag[args.grouped_down_input]
     table = run(args)
     print(table)
     if args.out:

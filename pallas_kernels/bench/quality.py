@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Tokenizer
 
 import hcfjax
 from hcfjax import cache as kvcache
@@ -107,6 +108,18 @@ def table(rows: list, args) -> str:
     return "\n".join(lines)
 
 
+def check_tokenizer(model, path: Path) -> None:
+    """The corpus must be tokenized as the model was trained: train_mtp.corpus retrains its tokenizer on this
+    interpreter's stdlib, so another Python's corpus gives other ids (and a perplexity in the thousands)."""
+    if model.tokenizer is None or not path.is_file():
+        return
+    if Tokenizer.from_file(str(path)).get_vocab() != model.tokenizer.get_vocab():
+        raise SystemExit(
+            f"{path} is not the model's tokenizer: this corpus was built from another stdlib. Build it with the "
+            "Python the model was trained on, or copy it from where that was done."
+        )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=".data/corpus")
@@ -121,6 +134,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     test = np.load(Path(args.data) / "test.npy")
     base = hcfjax.load(args.model)
+    check_tokenizer(base, Path(args.data) / "tokenizer.json")
     models = {"bf16": base, "f32": dataclasses.replace(base, params=jax.tree.map(_f32, base.params))}
     models |= {s: quantize_model(base, s) for s in args.schemes.split(",") if s}
     rows = evaluate(models, test, args.windows, args.seq, args.prompts, args.prefix, args.gen)
