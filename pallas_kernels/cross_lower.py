@@ -30,3 +30,10 @@ def lower_for_hopper(fn, *args) -> str:
     lowering's error (e.g. a layout Mosaic cannot infer, an op it does not support, smem over 227 KiB)."""
     with hopper_arch():
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def trace_for_hopper(fn, *args) -> None:
+    """Traces fn(*args) as for sm_90 without lowering it: the kernels' Python bodies run (their pipelines and
+    block shapes are built), in a tenth of the time of lower_for_hopper, which also runs Mosaic's lowering."""
+    with hopper_arch():
+        jax.jit(fn).trace(*args)

@@ -625,7 +625,7 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     64-byte block: CUDA_ERROR_MISALIGNED_ADDRESS on the H200 (neither the interpreter nor the lowering checks this)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.cross_lower import trace_for_hopper
     from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
 
     seen, emit = [], plgpu.emit_pipeline
@@ -647,10 +647,10 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     shapes = [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]
     for bm, bn, gps, persistent in [(*b, 0) for b in shapes] + [(*b, 2) for b in shapes[:3] if act == "int8"]:
         t = Tiling(bm, bn, 2, gps, persistent=persistent)  # persistent: the token scales pipelined too
-        if nw == 1:
-            lower_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
+        if nw == 1:  # (tracing builds the pipelines; lowering them is other tests' business)
+            trace_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
         else:
-            lower_for_hopper(lambda x, w, gs, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t), x, w, gs)
+            trace_for_hopper(lambda x, w, gs, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t), x, w, gs)
     assert seen
     for shape, dtype in seen:
         rows = [getattr(d, "block_size", d) or 1 for d in shape]  # pl.Element(bm): a tile at a row offset; None:

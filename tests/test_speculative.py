@@ -77,12 +77,13 @@ def test_greedy_exact_with_independent_modules_and_stops(three_heads, k):
 @pytest.mark.parametrize(
     "method,extra",
     [
-        ("rejection", {}),
         ("typical", {}),
         ("tuned", dict(dynamic_temperature=(0.5, 1.0), position_methods=("typical", "rejection", "exact"))),
     ],
 )
 def test_sampled_methods_run_and_report(embedded, method, extra):
+    """Sampled verification runs and reports its acceptance. Rejection alone is tested elsewhere: its distribution in
+    test_speculative_sampling, its batch independence in test_engine."""
     spec = SpeculativeConfig(num_draft_tokens=3, method=method, **extra)
     out = hcfjax.generate(
         embedded,
