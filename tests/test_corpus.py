@@ -1,6 +1,10 @@
 """train_mtp.corpus: deterministic by-file splits and a lossless byte-level BPE tokenizer."""
 
+import json
+
 import numpy as np
+import pytest
+from tokenizers import Tokenizer
 
 from train_mtp import corpus
 
@@ -30,11 +34,38 @@ def test_splits_are_deterministic_disjoint_and_complete(tmp_path):
 def test_tokenizer_is_lossless_and_streams_are_framed(tmp_path):
     root = make_lib(tmp_path)
     manifest = corpus.build(tmp_path / "out", vocab_size=300, seed=0, root=root)
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     assert tok.token_to_id("<bos>") == 0 and tok.token_to_id("<eos>") == 1
     text = "class Ünï:\n\tdef __init__(self):  # 漢字\n        pass\n"
     assert tok.decode(tok.encode(text).ids) == text
     test = np.load(tmp_path / "out" / "test.npy")
     assert test[0] == 0 and test[-1] == 1 and (test == 0).sum() == manifest["sizes"]["test"]["files"]
+
+
+def test_a_given_tokenizer_replaces_training(tmp_path):
+    """--tokenizer: another library is tokenized with the given tokenizer (as bench.quality needs the embedded
+    model's on a machine whose stdlib would train another), not with one trained on it."""
+    corpus.build(tmp_path / "a", vocab_size=300, root=make_lib(tmp_path / "x", n=12))
+    given = tmp_path / "a" / "tokenizer.json"
+    other = make_lib(tmp_path / "y", n=15)
+    corpus.build(tmp_path / "b", vocab_size=300, root=other)
+    corpus.build(tmp_path / "c", root=other, tokenizer=given)
+    vocab = (Tokenizer.from_file(str(tmp_path / d / "tokenizer.json")).get_vocab() for d in "abc")
+    a, b, c = vocab
+    assert c == a and b != a
+    tok = Tokenizer.from_file(str(given))
+    test = np.load(tmp_path / "c" / "test.npy")
+    first = corpus.split_files(corpus.stdlib_files(other))["test"][0]
+    assert list(test[1 : test.tolist().index(1)]) == tok.encode(corpus.read(first)).ids
+    with pytest.raises(ValueError, match="ids 0 and 1"):
+        corpus.build(tmp_path / "d", root=other, tokenizer=_without_specials(tok, tmp_path / "bad.json"))
+
+
+def _without_specials(tok, path):
+    """A copy of `tok` whose ids 0 and 1 are ordinary tokens."""
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = []
+    vocab = data["model"]["vocab"]
+    vocab["zz0"], vocab["zz1"] = vocab.pop("<bos>"), vocab.pop("<eos>")
+    path.write_text(json.dumps(data))
+    return path

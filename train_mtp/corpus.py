@@ -1,9 +1,11 @@
 """The training corpus: the Python standard library's own source, split by file, and a byte-level BPE tokenizer.
 
-    python -m train_mtp.corpus --out DIR [--vocab-size 4096] [--seed 0]
+    python -m train_mtp.corpus --out DIR [--vocab-size 4096] [--seed 0] [--tokenizer FILE]
 
-writes DIR/tokenizer.json (trained on the train split only), DIR/{train,validation,test}.npy (uint16 token streams,
-each file wrapped in <bos> ... <eos>) and DIR/splits.json (which file went where).
+writes DIR/tokenizer.json (trained on the train split only, or FILE's), DIR/{train,validation,test}.npy (uint16
+token streams, each file wrapped in <bos> ... <eos>) and DIR/splits.json (which file went where). The trained
+tokenizer depends on the stdlib of the Python that runs this; `--tokenizer hcfjax/assets/stdlib-v3/tokenizer.json`
+tokenizes any stdlib as the embedded model was trained (what bench.quality needs on another machine).
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ def encode_files(tok: Tokenizer, files: list[Path]) -> np.ndarray:
     return np.asarray(out, np.uint16)
 
 
-def build(out: str | Path, vocab_size: int = 4096, seed: int = 0, root=None) -> dict:
+def build(out: str | Path, vocab_size: int = 4096, seed: int = 0, root=None, tokenizer=None) -> dict:
+    """The corpus in `out`; with `tokenizer` (a tokenizer.json) that tokenizer instead of one trained here."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(root or sysconfig.get_paths()["stdlib"])
     splits = split_files(stdlib_files(root), seed)
-    tok = train_tokenizer(splits["train"], vocab_size)
+    if tokenizer is None:
+        tok = train_tokenizer(splits["train"], vocab_size)
+    else:
+        tok = Tokenizer.from_file(str(tokenizer))
+        if any(tok.token_to_id(s) != i for i, s in enumerate(SPECIALS)):
+            raise ValueError(f"{tokenizer}: the corpus needs {SPECIALS} as ids 0 and 1")
     tok.save(str(out / "tokenizer.json"))
     sizes = {}
     for name in SPLITS:
@@ -100,8 +108,9 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", help="library root (default: this interpreter's stdlib)")
+    ap.add_argument("--tokenizer", help="use this tokenizer.json instead of training one (--vocab-size is ignored)")
     args = ap.parse_args(argv)
-    manifest = build(args.out, args.vocab_size, args.seed, args.root)
+    manifest = build(args.out, args.vocab_size, args.seed, args.root, args.tokenizer)
     print(json.dumps(manifest["sizes"]), "vocab", manifest["vocab_size"])
 
 

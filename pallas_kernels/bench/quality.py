@@ -115,8 +115,9 @@ def check_tokenizer(model, path: Path) -> None:
         return
     if Tokenizer.from_file(str(path)).get_vocab() != model.tokenizer.get_vocab():
         raise SystemExit(
-            f"{path} is not the model's tokenizer: this corpus was built from another stdlib. Build it with the "
-            "Python the model was trained on, or copy it from where that was done."
+            f"{path} is not the model's tokenizer: this corpus trained its own on another stdlib. Build it with "
+            "`python -m train_mtp.corpus --out DIR --tokenizer MODEL/tokenizer.json` (the embedded model's: "
+            "hcfjax/assets/stdlib-v3/tokenizer.json)."
         )
 
 
