@@ -50,8 +50,7 @@ def test_a_given_tokenizer_replaces_training(tmp_path):
     other = make_lib(tmp_path / "y", n=15)
     corpus.build(tmp_path / "b", vocab_size=300, root=other)
     corpus.build(tmp_path / "c", root=other, tokenizer=given)
-    vocab = (Tokenizer.from_file(str(tmp_path / d / "tokenizer.json")).get_vocab() for d in "abc")
-    a, b, c = vocab
+    a, b, c = (Tokenizer.from_file(str(tmp_path / d / "tokenizer.json")).get_vocab() for d in "abc")
     assert c == a and b != a
     tok = Tokenizer.from_file(str(given))
     test = np.load(tmp_path / "c" / "test.npy")
