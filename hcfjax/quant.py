@@ -254,14 +254,16 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
     the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
     where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots. x_q as in
     `ragged_dot`. quant_out: the product as quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the
-    fused w4a8 kernel itself where it runs, else quantised after it: a down projection's x_q."""
+    fused w4a8 kernel itself where that pays (moe_int4.quant_out_pays: decode, up to ~32 rows per expert), else
+    quantised after it: a down projection's x_q."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
         if use_kernel() and FUSED_GATE_UP[gate.act]:
-            from pallas_kernels.moe_int4 import int4_gated_ragged_dot, supports
+            from pallas_kernels.moe_int4 import int4_gated_ragged_dot, quant_out_pays, supports
 
             if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
                 xq = x_q if gate.act == "int8" else None
-                in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0
+                call = (gate.act, x.shape[0], gate.n, gate.k // gate.group, group_sizes.shape[0])
+                in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0 and quant_out_pays(*call)
                 out = int4_gated_ragged_dot(
                     x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act, x_q=xq, quant_out=in_kernel
                 )

@@ -629,6 +629,19 @@ def default_tiling(
     return dataclasses.replace(t, stages=max(2, min(stages(ctas), k_groups // (gps * splits))), splits=splits)
 
 
+def quant_out_pays(act: str, m: int, n: int, k_groups: int, e: int, g: int = 128) -> bool:
+    """Whether the fused gate/up kernel should quantise its output itself (quant_out) for this call: when the tiling
+    quant_out needs (bn = QGROUP, whole 128-channel groups per CTA) still takes an average expert's rows in one token
+    block. quant_out's bn = 128 leaves the registers room for 32-row blocks only (fused: two weights, two 64-row
+    tiles each); with more rows per expert than that, every expert's weights go through several small blocks, and
+    quantising the bf16 product after the kernel (one XLA pass) costs less. H200, fused w4a8 with the tokens
+    quantised by the caller, quant_out against the bf16 product (RESULTS.md, 2026-11-30): 32 experts x 1024 rows
+    220.6 against 229.2 us (32 rows per expert: in the kernel), x 4096 483.6 against 472.6, x 16384 1736.9
+    against 1600.7 (after it). In decode the default tiling has bn = 128 already."""
+    t = default_tiling(act, m, n, k_groups, e, nw=2, g=g, bn=QGROUP)
+    return t.bm * max(e, 1) >= m
+
+
 def legacy_tiling(act: str, m: int, e: int, nw: int = 1, g: int = 128) -> Tiling:
     """The first version's tiling (H200 runs of 2026-11-29): power-of-two token blocks >= 1.25 x rows per expert,
     64 weight rows per CTA, one K group per step, 4 stages (fewer where smem runs out), A through smem, unpacked with

@@ -520,6 +520,22 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
     hq, hs = quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x), quant_out=True)
     assert hq.dtype == jnp.int8 and hs.shape[0] == 1
     assert calls == ([("fused", given, given)] if fused else [("one", given), ("one", given)])
+    if act == "int8" and fused:  # 200 rows per expert (prefill): the kernel's bf16 product, quantised after it
+        calls.clear()
+        xl = jnp.ones((400, 128), jnp.bfloat16)
+        gl = jnp.array([200, 200], jnp.int32)
+        hq, hs = quant.gated_ragged_dot(xl, w, w, gl, x_q=quantize_int8(xl), quant_out=True)
+        assert calls == [("fused", True, False)] and hq.dtype == jnp.int8 and hs.shape[0] == 1
+
+
+def test_quant_out_where_it_pays():
+    """The fused w4a8 kernel quantises its own output up to about 32 rows per expert (the blocks quant_out's tiling
+    allows), at the bench shapes where the H200 measured it faster or level, and not beyond."""
+    from pallas_kernels.moe_int4 import quant_out_pays
+
+    pays = {(e, m): quant_out_pays("int8", m, 2048, 56, e) for e in (16, 32) for m in (128, 1024, 4096, 16384)}
+    assert [k for k, v in pays.items() if v] == [(16, 128), (32, 128), (32, 1024)]
+    assert quant_out_pays("int8", 6, 1408, 16, 64) and not quant_out_pays("int8", 4096 * 6, 1408, 16, 64)  # V2-Lite
 
 
 BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden, N = expert width) and down
@@ -731,18 +747,21 @@ def test_ncu_raw_parsing():
         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
         "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
         "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
     ]
     text = "\n".join(
         [
             '"==PROF== Connected to process"',
             ",".join(f'"{n}"' for n in names),
-            '"","","usecond","%","ratio","ratio","ratio"',
-            '"0","mosaic_gpu_kernel","84.20","71.5","0.50","3.25","1,250.00"',
-            '"1","convert_fusion","2.10","10.0","0","0","0"',
+            '"","","usecond","%","ratio","ratio","ratio","%","%"',
+            '"0","mosaic_gpu_kernel","84.20","71.5","0.50","3.25","1,250.00","0","61.25"',
+            '"1","convert_fusion","2.10","10.0","0","0","0","0","0"',
         ]
     )
     (row,) = parse_raw(text, min_us=5.0, top=2)
     assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
+    assert row["tensor %"] == 61.2  # Hopper's wgmma pipe ("gmma") before the others
     assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
     assert parse_raw("no table here") == []
     odd = text.replace('"usecond","%"', '"usecond","%"').replace(

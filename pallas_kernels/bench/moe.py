@@ -61,9 +61,10 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
     kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per
     SM); otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or
-    with the same ones (more CTAs per SM), 64-row token blocks. Then the default tiling with A through smem (nw = 1:
-    what the registers path gains) and, for w4a8, with each tile unpacked just before its wgmmas (what unpacking a
-    step's tiles first gains) and, in decode, as persistent CTAs (Tiling.persistent: 1 or 2 per SM)."""
+    with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM).
+    Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
+    tile unpacked just before its wgmmas (what unpacking a step's tiles first gains) and, in decode, as persistent
+    CTAs (Tiling.persistent: 1 or 2 per SM)."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -73,7 +74,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         alts = [dict(gps=1, splits=s) for s in (1, 2, 4)] + [dict(gps=2, splits=s) for s in (1, 2)]
         alts += [dict(bn=64), dict(bn=256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
-        alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64)] if nw == 1 else []
+        alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64), dict(bm=48)] if nw == 1 else []
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []

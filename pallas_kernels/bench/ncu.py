@@ -49,8 +49,19 @@ COLUMNS = {  # printed name: the raw metric (the first of these names that the r
 # Only the Mosaic GPU kernels (their host functions are "<name>_mosaic_gpu"), and sections without source-level
 # sampling: `--set full` over every launch of a child (the inputs' XLA kernels too) ran past 140 s per kernel.
 KERNELS = "mosaic"
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats", "SchedulerStats")
+SECTIONS = (
+    "SpeedOfLight",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+    "WarpStateStats",
+    "Occupancy",
+    "LaunchStats",
+    "SchedulerStats",
+)
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+# The tensor pipe's busy cycles (% of peak while the SM is active), from ComputeWorkloadAnalysis: Hopper's wgmma
+# counts as "gmma" where the report splits the pipe by instruction; the first name found, in this order.
+TENSOR = re.compile(r"^sm__pipe_tensor_op_(gmma|imma|hmma)?\w*cycles_active\.avg\.pct_of_peak_sustained_active$")
 
 
 def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
@@ -94,6 +105,8 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
                 v if v is None or isinstance(v, str) else round(v, 2 if label in ("SM GHz", "DRAM TB/s") else 1)
             )
             row[label] = "" if v is None else row[label]
+        tensor = sorted((m for m in names if TENSOR.match(m)), key=lambda m: "gmma" not in m)
+        row["tensor %"] = "" if not tensor or num(tensor[0]) is None else round(num(tensor[0]), 1)
         stalls = [(num(m), STALL.match(m).group(1)) for m in names if STALL.match(m)]
         stalls = sorted(((v, n) for v, n in stalls if v), reverse=True)[:top]
         row["top stalls (warps per issue)"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls)
@@ -104,7 +117,7 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
 def table(rows: list[tuple[str, dict]]) -> str:
     if not rows:
         return "(no launches)"
-    cols = ["kernel", *COLUMNS, "top stalls (warps per issue)"]
+    cols = ["kernel", *COLUMNS, "tensor %", "top stalls (warps per issue)"]
     out = ["| spec | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for spec, r in rows:
         out.append(f"| {spec} | " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
