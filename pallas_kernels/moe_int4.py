@@ -83,6 +83,8 @@ class Tiling:
     # partial that the wrapper sums (decode: more CTAs, so more loads in flight, where one K loop per tile is too few)
     unpack_first: bool = True  # w4a8: unpack every tile of a step before its first wgmma; False: each tile just before
     # its own wgmmas, the order before 2026-11-30, which ptxas serialised (kept for the bench's comparison)
+    narrow: bool = False  # a block whose rows (its offset in the tile plus its count) fit a narrower multiple of 16
+    # runs at that width (`block_widths`): a group's last block computes, loads and stores only what it needs
     persistent: int = 0  # w4a8: a grid of this many CTAs per SM, each walking its share of the (token block, N tile)
     # work items in one pipeline, so the next item's loads overlap this one's last steps and no CTA is launched for
     # an unused block (0: one CTA per work item, the grid over N tiles and token blocks; `_persistent`)
@@ -139,204 +141,245 @@ def _kernel(
         ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
         e, tile, off, count = block_info(sizes, mi, m, t.bm)
         tile = pl.multiple_of(tile, ROW_ALIGN)
-    half, chunks = g // 2, g // 2 // KC
-    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile
 
-    def steps(x_smem, w_smems, s_smems):
-        """Per wgmma pair of a step: (accumulator, K group j, packed tile [64, KC], scales ref [64], token halves)."""
-        for j in range(t.gps):
-            for c in range(chunks):
-                xh = [x_smem.at[:, pl.ds(j * g + hh * half + c * KC, KC)].transpose((1, 0)) for hh in range(2)]
-                for i in range(nw):
-                    for h in range(t.tiles):
-                        p = w_smems[i].at[pl.ds(h * BN, BN), pl.ds(j * half + c * KC, KC)]
-                        yield i * t.tiles + h, j, c, p, s_smems[i].at[j, pl.ds(h * BN, BN)], xh
+    def body(t: Tiling):
+        """The CTA's work with token blocks of t.bm rows (the grid's, or a narrower one for a block that needs
+        fewer: `block_widths`)."""
+        half, chunks = g // 2, g // 2 // KC
+        row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile
 
-    def mma(acc, a, b, n_mma, hh):  # n_mma: the wgmma pair's index in the step; hh: the K half
-        if t.a_regs:
-            plgpu.wgmma(acc, a, b)
-            return
-        if n_mma and n_mma % accs_n == 0 and hh == 0:
-            plgpu.wgmma_wait(0)  # the previous K chunk's wgmmas still read the slots (one chunk's worth)
-        slot = 2 * (n_mma % accs_n) + hh
-        a_smem[slot] = a
-        plgpu.commit_smem()
-        plgpu.wgmma(acc, a_smem.at[slot], b)
+        def steps(x_smem, w_smems, s_smems):
+            """Per wgmma pair of a step: (accumulator, K group j, packed tile [64, KC], scales ref [64], token
+            halves)."""
+            for j in range(t.gps):
+                for c in range(chunks):
+                    xh = [x_smem.at[:, pl.ds(j * g + hh * half + c * KC, KC)].transpose((1, 0)) for hh in range(2)]
+                    for i in range(nw):
+                        for h in range(t.tiles):
+                            p = w_smems[i].at[pl.ds(h * BN, BN), pl.ds(j * half + c * KC, KC)]
+                            yield i * t.tiles + h, j, c, p, s_smems[i].at[j, pl.ds(h * BN, BN)], xh
 
-    def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile
-        return smems[2 * nw], smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2]
+        def mma(acc, a, b, n_mma, hh):  # n_mma: the wgmma pair's index in the step; hh: the K half
+            if t.a_regs:
+                plgpu.wgmma(acc, a, b)
+                return
+            if n_mma and n_mma % accs_n == 0 and hh == 0:
+                plgpu.wgmma_wait(0)  # the previous K chunk's wgmmas still read the slots (one chunk's worth)
+            slot = 2 * (n_mma % accs_n) + hh
+            a_smem[slot] = a
+            plgpu.commit_smem()
+            plgpu.wgmma(acc, a_smem.at[slot], b)
 
-    def bf16_step(acc_refs, idx, *smems):
-        for n_mma, (a, _, _, p, s, xh) in enumerate(steps(*split(smems))):
-            halves = bf16_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA), plgpu.load(s, layout=row), fast)
-            for hh in range(2):
-                mma(acc_refs[a], halves[hh], xh[hh], n_mma, hh)
-        plgpu.wgmma_wait(0)  # frees the A registers and this step's slot (refilled after the body)
+        def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile
+            return smems[2 * nw], smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2]
 
-    def int8_step(idx, *smems_and_carry):
-        *smems, accs = smems_and_carry
-        accs, work = list(accs), list(steps(*split(smems)))
-
-        def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
-            # With t.unpack_first every tile is unpacked (and every accumulator started) before the first wgmma:
-            # unpacking between them let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then
-            # waited for that wgmma before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"),
-            # serialising the step's eight (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised
-            # the w4a8 MMAs". Without it (registers too few), each tile is unpacked just before its own wgmmas.
-            def unpack(r, p):
-                if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
-                    r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
-                return int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
-
-            halves = [unpack(r, w[3]) for r, w in zip(rs, work, strict=True)] if t.unpack_first else [None] * len(rs)
-            for n_mma, (r, h, (*_, p, _, xh)) in enumerate(zip(rs, halves, work, strict=True)):
-                h = h or unpack(r, p)
+        def bf16_step(acc_refs, idx, *smems):
+            for n_mma, (a, _, _, p, s, xh) in enumerate(steps(*split(smems))):
+                halves = bf16_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA), plgpu.load(s, layout=row), fast)
                 for hh in range(2):
-                    mma(r, h[hh], xh[hh], n_mma, hh)
-            return tuple(r[...] for r in rs)
+                    mma(acc_refs[a], halves[hh], xh[hh], n_mma, hh)
+            plgpu.wgmma_wait(0)  # frees the A registers and this step's slot (refilled after the body)
 
-        parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
-        x_scales = {}  # xgroups: per K group of the step, its rows' scales as a [BN, bm] column broadcast
-        for v, (a, j, _, _, s, _) in zip(parts, work, strict=True):
-            f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
-            s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
-            if xgroups:
-                if j not in x_scales:
-                    sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
-                    x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
-                s16 = s16 * x_scales[j]
-            accs[a] = accs[a] + f * s16
-        return tuple(accs)
+        def int8_step(idx, *smems_and_carry):
+            *smems, accs = smems_and_carry
+            accs, work = list(accs), list(steps(*split(smems)))
 
-    w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k0 + k), transforms=_transforms(KC, 1))
-    s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k0 + k, ni))
-    # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
-    # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
-    x_item = 2 if act == "bf16" else 1
-    x_spec = plgpu.BlockSpec(
-        (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
-    )
-    in_specs = [w_spec, s_spec] * nw + [x_spec]
-    if xgroups:  # the step's K groups' scales for the token tile's rows (rounded up to 128 bytes per group)
-        in_specs.append(plgpu.BlockSpec((t.gps, pl.Element(_xs_block(t.bm))), lambda k: (k0 + k, tile)))
-    if not t.persistent:
-        operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
-        operands += [xs_ref] if xgroups else []
-    pipeline = functools.partial(plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages)
+            def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
+                # With t.unpack_first every tile is unpacked (and every accumulator started) before the first wgmma:
+                # unpacking between them let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then
+                # waited for that wgmma before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"),
+                # serialising the step's eight (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised
+                # the w4a8 MMAs". Without it (registers too few), each tile is unpacked just before its own wgmmas.
+                def unpack(r, p):
+                    if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
+                        r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+                    return int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
 
-    partial = t.splits > 1
-    n_out, o_dtype = (nw, jnp.float32) if partial else (1, jnp.bfloat16)
-    o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
-    n_cols = o_gmem.shape[1] // n_out  # N
+                halves = (
+                    [unpack(r, w[3]) for r, w in zip(rs, work, strict=True)] if t.unpack_first else [None] * len(rs)
+                )
+                for n_mma, (r, h, (*_, p, _, xh)) in enumerate(zip(rs, halves, work, strict=True)):
+                    h = h or unpack(r, p)
+                    for hh in range(2):
+                        mma(r, h[hh], xh[hh], n_mma, hh)
+                return tuple(r[...] for r in rs)
 
-    def rows_out(o_smem, ni, tile, off, count):
-        """The block's rows of o_smem [n_out, bm, bn] -> out. Only rows [off, off + count) of the tile are this
-        block's (the others belong to the neighbouring groups' blocks). A TMA box has a static size, so they go out
-        as a ladder of power-of-two row counts (count's binary digits), each from the smem row after the last (rows
-        of bn x 2 >= 128 bytes, or bn int8 bytes: every start stays TMA-aligned)."""
-        start, rows = off, 1 << (t.bm.bit_length() - 1)
-        while rows:
+            parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
+            x_scales = {}  # xgroups: per K group of the step, its rows' scales as a [BN, bm] column broadcast
+            for v, (a, j, _, _, s, _) in zip(parts, work, strict=True):
+                f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
+                s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
+                if xgroups:
+                    if j not in x_scales:
+                        sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
+                        x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
+                    s16 = s16 * x_scales[j]
+                accs[a] = accs[a] + f * s16
+            return tuple(accs)
 
-            @pl.when(count & rows != 0)
-            def _(start=start, rows=rows):
-                for i in range(o_smem.shape[0]):
-                    dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
-                    plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
-
-            start, rows = start + (count & rows), rows // 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    def store_quantized(accs, ni, tile, off, count):
-        """qout: per row, each 128 channels of the SiLU product (bf16-rounded, as the reference quantises its bf16
-        output) as int8 with one f32 scale (quantize_int8's arithmetic). The integers go through a bf16 tile (a
-        transposed store, which Mosaic lays out for 16-bit values) into an int8 tile and out by `rows_out`; the
-        scales, [count] f32 per group (below a TMA box's 16-byte minimum for short blocks), by one scalar store per
-        row and group into hs [N/128, M']."""
-        per, groups = QGROUP // BN, t.bn // QGROUP
-
-        def scope(b_smem, q_smem, s_smem):  # [bm, bn] bf16, [1, bm, bn] int8, [groups, bm] f32
-            # Layouts spelled out: Mosaic's layout search runs short of fuel in this kernel (the int8 pass runs
-            # outside it, `_to_int8`).
-            wg = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)  # noqa: E731
-            for j in range(groups):
-                vals = [wg(a.astype(jnp.bfloat16).astype(jnp.float32)) for a in accs[j * per : (j + 1) * per]]
-                amax = functools.reduce(jnp.maximum, [plgpu.layout_cast(wg(jnp.abs(v)).max(axis=0), col) for v in vals])
-                scale = plgpu.layout_cast(jnp.maximum(amax, 1e-8) / 127.0, col)  # [bm]: per row
-                s_smem.at[j][...] = scale
-                sb = wg(lax.broadcast_in_dim(scale, (BN, t.bm), [1]))
-                for h, v in enumerate(vals):
-                    qv = wg(jnp.clip(jnp.round(v / sb), -127.0, 127.0).astype(jnp.bfloat16))  # integers: exact in bf16
-                    b_smem.at[:, pl.ds((j * per + h) * BN, BN)].transpose((1, 0))[...] = qv
-            plgpu.commit_smem()
-            _to_int8(b_smem, q_smem.at[0], fast)
-            plgpu.commit_smem()
-            rows_out(q_smem, ni, tile, off, count)
-
-            @pl.loop(0, count)
-            def _(i):
-                for j in range(groups):
-                    hs_ref[ni * groups + j, tile + off + i] = s_smem[j, off + i]
-
-        pl.run_scoped(
-            scope,
-            plgpu.SMEM((t.bm, t.bn), jnp.bfloat16),
-            plgpu.SMEM((1, t.bm, t.bn), jnp.int8),
-            plgpu.SMEM((groups, t.bm), jnp.float32),
+        w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k0 + k), transforms=_transforms(KC, 1))
+        s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k0 + k, ni))
+        # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
+        # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
+        x_item = 2 if act == "bf16" else 1
+        x_spec = plgpu.BlockSpec(
+            (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
+        )
+        in_specs = [w_spec, s_spec] * nw + [x_spec]
+        if xgroups:  # the step's K groups' scales for the token tile's rows (rounded up to 128 bytes per group)
+            in_specs.append(plgpu.BlockSpec((t.gps, pl.Element(_xs_block(t.bm))), lambda k: (k0 + k, tile)))
+        if not t.persistent:
+            operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+            operands += [xs_ref] if xgroups else []
+        pipeline = functools.partial(
+            plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages
         )
 
-    def store(accs, ni, tile, off, count, o_tile=None):
-        """out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N], through o_tile or a
-        tile allocated after the pipeline, in its buffers."""
+        partial = t.splits > 1
+        n_out, o_dtype = (nw, jnp.float32) if partial else (1, jnp.bfloat16)
+        o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
+        n_cols = o_gmem.shape[1] // n_out  # N
 
-        def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled
-            for i in range(n_out):
-                for h, out in enumerate(accs[i * t.tiles : (i + 1) * t.tiles]):
-                    if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
-                        out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-                    o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
-            plgpu.commit_smem()
-            rows_out(o_smem, ni, tile, off, count)
+        def rows_out(o_smem, ni, tile, off, count):
+            """The block's rows of o_smem [n_out, bm, bn] -> out. Only rows [off, off + count) of the tile are this
+            block's (the others belong to the neighbouring groups' blocks). A TMA box has a static size, so they go out
+            as a ladder of power-of-two row counts (count's binary digits), each from the smem row after the last (rows
+            of bn x 2 >= 128 bytes, or bn int8 bytes: every start stays TMA-aligned)."""
+            start, rows = off, 1 << (t.bm.bit_length() - 1)
+            while rows:
 
-        if o_tile is not None:
-            scope(o_tile)
-        else:
-            pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
+                @pl.when(count & rows != 0)
+                def _(start=start, rows=rows):
+                    for i in range(o_smem.shape[0]):
+                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
+                        plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
+
+                start, rows = start + (count & rows), rows // 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def store_quantized(accs, ni, tile, off, count):
+            """qout: per row, each 128 channels of the SiLU product (bf16-rounded, as the reference quantises its bf16
+            output) as int8 with one f32 scale (quantize_int8's arithmetic). The integers go through a bf16 tile (a
+            transposed store, which Mosaic lays out for 16-bit values) into an int8 tile and out by `rows_out`; the
+            scales, [count] f32 per group (below a TMA box's 16-byte minimum for short blocks), by one scalar store per
+            row and group into hs [N/128, M']."""
+            per, groups = QGROUP // BN, t.bn // QGROUP
+
+            def scope(b_smem, q_smem, s_smem):  # [bm, bn] bf16, [1, bm, bn] int8, [groups, bm] f32
+                # Layouts spelled out: Mosaic's layout search runs short of fuel in this kernel (the int8 pass runs
+                # outside it, `_to_int8`).
+                wg = lambda v: plgpu.layout_cast(v, plgpu.Layout.WGMMA)  # noqa: E731
+                for j in range(groups):
+                    vals = [wg(a.astype(jnp.bfloat16).astype(jnp.float32)) for a in accs[j * per : (j + 1) * per]]
+                    amax = functools.reduce(
+                        jnp.maximum, [plgpu.layout_cast(wg(jnp.abs(v)).max(axis=0), col) for v in vals]
+                    )
+                    scale = plgpu.layout_cast(jnp.maximum(amax, 1e-8) / 127.0, col)  # [bm]: per row
+                    s_smem.at[j][...] = scale
+                    sb = wg(lax.broadcast_in_dim(scale, (BN, t.bm), [1]))
+                    for h, v in enumerate(vals):
+                        qv = wg(
+                            jnp.clip(jnp.round(v / sb), -127.0, 127.0).astype(jnp.bfloat16)
+                        )  # integers: exact in bf16
+                        b_smem.at[:, pl.ds((j * per + h) * BN, BN)].transpose((1, 0))[...] = qv
+                plgpu.commit_smem()
+                _to_int8(b_smem, q_smem.at[0], fast)
+                plgpu.commit_smem()
+                rows_out(q_smem, ni, tile, off, count)
+
+                @pl.loop(0, count)
+                def _(i):
+                    for j in range(groups):
+                        hs_ref[ni * groups + j, tile + off + i] = s_smem[j, off + i]
+
+            pl.run_scoped(
+                scope,
+                plgpu.SMEM((t.bm, t.bn), jnp.bfloat16),
+                plgpu.SMEM((1, t.bm, t.bn), jnp.int8),
+                plgpu.SMEM((groups, t.bm), jnp.float32),
+            )
+
+        def store(accs, ni, tile, off, count, o_tile=None):
+            """out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N], through o_tile
+            or a tile allocated after the pipeline, in its buffers."""
+
+            def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled
+                for i in range(n_out):
+                    for h, out in enumerate(accs[i * t.tiles : (i + 1) * t.tiles]):
+                        if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
+                            out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                        o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
+                plgpu.commit_smem()
+                rows_out(o_smem, ni, tile, off, count)
+
+            if o_tile is not None:
+                scope(o_tile)
+            else:
+                pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
+
+        if t.persistent:
+            _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g)
+            return
+
+        @pl.when(jnp.logical_and(e >= 0, e < n_experts))
+        def _():
+            if act == "bf16":
+
+                def scope(*acc_refs):
+                    pipeline(functools.partial(bf16_step, acc_refs))(*operands)
+                    return tuple(r[...] for r in acc_refs)
+
+                accs = pl.run_scoped(scope, *[plgpu.ACC((BN, t.bm), jnp.float32)] * accs_n)
+            else:
+                # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined as
+                # a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at bm = 16
+                # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group scales come
+                # with each pipeline step instead (xgroups).
+                if not xgroups:
+                    plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem.at[pl.ds(0, t.bm)], xs_bar)
+                zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+                accs = pipeline(int8_step, init_carry=(zero,) * accs_n)(*operands)
+                if not xgroups:
+                    plgpu.barrier_wait(xs_bar)
+                    xs = plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col)
+                    xs = lax.broadcast_in_dim(xs, (BN, t.bm), [1])
+                    accs = tuple(a * xs for a in accs)
+            if nw == 2 and not partial:
+                accs = _silu_mul(accs, t.tiles)
+            (store_quantized if qout else store)(accs, ni, tile, off, count)
+
+        @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
+        def _():
+            zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+            (store_quantized if qout else store)([zero] * t.tiles * n_out, ni, tile, off, count)
 
     if t.persistent:
-        _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g)
+        body(t)
         return
+    # The narrowest of the tiling's block widths that holds the rows of the tile this block uses: its MMAs, token
+    # loads and epilogue then cover those rows instead of the grid's bm (a group's last block is mostly partial).
+    need, lo = off + count, 0
+    for nb in block_widths(t):
 
-    @pl.when(jnp.logical_and(e >= 0, e < n_experts))
-    def _():
-        if act == "bf16":
+        @pl.when(jnp.logical_and(need > lo, need <= nb))
+        def _(nb=nb):
+            body(dataclasses.replace(t, bm=nb))
 
-            def scope(*acc_refs):
-                pipeline(functools.partial(bf16_step, acc_refs))(*operands)
-                return tuple(r[...] for r in acc_refs)
+        lo = nb
 
-            accs = pl.run_scoped(scope, *[plgpu.ACC((BN, t.bm), jnp.float32)] * accs_n)
-        else:
-            # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined as
-            # a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at bm = 16
-            # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group scales come
-            # with each pipeline step instead (xgroups).
-            if not xgroups:
-                plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem, xs_bar)
-            zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-            accs = pipeline(int8_step, init_carry=(zero,) * accs_n)(*operands)
-            if not xgroups:
-                plgpu.barrier_wait(xs_bar)
-                xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
-                accs = tuple(a * xs for a in accs)
-        if nw == 2 and not partial:
-            accs = _silu_mul(accs, t.tiles)
-        (store_quantized if qout else store)(accs, ni, tile, off, count)
 
-    @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
-    def _():
-        zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-        (store_quantized if qout else store)([zero] * t.tiles * n_out, ni, tile, off, count)
+NARROW_WIDTHS = 5  # block widths of a narrow tiling at most: each is a copy of the kernel's pipeline and epilogue
+
+
+def block_widths(t: Tiling) -> tuple[int, ...]:
+    """The token block widths a CTA may run at, ascending (the last is the grid's bm): with t.narrow the multiples of
+    16 up to bm, the NARROW_WIDTHS largest of them (blocks of 80 rows: 16 to 80), else bm alone. Each width is a copy
+    of the pipeline in the kernel's code: ten of them (w4a8, 160-row blocks) took the H200 run past its time limit
+    while compiling."""
+    if not t.narrow or t.persistent:
+        return (t.bm,)
+    return tuple(range(max(16, t.bm - 16 * (NARROW_WIDTHS - 1)), t.bm + 1, 16))
 
 
 def _to_int8(src, dst, fast: bool):
@@ -585,6 +628,10 @@ def default_tiling(
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
     - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
+    - narrow (w4a8 with blocks of more than 32 rows): a group's last block runs at the narrowest multiple of 16 that
+      holds its rows (H200, 32 experts, fused gate/up with the tokens quantised by the caller: 4096 rows 469 -> 427
+      us, 16384 rows 1589 -> 1467; single weight 280 -> 268 and 946 -> 916). Not for w4a16: 3-4% there, and eight
+      copies of its pipeline (blocks of 128 rows) took ptxas past 42 s.
     - gps: 2 K groups per step in decode (one wait for both groups' MMAs: the per-step chain of loads, unpacking,
       MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, RESULTS.md), else 1.
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
@@ -611,7 +658,7 @@ def default_tiling(
     # accumulators (`regs` counts exactly that; ptxas measured ~20 more): fused decode at bm = 16 needs 224 (246 per
     # ptxas), at bm = 32 it would need 320 and spill, so there each tile is unpacked before its own wgmmas.
     first = act == "bf16" or regs(act, bm, bn_, nw, gps) <= UNPACK_FIRST_REGS  # (w4a16 steps ignore it)
-    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps, unpack_first=first)
+    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps, unpack_first=first, narrow=act == "int8" and bm > 32)
     total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)

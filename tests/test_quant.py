@@ -288,7 +288,9 @@ def _tiling(spec):
 KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
     (256, 128, [5, 0, 20, 3], (16, 128, 2)),  # a group across two blocks, the last tile past M (zero-filled by the TMA)
     (128, 64, [0, 17, 0, 40], None),
-    (128, 64, [70, 1, 0, 9], (48, 64, 3)),  # three blocks of one group; groups starting off the 8-row grid
+    # two blocks of one group, groups starting off the 8-row grid, narrower blocks where they fit (48 rows, then 32,
+    # the one-row group and the rows past the groups at 16)
+    (128, 64, [70, 1, 0, 9], (48, 64, 3, {"narrow": True})),
     (128, 64, [3, 2], (16, 64, 2)),  # M < bm (x padded to one block)
     (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
     (256, 128, [5, 0, 20, 3], "legacy"),  # the first version's tiling
@@ -546,8 +548,9 @@ BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_default_tilings_fit_the_sm(act):
     """At every bench shape the default tiling's registers stay within REGS and at least two CTAs fit an SM's shared
-    memory (one overlaps the other's unpacking), with a pipeline of at least two steps."""
-    from pallas_kernels.moe_int4 import REGS, SMEM_PER_SM, default_tiling, regs, smem_bytes
+    memory (one overlaps the other's unpacking), with a pipeline of at least two steps; w4a8 prefill runs narrow
+    tails."""
+    from pallas_kernels.moe_int4 import REGS, SMEM_PER_SM, Tiling, block_widths, default_tiling, regs, smem_bytes
 
     for e, m, k, n in BENCH_SHAPES:
         for nw in (1, 2):
@@ -555,6 +558,11 @@ def test_default_tilings_fit_the_sm(act):
             assert t.stages >= 2 and n % t.bn == 0 and t.bm % 16 == 0, (e, m, k, n, nw, t)
             assert t.bm == 16 or regs(act, t.bm, t.bn, nw) <= REGS, (e, m, k, n, nw, t)
             assert 2 * (smem_bytes(act, t, 128, nw) + 1024) <= SMEM_PER_SM, (e, m, k, n, nw, t)
+            # w4a8 prefill: a group's last block at the narrowest width that holds it, in at most five widths
+            assert t.narrow == (act == "int8" and t.bm > 32), (e, m, k, n, nw, t)
+    assert block_widths(Tiling(80, 128, 2, narrow=True)) == (16, 32, 48, 64, 80)
+    assert block_widths(Tiling(160, 64, 2, narrow=True)) == (96, 112, 128, 144, 160)
+    assert block_widths(Tiling(80, 128, 2)) == (80,)
 
 
 def test_w4a8_unpacks_a_step_first_only_where_registers_allow():

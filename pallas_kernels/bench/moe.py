@@ -2,8 +2,8 @@
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
     python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
-                                       [--stall 45] [--sweep [CASES]] [--rounds N] [--jnp-refs] [--no-ceilings]
-                                       [--interpret] [--lower] [--out RESULTS.md]
+                                       [--stall 45] [--sweep [CASES]] [--sweep-only TEXT] [--rounds N] [--jnp-refs]
+                                       [--no-ceilings] [--interpret] [--lower] [--out RESULTS.md]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
@@ -63,8 +63,9 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     SM); otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or
     with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM).
     Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
-    tile unpacked just before its wgmmas (what unpacking a step's tiles first gains) and, in decode, as persistent
-    CTAs (Tiling.persistent: 1 or 2 per SM)."""
+    tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
+    choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and, in decode, as
+    persistent CTAs (Tiling.persistent: 1 or 2 per SM)."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -78,12 +79,20 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
+    out += [dataclasses.replace(d, narrow=not d.narrow)] if d.bm > 32 else []
     if act == "int8" and d.bm <= 32:  # persistent CTAs (1 or 2 per SM, stages sized for that), no split-K
         out += [
             dataclasses.replace(default_tiling(act, m, n, kg, e, nw, ctas=c, splits=1), persistent=c) for c in (1, 2)
         ]
     out = [t for t in out if kg % (t.gps * t.splits) == 0]  # K = 1408 (V2-Lite's down projection): 11 groups
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
+
+
+def _swept(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
+    """sweep_tilings, less those whose row label lacks --sweep-only's text (the workers read it from the
+    environment)."""
+    only = os.environ.get("MOE_BENCH_SWEEP_ONLY", "")
+    return [t for t in sweep_tilings(act, e, m, k, n, nw) if only in _short(t)]
 
 
 def all_cases() -> list[tuple[int, int, int, int]]:
@@ -166,6 +175,7 @@ def _short(t) -> str:
     gps += f" split-K {t.splits}" if t.splits > 1 else ""
     via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
     via += "" if t.unpack_first else " unpacked per tile"
+    via += " narrow tails" if t.narrow else (" full-width tails" if t.bm > 32 and not t.persistent else "")
     via += f" persistent x{t.persistent}" if t.persistent else ""
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
@@ -256,7 +266,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             row(label, grouped, x, q4.q, q4.scale, gs, x_groups, **kw)
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
-        alternatives = sweep_tilings(act, e, m, k, n) if sweep else []
+        alternatives = _swept(act, e, m, k, n) if sweep else []
         for label, t in [("v1 tiling", legacy_tiling(act, m, e))] + [(None, t) for t in alternatives]:
             fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
             label = f"{name} kernel, {label or _short(t)}"
@@ -290,9 +300,17 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 deq = lambda y: dequantize_int8_groups(*y)  # noqa: E731
                 row(label, qout, *weights, xq_in, act=act, tiling=tq, ref=ref, nw=2, post=deq, **kw)
                 del xq_in
-            for ts in sweep_tilings(act, e, m, k, n, nw=2) if sweep else []:
+            for ts in _swept(act, e, m, k, n, nw=2) if sweep else []:
                 fn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=ts)
-                row(f"{name} gate+up+SiLU fused, {_short(ts)}", fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
+                if act == "int8":  # as the model calls it (the row to compare: "x quantised by the caller")
+                    xq_in = quantize_int8(x)
+                    pre = lambda x, g, u, gs, xq, fn=fn: fn(x, g, u, gs, x_q=xq)  # noqa: E731
+                    label = f"{name} gate+up+SiLU fused, x quantised by the caller, {_short(ts)}"
+                    row(label, pre, *weights, xq_in, act=act, tiling=ts, ref=ref, nw=2, **kw)
+                    del xq_in
+                else:
+                    label = f"{name} gate+up+SiLU fused, {_short(ts)}"
+                    row(label, fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
             row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
@@ -346,10 +364,10 @@ def kernel_configs(e: int, m: int, k: int, n: int, sweep: bool):
 
     out = [(act, 1, default_tiling(act, m, n, k // 128, e)) for act in ("bf16", "int8")]
     for act in ("bf16", "int8"):
-        out += [(act, 1, t) for t in [legacy_tiling(act, m, e)] + (sweep_tilings(act, e, m, k, n) if sweep else [])]
+        out += [(act, 1, t) for t in [legacy_tiling(act, m, e)] + (_swept(act, e, m, k, n) if sweep else [])]
     for act in ("bf16", "int8") if k > n else ():
         out += [(act, 2, t) for t in [default_tiling(act, m, n, k // 128, e, nw=2)]]
-        out += [(act, 2, t) for t in (sweep_tilings(act, e, m, k, n, nw=2) if sweep else [])]
+        out += [(act, 2, t) for t in (_swept(act, e, m, k, n, nw=2) if sweep else [])]
     return out
 
 
@@ -624,6 +642,7 @@ def main(argv=None) -> None:
     ap.add_argument("--stall", type=float, default=45.0, help="kill a worker silent this long (e.g. a hung kernel)")
     sweep = "also time other tilings (sweep_tilings): in all cases, or in these (ExMxKxN,...)"
     ap.add_argument("--sweep", nargs="?", const="all", default="", help=sweep)
+    ap.add_argument("--sweep-only", default="", help="sweep only the tilings whose row label has this text")
     ap.add_argument("--jnp-refs", action="store_true", help="also time the jnp references (slow: ~0.1-10 ms)")
     ap.add_argument("--out", help="append the table to this markdown file")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
@@ -661,6 +680,7 @@ def main(argv=None) -> None:
     if args.device_time or args.kernel_time:  # the workers (child processes) read it
         os.environ["HCFJAX_BENCH_DEVICE_TIME"] = "kernels" if args.kernel_time else "1"
     os.environ["MOE_BENCH_ROUNDS"] = str(args.rounds)
+    os.environ["MOE_BENCH_SWEEP_ONLY"] = args.sweep_only
     log = Log()
     t0 = time.time()
     specs = ["ceilings"] * (not args.no_ceilings) + ["x".join(map(str, c)) for c in cases]
