@@ -241,7 +241,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 r["check"] = c = _errors(post(y) if post else y, refs[act] if ref is None else ref)
                 smem = smem_bytes(act, tiling, nw=nw)
                 c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
-            timers = (f, _device_timer(fn, args))
+            timers = (f, _device_timer(f, args))  # jitted: an unjitted row (XLA-only, unfused) ran op by op
             _time_row(r, *timers, args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
             r["error"] = f"{type(ex).__name__}: {str(ex)[:1500]}"
