@@ -837,8 +837,9 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
 
 
 def _hs_rows(m: int) -> int:
-    """Columns of the per-group scales the gate/up kernel writes for m rows: m + HS_PAD, a multiple of 32 (a TMA
-    source's row stride must be a multiple of 16 bytes)."""
+    """Columns of the per-group scales the gate/up kernel writes for m rows: m + HS_PAD, rounded up to a multiple of
+    32 floats. A TMA source's row stride needs only 16 bytes (4 floats); 32 matches the per-step scale blocks the
+    down projection reads (`_xs_block`), and was what the H200 runs used."""
     return -(-(m + HS_PAD) // 32) * 32
 
 
