@@ -12,7 +12,8 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
   multiple of 8); the block owns the rows of its tile that are its expert's (a tile may reach into the neighbouring
   groups, whose rows it computes and drops; past M the TMA loads zeros). Rows past sum(group_sizes) form one more
   group whose blocks store zeros; unused blocks exit at once. `Tiling` says how big a CTA's tile is and how deep its
-  pipeline.
+  pipeline; with Tiling.narrow (w4a8 prefill) a block that needs fewer rows than bm (a group's last) runs the same
+  code at the narrowest multiple of 16 that holds them (`block_widths`).
   A pipeline of `stages` steps over the K groups (`gps` groups a step) TMA-loads per step the packed tiles
   [bn, gps G/2], their scales [gps, bn] (contiguous: the scales are stored K-group-major) and the token tile
   [bm, gps G]. Each 64-row packed tile is loaded into registers in the layout of a wgmma A operand and unpacked there
