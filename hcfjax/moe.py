@@ -16,7 +16,8 @@ from hcfjax.layers import mlp
 from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations, ragged_dot
 
 # w4a8 / w8a8 experts: the down projection's input quantised per row and 128 channels (DeepSeek-V3's activation
-# grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels), instead of per row after it.
+# grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels; in prefill, where the kernel's
+# tiling would pay for it, by XLA after it: quant.gated_ragged_dot), instead of per row after it.
 # On the H200 (V2-Lite shape, w4a8): batch-1 decode step 4.42 -> 4.00 ms, batches 32 and 128 unchanged
 # (hcfjax/bench/results/generate.md; pallas_kernels/NOTES.md, "1 x 128 activation quantisation").
 GROUPED_DOWN_INPUT = True
