@@ -58,9 +58,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 FILE_SECONDS = {
     "test_engine": 215,
     "test_speculative": 210,
+    "test_quant": 180,
     "test_train_mtp": 160,
     "test_pd": 145,
-    "test_quant": 115,
     "test_mla_kernel": 90,
     "test_speculative_sampling": 60,
     "test_multihost": 45,

@@ -590,19 +590,25 @@ LOWER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("act", ["bf16", "int8"])
-@pytest.mark.parametrize("e, m, k, n, tiling", LOWER_CASES)
-def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act, monkeypatch):
-    """Mosaic GPU's lowering for sm_90 on the CPU, with the GPU's own path (unpacking through inline_mgpu, wgmma with
-    A in registers): layout inference, supported ops and smem (227 KiB) are checked here, where the H200 first
-    reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts. w4a8 prefill lowers two of its
-    narrow widths (each width is the same code at another static block width; all five took 25 s in CI, and
-    `bench.moe --lower` lowers them all)."""
+@pytest.fixture
+def _two_narrow_widths(monkeypatch):
+    """Lowering tests lower two of a narrow tiling's block widths (w4a8 prefill): each width is the same code at
+    another static block width, and all five of the 32 x 4096 default took 25 s in CI (`bench.moe --lower` lowers
+    every one)."""
     from pallas_kernels import moe_int4
-    from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
 
     monkeypatch.setattr(moe_int4, "NARROW_WIDTHS", 2)
+
+
+@pytest.mark.usefixtures("_two_narrow_widths")
+@pytest.mark.parametrize("act", ["bf16", "int8"])
+@pytest.mark.parametrize("e, m, k, n, tiling", LOWER_CASES)
+def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act):
+    """Mosaic GPU's lowering for sm_90 on the CPU, with the GPU's own path (unpacking through inline_mgpu, wgmma with
+    A in registers): layout inference, supported ops and smem (227 KiB) are checked here, where the H200 first
+    reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
 
     t = legacy_tiling(act, m, e) if tiling == "legacy" else _tiling(tiling)
     s = jax.ShapeDtypeStruct
@@ -634,6 +640,7 @@ def test_persistent_kernel_lowers_for_hopper(nw):
         assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs)
 
 
+@pytest.mark.usefixtures("_two_narrow_widths")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_lowers_for_hopper(act):
     from pallas_kernels.cross_lower import lower_for_hopper
