@@ -280,9 +280,8 @@ def _kernel(
                     s_smem.at[j][...] = scale
                     sb = wg(lax.broadcast_in_dim(scale, (BN, t.bm), [1]))
                     for h, v in enumerate(vals):
-                        qv = wg(
-                            jnp.clip(jnp.round(v / sb), -127.0, 127.0).astype(jnp.bfloat16)
-                        )  # integers: exact in bf16
+                        # integers: exact in bf16
+                        qv = wg(jnp.clip(jnp.round(v / sb), -127.0, 127.0).astype(jnp.bfloat16))
                         b_smem.at[:, pl.ds((j * per + h) * BN, BN)].transpose((1, 0))[...] = qv
                 plgpu.commit_smem()
                 _to_int8(b_smem, q_smem.at[0], fast)
