@@ -7,7 +7,9 @@ hcfjax/quant.py documents the layout; within each K group of G, byte j holds k =
 
 Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weight tile is wgmma's A operand and the
 token tile, read K-major, its B operand, as int8 wgmma requires):
-  grid (N/bn, token blocks); a CTA is one warpgroup. x is not copied or padded: each CTA finds its token block from
+  grid (N/bn, token blocks); a CTA is one warpgroup (with Tiling.wgs = 2, the fused kernel's prefill default: two
+  compute warpgroups with bn/2 weight rows each against one token tile, and a third that issues the pipeline's
+  TMAs). x is not copied or padded: each CTA finds its token block from
   group_sizes (`block_info`, a few scalar ops per expert): its expert and a bm-row tile of x at a row offset (a
   multiple of 8); the block owns the rows of its tile that are its expert's (a tile may reach into the neighbouring
   groups, whose rows it computes and drops; past M the TMA loads zeros). Rows past sum(group_sizes) form one more
@@ -65,6 +67,7 @@ MAGIC_F = 12582912.0  # group sums 128 products of |16 q| <= 128 and |x| <= 127,
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
 SMEM_PER_SM = 228 * 1024  # shared by the CTAs of an SM, each also holding 1 KiB for the system
 REGS = 192  # registers per thread a default tiling may pin (`regs`; 2 CTAs per SM leave each thread 255)
+MEMORY_REGS = 40  # registers per thread of a warp-specialised tiling's memory warpgroup (t.wgs > 1)
 SMS = 132  # streaming multiprocessors of an H100 / H200 (default_tiling's split-K choice)
 UNPACK_FIRST_REGS = 224  # `regs` up to which a w4a8 step unpacks all its tiles first (Tiling.unpack_first)
 
@@ -86,13 +89,17 @@ class Tiling:
     # its own wgmmas, the order before 2026-11-30, which ptxas serialised (kept for the bench's comparison)
     narrow: bool = False  # a block whose rows (its offset in the tile plus its count) fit a narrower multiple of 16
     # runs at that width (`block_widths`): a group's last block computes, loads and stores only what it needs
+    wgs: int = 1  # w4a8: compute warpgroups per CTA, each taking bn / wgs of the weight rows against the same token
+    # tile, their loads issued by one more warpgroup (a warp-specialised pipeline; one CTA per SM): where two CTAs of
+    # bn / 2 rows would each load the token tile, this loads it once (`default_tiling` says where it pays)
     persistent: int = 0  # w4a8: a grid of this many CTAs per SM, each walking its share of the (token block, N tile)
     # work items in one pipeline, so the next item's loads overlap this one's last steps and no CTA is launched for
     # an unused block (0: one CTA per work item, the grid over N tiles and token blocks; `_persistent`)
 
     @property
     def tiles(self) -> int:
-        return self.bn // BN
+        """64-row weight tiles per compute warpgroup."""
+        return self.bn // self.wgs // BN
 
 
 def int4_ragged_dot_reference(x, q, scale, group_sizes, act="bf16"):
@@ -148,7 +155,12 @@ def _kernel(
         fewer: `block_widths`)."""
         half, chunks = g // 2, g // 2 // KC
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-        accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile
+        accs_n = nw * t.tiles  # accumulators: per weight, per 64-row tile (of this warpgroup's)
+        # With t.wgs > 1 this warpgroup's weight rows of the CTA's tile start at row0 (the memory warpgroup, index
+        # t.wgs, has none; it runs the pipeline's loads only).
+        wg = lax.axis_index("wg") if t.wgs > 1 else 0
+        wg_rows = t.bn // t.wgs
+        row0 = pl.multiple_of(wg * wg_rows, BN) if t.wgs > 1 else 0
 
         def steps(x_smem, w_smems, s_smems):
             """Per wgmma pair of a step: (accumulator, K group j, packed tile [64, KC], scales ref [64], token
@@ -158,8 +170,8 @@ def _kernel(
                     xh = [x_smem.at[:, pl.ds(j * g + hh * half + c * KC, KC)].transpose((1, 0)) for hh in range(2)]
                     for i in range(nw):
                         for h in range(t.tiles):
-                            p = w_smems[i].at[pl.ds(h * BN, BN), pl.ds(j * half + c * KC, KC)]
-                            yield i * t.tiles + h, j, c, p, s_smems[i].at[j, pl.ds(h * BN, BN)], xh
+                            p = w_smems[i].at[pl.ds(row0 + h * BN, BN), pl.ds(j * half + c * KC, KC)]
+                            yield i * t.tiles + h, j, c, p, s_smems[i].at[j, pl.ds(row0 + h * BN, BN)], xh
 
         def mma(acc, a, b, n_mma, hh):  # n_mma: the wgmma pair's index in the step; hh: the K half
             if t.a_regs:
@@ -167,7 +179,7 @@ def _kernel(
                 return
             if n_mma and n_mma % accs_n == 0 and hh == 0:
                 plgpu.wgmma_wait(0)  # the previous K chunk's wgmmas still read the slots (one chunk's worth)
-            slot = 2 * (n_mma % accs_n) + hh
+            slot = 2 * (wg * accs_n + n_mma % accs_n) + hh
             a_smem[slot] = a
             plgpu.commit_smem()
             plgpu.wgmma(acc, a_smem.at[slot], b)
@@ -242,7 +254,7 @@ def _kernel(
         o_gmem = o_ref.at[lax.axis_index("k")] if partial else o_ref
         n_cols = o_gmem.shape[1] // n_out  # N
 
-        def rows_out(o_smem, ni, tile, off, count):
+        def rows_out(o_smem, ni, tile, off, count, width=t.bn):
             """The block's rows of o_smem [n_out, bm, bn] -> out. Only rows [off, off + count) of the tile are this
             block's (the others belong to the neighbouring groups' blocks). A TMA box has a static size, so they go out
             as a ladder of power-of-two row counts (count's binary digits), each from the smem row after the last (rows
@@ -253,7 +265,7 @@ def _kernel(
                 @pl.when(count & rows != 0)
                 def _(start=start, rows=rows):
                     for i in range(o_smem.shape[0]):
-                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn, t.bn)]
+                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn + row0, width)]
                         plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
 
                 start, rows = start + (count & rows), rows // 2
@@ -311,7 +323,7 @@ def _kernel(
                             out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
                         o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
                 plgpu.commit_smem()
-                rows_out(o_smem, ni, tile, off, count)
+                rows_out(o_smem, ni, tile, off, count, wg_rows)
 
             if o_tile is not None:
                 scope(o_tile)
@@ -322,37 +334,81 @@ def _kernel(
             _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g)
             return
 
-        @pl.when(jnp.logical_and(e >= 0, e < n_experts))
-        def _():
-            if act == "bf16":
-
-                def scope(*acc_refs):
-                    pipeline(functools.partial(bf16_step, acc_refs))(*operands)
-                    return tuple(r[...] for r in acc_refs)
-
-                accs = pl.run_scoped(scope, *[plgpu.ACC((BN, t.bm), jnp.float32)] * accs_n)
-            else:
-                # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined as
-                # a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at bm = 16
-                # every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group scales come
-                # with each pipeline step instead (xgroups).
-                if not xgroups:
-                    plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem.at[pl.ds(0, t.bm)], xs_bar)
-                zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-                accs = pipeline(int8_step, init_carry=(zero,) * accs_n)(*operands)
-                if not xgroups:
-                    plgpu.barrier_wait(xs_bar)
-                    xs = plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col)
-                    xs = lax.broadcast_in_dim(xs, (BN, t.bm), [1])
-                    accs = tuple(a * xs for a in accs)
+        def finish(accs, o_tile=None):
             if nw == 2 and not partial:
                 accs = _silu_mul(accs, t.tiles)
-            (store_quantized if qout else store)(accs, ni, tile, off, count)
+            if qout:
+                store_quantized(accs, ni, tile, off, count)
+            else:
+                store(accs, ni, tile, off, count, o_tile)
 
-        @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
-        def _():
-            zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-            (store_quantized if qout else store)([zero] * t.tiles * n_out, ni, tile, off, count)
+        def blocks(o_ws=None):
+            """The block's pipeline and epilogue; o_ws [wgs, n_out, bm, bn / wgs]: with t.wgs > 1 each compute
+            warpgroup's output tile, allocated by all warpgroups (Mosaic's scoped allocations are collective)."""
+
+            @pl.when(jnp.logical_and(e >= 0, e < n_experts))
+            def _():
+                if act == "bf16":
+
+                    def scope(*acc_refs):
+                        pipeline(functools.partial(bf16_step, acc_refs))(*operands)
+                        return tuple(r[...] for r in acc_refs)
+
+                    finish(pl.run_scoped(scope, *[plgpu.ACC((BN, t.bm), jnp.float32)] * accs_n))
+                    return
+                # The token scales [bm] f32, the same for every K group: one copy into their own buffer. (Pipelined
+                # as a [bm] block they sat at bm x 4 B strides, and a TMA into smem needs 128-byte alignment: at
+                # bm = 16 every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group
+                # scales come with each pipeline step instead (xgroups). With t.wgs > 1 the memory warpgroup issues
+                # the copy and the compute warpgroups wait for it.
+                if not xgroups:
+
+                    @pl.when(wg == t.wgs if t.wgs > 1 else True)
+                    def _():
+                        plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem.at[pl.ds(0, t.bm)], xs_bar)
+
+                def epilogue(accs, o_tile=None):
+                    if not xgroups:
+                        plgpu.barrier_wait(xs_bar)
+                        xs = plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col)
+                        xs = lax.broadcast_in_dim(xs, (BN, t.bm), [1])
+                        accs = tuple(a * xs for a in accs)
+                    finish(accs, o_tile)
+
+                zero = lambda: plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+                if t.wgs == 1:
+                    epilogue(pipeline(int8_step, init_carry=(zero(),) * accs_n)(*operands))
+                    return
+
+                def compute(run):  # the compute warpgroups: the pipeline's steps, then their epilogue
+                    epilogue(run((zero(),) * accs_n), o_ws.at[wg])
+
+                plgpu.emit_pipeline_warp_specialized(
+                    int8_step,
+                    grid=(ksteps,),
+                    memory_registers=MEMORY_REGS,
+                    in_specs=in_specs,
+                    max_concurrent_steps=t.stages,
+                    wg_axis="wg",
+                    num_compute_wgs=t.wgs,
+                    compute_context=compute,
+                )(*operands)
+
+            @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
+            def _():
+                zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+                if t.wgs == 1:
+                    (store_quantized if qout else store)([zero] * t.tiles * n_out, ni, tile, off, count)
+                    return
+
+                @pl.when(wg < t.wgs)
+                def _():
+                    store([zero] * t.tiles * n_out, ni, tile, off, count, o_ws.at[wg])
+
+        if t.wgs == 1:
+            blocks()
+        else:
+            pl.run_scoped(blocks, plgpu.SMEM((t.wgs, n_out, t.bm, wg_rows), o_dtype), collective_axes="wg")
 
     if t.persistent:
         body(t)
@@ -566,7 +622,10 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = F
         x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
         table = _kib(5 * 4 * MAX_ITEMS)
         return nw * (_kib(w) + _kib(sc)) + _kib(x) + _kib(xs) + _kib(out) + table + _a_bytes(act, t, g, nw) + 1024
-    return max(t.stages * _stage_bytes(act, t, g, nw, xgroups), out) + _fixed_bytes(act, t, g, nw, xgroups)
+    pipe = t.stages * _stage_bytes(act, t, g, nw, xgroups)
+    if t.wgs > 1:  # the output tiles are allocated beside the pipeline (by every warpgroup, before it runs)
+        return _kib(out) + pipe + _fixed_bytes(act, t, g, nw, xgroups)
+    return max(pipe, out) + _fixed_bytes(act, t, g, nw, xgroups)
 
 
 def _xs_block(bm: int) -> int:
@@ -591,7 +650,7 @@ def _a_bytes(act: str, t: Tiling, g: int, nw: int) -> int:
 
 
 def _a_tiles(t: Tiling, g: int, nw: int) -> int:
-    return nw * t.tiles * 2  # one K chunk's A operands (K halves x 64-row tiles x weights)
+    return t.wgs * nw * t.tiles * 2  # one K chunk's A operands (K halves x 64-row tiles x weights, per warpgroup)
 
 
 def regs(act: str, bm: int, bn: int, nw: int = 1, gps: int = 1) -> int:
@@ -616,6 +675,7 @@ def default_tiling(
     gps=None,
     splits=None,
     ctas=None,
+    wgs=None,
     sms: int = SMS,
 ) -> Tiling:
     """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
@@ -628,6 +688,11 @@ def default_tiling(
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
     - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
+    - wgs: compute warpgroups per CTA (Tiling.wgs), each with bn rows (so the CTA has wgs x bn), one CTA per SM. By
+      default 2 for the fused w4a8 kernel in prefill blocks of 64 rows or more over long K loops (H200, 32 experts
+      at V3's gate/up shape, 56 K groups, 80-row blocks: 4096 rows 441 -> 421 us, 16384 rows 1557 -> 1411), else 1:
+      the single-weight kernel was level at K = 7168 and slower at K = 2048 (255 -> 299 us: with one CTA per SM,
+      each CTA's pipeline fill and epilogue run with nothing beside them), and so was every decode kernel timed.
     - narrow (w4a8 with blocks of more than 32 rows): a group's last block runs at the narrowest multiple of 16 that
       holds its rows (H200, 32 experts, fused gate/up with the tokens quantised by the caller: 4096 rows 469 -> 427
       us, 16384 rows 1589 -> 1467; single weight 280 -> 268 and 946 -> 916). Not for w4a16: 3-4% there, and eight
@@ -637,7 +702,8 @@ def default_tiling(
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
       at least 8 K steps per split: one K loop per output tile leaves each SM only about two CTAs there."""
     mu = m / max(e, 1)
-    bn_ = bn or (128 if n % 128 == 0 else BN)
+    auto_wgs, wgs = wgs is None, wgs or 1
+    bn_ = bn or (128 if n % (128 * wgs) == 0 else BN)  # per compute warpgroup
 
     def cap(bn):  # the largest block the register budget allows
         return min(256, max(b for b in range(16, 257, 16) if b == 16 or regs(act, b, bn, nw) <= REGS))
@@ -654,19 +720,26 @@ def default_tiling(
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
     if gps is None:
         gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
+    if auto_wgs and act == "int8" and nw == 2 and bm >= 64 and k_groups >= 32 and n % (2 * bn_) == 0:
+        wgs = 2
     # w4a8 unpacks a step's tiles before its wgmmas where all their A operands fit in registers beside the
     # accumulators (`regs` counts exactly that; ptxas measured ~20 more): fused decode at bm = 16 needs 224 (246 per
     # ptxas), at bm = 32 it would need 320 and spill, so there each tile is unpacked before its own wgmmas.
     first = act == "bf16" or regs(act, bm, bn_, nw, gps) <= UNPACK_FIRST_REGS  # (w4a16 steps ignore it)
-    t = Tiling(bm=bm, bn=bn_, stages=1, gps=gps, unpack_first=first, narrow=act == "int8" and bm > 32)
+    narrow = act == "int8" and bm > 32
+    t = Tiling(bm=bm, bn=bn_ * wgs, stages=1, gps=gps, unpack_first=first, narrow=narrow, wgs=wgs)
     total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
+    out_tile = _kib(bm * bn_ * wgs * 2) if wgs > 1 else 0  # allocated beside the pipeline (smem_bytes)
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
-        budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw)
+        budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw) - out_tile
         return min(8, k_groups // gps, budget // _stage_bytes(act, t, g, nw))
 
-    # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3).
-    ctas = ctas or next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
+    # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3);
+    # a CTA of several compute warpgroups has the SM to itself.
+    ctas = ctas or (
+        1 if wgs > 1 else next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
+    )
     if splits is None:  # the token blocks of uniform routing: each expert's rows plus its alignment, in bm blocks
         tiles = (n // bn_) * e * math.ceil((mu + ROW_ALIGN - 1) / bm)
         fits = [
@@ -736,6 +809,8 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, 
         raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K or persistence")
     if qout and (nw != 2 or t.bn % QGROUP):
         raise ValueError(f"{t}: a quantised output is gate/up's, with bn a multiple of {QGROUP}")
+    if t.wgs > 1 and (act != "int8" or t.persistent or t.splits != 1 or qout or t.bn % (t.wgs * BN)):
+        raise ValueError(f"{t}: compute warpgroups sharing a token tile are w4a8's, with bn / wgs a multiple of {BN}")
     smem = smem_bytes(act, t, g, nw, xgroups, qout)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{t}: {smem} B of smem > {SMEM_LIMIT}")
@@ -759,7 +834,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     if xgroups and (g != QGROUP or x_q[1].shape[0] != k // g):
         raise ValueError(f"per-group x scales {x_q[1].shape} need K groups of {QGROUP} ({k // QGROUP} of them)")
     t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
-    if quant_out and tiling is None and t.bn < QGROUP:  # one CTA's N tile must hold whole 128-channel groups
+    if quant_out and tiling is None and (t.bn < QGROUP or t.wgs > 1):  # a CTA's N tile: whole 128-channel groups
         t = default_tiling(act, m, n, k // g, e, nw, g, bn=QGROUP)
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
@@ -797,6 +872,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         grid=grid,
         grid_names=names,
         scratch_types=(*fixed, *([] if t.a_regs else [a_smem])),
+        **(dict(num_threads=t.wgs + 1, thread_name="wg") if t.wgs > 1 else {}),
         kernel_name=f"moe_{'w4a8' if act == 'int8' else 'w4a16'}{'_gated' if nw == 2 else ''}",  # in profiles, ncu
     )
     if interpret:

@@ -58,7 +58,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 FILE_SECONDS = {
     "test_engine": 215,
     "test_speculative": 210,
-    "test_quant": 180,
+    "test_quant": 200,
     "test_train_mtp": 160,
     "test_pd": 145,
     "test_mla_kernel": 90,

@@ -368,6 +368,37 @@ def test_gated_kernel_matches_reference_interpret(act):
 
 
 @pytest.mark.usefixtures("_reset_interpreter")
+def test_warpgroups_sharing_token_tiles_interpret():
+    """w4a8 with two compute warpgroups per CTA (Tiling.wgs, a warp-specialised pipeline): each takes half of the
+    CTA's weight rows against the same token tile. Bit for bit the one-warpgroup kernel's result, with narrow blocks
+    (widths 16 and 32), rows past the groups (zeros), per-group token scales (the down projection's input) and the
+    gated kernel."""
+    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
+
+    k, n, sizes = 256, 256, [40, 1, 0, 9]
+    e, m = len(sizes), sum(sizes) + 3
+    kw, kg, ku = jax.random.split(jax.random.key(11), 3)
+    qw, qg, qu = (quant.quantize(jax.random.normal(kk, (e, k, n)) / 8, 4, "int8") for kk in (kw, kg, ku))
+    x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+    gs = jnp.array(sizes, jnp.int32)
+    ws, one = Tiling(32, 256, 2, wgs=2, narrow=True), Tiling(32, 256, 2, narrow=True)
+    single = lambda t, **kw: np.asarray(  # noqa: E731
+        int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=t, **kw), np.float32
+    )
+    y = single(ws)
+    np.testing.assert_array_equal(y, single(one))
+    exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
+    assert not y[sum(sizes) :].any()
+    x_q = quant.quantize_int8_groups(x)  # per row and 128 channels, as the down projection's input comes
+    np.testing.assert_array_equal(single(ws, x_q=x_q), single(one, x_q=x_q))
+    gated = lambda t: np.asarray(  # noqa: E731
+        int4_gated_ragged_dot(x, (qg.q, qg.scale), (qu.q, qu.scale), gs, act="int8", interpret=True, tiling=t)
+    )
+    np.testing.assert_array_equal(gated(dataclasses.replace(ws, narrow=False)), gated(one))
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
 def test_persistent_kernel_matches_reference_interpret():
     """w4a8 with persistent CTAs (Tiling.persistent): each CTA walks several (token block, N tile) items in one
     pipeline, the accumulators restarting at each item's end. More items than CTAs, items that start off the 8-row
@@ -548,18 +579,20 @@ BENCH_SHAPES = [  # pallas_kernels.bench.moe: E x M x K x N, gate/up (K = hidden
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_default_tilings_fit_the_sm(act):
     """At every bench shape the default tiling's registers stay within REGS and at least two CTAs fit an SM's shared
-    memory (one overlaps the other's unpacking), with a pipeline of at least two steps; w4a8 prefill runs narrow
-    tails."""
+    memory (one overlaps the other's unpacking), or one CTA of two compute warpgroups, with a pipeline of at least
+    two steps; w4a8 prefill runs narrow tails, and its fused kernel two compute warpgroups over long K loops."""
     from pallas_kernels.moe_int4 import REGS, SMEM_PER_SM, Tiling, block_widths, default_tiling, regs, smem_bytes
 
     for e, m, k, n in BENCH_SHAPES:
         for nw in (1, 2):
             t = default_tiling(act, m, n, k // 128, e, nw)
             assert t.stages >= 2 and n % t.bn == 0 and t.bm % 16 == 0, (e, m, k, n, nw, t)
-            assert t.bm == 16 or regs(act, t.bm, t.bn, nw) <= REGS, (e, m, k, n, nw, t)
-            assert 2 * (smem_bytes(act, t, 128, nw) + 1024) <= SMEM_PER_SM, (e, m, k, n, nw, t)
+            assert t.bm == 16 or regs(act, t.bm, t.bn // t.wgs, nw) <= REGS, (e, m, k, n, nw, t)
+            ctas = 1 if t.wgs > 1 else 2
+            assert ctas * (smem_bytes(act, t, 128, nw) + 1024) <= SMEM_PER_SM, (e, m, k, n, nw, t)
             # w4a8 prefill: a group's last block at the narrowest width that holds it, in at most five widths
             assert t.narrow == (act == "int8" and t.bm > 32), (e, m, k, n, nw, t)
+            assert (t.wgs == 2) == (act == "int8" and nw == 2 and t.bm >= 64 and k // 128 >= 32), (e, m, k, n, nw, t)
     assert block_widths(Tiling(80, 128, 2, narrow=True)) == (16, 32, 48, 64, 80)
     assert block_widths(Tiling(160, 64, 2, narrow=True)) == (96, 112, 128, 144, 160)
     assert block_widths(Tiling(80, 128, 2)) == (80,)
@@ -577,7 +610,13 @@ def test_w4a8_unpacks_a_step_first_only_where_registers_allow():
     for e, m, k, n in BENCH_SHAPES:
         for nw in (1, 2):
             t = default_tiling("int8", m, n, k // 128, e, nw)
-            assert t.unpack_first == (regs("int8", t.bm, t.bn, nw, t.gps) <= UNPACK_FIRST_REGS), (e, m, k, n, nw)
+            assert t.unpack_first == (regs("int8", t.bm, t.bn // t.wgs, nw, t.gps) <= UNPACK_FIRST_REGS), (
+                e,
+                m,
+                k,
+                n,
+                nw,
+            )
 
 
 # DeepSeek-V3 expert shapes, decode and prefill (every bench row: `python -m pallas_kernels.bench.moe --lower`)
@@ -706,6 +745,8 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
         ("int8", (16, 128, 5, {"gps": 2, "persistent": 2}), 1),  # persistent: output tile and table beside them
         ("int8", (16, 64, 2, {"persistent": 2}), 2),
         ("int8", (32, 64, 3, {"persistent": 1, "a_regs": False}), 1),
+        ("int8", (80, 256, 3, {"wgs": 2}), 1),  # two compute warpgroups: their output tiles beside the pipeline
+        ("int8", (48, 128, 4, {"wgs": 2}), 2),
     ],
 )
 def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):

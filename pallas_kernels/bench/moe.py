@@ -64,8 +64,9 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM).
     Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
     tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
-    choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and, in decode, as
-    persistent CTAs (Tiling.persistent: 1 or 2 per SM)."""
+    choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one
+    compute warpgroup per CTA, or two sharing each token tile) and, in decode, as persistent CTAs
+    (Tiling.persistent: 1 or 2 per SM)."""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -76,6 +77,8 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         alts += [dict(bn=64), dict(bn=256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64), dict(bm=48)] if nw == 1 else []
+        if act == "int8":  # the other choice of compute warpgroups per CTA (one, or two sharing each token tile)
+            alts += [dict(wgs=1)] if d.wgs > 1 else [dict(wgs=2, bn=d.bn)] if n % (2 * d.bn) == 0 else []
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
@@ -177,6 +180,7 @@ def _short(t) -> str:
     via += "" if t.unpack_first else " unpacked per tile"
     via += " narrow tails" if t.narrow else (" full-width tails" if t.bm > 32 and not t.persistent else "")
     via += f" persistent x{t.persistent}" if t.persistent else ""
+    via += f" {t.wgs} compute warpgroups" if t.wgs > 1 else ""
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
