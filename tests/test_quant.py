@@ -776,7 +776,7 @@ def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):
 
 def test_ptx_report_parsing():
     """bench.ptx's summary of a ptxas -v report and a SASS listing (the numbers the offline analysis rests on)."""
-    from pallas_kernels.bench.ptx import ptxas_report, sass_counts
+    from pallas_kernels.bench.ptx import ptxas_report, sass_counts, tiling_overrides
 
     text = """ptxas info    : (C7517) wgmma.wait_group is injected in around line 1220 by compiler
 ptxas info    : (C7517) wgmma.wait_group is injected in around line 1300 by compiler
@@ -793,6 +793,9 @@ ptxas info    : Used 168 registers, used 16 barriers, 112 bytes cumulative stack
 /*47d0*/ HGMMA.64x256x16.F32.BF16 R24, gdesc[UR56].tnspB, R24 ;
 /*47a0*/ WARPGROUP.ARRIVE ;"""
     assert sass_counts(sass) == dict(wgmma=3, wgmma_waits=1)
+    assert tiling_overrides("wgs=1+bm=64") == dict(wgs=1, bm=64)  # a moe spec's fifth field
+    with pytest.raises(ValueError, match="override"):
+        tiling_overrides("stages=4")
 
 
 def test_ncu_raw_parsing():
@@ -822,7 +825,7 @@ def test_ncu_raw_parsing():
     )
     (row,) = parse_raw(text, min_us=5.0, top=2)
     assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
-    assert row["tensor %"] == 61.2  # Hopper's wgmma pipe ("gmma") before the others
+    assert row["tensor %"] == 61.2  # the busiest tensor sub-pipe (here the wgmma one, "gmma")
     assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
     assert parse_raw("no table here") == []
     odd = text.replace('"usecond","%"', '"usecond","%"').replace(

@@ -263,11 +263,15 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         t = default_tiling(act, m, n, kg, e)
         fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
         row(f"{name} kernel", fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
+        if act == "int8":  # the kernel alone: x quantised per row by the caller (the "w4a8 kernel" row quantises
+            # it in its wrapper, one XLA pass inside the row's time), as the fused kernel's row of that name
+            given = lambda x, q, sc, gs, x_q, fn=fn: fn(x, q, sc, gs, x_q=x_q)  # noqa: E731
+            kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, needs=(f"{name} kernel",))
+            row(f"{name} kernel, x quantised by the caller", given, x, q4.q, q4.scale, gs, quantize_int8(x), **kw)
         if act == "int8" and k % 128 == 0:  # as the down projection gets x from the gate/up kernel's quant_out
-            grouped = lambda x, q, sc, gs, x_q, fn=fn: fn(x, q, sc, gs, x_q=x_q)  # noqa: E731
             label = f"{name} kernel, x in 128-channel groups by the producer"
             kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, ref=refs["int8 groups"], needs=(f"{name} kernel",))
-            row(label, grouped, x, q4.q, q4.scale, gs, x_groups, **kw)
+            row(label, given, x, q4.q, q4.scale, gs, x_groups, **kw)
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
         alternatives = _swept(act, e, m, k, n) if sweep else []

@@ -2,12 +2,12 @@
 
     python -m pallas_kernels.bench.ncu [--kernels mla:bf16:128x4096,moe:w4a8:fused:16x128x7168x2048] [--out DIR]
 
-Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN`) runs once in a child process
-under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU launches
-(KERNELS) with the SECTIONS below; the report's details and raw pages go to
-ncu/<spec>.txt and .csv in DIR/ncu.tar.gz (default DIR: $OUT; one archive, since the device tool brings back at most 8
-files), and the printed table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of
-peak), L2 hit rate, achieved occupancy, cycles per issued instruction and the warp stall reasons that dominate.
+Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN[:wgs=1+bm=64]`) runs once
+in a child process under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU
+launches (KERNELS) with the SECTIONS below; the report's details and raw pages go to ncu/<spec>.txt and .csv in
+DIR/ncu.tar.gz (default DIR: $OUT; one archive, since the device tool brings back at most 8 files), and the printed
+table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of peak), L2 hit rate, achieved
+occupancy, cycles per issued instruction and the warp stall reasons that dominate.
 
 Warp-specialised kernels need care in reading the stalls: a loader warpgroup waiting on a barrier counts as stalled
 as much as a compute warpgroup waiting on its data.
@@ -42,7 +42,12 @@ COLUMNS = {  # printed name: the raw metric (the first of these names that the r
         "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     ),
     "SM %": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "L2 %": ("lts__throughput.avg.pct_of_peak_sustained_elapsed",),
     "L2 hit %": ("lts__t_sector_hit_rate.pct",),
+    "issue %": (
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "sm__inst_issued.avg.pct_of_peak_sustained_elapsed",
+    ),
     "occupancy %": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
     "cycles/issue": ("smsp__average_warp_latency_per_inst_issued.ratio",),
 }
@@ -105,8 +110,9 @@ def parse_raw(text: str, min_us: float = 5.0, top: int = 4) -> list[dict]:
                 v if v is None or isinstance(v, str) else round(v, 2 if label in ("SM GHz", "DRAM TB/s") else 1)
             )
             row[label] = "" if v is None else row[label]
-        tensor = sorted((m for m in names if TENSOR.match(m)), key=lambda m: "gmma" not in m)
-        row["tensor %"] = "" if not tensor or num(tensor[0]) is None else round(num(tensor[0]), 1)
+        # the busiest tensor sub-pipe: bf16 wgmmas count as "gmma", int8 ones on the H200 as "imma" (the others 0)
+        tensor = [v for v in (num(m) for m in names if TENSOR.match(m)) if isinstance(v, float)]
+        row["tensor %"] = round(max(tensor), 1) if tensor else ""
         stalls = [(num(m), STALL.match(m).group(1)) for m in names if STALL.match(m)]
         stalls = sorted(((v, n) for v, n in stalls if v), reverse=True)[:top]
         row["top stalls (warps per issue)"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls)

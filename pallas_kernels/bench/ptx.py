@@ -17,7 +17,8 @@ on a hand-edited copy of the PTX (instructions moved, setmaxnreg values changed)
 run: NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
 
 Kernels: mla:bf16|int8[:BxCTX] (the MLA decode kernel at H = 128, by default 4 rows x 1024 tokens: the same code
-as at larger shapes) and moe:ACT:fused|single:ExMxKxN (ACT w4a8 or w4a16; the default tiling of that shape).
+as at larger shapes) and moe:ACT:fused|single:ExMxKxN[:OVERRIDES] (ACT w4a8 or w4a16; the default tiling of that
+shape, or with OVERRIDES such as "wgs=1+bm=64" default_tiling's choices given).
 """
 
 from __future__ import annotations
@@ -61,6 +62,18 @@ def sass_counts(sass: str) -> dict:
     )
 
 
+def tiling_overrides(text: str) -> dict:
+    """A moe spec's optional fifth field, "wgs=1+bm=64": `default_tiling`'s keyword choices for the kernel (joined by
+    "+": the specs themselves are comma-separated)."""
+    out = {}
+    for item in filter(None, text.split("+")):
+        key, _, value = item.partition("=")
+        if key not in ("bm", "bn", "gps", "splits", "ctas", "wgs") or not value.isdigit():
+            raise ValueError(f"a tiling override is bm|bn|gps|splits|ctas|wgs=INT, got {item!r}")
+        out[key] = int(value)
+    return out
+
+
 def run_one(spec: str) -> None:
     """Runs the kernel of `spec` once on this host's GPU (so Mosaic compiles it with the dumps the parent set, or
     Nsight Compute profiles it: bench.ncu)."""
@@ -77,18 +90,21 @@ def run_one(spec: str) -> None:
     elif kind == "moe":
         from hcfjax import quant
         from pallas_kernels.bench.moe import _problem
-        from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+        from pallas_kernels.moe_int4 import default_tiling, int4_gated_ragged_dot, int4_ragged_dot
 
-        act, fused, shape = rest
+        act, fused, shape, *opts = rest
         dims = tuple(map(int, shape.split("x")))
         w, x, gs = _problem(*dims)  # the bench's weights, tokens and routing
         q4 = quant.quantize(w, 4, "bf16")
         a = {"w4a8": "int8", "w4a16": "bf16"}[act]
-        if fused == "fused":  # up's weights differ from gate's (the same twice would be half read from L2)
+        e, m, k, n = dims
+        nw = 2 if fused == "fused" else 1
+        t = default_tiling(a, m, n, k // 128, e, nw, **tiling_overrides(opts[0])) if opts else None
+        if nw == 2:  # up's weights differ from gate's (the same twice would be half read from L2)
             u4 = quant.quantize(_problem(*dims, seed=1)[0], 4, "bf16")
-            y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (u4.q, u4.scale), gs, act=a)
+            y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (u4.q, u4.scale), gs, act=a, tiling=t)
         else:
-            y = int4_ragged_dot(x, q4.q, q4.scale, gs, act=a)
+            y = int4_ragged_dot(x, q4.q, q4.scale, gs, act=a, tiling=t)
         jax.block_until_ready(y)
     else:
         raise ValueError(f"kernel must be mla:... or moe:..., got {spec!r}")
