@@ -371,27 +371,24 @@ def test_gated_kernel_matches_reference_interpret(act):
 def test_warpgroups_sharing_token_tiles_interpret():
     """w4a8 with two compute warpgroups per CTA (Tiling.wgs, a warp-specialised pipeline): each takes half of the
     CTA's weight rows against the same token tile. Bit for bit the one-warpgroup kernel's result, with narrow blocks
-    (widths 16 and 32), rows past the groups (zeros), per-group token scales (the down projection's input) and the
-    gated kernel."""
+    (widths 16 and 32) and rows past the groups (zeros), and for the gated kernel (the prefill default)."""
     from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
 
-    k, n, sizes = 256, 256, [40, 1, 0, 9]
+    k, n, sizes = 256, 128, [40, 1, 0, 9]
     e, m = len(sizes), sum(sizes) + 3
     kw, kg, ku = jax.random.split(jax.random.key(11), 3)
     qw, qg, qu = (quant.quantize(jax.random.normal(kk, (e, k, n)) / 8, 4, "int8") for kk in (kw, kg, ku))
     x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
     gs = jnp.array(sizes, jnp.int32)
-    ws, one = Tiling(32, 256, 2, wgs=2, narrow=True), Tiling(32, 256, 2, narrow=True)
-    single = lambda t, **kw: np.asarray(  # noqa: E731
-        int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=t, **kw), np.float32
+    ws, one = Tiling(32, 128, 2, wgs=2, narrow=True), Tiling(32, 128, 2, narrow=True)
+    single = lambda t: np.asarray(  # noqa: E731
+        int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=t), np.float32
     )
     y = single(ws)
     np.testing.assert_array_equal(y, single(one))
     exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
     np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
     assert not y[sum(sizes) :].any()
-    x_q = quant.quantize_int8_groups(x)  # per row and 128 channels, as the down projection's input comes
-    np.testing.assert_array_equal(single(ws, x_q=x_q), single(one, x_q=x_q))
     gated = lambda t: np.asarray(  # noqa: E731
         int4_gated_ragged_dot(x, (qg.q, qg.scale), (qu.q, qu.scale), gs, act="int8", interpret=True, tiling=t)
     )
@@ -682,14 +679,33 @@ def test_persistent_kernel_lowers_for_hopper(nw):
 @pytest.mark.usefixtures("_two_narrow_widths")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_lowers_for_hopper(act):
+    """The fused gate/up kernel's prefill default at 32 experts x 4096 rows: w4a8's has two compute warpgroups per
+    CTA (the warp-specialised pipeline, its register split, the output tiles beside the pipeline)."""
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot
+    from pallas_kernels.moe_int4 import default_tiling, int4_gated_ragged_dot
 
-    e, m, k, n = 16, 1024, 7168, 2048
+    e, m, k, n = 32, 4096, 7168, 2048
+    assert default_tiling(act, m, n, k // 128, e, nw=2).wgs == (2 if act == "int8" else 1)
     s = jax.ShapeDtypeStruct
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     f = lambda x, g, u, gs: int4_gated_ragged_dot(x, g, u, gs, act=act)  # noqa: E731
     assert "mosaic_gpu" in lower_for_hopper(f, s((m, k), jnp.bfloat16), w, w, s((e,), jnp.int32))
+
+
+def test_two_warpgroup_single_kernel_lowers_for_hopper():
+    """Two compute warpgroups per CTA (Tiling.wgs) for the single-weight kernel given per-group token scales (a
+    pipeline input the fused default does not have) lower for sm_90; the gated test lowers the fused default."""
+    from pallas_kernels.cross_lower import lower_for_hopper
+    from pallas_kernels.moe_int4 import default_tiling, int4_ragged_dot
+
+    e, m, k, n = 32, 4096, 2048, 7168
+    s = jax.ShapeDtypeStruct
+    x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
+    w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
+    t = dataclasses.replace(default_tiling("int8", m, n, k // 128, e, wgs=2), narrow=False)
+    xg = (s((m, k), jnp.int8), s((k // 128, m + 264), jnp.float32))
+    f = lambda x, w, gs, xg: int4_ragged_dot(x, *w, gs, act="int8", tiling=t, x_q=xg)  # noqa: E731
+    assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs, xg)
 
 
 @pytest.mark.parametrize("act", ["bf16", "int8"])
