@@ -1,7 +1,7 @@
 """Int4 MoE grouped GEMM (pallas_kernels.moe_int4) on the GPU: correctness, then time against bf16 `ragged_dot` and
 the int4 jnp reference, with the ceilings measured in the same run. One table at the end.
 
-    python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit 235]
+    python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit SECONDS]
                                        [--stall 45] [--sweep [CASES]] [--sweep-only TEXT] [--rounds N] [--jnp-refs]
                                        [--no-ceilings] [--interpret] [--lower] [--out RESULTS.md]
 
@@ -33,8 +33,8 @@ and the next runs; a CUDA error (which poisons the process's CUDA context) ends 
 (a deadlocked kernel) is killed after --stall seconds without progress (the worker dumps its Python stack first);
 either way a fresh worker resumes the case without that row (at most twice per case; rows already reported are not
 rerun) and later cases skip that kernel (a CUDA error: at that token block), and the gate/up rows that share its code.
-No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: the whole run within 4
-minutes).
+No case starts after --time-limit seconds and nothing runs past --hard-limit (defaults: 200 s, and 35 s more than
+the time limit: the whole run within 4 minutes).
 Everything printed also goes to moe_bench.log (and the table to moe_bench.md) under $OUT when it is set.
 """
 
@@ -477,7 +477,7 @@ def run_workers(specs: list[str], args, log: Log) -> dict[str, dict]:
     later cases too (each hang costs the stall time)."""
     results: dict[str, dict] = {s: dict(rows=[]) for s in specs}
     t_start = time.time()
-    hard_stop = t_start + args.hard_limit
+    hard_stop = t_start + (args.hard_limit or args.time_limit + 35)
     pending, skip, done, retries = list(specs), {}, {}, {}
 
     def resume(spec: str) -> bool:  # whether a fresh worker should take this case up again
@@ -646,7 +646,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="default", help="'default', 'all' or ExMxKxN,... (e.g. 16x1024x7168x2048)")
     ap.add_argument("--time-limit", type=float, default=200.0, help="start no new case after this many seconds")
-    ap.add_argument("--hard-limit", type=float, default=235.0, help="kill whatever still runs after this many seconds")
+    ap.add_argument(
+        "--hard-limit", type=float, help="kill whatever still runs after this many seconds (default: time limit + 35)"
+    )
     ap.add_argument("--stall", type=float, default=45.0, help="kill a worker silent this long (e.g. a hung kernel)")
     sweep = "also time other tilings (sweep_tilings): in all cases, or in these (ExMxKxN,...)"
     ap.add_argument("--sweep", nargs="?", const="all", default="", help=sweep)
