@@ -598,13 +598,20 @@ def block_table(group_sizes, m: int, bm: int):
     return jnp.stack(block_info(sizes, b, m, bm)).astype(jnp.int32)
 
 
-def _stage_bytes(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False) -> int:
-    """One pipeline step's blocks: per weight the packed tile [bn, gps G/2] and its scales [gps, bn] f32; the token
-    tile [bm, gps G] (bf16 or int8); with xgroups the token tile's scales [gps, bm rounded up to 32] f32. Each is a
-    multiple of 128 bytes (a TMA's smem destination must be 128-byte aligned, and a pipeline buffer holds its
-    stages' blocks back to back)."""
-    x_scales = t.gps * _xs_block(t.bm) * 4 if xgroups else 0
-    return nw * t.bn * t.gps * (g // 2 + 4) + t.bm * t.gps * g * (2 if act == "bf16" else 1) + x_scales
+def _stage_blocks(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False) -> list[int]:
+    """The bytes of one pipeline step's blocks, one per pipelined operand: per weight the packed tile [bn, gps G/2]
+    and its scales [gps, bn] f32; the token tile [bm, gps G] (bf16 or int8); with xgroups the token tile's scales
+    [gps, bm rounded up to 32] f32. Each is a multiple of 128 bytes (a TMA's smem destination must be 128-byte
+    aligned, and a pipeline buffer holds its stages' blocks back to back)."""
+    weights = [t.bn * t.gps * g // 2, t.gps * t.bn * 4] * nw
+    x_scales = [t.gps * _xs_block(t.bm) * 4] if xgroups else []
+    return weights + [t.bm * t.gps * g * (2 if act == "bf16" else 1)] + x_scales
+
+
+def _pipe_bytes(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False, stages: int | None = None) -> int:
+    """The pipeline's buffers: one per operand, its stages' blocks back to back, each buffer rounded up to the 1 KiB
+    Mosaic aligns it to (the scales' buffers are far from a multiple of it)."""
+    return sum(_kib((stages or t.stages) * b) for b in _stage_blocks(act, t, g, nw, xgroups))
 
 
 def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = False, qout: bool = False) -> int:
@@ -622,7 +629,7 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = F
         x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
         table = _kib(5 * 4 * MAX_ITEMS)
         return nw * (_kib(w) + _kib(sc)) + _kib(x) + _kib(xs) + _kib(out) + table + _a_bytes(act, t, g, nw) + 1024
-    pipe = t.stages * _stage_bytes(act, t, g, nw, xgroups)
+    pipe = _pipe_bytes(act, t, g, nw, xgroups)
     if t.wgs > 1:  # the output tiles are allocated beside the pipeline (by every warpgroup, before it runs)
         return _kib(out) + pipe + _fixed_bytes(act, t, g, nw, xgroups)
     return max(pipe, out) + _fixed_bytes(act, t, g, nw, xgroups)
@@ -689,8 +696,9 @@ def default_tiling(
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
     - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
     - wgs: compute warpgroups per CTA (Tiling.wgs), each with bn rows (so the CTA has wgs x bn), one CTA per SM. By
-      default 2 for the fused w4a8 kernel in prefill blocks of 64 rows or more over long K loops (H200, 32 experts
-      at V3's gate/up shape, 56 K groups, 80-row blocks: 4096 rows 441 -> 421 us, 16384 rows 1557 -> 1411), else 1:
+      default 2 for the fused w4a8 kernel in prefill blocks of 80 rows (the most its registers allow) over long K
+      loops (H200, 32 experts at V3's gate/up shape, 56 K groups: 4096 rows 441 -> 421 us, 16384 rows 1557 ->
+      1411; smaller blocks were not timed), else 1:
       the single-weight kernel was level at K = 7168 and slower at K = 2048 (255 -> 299 us: with one CTA per SM,
       each CTA's pipeline fill and epilogue run with nothing beside them), and so was every decode kernel timed.
     - narrow (w4a8 with blocks of more than 32 rows): a group's last block runs at the narrowest multiple of 16 that
@@ -720,7 +728,7 @@ def default_tiling(
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
     if gps is None:
         gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
-    if auto_wgs and act == "int8" and nw == 2 and bm >= 64 and k_groups >= 32 and n % (2 * bn_) == 0:
+    if auto_wgs and act == "int8" and nw == 2 and bm >= 80 and k_groups >= 32 and n % (2 * bn_) == 0:
         wgs = 2
     # w4a8 unpacks a step's tiles before its wgmmas where all their A operands fit in registers beside the
     # accumulators (`regs` counts exactly that; ptxas measured ~20 more): fused decode at bm = 16 needs 224 (246 per
@@ -733,13 +741,17 @@ def default_tiling(
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
         budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw) - out_tile
-        return min(8, k_groups // gps, budget // _stage_bytes(act, t, g, nw))
+        return max(
+            [1] + [s for s in range(1, min(8, k_groups // gps) + 1) if _pipe_bytes(act, t, g, nw, stages=s) <= budget]
+        )
 
     # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3);
     # a CTA of several compute warpgroups has the SM to itself.
     ctas = ctas or (
         1 if wgs > 1 else next(c for c in (4, 3, 2) if c == 2 or (c * 128 * total <= 65536 and stages(c) >= 3))
     )
+    if wgs > 1:  # (split-K is one-warpgroup CTAs' only)
+        splits = 1
     if splits is None:  # the token blocks of uniform routing: each expert's rows plus its alignment, in bm blocks
         tiles = (n // bn_) * e * math.ceil((mu + ROW_ALIGN - 1) / bm)
         fits = [
@@ -758,7 +770,7 @@ def quant_out_pays(act: str, m: int, n: int, k_groups: int, e: int, g: int = 128
     quantised by the caller, quant_out against the bf16 product (RESULTS.md, 2026-11-30): 32 experts x 1024 rows
     220.6 against 229.2 us (32 rows per expert: in the kernel), x 4096 483.6 against 472.6, x 16384 1736.9
     against 1600.7 (after it). In decode the default tiling has bn = 128 already."""
-    t = default_tiling(act, m, n, k_groups, e, nw=2, g=g, bn=QGROUP)
+    t = default_tiling(act, m, n, k_groups, e, nw=2, g=g, bn=QGROUP, wgs=1)
     return t.bm * max(e, 1) >= m
 
 
@@ -835,7 +847,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         raise ValueError(f"per-group x scales {x_q[1].shape} need K groups of {QGROUP} ({k // QGROUP} of them)")
     t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
     if quant_out and tiling is None and (t.bn < QGROUP or t.wgs > 1):  # a CTA's N tile: whole 128-channel groups
-        t = default_tiling(act, m, n, k // g, e, nw, g, bn=QGROUP)
+        t = default_tiling(act, m, n, k // g, e, nw, g, bn=QGROUP, wgs=1)
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
     _check_tiling(t, act, n, k // g, g, nw, interpret, xgroups, quant_out)

@@ -301,7 +301,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller"
                 row(label, pre, *weights, xq_in, act=act, tiling=t, ref=ref, nw=2, **kw)
                 # the product written as int8 + per-(row, 128-channel) scales for the down projection (quant_out)
-                tq = default_tiling(act, m, n, kg, e, nw=2, bn=max(128, t.bn))
+                tq = default_tiling(act, m, n, kg, e, nw=2, bn=max(128, t.bn), wgs=1)
                 qfn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=tq, quant_out=True)
                 qout = lambda x, g, u, gs, xq, qfn=qfn: qfn(x, g, u, gs, x_q=xq)  # noqa: E731
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller, output quantised (quant_out)"

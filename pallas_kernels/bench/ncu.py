@@ -64,8 +64,8 @@ SECTIONS = (
     "SchedulerStats",
 )
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
-# The tensor pipe's busy cycles (% of peak while the SM is active), from ComputeWorkloadAnalysis: Hopper's wgmma
-# counts as "gmma" where the report splits the pipe by instruction; the first name found, in this order.
+# The tensor pipe's busy cycles (% of peak while the SM is active), from ComputeWorkloadAnalysis, by sub-pipe: the
+# busiest is reported (Hopper's bf16 wgmma counts as "gmma", int8 wgmma on the H200 as "imma").
 TENSOR = re.compile(r"^sm__pipe_tensor_op_(gmma|imma|hmma)?\w*cycles_active\.avg\.pct_of_peak_sustained_active$")
 
 
