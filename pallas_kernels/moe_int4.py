@@ -698,9 +698,9 @@ def default_tiling(
     - wgs: compute warpgroups per CTA (Tiling.wgs), each with bn rows (so the CTA has wgs x bn), one CTA per SM. By
       default 2 for the fused w4a8 kernel in prefill blocks of 80 rows (the most its registers allow) over long K
       loops (H200, 32 experts at V3's gate/up shape, 56 K groups: 4096 rows 441 -> 421 us, 16384 rows 1557 ->
-      1411; smaller blocks were not timed), else 1:
-      the single-weight kernel was level at K = 7168 and slower at K = 2048 (255 -> 299 us: with one CTA per SM,
-      each CTA's pipeline fill and epilogue run with nothing beside them), and so was every decode kernel timed.
+      1411; smaller blocks were not timed), else 1: the single-weight kernel was level at K = 7168 and slower at
+      K = 2048 (255 -> 299 us: with one CTA per SM, each CTA's pipeline fill and epilogue run with nothing beside
+      them), and so was every decode kernel timed.
     - narrow (w4a8 with blocks of more than 32 rows): a group's last block runs at the narrowest multiple of 16 that
       holds its rows (H200, 32 experts, fused gate/up with the tokens quantised by the caller: 4096 rows 469 -> 427
       us, 16384 rows 1589 -> 1467; single weight 280 -> 268 and 946 -> 916). Not for w4a16: 3-4% there, and eight

@@ -184,6 +184,12 @@ def _short(t) -> str:
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
+def _given_x_q(fn):
+    """fn with the tokens' int8 quantisation given by the caller as its last argument (x_q), as the model calls the
+    kernels; x then only gives the shape."""
+    return lambda *args: fn(*args[:-1], x_q=args[-1])
+
+
 def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, done: list) -> None:
     import jax
     import jax.numpy as jnp
@@ -210,16 +216,17 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     # The exactly-quantised function in f32 (dequantised weights; w4a8: dequantised int8 tokens too).
     wf = quant.dequantize(q4, jnp.bfloat16).astype(jnp.float32)
     f32_dot = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, precision="highest"))
-    xq, xs = quantize_int8(x)
+    x_rows = quantize_int8(x)  # per row, as the model quantises the tokens before gathering their copies
+    x_rows_f32 = x_rows[0].astype(jnp.float32) * x_rows[1][:, None]
     # x in 128-channel groups, as the gate/up kernel's quant_out writes it (scales padded as that kernel leaves them)
     xg, xgs = quantize_int8_groups(x)
     x_groups = (xg, jnp.pad(xgs, ((0, 0), (0, _hs_rows(m) - m))))
     refs = {
         "bf16": f32_dot(x.astype(jnp.float32), wf, gs),
-        "int8": f32_dot(xq.astype(jnp.float32) * xs[:, None], wf, gs),
+        "int8": f32_dot(x_rows_f32, wf, gs),
         "int8 groups": f32_dot(dequantize_int8_groups(xg, xgs), wf, gs),
     }
-    del wf, xq, xs, xg, xgs
+    del wf, xg, xgs
 
     rounds = int(os.environ.get("MOE_BENCH_ROUNDS", "1"))
     pending = []
@@ -265,9 +272,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         row(f"{name} kernel", fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
         if act == "int8":  # the kernel alone: x quantised per row by the caller (the "w4a8 kernel" row quantises
             # it in its wrapper, one XLA pass inside the row's time), as the fused kernel's row of that name
-            given = lambda x, q, sc, gs, x_q, fn=fn: fn(x, q, sc, gs, x_q=x_q)  # noqa: E731
+            given = _given_x_q(fn)
             kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, needs=(f"{name} kernel",))
-            row(f"{name} kernel, x quantised by the caller", given, x, q4.q, q4.scale, gs, quantize_int8(x), **kw)
+            row(f"{name} kernel, x quantised by the caller", given, x, q4.q, q4.scale, gs, x_rows, **kw)
         if act == "int8" and k % 128 == 0:  # as the down projection gets x from the gate/up kernel's quant_out
             label = f"{name} kernel, x in 128-channel groups by the producer"
             kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, ref=refs["int8 groups"], needs=(f"{name} kernel",))
@@ -284,10 +291,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         wu = quant.dequantize(quant.QWeight(qu, su, 4, "bf16"), jnp.bfloat16).astype(jnp.float32)
         for act in ("bf16", "int8"):
             name = "w4a16" if act == "bf16" else "w4a8"
-            xr = x.astype(jnp.float32)
-            if act == "int8":
-                xq, xs = quantize_int8(x)
-                xr = xq.astype(jnp.float32) * xs[:, None]
+            xr = x_rows_f32 if act == "int8" else x.astype(jnp.float32)
             ref = jax.nn.silu(refs[act]) * f32_dot(xr, wu, gs)
             t = default_tiling(act, m, n, kg, e, nw=2)
             fused = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=t)
@@ -296,26 +300,19 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             kw = dict(nbytes=2 * nb_int4, int8=act == "int8", mult=2, needs=needs)
             row(f"{name} gate+up+SiLU fused", fused, *weights, act=act, tiling=t, ref=ref, nw=2, **kw)
             if act == "int8":  # as the model calls it: tokens quantised before their top-k copies are gathered
-                xq_in = quantize_int8(x)
-                pre = lambda x, g, u, gs, xq, fused=fused: fused(x, g, u, gs, x_q=xq)  # noqa: E731
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller"
-                row(label, pre, *weights, xq_in, act=act, tiling=t, ref=ref, nw=2, **kw)
+                row(label, _given_x_q(fused), *weights, x_rows, act=act, tiling=t, ref=ref, nw=2, **kw)
                 # the product written as int8 + per-(row, 128-channel) scales for the down projection (quant_out)
                 tq = default_tiling(act, m, n, kg, e, nw=2, bn=max(128, t.bn), wgs=1)
                 qfn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=tq, quant_out=True)
-                qout = lambda x, g, u, gs, xq, qfn=qfn: qfn(x, g, u, gs, x_q=xq)  # noqa: E731
                 label = f"{name} gate+up+SiLU fused, x quantised by the caller, output quantised (quant_out)"
                 deq = lambda y: dequantize_int8_groups(*y)  # noqa: E731
-                row(label, qout, *weights, xq_in, act=act, tiling=tq, ref=ref, nw=2, post=deq, **kw)
-                del xq_in
+                row(label, _given_x_q(qfn), *weights, x_rows, act=act, tiling=tq, ref=ref, nw=2, post=deq, **kw)
             for ts in _swept(act, e, m, k, n, nw=2) if sweep else []:
                 fn = functools.partial(int4_gated_ragged_dot, act=act, interpret=interpret, tiling=ts)
                 if act == "int8":  # as the model calls it (the row to compare: "x quantised by the caller")
-                    xq_in = quantize_int8(x)
-                    pre = lambda x, g, u, gs, xq, fn=fn: fn(x, g, u, gs, x_q=xq)  # noqa: E731
                     label = f"{name} gate+up+SiLU fused, x quantised by the caller, {_short(ts)}"
-                    row(label, pre, *weights, xq_in, act=act, tiling=ts, ref=ref, nw=2, **kw)
-                    del xq_in
+                    row(label, _given_x_q(fn), *weights, x_rows, act=act, tiling=ts, ref=ref, nw=2, **kw)
                 else:
                     label = f"{name} gate+up+SiLU fused, {_short(ts)}"
                     row(label, fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
@@ -324,7 +321,8 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
             del ref
         del wu
-    refs.clear()  # free the f32 references before the bf16 rows
+    refs.clear()  # free the f32 references (and the dequantised tokens) before the bf16 rows
+    del x_rows_f32
 
     def passes(x, q, sc, gs):  # w4a8's quantised tokens and scales (w4a16's wrapper does no XLA work)
         return kernel_operands(x, ((q, sc),), gs, "int8", default_tiling("int8", m, n, kg, e).bm)[3:]
