@@ -25,7 +25,8 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
     w4a8:  two int8 wgmmas (16 q x int8 tokens, pre-quantised per token) into int32 accumulators started at MAGIC,
            so that the int32 sum's bits read as the f32 1.5 * 2^23 + sum (no int -> float conversion), then added to
            the f32 accumulators times the group scales / 16; the token scales ([bm] f32, copied once into a buffer of
-           their own) multiply the result at the end.
+           their own) multiply the result at the end (per-group token scales, the down projection's in the model:
+           each group's partial times both scales, in two FFMAs).
   Each step waits for its wgmmas (their A registers and the step's smem slot are then free); a CTA's unpacking
   overlaps other CTAs' MMAs (2 to 4 CTAs per SM).
   int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two sets of accumulators and one token
@@ -220,15 +221,29 @@ def _kernel(
 
             parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
             x_scales = {}  # xgroups: per K group of the step, its rows' scales as a [BN, bm] column broadcast
+            by_row = functools.partial(lax.broadcast_in_dim, shape=(BN, t.bm), broadcast_dimensions=[0])
             for v, (a, j, _, _, s, _) in zip(parts, work, strict=True):
-                f = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # the exact int32 sum
-                s16 = lax.broadcast_in_dim(plgpu.load(s, layout=row) * (1 / 16), (BN, t.bm), [0])
-                if xgroups:
-                    if j not in x_scales:
-                        sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
-                        x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
-                    s16 = s16 * x_scales[j]
-                accs[a] = accs[a] + f * s16
+                bits = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32)  # 1.5 * 2^23 + the int32 sum
+                s16 = plgpu.load(s, layout=row) * (1 / 16)  # [64]: this tile's rows' group scales
+                if not xgroups:  # the exact sum (one FADD), then one FFMA with the group's scales
+                    accs[a] = accs[a] + (bits - MAGIC_F) * by_row(s16)
+                    continue
+                if j not in x_scales:
+                    sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
+                    x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
+                # Per-group token scales make the scale a product per element (a row's times a column's). The magic
+                # offset comes out in the FFMA that applies the weight's scale (bits * s16 - MAGIC_F * s16, the
+                # constant per row), so two FFMAs do what the exact sum, the scales' product and an FFMA did (NOTES.md,
+                # "Per-group token scales in two FFMAs"). MAGIC_F * s16 is rounded to f32: an error of at most s16,
+                # one unit of the group's integer sum.
+                accs[a] = accs[a] + (bits * by_row(s16) + by_row(s16 * -MAGIC_F)) * x_scales[j]
+            if t.wgs == 1:
+                # The fold's reads of the step's scales must be done before this warpgroup refills the slot, which the
+                # pipeline's TMA does right after the body behind a bar.sync alone (nothing orders the async proxy's
+                # write after this proxy's reads). Without this fence the H200 gave wrong rows, different on every
+                # run, once the fold above was rescheduled (NOTES.md, "Per-group token scales in two FFMAs"). With
+                # several warpgroups the slot is released through the pipeline's consumed barriers instead.
+                plgpu.commit_smem()
             return tuple(accs)
 
         w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k0 + k), transforms=_transforms(KC, 1))
@@ -903,14 +918,16 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
 def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     """The wrapper's XLA work before the kernel, all of it: q bitcast to int8 (free), and w4a8's per-token
     quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales) unless the caller gives it as x_q (the
-    model quantises its tokens before gathering their top-k copies: 1/k of the rows, fused with the gather). x goes
-    in unpadded: a token tile past its last row is zero-filled by the TMA (only when M < bm is x padded to one
-    block). The weight scales are used as stored ([E, K/G, N]); each CTA finds its token block from group_sizes
-    itself. The token scales are padded by bm (a few bytes: their copy into smem is a plain [bm] slice, which must
-    stay in bounds); per-group scales [K/G, M'] (x_q from a producer that quantised in groups) are padded only if
-    M' is short of that (the gate/up kernel's quantised output leaves HS_PAD rows)."""
+    model quantises its tokens before gathering their top-k copies: 1/k of the rows, fused with the gather). A
+    token tile past x's last row is zero-filled by the TMA, so x goes in as it is when M is a multiple of 8 (V3's
+    top-8 always is); otherwise it is padded to whole 8-row tiles, one copy of x (the tiled TMA's row count must be
+    a multiple of its 8-row tile), and to one block when M < bm. The weight scales are used as stored
+    ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales are padded by bm (a few
+    bytes: their copy into smem is a plain [bm] slice, which must stay in bounds); per-group scales [K/G, M'] (x_q
+    from a producer that quantised in groups) are padded only if M' is short of that (the gate/up kernel's quantised
+    output leaves HS_PAD rows)."""
     m = x.shape[0]
-    pad = ((0, max(bm - m, 0)), (0, 0))
+    pad = ((0, max(bm, -(-m // ROW_ALIGN) * ROW_ALIGN) - m), (0, 0))
     args = [group_sizes.astype(jnp.int32)]
     for q, scale in weights:
         args += [lax.bitcast_convert_type(q, jnp.int8), scale]
