@@ -855,6 +855,20 @@ def test_ncu_raw_parsing():
     assert row["DRAM TB/s"] == "? 71.5 Kbyte/second"  # a unit it does not know is shown, not scaled as TB/s
 
 
+def test_repeats_exactly_tells_a_changing_output():
+    """The benches' race check: outputs (any pytree) equal bit for bit over further runs, or not; a changed leaf of
+    one run, or a different tree, is a difference."""
+    from hcfjax.bench.common import repeats_exactly
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    same = lambda x: (x * 2, {"s": x.sum()})  # noqa: E731
+    assert repeats_exactly(same, (x,), same(x))
+    runs = iter(range(1, 10))
+    drifting = lambda x: (x * 2, {"s": x.sum() + (next(runs) == 2) * 1e-6})  # noqa: E731 - the second rerun differs
+    assert not repeats_exactly(drifting, (x,), same(x))
+    assert not repeats_exactly(lambda x: x * 2, (x,), same(x))
+
+
 def test_kernel_seconds_from_trace_planes():
     """bench.moe --kernel-time's reading of a profiler trace: the GPU plane's stream lines summed per kernel name and
     call; the "XLA Ops" line (the same time under the ops' names), host planes, copies and memsets left out. And

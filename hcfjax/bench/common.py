@@ -20,6 +20,19 @@ def timed(fn, *args, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def repeats_exactly(fn, args, first, runs: int = 2) -> bool:
+    """Whether `runs` more calls of fn(*args) return bit for bit `first` (an earlier call's outputs). A kernel whose
+    result changes from run to run has a race, which a check against a tolerance can miss: on the H200 a w4a8
+    kernel read a pipeline slot after its refill and gave rows off by 10% in one run and right in the next
+    (pallas_kernels/NOTES.md, 2026-12-01)."""
+    want = jax.tree.leaves(first)
+    for _ in range(runs):
+        got = jax.tree.leaves(fn(*args))
+        if len(got) != len(want) or not all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True)):
+            return False
+    return True
+
+
 def device_time(fn, *args, reps: int = 20) -> float:
     """Seconds per call of fn(*args) on the device alone: `reps` calls chained in one jitted loop, less a loop of
     one call, divided by reps - 1. Each call's inputs pass an optimization barrier with the loop's carry (which sums

@@ -49,7 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import device_timer, header, kernel_time, matmul_flops, timed, torch_copy_bandwidth
+from hcfjax.bench.common import (
+    device_timer,
+    header,
+    kernel_time,
+    matmul_flops,
+    repeats_exactly,
+    timed,
+    torch_copy_bandwidth,
+)
 from hcfjax.cache import quantize_int8
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_plan
 
@@ -174,6 +182,8 @@ def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", versi
     )
     kern, ref = fns(c**-0.5, version)
     out = kern(qn, qp, kv, pt, lengths, scales=sc)
+    if not repeats_exactly(lambda *a: kern(*a, scales=sc), (qn, qp, kv, pt, lengths), out):
+        raise RuntimeError("the kernel's outputs differ between runs (a race)")
     want = ref(qn.astype(jnp.float32), qp.astype(jnp.float32), kv, pt, lengths, scales=sc)
     return rel_err(out, want)
 
@@ -385,8 +395,12 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
         for version in versions:
             try:
                 kern, _ = fns(512**-0.5, version)
-                err = rel_err(kern(qn, qp, kv, pt, lengths, scales=sc), want)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
+                out = kern_fn(qn, qp, kv, pt, lengths, sc)
+                err = rel_err(out, want)
+                if not repeats_exactly(kern_fn, (qn, qp, kv, pt, lengths, sc), out):
+                    print(f"{dtype}:{batch}x{context}:{kind} v{version}: outputs differ between runs", flush=True)
+                    err = float("nan")  # shown as the row's rel err
                 timers = again(kern_fn, qn, qp, kv, pt, lengths, sc), again(kern_fn, qn, qp, kv, pt, lengths, sc, plan)
                 tc, tk = (t() for t in timers)  # the call (plan inside), the kernel given its plan
             except Exception as e:  # noqa: BLE001

@@ -195,6 +195,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     import jax.numpy as jnp
 
     from hcfjax import quant
+    from hcfjax.bench.common import repeats_exactly
     from hcfjax.cache import quantize_int8
     from hcfjax.quant import dequantize_int8_groups, quantize_int8_groups
     from pallas_kernels.moe_int4 import (
@@ -248,10 +249,13 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         try:
             f = jax.jit(fn)
             if act is not None:  # a kernel: checked on this device before it is timed
-                y = f(*args)
-                r["check"] = c = _errors(post(y) if post else y, refs[act] if ref is None else ref)
+                checked = (lambda *a: post(f(*a))) if post else f  # what is compared (quant_out: not its pad rows)
+                y = checked(*args)
+                r["check"] = c = _errors(y, refs[act] if ref is None else ref)
                 smem = smem_bytes(act, tiling, nw=nw)
-                c.update(ok=c["finite"] and c["max_rel"] < CHECK_TOL, tiling=_short(tiling), smem=smem)
+                c["repeats"] = repeats_exactly(checked, args, y)  # a race shows as outputs that change between runs
+                ok = c["finite"] and c["max_rel"] < CHECK_TOL and c["repeats"]
+                c.update(ok=ok, tiling=_short(tiling), smem=smem)
             timers = (f, _device_timer(f, args))  # jitted: an unjitted row (XLA-only, unfused) ran op by op
             _time_row(r, *timers, args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
@@ -715,7 +719,8 @@ def main(argv=None) -> None:
                 cfg = f"{k['tiling']}, smem {k['smem']} B"
                 checks.append(
                     f"- {c} {r['name']}: {'ok' if k['ok'] else 'FAIL'}, max rel {k['max_rel']:.2e}, "
-                    f"norm rel {k['rel']:.2e} ({cfg})"
+                    f"norm rel {k['rel']:.2e}{'' if k.get('repeats', True) else ', outputs differ between runs'}"
+                    f" ({cfg})"
                 )
     text = [
         "",
