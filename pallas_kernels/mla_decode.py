@@ -196,6 +196,7 @@ def mla_decode(
     version=None,
     pair=None,
     registers=None,
+    qk8=False,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -210,7 +211,9 @@ def mla_decode(
     is built here from num_sms, min_blocks_per_split and blocks_per_split. `version` picks the kernel's schedule
     (default VERSION), `pair` whether head tiles run in multicasting CTA pairs (default PAIR where the padded head
     count is a multiple of 128; not in interpret mode). `registers` overrides the warpgroups' register split
-    (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits.
+    (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits. `qk8` (int8 caches, version
+    3): Q.K on the int8 tensor cores, with the queries quantised per head here (latent and rope parts, one scale
+    each, as the cache quantises each token).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -227,10 +230,21 @@ def mla_decode(
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     heads = -(-h // BLOCK) * BLOCK
-    qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)  # no-ops for bf16 queries
+    version = VERSION if version is None else version
+    if qk8 and not (quant and version == 3):
+        raise ValueError(f"qk8 needs an int8 cache and version 3 (cache {kv_pages.dtype}, version {version})")
+    qs = None
+    if qk8:  # [B, T, H, *] int8 and [B, T, 2, H] f32 scales (latent, rope)
+        from hcfjax.cache import quantize_int8  # (hcfjax imports this module)
+
+        (qn, s_lat), (qp, s_rope) = quantize_int8(q_nope), quantize_int8(q_pe)
+        qs = jnp.stack([s_lat, s_rope], axis=2)
+    else:
+        qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)  # no-ops for bf16 queries
     if heads != h:
         qn = jnp.pad(qn, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
+        qs = None if qs is None else jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, heads - h)))
     if plan is None:
         plan = mla_plan(
             lengths,
@@ -259,13 +273,14 @@ def mla_decode(
         batch=0 if plan.mode == "dense" else b,
         slots=plan.slots,
         quant=quant,
-        version=VERSION if version is None else version,
+        version=version,
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(PAIR if pair is None else pair) and can_pair,
         registers=None if registers is None else mla_kernel.check_registers(registers),
+        qk8=qk8,
     )
-    outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work)
+    outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
     if plan.mode == "direct":
         out, lse = outs
     elif plan.mode == "dense":

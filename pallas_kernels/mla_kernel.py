@@ -28,6 +28,12 @@ s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_
 which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
 dequantises.
 
+int8 Q.K (`KernelSpec.qk8`, version 3, opt-in until timed): the leader multiplies int8 queries (quantised per head by
+the wrapper, a scale for the latent and one for the rope part) with the landed int8 block on the int8 tensor cores,
+an int32 accumulator per part started at MAGIC (int_sums.py), and applies the four scales to S. Only then does the
+loader convert the block's latent (V) to bf16 in place, while the leader runs the softmax; the rope part is not
+converted (P goes there). The loader issues block i + 1's loads before it waits for block i's Q.K.
+
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
@@ -46,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.int_sums import MAGIC, MAGIC_F
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT, PADDING
 
 _LOG2E = math.log2(math.e)
@@ -96,6 +103,10 @@ class KernelSpec:
     # of head tiles; GPU interpret mode has no multicast copies.
     pair: bool = False
     registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
+    # int8 caches, version 3: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
+    # (latent and rope parts, one scale each) by the wrapper; the loader converts only the latent (V) to bf16, after
+    # the block's Q.K, beside the leader's softmax. Not the default until timed (NOTES.md, "A plan for int8 Q.K").
+    qk8: bool = False
 
     def register_split(self) -> tuple[int, int, int]:
         return self.registers or REGISTERS[(self.version, self.quant)]
@@ -132,7 +143,8 @@ class _Ctx:
     ins: dict
     out: tuple  # (out, lse) or None
     part_out: tuple  # (partial out, partial lse) or None
-    q: tuple  # smem (latent [64, C], rope [64, R])
+    q: tuple  # smem (latent [64, C], rope [64, R]): bf16, or int8 with qk8
+    qs: object  # qk8: smem [2, 64] f32, the heads' latent and rope scales of Q; else None
     o_smem: object  # [2, 64, C/2] output halves (aliases q)
     parts: tuple  # per part: bf16 [2, 64, w] (slot-major)
     i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the bf16 parts (int8 caches), else None
@@ -169,6 +181,37 @@ class _Ctx:
 
         return pl.run_scoped(body, plgpu.ACC((BLOCK, BLOCK_KV)))
 
+    def scores_i8(self, slot, fast: bool):
+        """qk8: S [64 heads, 64 tokens] f32 of the block in `slot` from int8 Q and the landed int8 block, one int32
+        accumulator per part (a part's sum is at most 256 x 127 x 127 < 2^22, so it starts at MAGIC and its bits read
+        as an f32 without a conversion; A and B together could reach 2^23), then the per-token cache scales and the
+        per-head query scales: S = sq_lat s_lat (a + b) + sq_rope s_rope r."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def body(*accs):
+            for p, acc in zip((A, B, R), accs, strict=True):
+                if fast:  # the interpreter cannot store to an accumulator: it adds MAGIC below
+                    acc[...] = plgpu.layout_cast(jnp.full((BLOCK, BLOCK_KV), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+                col, w = self.spec.part(p)
+                twin = self.i8[p].at[slot, 0]
+                for c0 in range(0, w, 64):
+                    q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col + c0, 64)]
+                    plgpu.wgmma(acc, q, twin.at[:, pl.ds(c0, 64)].transpose((1, 0)))
+            return tuple(acc[...] for acc in accs)
+
+        a, b_, r = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
+        exact = lambda v: lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # noqa: E731
+        plgpu.barrier_wait(self.bars["sc"].at[slot])
+        col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
+        per_token = [
+            lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col), a.shape, [1]) for i in (0, 1)
+        ]
+        per_head = [lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in (0, 1)]
+        lat = (exact(a) + exact(b_)) * per_token[0]
+        return lat * per_head[0] + exact(r) * per_token[1] * per_head[1]
+
     def masked(self, s, i):
         """Scores of block i in the log2 domain, -inf past the query's visible keys."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -186,6 +229,8 @@ class _Ctx:
             heads = pl.ds(self.h0, BLOCK)
             plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q[0], q_bar.at[0])
             plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q[1], q_bar.at[0])
+            if self.spec.qk8:
+                plgpu.copy_gmem_to_smem(self.ins["qs"].at[self.b, self.t, :, heads], self.qs, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
 
     def store(self, acc, inv_l, w: int, lse=None):
@@ -244,32 +289,38 @@ class _Ctx:
             )
 
     def finish(self, slot, p: int, scales: bool):
-        """int8: converts the landed part p into bf16 in place and marks it loaded (bf16: nothing to do). The whole
-        twin is read into registers before any bf16 store, since the twin overlays the part's bytes."""
-        import jax.experimental.pallas as pl
+        """int8: converts the landed part p into bf16 in place and marks it loaded (`convert_part`; bf16: nothing to
+        do)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         if not self.spec.quant:
             return
-        w = self.spec.part(p)[1]
-        twin = self.i8[p].at[slot, 0]
         if scales:
             plgpu.barrier_wait(self.bars["sc"].at[slot])
         plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+        if self.spec.version == 3 and p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
+            self.convert_part(slot, p)
+            return
+        token = plgpu.Layout.WGMMA.reduce(1)
+        scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=token)
+        if self.spec.version == 3:  # rope: relative to the latent scale, which multiplies all of S
+            scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
+        scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
+        self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(jnp.bfloat16))
+
+    def convert_part(self, slot, p: int, convert=None):
+        """Part p of `slot` from its landed int8 twin to bf16 in place, then marked loaded. The whole twin is read
+        into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile -> bf16
+        (default: exact, the scales applied to S and P; a few integer and bf16x2 ops per pair, no I2F)."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        w = self.spec.part(p)[1]
+        twin, dst = self.i8[p].at[slot, 0], self.parts[p].at[slot]
         tiles = [plgpu.load(twin.at[:, pl.ds(64 * j, 64)], layout=plgpu.Layout.WGMMA_8BIT) for j in range(w // 64)]
         plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the twin
-        dst = self.parts[p].at[slot]
-        if self.spec.version == 3 and p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
-            for j, x in enumerate(tiles):  # exact, and a few integer and bf16x2 ops per pair (no I2F)
-                dst.at[:, pl.ds(64 * j, 64)][...] = x.astype(dst.dtype)
-        else:
-            token = plgpu.Layout.WGMMA.reduce(1)
-            scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=token)
-            if self.spec.version == 3:  # rope: relative to the latent scale, which multiplies all of S
-                scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
-            scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
-            for j, x in enumerate(tiles):
-                dst.at[:, pl.ds(64 * j, 64)][...] = (x.astype(jnp.float32) * scale).astype(dst.dtype)
+        for j, x in enumerate(tiles):
+            dst.at[:, pl.ds(64 * j, 64)][...] = convert(x) if convert else x.astype(dst.dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
 
@@ -338,8 +389,13 @@ def _v3(ctx: _Ctx, wg, active):
         def step(i, carry):
             acc, m, den = carry
             slot = lax.rem(i, 2)
-            s = ctx.scores(slot, (A, B, R))
-            if spec.quant:  # the parts hold the int8 latent exactly and the rope relative to the latent scale
+            if spec.qk8:  # S from the int8 block; then the loader may convert its latent in place (for P.V)
+                s = ctx.scores_i8(slot, fast=not spec.interpret)
+                plgpu.barrier_arrive(bars["qk"].at[slot])
+                sc_v, _ = ctx.latent_scale(slot)
+            else:
+                s = ctx.scores(slot, (A, B, R))
+            if spec.quant and not spec.qk8:  # the parts hold the int8 latent exactly, the rope relative to its scale
                 sc_v, sc_k = ctx.latent_scale(slot)
                 s = s * sc_k
             s = ctx.masked(s, i)
@@ -354,6 +410,8 @@ def _v3(ctx: _Ctx, wg, active):
             ctx.rows.at[slot][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(bars["sig"].at[slot])
+            if spec.qk8:  # V's first half, converted after this block's Q.K
+                plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
             acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec.interpret)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc, m_new, den
@@ -382,24 +440,41 @@ def _v3(ctx: _Ctx, wg, active):
         plgpu.barrier_wait(bars["sig"].at[2])
         ctx.store(acc, plgpu.load(ctx.rows.at[2], layout=row), 1)
 
+    def issue_block(i):
+        slot = lax.rem(i, 2)
+        where = ctx.pages(i)  # before the wait: the page-table loads overlap it
+
+        @pl.when(i >= 2)
+        def _():
+            plgpu.barrier_wait(bars["consumed"].at[slot])
+
+        for p in (A, B, R):
+            ctx.issue(i, slot, p, scales=p == A, where=where)
+
     @pl.when(jnp.logical_and(wg == 2, active))
     def _loader():
         plgpu.set_max_registers(regs[2], action="decrease")
+        if spec.qk8:  # block i + 1's loads go out before block i's conversion, which waits for block i's Q.K
+            issue_block(0)
 
         @pl.loop(0, ctx.n_steps)
         def _(i):
             slot = lax.rem(i, 2)
-            where = ctx.pages(i)  # before the wait: the page-table loads overlap it
+            if not spec.qk8:
+                issue_block(i)
+                ctx.prefetch(i + 1)
+                for p in (A, B, R):
+                    ctx.finish(slot, p, scales=p == A)
+                return
 
-            @pl.when(i >= 2)
+            @pl.when(i + 1 < ctx.n_steps)
             def _():
-                plgpu.barrier_wait(bars["consumed"].at[slot])
+                issue_block(i + 1)
+                ctx.prefetch(i + 2)
 
-            for p in (A, B, R):
-                ctx.issue(i, slot, p, scales=p == A, where=where)
-            ctx.prefetch(i + 1)
-            for p in (A, B, R):
-                ctx.finish(slot, p, scales=p == A)
+            plgpu.barrier_wait(bars["qk"].at[slot])
+            for p in (A, B):  # V only: the rope part is dead after Q.K, and P goes there
+                ctx.convert_part(slot, p)
 
         # Observe the last slots' releases too: a waiter must see every phase of its barriers (the interpreter
         # checks).
@@ -572,18 +647,19 @@ def _v4(ctx: _Ctx, wg, active):
 
 
 def _kernel(spec: KernelSpec, *refs):
-    names = ["q_nope", "q_pe", "kv"] + (["sc", "pts"] if spec.quant else []) + ["pt", "vis", "work"]
+    names = ["q_nope", "q_pe"] + (["qs"] if spec.qk8 else []) + ["kv"] + (["sc", "pts"] if spec.quant else [])
+    names += ["pt", "vis", "work"]
     ins = dict(zip(names, refs[: len(names)], strict=True))
     rest = list(refs[len(names) :])
     out = (rest.pop(0), rest.pop(0)) if spec.batch else None
     part_out = (rest.pop(0), rest.pop(0)) if spec.slots else None
-    (((q_c, q_r), o_smem), parts, rows, scales), bars = rest
+    (((q_c, q_r), o_smem), parts, rows, scales, qs), bars = rest
     if spec.quant:
         i8 = tuple(u[1] for u in parts)
         parts = tuple(u[0] for u in parts)
     else:
         i8 = None
-    names = ["q", "full", "consumed", "sig"] + (["i8", "sc"] if spec.quant else [])
+    names = ["q", "full", "consumed", "sig"] + (["i8", "sc"] if spec.quant else []) + (["qk"] if spec.qk8 else [])
     bars = dict(zip(names, bars[: len(names)], strict=True))
 
     n_ht = spec.heads // BLOCK
@@ -603,6 +679,7 @@ def _kernel(spec: KernelSpec, *refs):
         out=out,
         part_out=part_out,
         q=(q_c, q_r),
+        qs=qs,
         o_smem=o_smem,
         parts=parts,
         i8=i8,
@@ -627,8 +704,12 @@ def smem_types(spec: KernelSpec):
     bf16 = jnp.bfloat16
     t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     t64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+    if spec.qk8:  # int8 Q (64-byte rows per 64 columns, as the int8 blocks it meets in the wgmma)
+        q_parts = tuple(plgpu.SMEM((BLOCK, w), jnp.int8, transforms=t64) for w in (spec.c, spec.r))
+    else:
+        q_parts = tuple(plgpu.SMEM((BLOCK, w), bf16, transforms=t128) for w in (spec.c, spec.r))
     q = plgpu.RefUnion(  # Q, then (after the last Q.K) the two output halves
-        (plgpu.SMEM((BLOCK, spec.c), bf16, transforms=t128), plgpu.SMEM((BLOCK, spec.r), bf16, transforms=t128)),
+        q_parts,
         plgpu.SMEM((2, BLOCK, spec.c // 2), bf16, transforms=t128),
     )
     parts = []
@@ -644,6 +725,7 @@ def smem_types(spec: KernelSpec):
         tuple(parts),
         plgpu.SMEM((6, BLOCK), jnp.float32),  # row vectors: v3 alpha per slot, 1/l; v4 m0, m1, l0, l1; lse staging
         plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
+        plgpu.SMEM((2, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head (latent, rope)
     )
     consumed = (
         plgpu.Barrier(num_arrivals=2, num_barriers=2)  # v3: both warpgroups release the whole slot
@@ -655,17 +737,19 @@ def smem_types(spec: KernelSpec):
             collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals
         )
     bars = [
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # Q: latent and rope copies
+        plgpu.Barrier(num_arrivals=3 if spec.qk8 else 2, num_barriers=1),  # Q: latent and rope copies (qk8: scales)
         plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
         consumed,
         plgpu.Barrier(num_barriers=6),  # v3: P ready per slot, 1/l; v4: M0, M1, P0, P1, L0, L1
     ]
     if spec.quant:
         bars += [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2)]  # int8 part TMAs, scales per slot
+    if spec.qk8:
+        bars.append(plgpu.Barrier(num_barriers=2))  # a slot's Q.K done: its latent may be converted
     return smem, tuple(bars)
 
 
-def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work):
+def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=None):
     """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
     (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -689,7 +773,7 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # profiles and ncu: "mla_decode_bf16_mosaic..."
     )
-    args = (q_nope, q_pe, kv) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
+    args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
     if spec.interpret:
         # Enough simulated TMA engines for every copy the kernel keeps in flight.
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=16)):

@@ -55,6 +55,7 @@ from jax import lax
 from hcfjax.cache import quantize_int8
 from hcfjax.quant import QWeight, quantize_int8_groups, ragged_dot_reference
 from pallas_kernels.int4_unpack import bf16_halves, int8_halves
+from pallas_kernels.int_sums import MAGIC, MAGIC_F  # a w4a8 K group's sum: 128 products of |16 q| <= 128 and |x| <= 127
 
 BN = 64  # weight rows of one wgmma (its M dimension); a CTA takes 1, 2 or 4 such tiles
 KC = 64  # K per wgmma call: one 64-byte packed column tile, one K half of a 128 group
@@ -63,8 +64,6 @@ QGROUP = 128  # channels per scale of the gate/up kernel's quantised output (qou
 ROW_ALIGN = 8  # a token tile starts at a multiple of 8 rows: its smem copy is tiled in 8-row tiles, and the TMA of a
 # tiled copy addresses x in whole tiles (Mosaic's layout inference rejects other dynamic row offsets)
 HS_PAD = 256 + ROW_ALIGN  # rows past M in the quantised output's scales: enough for any down projection's block
-MAGIC = 0x4B400000  # int32 bits of the f32 1.5 * 2^23: MAGIC + v reads as 1.5 * 2^23 + v for |v| < 2^22; a w4a8 K
-MAGIC_F = 12582912.0  # group sums 128 products of |16 q| <= 128 and |x| <= 127, below 2^21
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on Hopper (H100, H200)
 SMEM_PER_SM = 228 * 1024  # shared by the CTAs of an SM, each also holding 1 KiB for the system
 REGS = 192  # registers per thread a default tiling may pin (`regs`; 2 CTAs per SM leave each thread 255)

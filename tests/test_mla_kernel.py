@@ -91,9 +91,13 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True, **kw)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
-    want, want_lse = float64_attention(qn, qp, kv, sc, pt, lengths, scale)
+    # qk8: the kernel's function is attention with the queries quantised per head (latent and rope parts), as
+    # the cache is per token; the truth is computed from those queries.
+    per_head = lambda q, s: q.astype(jnp.float32) * s[..., None]  # noqa: E731
+    q_truth = [per_head(*quantize_int8(q)) for q in (qn, qp)] if kw.get("qk8") else (qn, qp)
+    want, want_lse = float64_attention(*q_truth, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 1e-2
-    ref, ref_lse = M.mla_decode_reference(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True)
+    ref, ref_lse = M.mla_decode_reference(*q_truth, kv, pt, lengths, scale, scales=sc, return_lse=True)
     assert rel(np.asarray(ref, np.float32), want) < 1e-2
     # Against the truth, not the reference: the int8 kernel scales S instead of dequantising the cache to bf16.
     finite = np.isfinite(want_lse)
@@ -137,6 +141,14 @@ def test_int8_kernel_matches_reference(version):
     check_kernel(
         13, [1, 150, 255], 1, 16, max_pages=4, quant=True, version=version, blocks_per_split=3, zero_latent=True
     )
+
+
+def test_int8_qk_kernel_matches_reference():
+    # qk8: Q.K from the landed int8 blocks and int8 queries (an int32 sum per part, both scales on S), the latent
+    # converted after it while the next block loads; one unit of three blocks reuses a slot. Checked against the
+    # attention of the per-head quantised queries.
+    kw = dict(quant=True, version=3, blocks_per_split=3, zero_latent=True, qk8=True)
+    check_kernel(17, [1, 150], 1, 16, max_pages=3, **kw)
 
 
 def test_plan_is_reusable_across_calls():
@@ -311,6 +323,15 @@ def test_wrapper_rejects_bad_inputs(kwargs, match):
     assert not M.kernel_applies(*args[:5], kw["scales"])
 
 
+def test_int8_qk_needs_an_int8_cache_and_version_3():
+    args, kw = _args()
+    with pytest.raises(ValueError, match="qk8 needs an int8 cache"):
+        M.mla_decode(*args, **kw, interpret=True, qk8=True)
+    args, kw = _args(dtype=jnp.int8, scales=jnp.ones((4, PAGE, 2), jnp.float32))
+    with pytest.raises(ValueError, match="version 3"):
+        M.mla_decode(*args, **kw, interpret=True, qk8=True, version=4)
+
+
 def test_wrapper_rejects_unabsorbed_query():
     args, kw = _args()
     with pytest.raises(ValueError, match="absorb W_UK"):
@@ -325,6 +346,7 @@ def test_wrapper_rejects_unabsorbed_query():
         (4, 4096, "int8", True, True, 4, None),
         (2, 256, "int8", True, False, 3, None),
         (32, 4096, "bf16", False, False, 3, False),
+        (128, 4096, "int8", False, False, "3-qk8", None),  # int8 Q.K: int8 Q in smem, three int32 accumulators
     ],
 )
 def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
@@ -344,8 +366,9 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
+        ver, qk8 = (3, True) if version == "3-qk8" else (version, False)
         return M.mla_decode(
-            qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=version, pair=pair
+            qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=ver, pair=pair, qk8=qk8
         )
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
@@ -367,8 +390,9 @@ def test_register_splits_fit_the_cta():
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="register split"):  # checked before anything runs
         M.mla_decode(*args, **kw, interpret=True, registers=(256, 256, 40))
-    assert parse_version("3p@232/232/40") == (3, True, (232, 232, 40))
-    assert parse_version("4") == (4, None, None)
+    assert parse_version("3p@232/232/40") == (3, True, (232, 232, 40), False)
+    assert parse_version("4") == (4, None, None, False)
+    assert parse_version("3pq") == (3, True, None, True)
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

@@ -23,7 +23,8 @@ random data when `import flashinfer` works; its plan() (host-side scheduling) is
 compiles and checks small and full shapes.
 
 --versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw; a p or n suffix runs it with or
-without paired head tiles, the multicast cluster; "@256/208/40" with that register split of WG0/WG1/loader, e.g.
+without paired head tiles, the multicast cluster; a q suffix, int8 rows only, runs Q.K on int8 tensor cores,
+mla_decode's qk8; "@256/208/40" with that register split of WG0/WG1/loader, e.g.
 3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run compares them. A version
 other than 3 is first run on three small shapes in a child process with a timeout: a kernel that hangs there is
 dropped from the run instead of hanging it. --rounds N times each case's kernel rows N times, interleaved, and
@@ -147,18 +148,19 @@ MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
 
 
 def parse_version(text):
-    """--versions token -> mla_decode's (version, pair, registers): "3" the kernel version, "3p" / "3n" with /
-    without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), None the
-    defaults."""
+    """--versions token -> mla_decode's (version, pair, registers, qk8): "3" the kernel version, "3p" / "3n" with /
+    without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), a q (e.g.
+    "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), None the defaults."""
     if text is None:
-        return None, None, None
+        return None, None, None, False
     base, _, regs = str(text).partition("@")
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
-    return int(base.rstrip("pn")), {"p": True, "n": False}.get(base[-1]), registers
+    qk8, base = "q" in base, base.replace("q", "")
+    return int(base.rstrip("pn")), {"p": True, "n": False}.get(base[-1]), registers, qk8
 
 
 def fns(scale, version=None):
-    version, pair, registers = parse_version(version)
+    version, pair, registers, qk8 = parse_version(version)
     kern = jax.jit(
         functools.partial(
             mla_decode,
@@ -166,6 +168,7 @@ def fns(scale, version=None):
             version=version,
             pair=pair,
             registers=registers,
+            qk8=qk8,
             min_blocks_per_split=MIN_BLOCKS,
         )
     )
@@ -174,9 +177,13 @@ def fns(scale, version=None):
 
 
 def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
-    if heads % 128 and version is not None:  # head tiles pair only in multiples of 128 heads
+    if version is not None:
         base, at, regs = str(version).partition("@")
-        version = base.rstrip("p") + at + regs
+        if heads % 128:  # head tiles pair only in multiples of 128 heads
+            base = base.replace("p", "")
+        if dtype == "bf16":  # int8 Q.K is for int8 caches
+            base = base.replace("q", "")
+        version = base + at + regs
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )
@@ -393,6 +400,8 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             continue
         timed_rows = []  # (row index, kernel timer, with-plan timer) for the later rounds
         for version in versions:
+            if dtype == "bf16" and "q" in str(version):  # int8 Q.K: int8 caches only
+                continue
             try:
                 kern, _ = fns(512**-0.5, version)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
@@ -447,7 +456,7 @@ def main():
     ap.add_argument(
         "--versions",
         default="",
-        help="kernel versions to time side by side, e.g. 3,4,3p (p / n: with / without paired head tiles)",
+        help="kernel versions to time side by side, e.g. 3,4,3p,3pq (p / n: with / without paired head tiles; q: qk8)",
     )
     ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
     ap.add_argument("--rounds", type=int, default=1, help="time each case's kernel rows this many times, interleaved")
