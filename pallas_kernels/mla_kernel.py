@@ -455,7 +455,10 @@ def _v3(ctx: _Ctx, wg, active):
     def _loader():
         plgpu.set_max_registers(regs[2], action="decrease")
         if spec.qk8:  # block i + 1's loads go out before block i's conversion, which waits for block i's Q.K
-            issue_block(0)
+
+            @pl.when(ctx.n_steps >= 1)  # (a row with nothing to read has a unit of no blocks)
+            def _():
+                issue_block(0)
 
         @pl.loop(0, ctx.n_steps)
         def _(i):

@@ -9,13 +9,13 @@ Kernel layout (the product is computed transposed, out^T = W^T x^T, so the weigh
 token tile, read K-major, its B operand, as int8 wgmma requires):
   grid (N/bn, token blocks); a CTA is one warpgroup (with Tiling.wgs = 2, the fused kernel's prefill default: two
   compute warpgroups with bn/2 weight rows each against one token tile, and a third that issues the pipeline's
-  TMAs). x is not copied or padded: each CTA finds its token block from
-  group_sizes (`block_info`, a few scalar ops per expert): its expert and a bm-row tile of x at a row offset (a
-  multiple of 8); the block owns the rows of its tile that are its expert's (a tile may reach into the neighbouring
-  groups, whose rows it computes and drops; past M the TMA loads zeros). Rows past sum(group_sizes) form one more
-  group whose blocks store zeros; unused blocks exit at once. `Tiling` says how big a CTA's tile is and how deep its
-  pipeline; with Tiling.narrow (w4a8 prefill) a block that needs fewer rows than bm (a group's last) runs the same
-  code at the narrowest multiple of 16 that holds them (`block_widths`).
+  TMAs). x is not copied (only padded to whole 8-row tiles when M is not a multiple of 8): each CTA finds its
+  token block from group_sizes (`block_info`, a few scalar ops per expert): its expert and a bm-row tile of x at a
+  row offset (a multiple of 8); the block owns the rows of its tile that are its expert's (a tile may reach into the
+  neighbouring groups, whose rows it computes and drops; past M the TMA loads zeros). Rows past sum(group_sizes)
+  form one more group whose blocks store zeros; unused blocks exit at once. `Tiling` says how big a CTA's tile is
+  and how deep its pipeline; with Tiling.narrow (w4a8 prefill) a block that needs fewer rows than bm (a group's
+  last) runs the same code at the narrowest multiple of 16 that holds them (`block_widths`).
   A pipeline of `stages` steps over the K groups (`gps` groups a step) TMA-loads per step the packed tiles
   [bn, gps G/2], their scales [gps, bn] (contiguous: the scales are stored K-group-major) and the token tile
   [bm, gps G]. Each 64-row packed tile is loaded into registers in the layout of a wgmma A operand and unpacked there
@@ -27,8 +27,9 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
            the f32 accumulators times the group scales / 16; the token scales ([bm] f32, copied once into a buffer of
            their own) multiply the result at the end (per-group token scales, the down projection's in the model:
            each group's partial times both scales, in two FFMAs).
-  Each step waits for its wgmmas (their A registers and the step's smem slot are then free); a CTA's unpacking
-  overlaps other CTAs' MMAs (2 to 4 CTAs per SM).
+  Each step waits for its wgmmas (their A registers are then free; w4a8 still reads the step's scales from the slot
+  in its fold, and fences before the slot's refill); a CTA's unpacking overlaps other CTAs' MMAs (2 to 4 CTAs per
+  SM).
   int4_gated_ragged_dot runs the same loop over two weights (gate, up) with two sets of accumulators and one token
   tile, and writes silu(gate) * up (f32, rounded once): the expert MLP's first half in one kernel.
   Split-K (Tiling.splits > 1, decode calls with few output tiles): a third grid axis gives each CTA a slice of the
@@ -233,22 +234,27 @@ def _kernel(
                 # Per-group token scales make the scale a product per element (a row's times a column's). The magic
                 # offset comes out in the FFMA that applies the weight's scale (bits * s16 - MAGIC_F * s16, the
                 # constant per row), so two FFMAs do what the exact sum, the scales' product and an FFMA did (NOTES.md,
-                # "Per-group token scales in two FFMAs"). MAGIC_F * s16 is rounded to f32: an error of at most s16,
-                # one unit of the group's integer sum.
+                # "Per-group token scales in two FFMAs"). MAGIC_F * s16 is rounded to f32: an error below 0.9 units
+                # of the group's integer sum where the compiler fuses the FMA (it may), 1.5 where it does not.
                 accs[a] = accs[a] + (bits * by_row(s16) + by_row(s16 * -MAGIC_F)) * x_scales[j]
+            # The fold's reads of the step's scales must be done before the slot is refilled: by this warpgroup's TMA
+            # right after the body, behind a bar.sync alone, or with several warpgroups by the memory warpgroup's once
+            # the consumed barrier's mbarrier arrivals are in. Neither orders the TMA's (async proxy) write after these
+            # generic reads; PTX asks for a proxy fence. Without it the H200 gave wrong rows, different on every run,
+            # once the fold above was rescheduled (NOTES.md, "Per-group token scales in two FFMAs"; inferred from
+            # the fix, not observed directly). One warpgroup: the fence and a warpgroup barrier (what was timed).
+            # Several: the fence alone (the arrivals follow it), not yet timed.
             if t.wgs == 1:
-                # The fold's reads of the step's scales must be done before this warpgroup refills the slot, which the
-                # pipeline's TMA does right after the body behind a bar.sync alone (nothing orders the async proxy's
-                # write after this proxy's reads). Without this fence the H200 gave wrong rows, different on every
-                # run, once the fold above was rescheduled (NOTES.md, "Per-group token scales in two FFMAs"). With
-                # several warpgroups the slot is released through the pipeline's consumed barriers instead.
                 plgpu.commit_smem()
+            elif fast:  # (GPU interpret mode runs no inline_mgpu, and has no proxies to order)
+                _proxy_fence()
             return tuple(accs)
 
         w_spec = plgpu.BlockSpec((t.bn, t.gps * half), lambda k: (ni, k0 + k), transforms=_transforms(KC, 1))
         s_spec = plgpu.BlockSpec((t.gps, t.bn), lambda k: (k0 + k, ni))
-        # The token tile: bm rows of the unpadded x from row `tile` on (an element offset, a multiple of 8, not a block
-        # index); rows outside this block's group are computed and never stored, rows past M arrive as zeros.
+        # The token tile: bm rows of x (unpadded but for whole 8-row tiles) from row `tile` on (an element offset, a
+        # multiple of 8, not a block index); rows outside this block's group are computed and never stored, rows past
+        # M arrive as zeros.
         x_item = 2 if act == "bf16" else 1
         x_spec = plgpu.BlockSpec(
             (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
@@ -471,6 +477,17 @@ def _to_int8(src, dst, fast: bool):
         x.astype(ir.IntegerType.get_signless(8), is_signed=True).store_untiled(dst_ref)
 
     run(src, dst)
+
+
+def _proxy_fence():
+    """This thread's generic shared-memory accesses ordered before later async-proxy (TMA) ones: fence.proxy.async,
+    without the warpgroup barrier of plgpu.commit_smem."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jaxlib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def _(ctx):
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
 def _silu_mul(accs, tiles: int) -> list:

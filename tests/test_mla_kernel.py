@@ -145,10 +145,10 @@ def test_int8_kernel_matches_reference(version):
 
 def test_int8_qk_kernel_matches_reference():
     # qk8: Q.K from the landed int8 blocks and int8 queries (an int32 sum per part, both scales on S), the latent
-    # converted after it while the next block loads; one unit of three blocks reuses a slot. Checked against the
-    # attention of the per-head quantised queries.
+    # converted after it while the next block loads; one unit of three blocks reuses a slot, an empty row has a
+    # unit of none. Checked against the attention of the per-head quantised queries.
     kw = dict(quant=True, version=3, blocks_per_split=3, zero_latent=True, qk8=True)
-    check_kernel(17, [1, 150], 1, 16, max_pages=3, **kw)
+    check_kernel(17, [1, 150, 0], 1, 16, max_pages=3, **kw)
 
 
 def test_plan_is_reusable_across_calls():

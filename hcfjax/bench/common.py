@@ -25,12 +25,14 @@ def repeats_exactly(fn, args, first, runs: int = 2) -> bool:
     result changes from run to run has a race, which a check against a tolerance can miss: on the H200 a w4a8
     kernel read a pipeline slot after its refill and gave rows off by 10% in one run and right in the next
     (pallas_kernels/NOTES.md, 2026-12-01)."""
-    want = jax.tree.leaves(first)
-    for _ in range(runs):
-        got = jax.tree.leaves(fn(*args))
-        if len(got) != len(want) or not all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True)):
-            return False
-    return True
+    import numpy as np
+
+    def bits(tree):  # (structure, per leaf: shape, dtype, bytes): NaNs and signed zeros compare as the bits they are
+        leaves, structure = jax.tree.flatten(tree)
+        return structure, [(x.shape, x.dtype, np.asarray(x).tobytes()) for x in leaves]
+
+    want = bits(first)
+    return all(bits(fn(*args)) == want for _ in range(runs))
 
 
 def device_time(fn, *args, reps: int = 20) -> float:
