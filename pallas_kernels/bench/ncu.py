@@ -2,8 +2,8 @@
 
     python -m pallas_kernels.bench.ncu [--kernels mla:bf16:128x4096,moe:w4a8:fused:16x128x7168x2048] [--out DIR]
 
-Each kernel spec (bench.ptx's: `mla:bf16|int8[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN[:wgs=1+bm=64]`) runs once
-in a child process under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU
+Each kernel spec (bench.ptx's: `mla:bf16|int8|int8q[:BxCTX]`, `moe:ACT:fused|single:ExMxKxN[:wgs=1+bm=64]`) runs once in
+a child process under `ncu --clock-control none` (the card's clocks are left alone), which profiles the Mosaic GPU
 launches (KERNELS) with the SECTIONS below; the report's details and raw pages go to ncu/<spec>.txt and .csv in
 DIR/ncu.tar.gz (default DIR: $OUT; one archive, since the device tool brings back at most 8 files), and the printed
 table has, for each launch longer than --min-us: duration, DRAM and SM throughput (% of peak), L2 hit rate, achieved

@@ -16,9 +16,10 @@ nvidia-cuda-cuobjdump` and unzip them for ptxas and cuobjdump (CUDA 12's ptxas r
 on a hand-edited copy of the PTX (instructions moved, setmaxnreg values changed) to try a change before the next GPU
 run: NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
 
-Kernels: mla:bf16|int8[:BxCTX] (the MLA decode kernel at H = 128, by default 4 rows x 1024 tokens: the same code
-as at larger shapes) and moe:ACT:fused|single:ExMxKxN[:OVERRIDES] (ACT w4a8 or w4a16; the default tiling of that
-shape, or with OVERRIDES such as "wgs=1+bm=64" default_tiling's choices given).
+Kernels: mla:bf16|int8|int8q[:BxCTX] (the MLA decode kernel at H = 128, by default 4 rows x 1024 tokens: the same
+code as at larger shapes; int8q with int8 Q.K, mla_decode's qk8) and moe:ACT:fused|single:ExMxKxN[:OVERRIDES] (ACT
+w4a8 or w4a16; the default tiling of that shape, or with OVERRIDES such as "wgs=1+bm=64" default_tiling's choices
+given).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def run_one(spec: str) -> None:
         from pallas_kernels.mla_decode import mla_decode
 
         batch, context = map(int, (rest[1] if len(rest) > 1 else "4x1024").split("x"))
-        qn, qp, kv, pt, lengths, sc = make_inputs(jax.random.key(0), batch, context, dtype=rest[0])
-        jax.block_until_ready(mla_decode(qn, qp, kv, pt, lengths, 512**-0.5, scales=sc))
+        dtype, qk8 = rest[0].removesuffix("q"), rest[0] == "int8q"  # int8q: the int8 cache with int8 Q.K (qk8)
+        qn, qp, kv, pt, lengths, sc = make_inputs(jax.random.key(0), batch, context, dtype=dtype)
+        jax.block_until_ready(mla_decode(qn, qp, kv, pt, lengths, 512**-0.5, scales=sc, qk8=qk8))
     elif kind == "moe":
         from hcfjax import quant
         from pallas_kernels.bench.moe import _problem
