@@ -212,8 +212,8 @@ def mla_decode(
     (default VERSION), `pair` whether head tiles run in multicasting CTA pairs (default PAIR where the padded head
     count is a multiple of 128; not in interpret mode). `registers` overrides the warpgroups' register split
     (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits. `qk8` (int8 caches, version
-    3): Q.K on the int8 tensor cores, with the queries quantised per head here (latent and rope parts, one scale
-    each, as the cache quantises each token).
+    3): Q.K on the int8 tensor cores, with the queries quantised per head here (`quantize_queries`: a scale per
+    head for each of the latent's halves and the rope, as the cache quantises each token).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -234,11 +234,8 @@ def mla_decode(
     if qk8 and not (quant and version == 3):
         raise ValueError(f"qk8 needs an int8 cache and version 3 (cache {kv_pages.dtype}, version {version})")
     qs = None
-    if qk8:  # [B, T, H, *] int8 and [B, T, 2, H] f32 scales (latent, rope)
-        from hcfjax.cache import quantize_int8  # (hcfjax imports this module)
-
-        (qn, s_lat), (qp, s_rope) = quantize_int8(q_nope), quantize_int8(q_pe)
-        qs = jnp.stack([s_lat, s_rope], axis=2)
+    if qk8:  # [B, T, H, *] int8 and [B, T, 3, H] f32 scales: per head and part (the latent's halves A, B; rope)
+        qn, qp, qs = quantize_queries(q_nope, q_pe)
     else:
         qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)  # no-ops for bf16 queries
     if heads != h:
@@ -289,6 +286,25 @@ def mla_decode(
         out, lse = combine(spec, *outs, plan.first, plan.count, plan.max_units)
     out = out[:, :, :h].astype(q_nope.dtype)
     return (out, lse[:, :, :h]) if return_lse else out
+
+
+def quantize_queries(q_nope, q_pe):
+    """qk8's queries: int8 per head and slot part (the latent's two halves, the rope), as the kernel's int8 Q.K sums
+    each part in its own accumulator. -> (q_nope int8, q_pe int8, scales [B, T, 3, H] f32)."""
+    from hcfjax.cache import quantize_int8  # (hcfjax imports this module)
+
+    b, t, h, c = q_nope.shape
+    qn, s_lat = quantize_int8(q_nope.reshape(b, t, h, 2, c // 2))
+    qp, s_rope = quantize_int8(q_pe)
+    scales = jnp.concatenate([jnp.moveaxis(s_lat, -1, 2), s_rope[:, :, None]], axis=2)
+    return qn.reshape(b, t, h, c), qp, scales
+
+
+def dequantize_queries(qn, qp, scales):
+    """quantize_queries' inverse in f32: the queries the qk8 kernel's attention is exact for."""
+    b, t, h, c = qn.shape
+    lat = qn.reshape(b, t, h, 2, c // 2).astype(jnp.float32) * jnp.moveaxis(scales[:, :, :2], 2, -1)[..., None]
+    return lat.reshape(b, t, h, c), qp.astype(jnp.float32) * scales[:, :, 2][..., None]
 
 
 # ---------------------------------------------------------------------------------------------------------------

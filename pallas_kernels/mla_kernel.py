@@ -29,10 +29,11 @@ which is the same attention as over the dequantised cache. Version 4 converts bf
 dequantises.
 
 int8 Q.K (`KernelSpec.qk8`, version 3, opt-in until timed): the leader multiplies int8 queries (quantised per head by
-the wrapper, a scale for the latent and one for the rope part) with the landed int8 block on the int8 tensor cores,
-an int32 accumulator per part started at MAGIC (int_sums.py), and applies the four scales to S. Only then does the
-loader convert the block's latent (V) to bf16 in place, while the leader runs the softmax; the rope part is not
-converted (P goes there). The loader issues block i + 1's loads before it waits for block i's Q.K.
+the wrapper, a scale for each part: the latent's halves A and B, the rope) with the landed int8 block on the int8 tensor
+cores, an int32 accumulator per part started at MAGIC (int_sums.py), and applies the scales (three per head, two per
+token) to S. Only then does the loader convert the block's latent (V) to bf16 in place, while the leader runs the
+softmax; the rope part is not converted (P goes there). The loader issues block i + 1's loads before it waits for block
+i's Q.K.
 
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
@@ -108,6 +109,12 @@ class KernelSpec:
     # the block's Q.K, beside the leader's softmax. Not the default until timed (NOTES.md, "A plan for int8 Q.K").
     qk8: bool = False
 
+    def __post_init__(self):
+        if self.qk8 and not (self.quant and self.version == 3):
+            raise ValueError(f"qk8 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
+        if self.qk8 and self.c // 2 > 256:  # an int8 part's sum must stay below 2^22 (MAGIC)
+            raise ValueError(f"qk8 takes a latent of at most 512 columns, got {self.c}")
+
     def register_split(self) -> tuple[int, int, int]:
         return self.registers or REGISTERS[(self.version, self.quant)]
 
@@ -144,7 +151,7 @@ class _Ctx:
     out: tuple  # (out, lse) or None
     part_out: tuple  # (partial out, partial lse) or None
     q: tuple  # smem (latent [64, C], rope [64, R]): bf16, or int8 with qk8
-    qs: object  # qk8: smem [2, 64] f32, the heads' latent and rope scales of Q; else None
+    qs: object  # qk8: smem [3, 64] f32, the heads' scales of Q's parts (A, B, rope); else None
     o_smem: object  # [2, 64, C/2] output halves (aliases q)
     parts: tuple  # per part: bf16 [2, 64, w] (slot-major)
     i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the bf16 parts (int8 caches), else None
@@ -185,14 +192,17 @@ class _Ctx:
         """qk8: S [64 heads, 64 tokens] f32 of the block in `slot` from int8 Q and the landed int8 block, one int32
         accumulator per part (a part's sum is at most 256 x 127 x 127 < 2^22, so it starts at MAGIC and its bits read
         as an f32 without a conversion; A and B together could reach 2^23), then the per-token cache scales and the
-        per-head query scales: S = sq_lat s_lat (a + b) + sq_rope s_rope r."""
+        per-head query scales (one per part): S = s_lat (sq_a a + sq_b b) + s_rope sq_r r. Signals `qk` as soon as
+        the MMAs are done, so the loader may convert the block's latent in place."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         def body(*accs):
-            for p, acc in zip((A, B, R), accs, strict=True):
-                if fast:  # the interpreter cannot store to an accumulator: it adds MAGIC below
+            if fast:  # every accumulator starts before the first wgmma (ptxas serialises stores between in-flight
+                # wgmmas, NOTES.md); the interpreter cannot store to an accumulator: it adds MAGIC below
+                for acc in accs:
                     acc[...] = plgpu.layout_cast(jnp.full((BLOCK, BLOCK_KV), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+            for p, acc in zip((A, B, R), accs, strict=True):
                 plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
                 col, w = self.spec.part(p)
                 twin = self.i8[p].at[slot, 0]
@@ -201,16 +211,16 @@ class _Ctx:
                     plgpu.wgmma(acc, q, twin.at[:, pl.ds(c0, 64)].transpose((1, 0)))
             return tuple(acc[...] for acc in accs)
 
-        a, b_, r = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
-        exact = lambda v: lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F  # noqa: E731
+        sums = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
+        plgpu.barrier_arrive(self.bars["qk"].at[slot])
+        a, b_, r = (lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F for v in sums)
         plgpu.barrier_wait(self.bars["sc"].at[slot])
         col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
-        per_token = [
+        s_lat, s_rope = (
             lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col), a.shape, [1]) for i in (0, 1)
-        ]
-        per_head = [lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in (0, 1)]
-        lat = (exact(a) + exact(b_)) * per_token[0]
-        return lat * per_head[0] + exact(r) * per_token[1] * per_head[1]
+        )
+        sq_a, sq_b, sq_r = (lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in range(3))
+        return (a * sq_a + b_ * sq_b) * s_lat + r * sq_r * s_rope
 
     def masked(self, s, i):
         """Scores of block i in the log2 domain, -inf past the query's visible keys."""
@@ -391,7 +401,6 @@ def _v3(ctx: _Ctx, wg, active):
             slot = lax.rem(i, 2)
             if spec.qk8:  # S from the int8 block; then the loader may convert its latent in place (for P.V)
                 s = ctx.scores_i8(slot, fast=not spec.interpret)
-                plgpu.barrier_arrive(bars["qk"].at[slot])
                 sc_v, _ = ctx.latent_scale(slot)
             else:
                 s = ctx.scores(slot, (A, B, R))
@@ -728,7 +737,7 @@ def smem_types(spec: KernelSpec):
         tuple(parts),
         plgpu.SMEM((6, BLOCK), jnp.float32),  # row vectors: v3 alpha per slot, 1/l; v4 m0, m1, l0, l1; lse staging
         plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
-        plgpu.SMEM((2, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head (latent, rope)
+        plgpu.SMEM((3, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head and part (A, B, rope)
     )
     consumed = (
         plgpu.Barrier(num_arrivals=2, num_barriers=2)  # v3: both warpgroups release the whole slot

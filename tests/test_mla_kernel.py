@@ -91,10 +91,9 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True, **kw)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
-    # qk8: the kernel's function is attention with the queries quantised per head (latent and rope parts), as
-    # the cache is per token; the truth is computed from those queries.
-    per_head = lambda q, s: q.astype(jnp.float32) * s[..., None]  # noqa: E731
-    q_truth = [per_head(*quantize_int8(q)) for q in (qn, qp)] if kw.get("qk8") else (qn, qp)
+    # qk8: the kernel's function is attention with the queries quantised per head (and part), as the cache is per
+    # token; the truth is computed from those queries.
+    q_truth = M.dequantize_queries(*M.quantize_queries(qn, qp)) if kw.get("qk8") else (qn, qp)
     want, want_lse = float64_attention(*q_truth, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 1e-2
     ref, ref_lse = M.mla_decode_reference(*q_truth, kv, pt, lengths, scale, scales=sc, return_lse=True)
