@@ -230,9 +230,6 @@ def mla_decode(
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     heads = -(-h // BLOCK) * BLOCK
-    version = VERSION if version is None else version
-    if qk8 and not (quant and version == 3):
-        raise ValueError(f"qk8 needs an int8 cache and version 3 (cache {kv_pages.dtype}, version {version})")
     qs = None
     if qk8:  # [B, T, H, *] int8 and [B, T, 3, H] f32 scales: per head and part (the latent's halves A, B; rope)
         qn, qp, qs = quantize_queries(q_nope, q_pe)
@@ -270,7 +267,7 @@ def mla_decode(
         batch=0 if plan.mode == "dense" else b,
         slots=plan.slots,
         quant=quant,
-        version=version,
+        version=VERSION if version is None else version,
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(PAIR if pair is None else pair) and can_pair,

@@ -105,8 +105,9 @@ class KernelSpec:
     pair: bool = False
     registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
     # int8 caches, version 3: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
-    # (latent and rope parts, one scale each) by the wrapper; the loader converts only the latent (V) to bf16, after
-    # the block's Q.K, beside the leader's softmax. Not the default until timed (NOTES.md, "A plan for int8 Q.K").
+    # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; the loader converts only the
+    # latent (V) to bf16, after the block's Q.K, beside the leader's softmax. Not the default until timed (NOTES.md,
+    # "int8 Q.K").
     qk8: bool = False
 
     def __post_init__(self):
@@ -399,14 +400,14 @@ def _v3(ctx: _Ctx, wg, active):
         def step(i, carry):
             acc, m, den = carry
             slot = lax.rem(i, 2)
-            if spec.qk8:  # S from the int8 block; then the loader may convert its latent in place (for P.V)
+            if spec.qk8:  # S from the int8 block, all scales applied; the loader then converts its latent in place
                 s = ctx.scores_i8(slot, fast=not spec.interpret)
-                sc_v, _ = ctx.latent_scale(slot)
             else:
                 s = ctx.scores(slot, (A, B, R))
-            if spec.quant and not spec.qk8:  # the parts hold the int8 latent exactly, the rope relative to its scale
+            if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
                 sc_v, sc_k = ctx.latent_scale(slot)
-                s = s * sc_k
+                if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
+                    s = s * sc_k
             s = ctx.masked(s, i)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
