@@ -353,6 +353,25 @@ def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, p
     )
     if mode == "reference":
         return mla_decode_reference(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs)
+    qk8 = int8_qk() and kv_pages.dtype == jnp.int8
     return mla_decode(
-        q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", plan=plan, **kwargs
+        q_nope,
+        q_pe,
+        kv_pages,
+        page_table,
+        lengths,
+        sm_scale,
+        interpret=mode == "interpret",
+        plan=plan,
+        qk8=qk8,
+        **kwargs,
     )
+
+
+def int8_qk() -> bool:
+    """HCFJAX_MLA_QK8=1: the kernel's Q.K over an int8 cache on the int8 tensor cores, its queries quantised per head
+    (`mla_decode`'s qk8; faster, and less exact: RESULTS.md); 0 or unset: bf16 queries."""
+    flag = os.environ.get("HCFJAX_MLA_QK8", "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"HCFJAX_MLA_QK8 must be 0 or 1, got {flag!r}")
+    return flag == "1"

@@ -28,12 +28,12 @@ s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_
 which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
 dequantises.
 
-int8 Q.K (`KernelSpec.qk8`, version 3, opt-in until timed): the leader multiplies int8 queries (quantised per head by
-the wrapper, a scale for each part: the latent's halves A and B, the rope) with the landed int8 block on the int8 tensor
-cores, an int32 accumulator per part started at MAGIC (int_sums.py), and applies the scales (three per head, two per
-token) to S. Only then does the loader convert the block's latent (V) to bf16 in place, while the leader runs the
-softmax; the rope part is not converted (P goes there). The loader issues block i + 1's loads before it waits for block
-i's Q.K.
+int8 Q.K (`KernelSpec.qk8`, version 3, opt-in: its queries are quantised too): the leader multiplies int8 queries
+(quantised per head by the wrapper, a scale for each part: the latent's halves A and B, the rope) with the landed int8
+block on the int8 tensor cores, an int32 accumulator per part started at MAGIC (int_sums.py), and applies the scales
+(three per head, two per token) to S. Only then is the block's latent (V) converted to bf16 in place, while the leader
+runs the softmax: its first half by the loader, its second by WG1 (the half's only reader); the rope part is not
+converted (P goes there). The loader issues block i + 1's loads before it waits for block i's Q.K.
 
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
@@ -64,12 +64,15 @@ M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute war
 # launch; asking for 512 left setmaxnreg waiting forever on the H200). The int8 loader holds a part in registers.
 # v3's splits are ptxas's (the SASS of the H=128 kernel, NOTES.md "MLA: the leader's spills"): at (232, 232, 40) the
 # leader spilled 14 values a block in its loop (bf16; 22 with int8), at (256, 208, 40) nothing spills in either
-# compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6).
+# compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6). qk8 (the third key:
+# int8 Q.K): at (248, 176, 80) ptxas waited after each of the leader's 26 wgmmas (serialised them) and spilled 264
+# bytes; at (256, 176, 72) it waits 5 times and spills 96 (the H200: 445 -> 350 us at 128 x 4096, NOTES.md).
 REGISTERS = {
-    (3, False): (256, 208, 40),
-    (3, True): (248, 176, 80),
-    (4, False): (232, 232, 40),
-    (4, True): (216, 216, 72),
+    (3, False, False): (256, 208, 40),
+    (3, True, False): (248, 176, 80),
+    (3, True, True): (256, 176, 72),
+    (4, False, False): (232, 232, 40),
+    (4, True, False): (216, 216, 72),
 }
 LAUNCH_REGISTERS = 168  # per thread at launch: 64 Ki registers over 3 x 128 threads, down to a multiple of 8
 
@@ -117,7 +120,7 @@ class KernelSpec:
             raise ValueError(f"qk8 takes a latent of at most 512 columns, got {self.c}")
 
     def register_split(self) -> tuple[int, int, int]:
-        return self.registers or REGISTERS[(self.version, self.quant)]
+        return self.registers or REGISTERS[(self.version, self.quant, self.qk8)]
 
     def collective(self):
         return "pair" if self.pair else None
@@ -319,7 +322,7 @@ class _Ctx:
         scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
         self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(jnp.bfloat16))
 
-    def convert_part(self, slot, p: int, convert=None):
+    def convert_part(self, slot, p: int, convert=None, mark: bool = True):
         """Part p of `slot` from its landed int8 twin to bf16 in place, then marked loaded. The whole twin is read
         into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile -> bf16
         (default: exact, the scales applied to S and P; a few integer and bf16x2 ops per pair, no I2F)."""
@@ -333,7 +336,8 @@ class _Ctx:
         for j, x in enumerate(tiles):
             dst.at[:, pl.ds(64 * j, 64)][...] = convert(x) if convert else x.astype(dst.dtype)
         plgpu.commit_smem()
-        plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
+        if mark:  # (False: the converting warpgroup is the part's only reader)
+            plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
 
     def latent_scale(self, slot):
         """int8, version 3: the block's latent scales as a row over S's key columns [64, 64] (zero scales as 1)."""
@@ -439,7 +443,11 @@ def _v3(ctx: _Ctx, wg, active):
 
         def step(i, acc):
             slot = lax.rem(i, 2)
-            plgpu.barrier_wait(bars["full"].at[slot * 3 + B])
+            if spec.qk8:  # V's second half, converted here while the loader converts the first
+                plgpu.barrier_wait(bars["qk"].at[slot])
+                ctx.convert_part(slot, B, mark=False)
+            else:
+                plgpu.barrier_wait(bars["full"].at[slot * 3 + B])
             plgpu.barrier_wait(bars["sig"].at[slot])
             alpha = plgpu.load(ctx.rows.at[slot], layout=row)
             acc = _pv(acc * b(alpha, acc.shape), ctx.parts[R].at[slot], ctx.parts[B].at[slot], spec.interpret)
@@ -486,8 +494,7 @@ def _v3(ctx: _Ctx, wg, active):
                 ctx.prefetch(i + 2)
 
             plgpu.barrier_wait(bars["qk"].at[slot])
-            for p in (A, B):  # V only: the rope part is dead after Q.K, and P goes there
-                ctx.convert_part(slot, p)
+            ctx.convert_part(slot, A)  # V's first half (WG1 converts the second; the rope part takes P)
 
         # Observe the last slots' releases too: a waiter must see every phase of its barriers (the interpreter
         # checks).

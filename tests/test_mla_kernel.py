@@ -294,6 +294,21 @@ def test_selection_uses_the_reference_off_gpu(monkeypatch):
         M.decode_attention(qn, qp, kv, pt, lengths, 0.1)
 
 
+def test_qk8_switch_reaches_the_kernel_for_int8_caches_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(M, "mla_decode", lambda *a, **k: seen.append(k["qk8"]))
+    monkeypatch.setenv("HCFJAX_MLA", "kernel")
+    qn, qp, kv, _, pt, lengths = make(19, [33], 1, 16, max_pages=1)
+    _, _, q8, sc, _, _ = make(19, [33], 1, 16, max_pages=1, quant=True)
+    for flag, cache, want in (("1", (q8, sc), True), ("1", (kv, None), False), ("0", (q8, sc), False)):
+        monkeypatch.setenv("HCFJAX_MLA_QK8", flag)
+        M.decode_attention(qn, qp, cache[0], pt, lengths, 0.1, scales=cache[1])
+        assert seen.pop() is want
+    monkeypatch.setenv("HCFJAX_MLA_QK8", "yes")
+    with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
+        M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc)
+
+
 def _args(b=2, t=1, h=16, c=C, r=R, page=PAGE, dtype=jnp.bfloat16, scales=None, pt_rows=None, lengths_dtype=jnp.int32):
     qn = jnp.zeros((b, t, h, c), jnp.bfloat16)
     qp = jnp.zeros((b, t, h, r), jnp.bfloat16)

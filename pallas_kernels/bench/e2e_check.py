@@ -8,7 +8,8 @@ Each mode prints its time as it ends; a full MLA check took 111 s on the H200 (g
 
 A V2-Lite-shaped model (3 layers, random weights, bf16: 16 heads, C 512, R 64, 64 experts of 2048 x 1408, the shapes
 the kernels take) runs in two processes, reference and kernel (the selection is read when a step traces):
-- `--kernel mla` (default): HCFJAX_MLA=reference vs =kernel, bf16 and int8 caches;
+- `--kernel mla` (default): HCFJAX_MLA=reference vs =kernel, bf16 and int8 caches (with HCFJAX_MLA_QK8=1 in the
+  environment the kernel's int8-cache runs take int8 Q.K, `mla_decode`'s qk8);
 - `--kernel int4`: the model quantised with --scheme (int4 experts), HCFJAX_INT4_KERNEL=0 vs =1, bf16 cache, and the
   MLA reference in both, so only the grouped GEMM differs.
 
