@@ -340,7 +340,8 @@ def decode_mode(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_lor
 def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, plan=None, **kwargs):
     """The model's absorbed decode attention: the kernel on a GPU when the shapes suit it, the jnp reference elsewhere
     (`decode_mode`; kernel/interpret raise on unsupported shapes; KERNEL_ON_GPU=False turns the kernel off for
-    `auto`). plan: the kernel's plan for this step (`mla_plan`), shared by every layer; the reference ignores it."""
+    `auto`). plan: the kernel's plan for this step (`mla_plan`), shared by every layer; the reference ignores it.
+    HCFJAX_MLA_QK8=1 gives the kernel int8 Q.K over an int8 cache (`int8_qk`)."""
     mode = decode_mode(
         q_nope,
         q_pe,
