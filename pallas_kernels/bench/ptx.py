@@ -12,7 +12,8 @@ serialises the MMAs) or a `warpgroup.arrive` (C7519).
 Anywhere (second form, no GPU): every DIR/*/*.ptx is assembled for sm_90a with a local ptxas and disassembled with
 cuobjdump; the table adds the wgmma instructions (HGMMA, IGMMA) and the waits on them (WARPGROUP.DEPBAR) in the SASS,
 and the .sass files are written beside the PTX. The PTX is version 9.0 (CUDA 13): `pip download nvidia-cuda-nvcc
-nvidia-cuda-cuobjdump` and unzip them for ptxas and cuobjdump (CUDA 12's ptxas rejects it). ptxas can also be rerun
+nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` and unzip them for ptxas and cuobjdump, with nvdisasm on PATH (cuobjdump
+runs it; CUDA 12's ptxas rejects the PTX). ptxas can also be rerun
 on a hand-edited copy of the PTX (instructions moved, setmaxnreg values changed) to try a change before the next GPU
 run: NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
 
