@@ -21,19 +21,21 @@ version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. E
 
 int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two bf16 slots), reads all of it into registers, and only then writes the bf16 part, so the
-overlap is harmless. Conversion of one slot overlaps the MMAs on the other. Version 3 converts the latent parts
+overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
+Q.K instead: below). Version 3 converts the latent parts
 exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
 conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
 s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
 which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
 dequantises.
 
-int8 Q.K (`KernelSpec.qk8`, version 3, opt-in: its queries are quantised too): the leader multiplies int8 queries
-(quantised per head by the wrapper, a scale for each part: the latent's halves A and B, the rope) with the landed int8
-block on the int8 tensor cores, an int32 accumulator per part started at MAGIC (int_sums.py), and applies the scales
-(three per head, two per token) to S. Only then is the block's latent (V) converted to bf16 in place, while the leader
-runs the softmax: its first half by the loader, its second by WG1 (the half's only reader); the rope part is not
-converted (P goes there). The loader issues block i + 1's loads before it waits for block i's Q.K.
+int8 Q.K (`KernelSpec.qk8`, version 3, opt-in: its queries are quantised too, and it pays only on long rows): the
+leader multiplies int8 queries (quantised per head by the wrapper, a scale for each part: the latent's halves A and B,
+the rope) with the landed int8 block on the int8 tensor cores, an int32 accumulator per part started at MAGIC
+(int_sums.py), and applies the scales (three per head, two per token) to S. Only then is the block's latent (V)
+converted to bf16 in place, while the leader runs the softmax: its first half by the loader, its second by WG1 (the
+half's only reader); the rope part is not converted (P goes there). The loader issues block i + 1's loads before it
+waits for block i's Q.K.
 
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
@@ -61,12 +63,14 @@ _LN2 = math.log(2.0)
 A, B, R = 0, 1, 2  # slot parts
 M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute warpgroups
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
-# launch; asking for 512 left setmaxnreg waiting forever on the H200). The int8 loader holds a part in registers.
+# launch; asking for 512 left setmaxnreg waiting forever on the H200). An int8 converter holds a part in registers.
 # v3's splits are ptxas's (the SASS of the H=128 kernel, NOTES.md "MLA: the leader's spills"): at (232, 232, 40) the
 # leader spilled 14 values a block in its loop (bf16; 22 with int8), at (256, 208, 40) nothing spills in either
 # compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6). qk8 (the third key:
 # int8 Q.K): at (248, 176, 80) ptxas waited after each of the leader's 26 wgmmas (serialised them) and spilled 264
-# bytes; at (256, 176, 72) it waits 5 times and spills 96 (the H200: 445 -> 350 us at 128 x 4096, NOTES.md).
+# bytes; at (256, 176, 72) it waits 5 times and spills 100 (WG1, which converts V's second half, reloads 3 values a
+# block). Timed on the H200 at 128 x 4096 (NOTES.md): 445 -> 375 us with the loader converting both halves, 350
+# with WG1 converting one; (256, 184, 64) spills less and ran 369.
 REGISTERS = {
     (3, False, False): (256, 208, 40),
     (3, True, False): (248, 176, 80),
@@ -108,9 +112,10 @@ class KernelSpec:
     pair: bool = False
     registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
     # int8 caches, version 3: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
-    # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; the loader converts only the
-    # latent (V) to bf16, after the block's Q.K, beside the leader's softmax. Not the default until timed (NOTES.md,
-    # "int8 Q.K").
+    # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; only the latent (V) is
+    # converted to bf16, after the block's Q.K, beside the leader's softmax (half by the loader, half by WG1).
+    # Opt-in (HCFJAX_MLA_QK8 in the model): the queries' rounding adds error, and it pays only on long rows
+    # (RESULTS.md, "int8 Q.K").
     qk8: bool = False
 
     def __post_init__(self):
@@ -197,7 +202,7 @@ class _Ctx:
         accumulator per part (a part's sum is at most 256 x 127 x 127 < 2^22, so it starts at MAGIC and its bits read
         as an f32 without a conversion; A and B together could reach 2^23), then the per-token cache scales and the
         per-head query scales (one per part): S = s_lat (sq_a a + sq_b b) + s_rope sq_r r. Signals `qk` as soon as
-        the MMAs are done, so the loader may convert the block's latent in place."""
+        the MMAs are done, so the loader and WG1 may convert the block's latent in place."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -323,9 +328,9 @@ class _Ctx:
         self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(jnp.bfloat16))
 
     def convert_part(self, slot, p: int, convert=None, mark: bool = True):
-        """Part p of `slot` from its landed int8 twin to bf16 in place, then marked loaded. The whole twin is read
-        into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile -> bf16
-        (default: exact, the scales applied to S and P; a few integer and bf16x2 ops per pair, no I2F)."""
+        """Part p of `slot` from its landed int8 twin to bf16 in place, then (`mark`) marked loaded. The whole twin
+        is read into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile ->
+        bf16 (default: exact, the scales applied to S and P; a few integer and bf16x2 ops per pair, no I2F)."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -404,7 +409,7 @@ def _v3(ctx: _Ctx, wg, active):
         def step(i, carry):
             acc, m, den = carry
             slot = lax.rem(i, 2)
-            if spec.qk8:  # S from the int8 block, all scales applied; the loader then converts its latent in place
+            if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
                 s = ctx.scores_i8(slot, fast=not spec.interpret)
             else:
                 s = ctx.scores(slot, (A, B, R))
