@@ -352,20 +352,12 @@ def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, p
         kwargs.get("kv_lora_rank"),
         kwargs.get("layer"),
     )
+    qk8 = int8_qk() and kv_pages.dtype == jnp.int8  # (read on every path: a bad value is an error everywhere)
     if mode == "reference":
         return mla_decode_reference(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs)
-    qk8 = int8_qk() and kv_pages.dtype == jnp.int8
+    kwargs.setdefault("qk8", qk8)
     return mla_decode(
-        q_nope,
-        q_pe,
-        kv_pages,
-        page_table,
-        lengths,
-        sm_scale,
-        interpret=mode == "interpret",
-        plan=plan,
-        qk8=qk8,
-        **kwargs,
+        q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", plan=plan, **kwargs
     )
 
 

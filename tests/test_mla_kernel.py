@@ -304,9 +304,13 @@ def test_qk8_switch_reaches_the_kernel_for_int8_caches_only(monkeypatch):
         monkeypatch.setenv("HCFJAX_MLA_QK8", flag)
         M.decode_attention(qn, qp, cache[0], pt, lengths, 0.1, scales=cache[1])
         assert seen.pop() is want
+    M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc, qk8=False)  # a caller's choice stands
+    assert seen.pop() is False
     monkeypatch.setenv("HCFJAX_MLA_QK8", "yes")
-    with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
-        M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc)
+    for mode in ("kernel", "reference"):
+        monkeypatch.setenv("HCFJAX_MLA", mode)
+        with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
+            M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc)
 
 
 def _args(b=2, t=1, h=16, c=C, r=R, page=PAGE, dtype=jnp.bfloat16, scales=None, pt_rows=None, lengths_dtype=jnp.int32):
