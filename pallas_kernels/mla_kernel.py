@@ -22,7 +22,8 @@ version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. E
 int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two bf16 slots), reads all of it into registers, and only then writes the bf16 part, so the
 overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
-Q.K instead: below). Version 3 converts the latent parts
+Q.K instead: below). In version 3 WG1, which would otherwise wait for P, converts each next block's second latent
+half (B) and the loader the first half and the rope. Version 3 converts the latent parts
 exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
 conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
 s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
@@ -60,6 +61,10 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT, PADDING
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+# The v3 loops' named regions ("qk", "softmax", "pv", "convert", the barrier waits): no code unless the kernel is built
+# with Mosaic GPU's profiler (HCFJAX_MOSAIC_PROFILE, `profile_params`), which then records each region's start and
+# end clock per warpgroup (python -m pallas_kernels.bench.timeline).
+scope = jax.named_scope
 A, B, R = 0, 1, 2  # slot parts
 M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute warpgroups
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
@@ -197,12 +202,13 @@ class _Ctx:
 
         return pl.run_scoped(body, plgpu.ACC((BLOCK, BLOCK_KV)))
 
-    def scores_i8(self, slot, fast: bool):
+    def scores_i8(self, slot, fast: bool, factor: float = 1.0):
         """qk8: S [64 heads, 64 tokens] f32 of the block in `slot` from int8 Q and the landed int8 block, one int32
         accumulator per part (a part's sum is at most 256 x 127 x 127 < 2^22, so it starts at MAGIC and its bits read
         as an f32 without a conversion; A and B together could reach 2^23), then the per-token cache scales and the
-        per-head query scales (one per part): S = s_lat (sq_a a + sq_b b) + s_rope sq_r r. Signals `qk` as soon as
-        the MMAs are done, so the loader and WG1 may convert the block's latent in place."""
+        per-head query scales (one per part): S = s_lat (sq_a a + sq_b b) + s_rope sq_r r, times `factor` (taken
+        on the per-token scales). Signals `qk` as soon as the MMAs are done, so the loader and WG1 may convert the
+        block's latent in place."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -226,18 +232,18 @@ class _Ctx:
         plgpu.barrier_wait(self.bars["sc"].at[slot])
         col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
         s_lat, s_rope = (
-            lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col), a.shape, [1]) for i in (0, 1)
+            lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col) * factor, a.shape, [1]) for i in (0, 1)
         )
         sq_a, sq_b, sq_r = (lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in range(3))
         return (a * sq_a + b_ * sq_b) * s_lat + r * sq_r * s_rope
 
-    def masked(self, s, i):
-        """Scores of block i in the log2 domain, -inf past the query's visible keys."""
+    def masked(self, s, i, scaled: bool = True):
+        """Scores of block i in the log2 domain (`scaled`; else as they are), -inf past the query's visible keys."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
         key = key + (self.start + i * BLOCK_KV)
-        return jnp.where(key < self.vis, s * (self.spec.sm_scale * _LOG2E), -jnp.inf)
+        return jnp.where(key < self.vis, s * (self.spec.sm_scale * _LOG2E) if scaled else s, -jnp.inf)
 
     def load_q(self, issue: bool):
         import jax.experimental.pallas as pl
@@ -400,6 +406,11 @@ def _v3(ctx: _Ctx, wg, active):
     row = plgpu.Layout.WGMMA.reduce(1)
     regs = spec.register_split()
     b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
+    # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
+    # leader computes P, the loader the first half and the rope (RESULTS.md, "WG1 converts"; 451 -> 400 us at
+    # 128 x 4096).
+    split = spec.quant and not spec.qk8
+    log2_scale = spec.sm_scale * _LOG2E
 
     @pl.when(jnp.logical_and(wg == 0, active))
     def _leader():
@@ -409,29 +420,41 @@ def _v3(ctx: _Ctx, wg, active):
         def step(i, carry):
             acc, m, den = carry
             slot = lax.rem(i, 2)
-            if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
-                s = ctx.scores_i8(slot, fast=not spec.interpret)
-            else:
-                s = ctx.scores(slot, (A, B, R))
-            if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
-                sc_v, sc_k = ctx.latent_scale(slot)
-                if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
-                    s = s * sc_k
-            s = ctx.masked(s, i)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - b(m_new, s.shape))
-            den = den * alpha + p.sum(axis=1)
-            # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
-            # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
-            p_smem = ctx.parts[R].at[slot]
-            p_smem[...] = (p * sc_v if spec.quant else p).astype(p_smem.dtype)
-            ctx.rows.at[slot][...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(bars["sig"].at[slot])
+            with scope("qk"):  # (the waits for the block's parts included)
+                if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
+                    s = ctx.scores_i8(slot, fast=not spec.interpret, factor=log2_scale)
+                else:
+                    s = ctx.scores(slot, (A, B, R))
+            with scope("softmax"):
+                # Where the softmax scale (into the log2 domain) is taken was timed (RESULTS.md, "Where the softmax
+                # scale goes"): qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
+                # argument, one FFMA a score (the max commutes with a positive scale exactly); int8 without qk8 as a
+                # multiply on S (on the per-token scales it ran 1.2% slower).
+                if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
+                    sc_v, sc_k = ctx.latent_scale(slot)
+                    if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
+                        s = s * sc_k
+                s = ctx.masked(s, i, scaled=spec.quant and not spec.qk8)
+                if spec.quant:
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    p = jnp.exp2(s - b(m_new, s.shape))
+                else:
+                    m_new = jnp.maximum(m, s.max(axis=1) * log2_scale)
+                    p = jnp.exp2(s * log2_scale - b(m_new, s.shape))
+                alpha = jnp.exp2(m - m_new)
+                den = den * alpha + p.sum(axis=1)
+                # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
+                # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
+                p_smem = ctx.parts[R].at[slot]
+                p_smem[...] = (p * sc_v if spec.quant else p).astype(p_smem.dtype)
+                ctx.rows.at[slot][...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bars["sig"].at[slot])
             if spec.qk8:  # V's first half, converted after this block's Q.K
-                plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
-            acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec.interpret)
+                with scope("wait_v"):
+                    plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
+            with scope("pv"):
+                acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec.interpret)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc, m_new, den
 
@@ -445,17 +468,34 @@ def _v3(ctx: _Ctx, wg, active):
     @pl.when(jnp.logical_and(wg == 1, active))
     def _second():
         plgpu.set_max_registers(regs[1], action="increase")
+        if split:  # block 0's second latent half; each step then converts the next block's
+
+            @pl.when(ctx.n_steps >= 1)
+            def _():
+                ctx.finish(0, B, scales=False)
 
         def step(i, acc):
             slot = lax.rem(i, 2)
             if spec.qk8:  # V's second half, converted here while the loader converts the first
-                plgpu.barrier_wait(bars["qk"].at[slot])
-                ctx.convert_part(slot, B, mark=False)
+                with scope("wait_qk"):
+                    plgpu.barrier_wait(bars["qk"].at[slot])
+                with scope("convert"):
+                    ctx.convert_part(slot, B, mark=False)
+            elif split:  # block i + 1's second latent half (a K part of its Q.K), while the leader computes P
+
+                @pl.when(i + 1 < ctx.n_steps)
+                def _():
+                    with scope("convert"):
+                        ctx.finish(1 - slot, B, scales=False)
+
             else:
-                plgpu.barrier_wait(bars["full"].at[slot * 3 + B])
-            plgpu.barrier_wait(bars["sig"].at[slot])
-            alpha = plgpu.load(ctx.rows.at[slot], layout=row)
-            acc = _pv(acc * b(alpha, acc.shape), ctx.parts[R].at[slot], ctx.parts[B].at[slot], spec.interpret)
+                with scope("wait_v"):
+                    plgpu.barrier_wait(bars["full"].at[slot * 3 + B])
+            with scope("wait_p"):
+                plgpu.barrier_wait(bars["sig"].at[slot])
+            with scope("pv"):
+                alpha = plgpu.load(ctx.rows.at[slot], layout=row)
+                acc = _pv(acc * b(alpha, acc.shape), ctx.parts[R].at[slot], ctx.parts[B].at[slot], spec.interpret)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc
 
@@ -469,7 +509,8 @@ def _v3(ctx: _Ctx, wg, active):
 
         @pl.when(i >= 2)
         def _():
-            plgpu.barrier_wait(bars["consumed"].at[slot])
+            with scope("wait_slot"):
+                plgpu.barrier_wait(bars["consumed"].at[slot])
 
         for p in (A, B, R):
             ctx.issue(i, slot, p, scales=p == A, where=where)
@@ -489,8 +530,9 @@ def _v3(ctx: _Ctx, wg, active):
             if not spec.qk8:
                 issue_block(i)
                 ctx.prefetch(i + 1)
-                for p in (A, B, R):
-                    ctx.finish(slot, p, scales=p == A)
+                with scope("convert"):  # (int8; the waits for the parts' TMAs included)
+                    for p in (A, R) if split else (A, B, R):
+                        ctx.finish(slot, p, scales=p == A)
                 return
 
             @pl.when(i + 1 < ctx.n_steps)
@@ -498,8 +540,10 @@ def _v3(ctx: _Ctx, wg, active):
                 issue_block(i + 1)
                 ctx.prefetch(i + 2)
 
-            plgpu.barrier_wait(bars["qk"].at[slot])
-            ctx.convert_part(slot, A)  # V's first half (WG1 converts the second; the rope part takes P)
+            with scope("wait_qk"):
+                plgpu.barrier_wait(bars["qk"].at[slot])
+            with scope("convert"):
+                ctx.convert_part(slot, A)  # V's first half (WG1 converts the second; the rope part takes P)
 
         # Observe the last slots' releases too: a waiter must see every phase of its barriers (the interpreter
         # checks).
@@ -774,6 +818,29 @@ def smem_types(spec: KernelSpec):
     return smem, tuple(bars)
 
 
+def profile_params() -> dict:
+    """CompilerParams for Mosaic GPU's in-kernel profiler from HCFJAX_MOSAIC_PROFILE=DIR[:RANGES] (read when the
+    kernel is traced): each run then writes a Perfetto trace of every warpgroup's named regions into DIR, RANGES
+    (default 100, which fits beside every v3 kernel's buffers at H=128) regions per warpgroup and CTA, kept in shared
+    memory (4 x 4 bytes each; later ones are dropped)."""
+    import os
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    value = os.environ.get("HCFJAX_MOSAIC_PROFILE", "")
+    if not value:
+        return {}
+    path, _, ranges = value.partition(":")
+    if ranges and not ranges.isdigit():
+        raise ValueError(f"HCFJAX_MOSAIC_PROFILE must be DIR or DIR:RANGES, got {value!r}")
+    return dict(
+        profile_dir=path,
+        profile_space=int(ranges or 100),
+        profile_bounds_check=True,
+        profile_trace_scope=plgpu.TraceScope.WARPGROUP,
+    )
+
+
 def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=None):
     """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
     (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
@@ -795,7 +862,7 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=Non
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params()),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # profiles and ncu: "mla_decode_bf16_mosaic..."
     )
     args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)

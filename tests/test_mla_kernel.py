@@ -20,6 +20,7 @@ import pytest
 from hcfjax import cache as kvcache
 from hcfjax.cache import quantize_int8
 from pallas_kernels import mla_decode as M
+from pallas_kernels import mla_kernel
 from pallas_kernels.mla_merge import combine_dense
 from pallas_kernels.mla_schedule import DIRECT, PADDING
 
@@ -454,3 +455,33 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
     want = step("reference")
     assert len(calls) == 1  # the reference path builds none
     assert rel(got, want) < 2e-2
+
+
+def test_timeline_summary_of_a_profiler_trace():
+    # bench.timeline's reading of Mosaic GPU's trace: trace id 1 + warpgroup + 3 x CTA, ts in cycles / 1000; per
+    # region its mean cycles, occurrences per CTA and share of the warpgroup's window (first start to last end).
+    from pallas_kernels.bench.timeline import summarise
+
+    def region(tid, name, t0, t1):
+        return [dict(name=name, ph="B", ts=t0 / 1e3, tid=tid), dict(name=name, ph="E", ts=t1 / 1e3, tid=tid)]
+
+    events = region(1, "qk", 0, 100) + region(1, "pv", 100, 150) + region(1, "qk", 200, 300)  # CTA 0, leader
+    events += region(4, "qk", 0, 300) + region(4, "pv", 300, 400)  # CTA 1, leader
+    events += region(5, "wait_p", 0, 50) + [dict(name="pv", ph="B", ts=0.06, tid=5)]  # CTA 1, WG1: truncated
+    got = summarise({"traceEvents": events})
+    lead = got["WG0 (leader)"]
+    np.testing.assert_allclose(lead["qk"], (500 / 3, 1.5, 500 / 700))
+    np.testing.assert_allclose(lead["pv"], (75, 1.0, 150 / 700))
+    np.testing.assert_allclose(lead["(between)"][2], 50 / 700)
+    assert set(got["WG1"]) == {"wait_p", "(between)"} and "loader" not in got
+
+
+def test_profile_params_from_the_environment(monkeypatch):
+    monkeypatch.delenv("HCFJAX_MOSAIC_PROFILE", raising=False)
+    assert mla_kernel.profile_params() == {}
+    monkeypatch.setenv("HCFJAX_MOSAIC_PROFILE", "/tmp/traces:64")
+    got = mla_kernel.profile_params()
+    assert (got["profile_dir"], got["profile_space"], got["profile_bounds_check"]) == ("/tmp/traces", 64, True)
+    monkeypatch.setenv("HCFJAX_MOSAIC_PROFILE", "/tmp/traces:lots")
+    with pytest.raises(ValueError, match="DIR or DIR:RANGES"):
+        mla_kernel.profile_params()

@@ -85,12 +85,13 @@ def test_dynamic_temperature_sharpens_confident_positions():
 
 
 def test_rejection_end_to_end_matches_the_target_on_a_tiny_vocabulary():
-    """Through the whole jitted loop: 2500 rows of one prompt sample a first token at prefill, then a speculative
-    step emits the second. Among rows with the most common first token, the second token's empirical distribution
-    must match the target's p(. | prompt, first), although the random MTP drafts follow a different distribution."""
+    """Through the whole jitted loop: 1024 rows of one prompt sample a first token at prefill, then a speculative
+    step emits the second. Among rows with the most common first token (about 400 of them), the second token's
+    empirical distribution must match the target's p(. | prompt, first), although the random MTP drafts follow a
+    different distribution (about half of them are rejected)."""
     cfg = preset_config("tiny-v3", vocab_size=8, num_hidden_layers=2, bos_token_id=None, eos_token_id=None)
     model = random_model(cfg, seed=11, dtype=jnp.float32)
-    prompt, n = [1, 5, 2, 7, 3], 2500
+    prompt, n = [1, 5, 2, 7, 3], 1024
     out = hcfjax.generate(
         model,
         [prompt] * n,
@@ -98,11 +99,12 @@ def test_rejection_end_to_end_matches_the_target_on_a_tiny_vocabulary():
         sampling=SamplingParams(temperature=1.0),
         seed=4,
         stop_token_ids=[],
+        max_prefill_tokens=16 * n,  # one prefill program for all rows
         speculative=SpeculativeConfig(num_draft_tokens=2, method="rejection"),
     )
     toks = np.array(out.tokens)
     t0 = np.bincount(toks[:, 0], minlength=8).argmax()
     rows = toks[toks[:, 0] == t0]
     target = np.asarray(jax.nn.softmax(hcfjax.forward(model, [prompt + [int(t0)]])[0, -1]))
-    assert len(rows) > 300 and out.stats["acceptance_per_depth"][0] < 0.95  # drafts do get rejected
+    assert len(rows) > 300 and out.stats["acceptance_per_depth"][0] < 0.8  # drafts do get rejected
     assert chi_square(np.bincount(rows[:, 1], minlength=8), target) < 24.32  # chi-square, 7 dof, p = 0.001
