@@ -10,7 +10,8 @@ The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512: WG
 
 version 3 (leader): WG0 computes S = Q.K^T for every block, the online softmax, writes P and the row rescale, and
   updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of the MMA work and all of
-  the softmax, so it is the critical path and WG1 mostly waits. A slot is reloaded once both have released it.
+  the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it converts: below). A
+  slot is reloaded once both have released it.
 version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. Each warpgroup computes S for its own
   block of the pair (both Q.K run at once) and the softmax of it; the running max goes WG0 -> WG1 (m0) -> WG0 (m1),
   so WG1's P1 is relative to the pair's max and WG0 rescales its P0 once more (a 64 x 64 multiply) before handing
@@ -20,10 +21,10 @@ version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. E
   next pair's loads start in the middle of this one; Q.K then walks the parts in arrival order.
 
 int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
-smem beside Q and two bf16 slots), reads all of it into registers, and only then writes the bf16 part, so the
-overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
-Q.K instead: below). In version 3 WG1, which would otherwise wait for P, converts each next block's second latent
-half (B) and the loader the first half and the rope. Version 3 converts the latent parts
+smem beside Q and two bf16 slots); its converter reads all of it into registers, and only then writes the bf16 part,
+so the overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
+Q.K instead: below). The converter is the loader, except in version 3 without qk8 for the second latent half (B):
+WG1, which would otherwise wait for P, converts each next block's B. Version 3 converts the latent parts
 exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
 conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
 s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
@@ -75,7 +76,9 @@ M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute war
 # int8 Q.K): at (248, 176, 80) ptxas waited after each of the leader's 26 wgmmas (serialised them) and spilled 264
 # bytes; at (256, 176, 72) it waits 5 times and spills 100 (WG1, which converts V's second half, reloads 3 values a
 # block). Timed on the H200 at 128 x 4096 (NOTES.md): 445 -> 375 us with the loader converting both halves, 350
-# with WG1 converting one; (256, 184, 64) spills less and ran 369.
+# with WG1 converting one; (256, 184, 64) spills less and ran 369. The int8 split was chosen before WG1 took over
+# the second latent half's conversion (2026-12-01: WG1 now holds an int8 tile beside its half of O, the loader
+# converts less); it has not been re-read or re-timed since.
 REGISTERS = {
     (3, False, False): (256, 208, 40),
     (3, True, False): (248, 176, 80),
@@ -124,6 +127,8 @@ class KernelSpec:
     qk8: bool = False
 
     def __post_init__(self):
+        if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
+            raise ValueError(f"sm_scale must be positive, got {self.sm_scale}")
         if self.qk8 and not (self.quant and self.version == 3):
             raise ValueError(f"qk8 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
         if self.qk8 and self.c // 2 > 256:  # an int8 part's sum must stay below 2^22 (MAGIC)
@@ -397,7 +402,8 @@ def _init(half):
 
 
 def _v3(ctx: _Ctx, wg, active):
-    """Version 3: WG0 computes every block's scores and softmax; WG1 follows with the other output half."""
+    """Version 3: WG0 computes every block's scores and softmax; WG1 follows with the other output half (and, int8,
+    converts the latent's second half: the next block's, or with qk8 this block's after its Q.K)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -407,7 +413,7 @@ def _v3(ctx: _Ctx, wg, active):
     regs = spec.register_split()
     b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
-    # leader computes P, the loader the first half and the rope (RESULTS.md, "WG1 converts"; 451 -> 400 us at
+    # leader computes P, the loader the first half and the rope (RESULTS.md, "Inside the kernel"; 451 -> 400 us at
     # 128 x 4096).
     split = spec.quant and not spec.qk8
     log2_scale = spec.sm_scale * _LOG2E
@@ -426,10 +432,11 @@ def _v3(ctx: _Ctx, wg, active):
                 else:
                     s = ctx.scores(slot, (A, B, R))
             with scope("softmax"):
-                # Where the softmax scale (into the log2 domain) is taken was timed (RESULTS.md, "Where the softmax
-                # scale goes"): qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
-                # argument, one FFMA a score (the max commutes with a positive scale exactly); int8 without qk8 as a
-                # multiply on S (on the per-token scales it ran 1.2% slower).
+                # Where the softmax scale (into the log2 domain) is taken was timed (RESULTS.md, "Inside the
+                # kernel"): qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
+                # argument, one FFMA a score (the max commutes with a positive scale exactly, so m and the lse are
+                # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
+                # it ran 1.2% slower). sm_scale > 0: KernelSpec checks.
                 if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
                     sc_v, sc_k = ctx.latent_scale(slot)
                     if not spec.qk8:  # (the rope part holds its values relative to the latent scale)

@@ -8,14 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# One persistent compilation cache for the run, shared by the two xdist workers and the processes tests start
-# (servers, prefill/decode pairs, multi-process plans), which compile many of the same programs: a program compiled
-# in one process is loaded in the others (a rerun of one speculative test: 30 -> 19 s). Under .pytest_cache, so a
-# fresh clone (CI) starts empty; the key holds jax's version, the program and the compile options.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-
 import jax  # noqa: E402
 
 # Eight fake CPU devices for the sharding plans; everything else runs on the first one.

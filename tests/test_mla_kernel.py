@@ -351,6 +351,13 @@ def test_int8_qk_needs_an_int8_cache_and_version_3():
         M.mla_decode(*args, **kw, interpret=True, qk8=True, version=4)
 
 
+def test_kernel_needs_a_positive_softmax_scale():
+    # the bf16 softmax takes the scale on its row max, which only commutes with a positive scale
+    (qn, qp, kv, pt, lengths, _), kw = _args()
+    with pytest.raises(ValueError, match="sm_scale must be positive"):
+        M.mla_decode(qn, qp, kv, pt, lengths, 0.0, **kw, interpret=True)
+
+
 def test_wrapper_rejects_unabsorbed_query():
     args, kw = _args()
     with pytest.raises(ValueError, match="absorb W_UK"):
