@@ -375,14 +375,29 @@ def test_wrapper_rejects_unabsorbed_query():
         (128, 4096, "int8", False, False, "3-qk8", None),  # int8 Q.K: int8 Q in smem, three int32 accumulators
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair, monkeypatch):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
     # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
     # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
-    # those: the lowering and the bench's device checks are their tests).
+    # those: the lowering and the bench's device checks are their tests). Version 3's loops must open the named
+    # regions bench.timeline reads (the profiler's host callback does not lower on a CPU, so its regions are
+    # recorded here as the lowering opens them).
+    import contextlib
+
     from jax import ShapeDtypeStruct as S
+    from jax.experimental.mosaic.gpu import launch_context
 
     from pallas_kernels.cross_lower import lower_for_hopper
+
+    regions, named_region = set(), launch_context.LaunchContext.named_region
+
+    @contextlib.contextmanager
+    def record(self, name, *args, **kwargs):
+        regions.add(name)
+        with named_region(self, name, *args, **kwargs):
+            yield
+
+    monkeypatch.setattr(launch_context.LaunchContext, "named_region", record)
 
     page, c, n = 64, 512, ctx // 64
     lead = (2,) if layer else ()
@@ -400,6 +415,10 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair):
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
     assert "mosaic_gpu" in text
     assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
+    if version != 4:
+        want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
+        want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype] | ({"wait_v", "wait_qk"} if version != 3 else set())
+        assert want <= regions, want - regions
 
 
 def test_register_splits_fit_the_cta():
