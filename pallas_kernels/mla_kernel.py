@@ -231,16 +231,21 @@ class _Ctx:
                     plgpu.wgmma(acc, q, twin.at[:, pl.ds(c0, 64)].transpose((1, 0)))
             return tuple(acc[...] for acc in accs)
 
-        sums = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
+        with scope("mma"):  # (the parts' waits and the accumulators' read-out included)
+            sums = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
         plgpu.barrier_arrive(self.bars["qk"].at[slot])
-        a, b_, r = (lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F for v in sums)
-        plgpu.barrier_wait(self.bars["sc"].at[slot])
-        col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
-        s_lat, s_rope = (
-            lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col) * factor, a.shape, [1]) for i in (0, 1)
-        )
-        sq_a, sq_b, sq_r = (lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in range(3))
-        return (a * sq_a + b_ * sq_b) * s_lat + r * sq_r * s_rope
+        with scope("scale"):
+            a, b_, r = (lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F for v in sums)
+            plgpu.barrier_wait(self.bars["sc"].at[slot])
+            col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
+            s_lat, s_rope = (
+                lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col) * factor, a.shape, [1])
+                for i in (0, 1)
+            )
+            sq_a, sq_b, sq_r = (
+                lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in range(3)
+            )
+            return (a * sq_a + b_ * sq_b) * s_lat + r * sq_r * s_rope
 
     def masked(self, s, i, scaled: bool = True):
         """Scores of block i in the log2 domain (`scaled`; else as they are), -inf past the query's visible keys."""

@@ -417,7 +417,8 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair, mo
     assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
     if version != 4:
         want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
-        want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype] | ({"wait_v", "wait_qk"} if version != 3 else set())
+        want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
+        want |= {"wait_v", "wait_qk", "mma", "scale"} if version != 3 else set()
         assert want <= regions, want - regions
 
 
@@ -492,6 +493,8 @@ def test_timeline_summary_of_a_profiler_trace():
         return [dict(name=name, ph="B", ts=t0 / 1e3, tid=tid), dict(name=name, ph="E", ts=t1 / 1e3, tid=tid)]
 
     events = region(1, "qk", 0, 100) + region(1, "pv", 100, 150) + region(1, "qk", 200, 300)  # CTA 0, leader
+    events.insert(1, region(1, "mma", 10, 60)[0])  # a region inside the first qk: its path, not in "(between)"
+    events.insert(2, region(1, "mma", 10, 60)[1])
     events += region(4, "qk", 0, 300) + region(4, "pv", 300, 400)  # CTA 1, leader
     events += region(5, "wait_p", 0, 50) + [dict(name="pv", ph="B", ts=0.06, tid=5)]  # CTA 1, WG1: truncated
     got = summarise({"traceEvents": events})
@@ -499,6 +502,7 @@ def test_timeline_summary_of_a_profiler_trace():
     np.testing.assert_allclose(lead["qk"], (500 / 3, 1.5, 500 / 700))
     np.testing.assert_allclose(lead["pv"], (75, 1.0, 150 / 700))
     np.testing.assert_allclose(lead["(between)"][2], 50 / 700)
+    np.testing.assert_allclose(lead["qk > mma"], (50, 0.5, 50 / 700))
     assert set(got["WG1"]) == {"wait_p", "(between)"} and "loader" not in got
 
 

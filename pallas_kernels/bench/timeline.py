@@ -4,8 +4,9 @@
 
 For each case and version the kernel is built with HCFJAX_MOSAIC_PROFILE (mla_kernel.profile_params): thread 0 of
 every warpgroup writes the SM clock at the start and end of each named region of the v3 loops (`mla_kernel.scope`:
-the leader's "qk", "softmax", "wait_v", "pv"; WG1's "wait_qk", "convert", "wait_v", "wait_p", "pv"; the loader's
-"wait_slot", "wait_qk", "convert") into shared memory, and a callback writes the trace (Perfetto JSON) after the run.
+the leader's "qk" (with qk8, its "mma" and "scale" inside it), "softmax", "wait_v", "pv"; WG1's "wait_qk",
+"convert", "wait_v", "wait_p", "pv"; the loader's "wait_slot", "wait_qk", "convert") into shared memory, and a
+callback writes the trace (Perfetto JSON) after the run.
 Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
 regions are dropped), so long rows are seen over their first blocks: the steady state, without the drain.
 
@@ -30,22 +31,29 @@ ROLES = ("WG0 (leader)", "WG1", "loader")
 
 def summarise(trace: dict, warpgroups: int = 3) -> dict:
     """{role: {region: (mean cycles, occurrences per CTA, share of the window)}} of one Mosaic GPU trace, where a
-    CTA's warpgroup w has trace id 1 + w + warpgroups x CTA. Unclosed regions (a truncated trace) are skipped."""
+    CTA's warpgroup w has trace id 1 + w + warpgroups x CTA. A region inside another is named by its path ("qk >
+    mma") and left out of "(between)", the window's time outside every outermost region. Unclosed regions (a
+    truncated trace) are skipped."""
     by_trace = collections.defaultdict(list)
     for ev in trace["traceEvents"]:
         by_trace[ev["tid"]].append(ev)
     totals = [collections.defaultdict(float) for _ in range(warpgroups)]
     counts = [collections.Counter() for _ in range(warpgroups)]
+    outer = [set() for _ in range(warpgroups)]
     windows, traces = [0.0] * warpgroups, [0] * warpgroups
     for tid, events in by_trace.items():
         w = (tid - 1) % warpgroups
-        open_at = {}
+        stack = []  # (name, start) of the open regions, outermost first
         for ev in sorted(events, key=lambda e: e["ts"]):
             if ev["ph"] == "B":
-                open_at[ev["name"]] = ev["ts"]
-            elif ev["name"] in open_at:
-                totals[w][ev["name"]] += (ev["ts"] - open_at.pop(ev["name"])) * 1e3  # ts is cycles / 1000
-                counts[w][ev["name"]] += 1
+                stack.append((ev["name"], ev["ts"]))
+            elif stack and stack[-1][0] == ev["name"]:
+                _, start = stack.pop()
+                path = " > ".join([name for name, _ in stack] + [ev["name"]])
+                totals[w][path] += (ev["ts"] - start) * 1e3  # ts is cycles / 1000
+                counts[w][path] += 1
+                if not stack:
+                    outer[w].add(path)
         stamps = [ev["ts"] for ev in events]
         windows[w] += (max(stamps) - min(stamps)) * 1e3
         traces[w] += 1
@@ -57,7 +65,7 @@ def summarise(trace: dict, warpgroups: int = 3) -> dict:
             name: (totals[w][name] / counts[w][name], counts[w][name] / traces[w], totals[w][name] / windows[w])
             for name in totals[w]
         }
-        rows["(between)"] = (float("nan"), float("nan"), 1.0 - sum(r[2] for r in rows.values()))
+        rows["(between)"] = (float("nan"), float("nan"), 1.0 - sum(rows[name][2] for name in outer[w]))
         out[ROLES[w] if warpgroups == len(ROLES) else f"WG{w}"] = rows
     return out
 
