@@ -56,11 +56,11 @@ class NumpyOps:
     """The operations of bf16_bits on uint32 numpy arrays (prmt with a zero second operand, as the kernel uses it)."""
 
     @staticmethod
-    def prmt(a, sel):
+    def prmt(a, sel, b=0):
         out = np.zeros_like(a)
-        for i in range(4):  # result byte i is byte (sel >> 4i) & 7 of (0 : a); selectors here are < 8 (no sign mode)
+        for i in range(4):  # result byte i is byte (sel >> 4i) & 7 of (b : a); selectors here are < 8 (no sign mode)
             src = (sel >> (4 * i)) & 0xF
-            byte = (a >> (8 * src)) & 0xFF if src < 4 else np.zeros_like(a)
+            byte = (a >> (8 * src)) & 0xFF if src < 4 else (np.uint32(b) >> np.uint32(8 * (src - 4))) & 0xFF
             out |= byte << (8 * i)
         return out
 
@@ -82,8 +82,8 @@ class _MlirOps:
     def c(self, v):
         return self.arith.constant(self.i32, v - (1 << 32) if v >= 1 << 31 else v)
 
-    def prmt(self, a, sel):
-        return self.utils.prmt(a, self.c(0), self.c(sel))
+    def prmt(self, a, sel, b=0):
+        return self.utils.prmt(a, self.c(b), self.c(sel))
 
     def and_(self, a, m):
         return self.arith.andi(a, self.c(m))

@@ -197,6 +197,7 @@ def mla_decode(
     pair=None,
     registers=None,
     qk8=False,
+    f16=None,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -213,7 +214,9 @@ def mla_decode(
     count is a multiple of 128; not in interpret mode). `registers` overrides the warpgroups' register split
     (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits. `qk8` (int8 caches, version
     3): Q.K on the int8 tensor cores, with the queries quantised per head here (`quantize_queries`: a scale per
-    head for each of the latent's halves and the rope, as the cache quantises each token).
+    head for each of the latent's halves and the rope, as the cache quantises each token). `f16` (int8 caches,
+    version 3 without qk8; default on there): the kernel converts the cache into fp16 rather than bf16 (KernelSpec.f16),
+    the queries too (in the kernel).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -230,11 +233,14 @@ def mla_decode(
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     heads = -(-h // BLOCK) * BLOCK
+    version = VERSION if version is None else version
+    if f16 is None:
+        f16 = quant and version == 3 and not qk8
     qs = None
     if qk8:  # [B, T, H, *] int8 and [B, T, 3, H] f32 scales: per head and part (the latent's halves A, B; rope)
         qn, qp, qs = quantize_queries(q_nope, q_pe)
-    else:
-        qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)  # no-ops for bf16 queries
+    else:  # (no-ops for bf16 queries; with f16 the kernel converts them)
+        qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)
     if heads != h:
         qn = jnp.pad(qn, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
@@ -267,12 +273,13 @@ def mla_decode(
         batch=0 if plan.mode == "dense" else b,
         slots=plan.slots,
         quant=quant,
-        version=VERSION if version is None else version,
+        version=version,
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(PAIR if pair is None else pair) and can_pair,
         registers=None if registers is None else mla_kernel.check_registers(registers),
         qk8=qk8,
+        f16=f16,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
     if plan.mode == "direct":

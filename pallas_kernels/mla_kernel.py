@@ -28,8 +28,9 @@ WG1, which would otherwise wait for P, converts each next block's B. Version 3 c
 exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
 conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
 s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
-which is the same attention as over the dequantised cache. Version 4 converts bf16(int8 * scale), as the reference
-dequantises.
+which is the same attention as over the dequantised cache. Without qk8 the parts, Q and P are fp16 rather than bf16
+(`KernelSpec.f16`): fp16 holds a byte whole, so the exact conversion takes half the instructions (int8_f16.py), and
+the leader converts Q in place after its TMA. Version 4 converts bf16(int8 * scale), as the reference dequantises.
 
 int8 Q.K (`KernelSpec.qk8`, version 3, opt-in: its queries are quantised too, and it pays only on long rows): the
 leader multiplies int8 queries (quantised per head by the wrapper, a scale for each part: the latent's halves A and B,
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.int8_f16 import to_f16
 from pallas_kernels.int_sums import MAGIC, MAGIC_F
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT, PADDING
 
@@ -86,6 +88,8 @@ REGISTERS = {
     (4, False, False): (232, 232, 40),
     (4, True, False): (216, 216, 72),
 }
+P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
+ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
 LAUNCH_REGISTERS = 168  # per thread at launch: 64 Ki registers over 3 x 128 threads, down to a multiple of 8
 
 
@@ -125,6 +129,14 @@ class KernelSpec:
     # Opt-in (HCFJAX_MLA_QK8 in the model): the queries' rounding adds error, and it pays only on long rows
     # (RESULTS.md, "int8 Q.K").
     qk8: bool = False
+    # int8 caches, version 3 without qk8 (the wrapper's default there): fp16 rather than bf16 for the converted
+    # cache, Q (converted in place by the leader) and P. fp16's mantissa holds a byte whole, so the latent's exact
+    # conversion is 1.25 operations a value instead of 2.5 (int8_f16.py). P goes to P.V as P x latent scale x
+    # P_SCALE (without it P would go subnormal for latent scales below ~1e-3), and 1/l takes P_SCALE out again. fp16's
+    # range (65504) bounds what is converted: the latent queries (|q| < 65504), the rope queries times ROPE_SHIFT
+    # (|q_pe| < 4094) and the rope's int8 times s_rope / s_latent / ROPE_SHIFT (s_rope / s_latent < 8256 per token).
+    # bf16 has no such bounds; RMS-normalised latents (DeepSeek's kv_a_layernorm) and rope keys sit far inside them.
+    f16: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -133,9 +145,15 @@ class KernelSpec:
             raise ValueError(f"qk8 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
         if self.qk8 and self.c // 2 > 256:  # an int8 part's sum must stay below 2^22 (MAGIC)
             raise ValueError(f"qk8 takes a latent of at most 512 columns, got {self.c}")
+        if self.f16 and not (self.quant and self.version == 3):
+            raise ValueError(f"f16 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
 
     def register_split(self) -> tuple[int, int, int]:
         return self.registers or REGISTERS[(self.version, self.quant, self.qk8)]
+
+    def compute_dtype(self):
+        """The dtype of the converted cache parts (and of Q without qk8, and of P)."""
+        return jnp.float16 if self.f16 else jnp.bfloat16
 
     def collective(self):
         return "pair" if self.pair else None
@@ -169,7 +187,8 @@ class _Ctx:
     ins: dict
     out: tuple  # (out, lse) or None
     part_out: tuple  # (partial out, partial lse) or None
-    q: tuple  # smem (latent [64, C], rope [64, R]): bf16, or int8 with qk8
+    q: tuple  # smem (latent [64, C], rope [64, R]): bf16, fp16 with f16, int8 with qk8
+    q_in: tuple  # where Q's TMAs land: q, or with f16 its bf16 view (the leader converts it in place: `load_q`)
     qs: object  # qk8: smem [3, 64] f32, the heads' scales of Q's parts (A, B, rope); else None
     o_smem: object  # [2, 64, C/2] output halves (aliases q)
     parts: tuple  # per part: bf16 [2, 64, w] (slot-major)
@@ -262,11 +281,18 @@ class _Ctx:
         q_bar = self.bars["q"]
         if issue:
             heads = pl.ds(self.h0, BLOCK)
-            plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q[0], q_bar.at[0])
-            plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q[1], q_bar.at[0])
+            plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q_in[0], q_bar.at[0])
+            plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q_in[1], q_bar.at[0])
             if self.spec.qk8:
                 plgpu.copy_gmem_to_smem(self.ins["qs"].at[self.b, self.t, :, heads], self.qs, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
+        if self.spec.f16:  # bf16 -> fp16 in place, a [64, 64] tile at a time (all of a tile read before it is written)
+            for src, dst, shift in zip(self.q_in, self.q, (1.0, ROPE_SHIFT), strict=True):
+                for j in range(src.shape[1] // 64):
+                    x = src.at[:, pl.ds(64 * j, 64)][...]
+                    plgpu.commit_smem()
+                    dst.at[:, pl.ds(64 * j, 64)][...] = (x * shift if shift != 1 else x).astype(dst.dtype)
+            plgpu.commit_smem()
 
     def store(self, acc, inv_l, w: int, lse=None):
         """Writes output half w (acc / l, bf16) and, when given, the lse, to the output or the partial slot."""
@@ -340,13 +366,17 @@ class _Ctx:
         scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=token)
         if self.spec.version == 3:  # rope: relative to the latent scale, which multiplies all of S
             scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
+            if self.spec.f16:  # (Q's rope part is ROPE_SHIFT times larger)
+                scale = scale * (1.0 / ROPE_SHIFT)
         scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
-        self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(jnp.bfloat16))
+        dtype = self.spec.compute_dtype()
+        self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(dtype))
 
     def convert_part(self, slot, p: int, convert=None, mark: bool = True):
         """Part p of `slot` from its landed int8 twin to bf16 in place, then (`mark`) marked loaded. The whole twin
         is read into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile ->
-        bf16 (default: exact, the scales applied to S and P; a few integer and bf16x2 ops per pair, no I2F)."""
+        bf16 or fp16 (default: exact, the scales applied to S and P; integer and bf16x2 or fp16x2 ops, no I2F: 2.5 a
+        value for bf16, 1.25 for fp16, int8_f16.py)."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -355,18 +385,24 @@ class _Ctx:
         tiles = [plgpu.load(twin.at[:, pl.ds(64 * j, 64)], layout=plgpu.Layout.WGMMA_8BIT) for j in range(w // 64)]
         plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the twin
         for j, x in enumerate(tiles):
-            dst.at[:, pl.ds(64 * j, 64)][...] = convert(x) if convert else x.astype(dst.dtype)
+            if convert is None:
+                y = to_f16(x, fast=not self.spec.interpret) if self.spec.f16 else x.astype(dst.dtype)
+            else:
+                y = convert(x)
+            dst.at[:, pl.ds(64 * j, 64)][...] = y
         plgpu.commit_smem()
         if mark:  # (False: the converting warpgroup is the part's only reader)
             plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
 
     def latent_scale(self, slot):
-        """int8, version 3: the block's latent scales as a row over S's key columns [64, 64] (zero scales as 1)."""
+        """int8, version 3: the block's latent scales as rows over S's key columns [64, 64]: (for P, times P_SCALE
+        with f16; for S, zero scales as 1)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         col = plgpu.Layout.WGMMA.reduce(0)
         sc = plgpu.load(self.scales.at[slot, 0], layout=col)
-        return lax.broadcast_in_dim(sc, (BLOCK, BLOCK_KV), [1]), lax.broadcast_in_dim(
+        sc_v = sc * P_SCALE if self.spec.f16 else sc
+        return lax.broadcast_in_dim(sc_v, (BLOCK, BLOCK_KV), [1]), lax.broadcast_in_dim(
             _nonzero(sc), (BLOCK, BLOCK_KV), [1]
         )
 
@@ -441,7 +477,7 @@ def _v3(ctx: _Ctx, wg, active):
                 # kernel"): qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
                 # argument, one FFMA a score (the max commutes with a positive scale exactly, so m and the lse are
                 # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
-                # it ran 1.2% slower). sm_scale > 0: KernelSpec checks.
+                # it ran 1.2% slower with bf16 parts). sm_scale > 0: KernelSpec checks.
                 if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
                     sc_v, sc_k = ctx.latent_scale(slot)
                     if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
@@ -472,6 +508,8 @@ def _v3(ctx: _Ctx, wg, active):
 
         acc, m, den = lax.fori_loop(0, ctx.n_steps, step, _init(half))
         inv_l, lse = _finish(m, den)
+        if spec.f16:  # P went out times P_SCALE
+            inv_l = inv_l * (1.0 / P_SCALE)
         ctx.rows.at[2][...] = inv_l
         plgpu.commit_smem()
         plgpu.barrier_arrive(bars["sig"].at[2])
@@ -734,7 +772,8 @@ def _kernel(spec: KernelSpec, *refs):
     rest = list(refs[len(names) :])
     out = (rest.pop(0), rest.pop(0)) if spec.batch else None
     part_out = (rest.pop(0), rest.pop(0)) if spec.slots else None
-    (((q_c, q_r), o_smem), parts, rows, scales, qs), bars = rest
+    ((q_views, parts, rows, scales, qs), bars) = rest
+    q_in, *q_f16, o_smem = q_views  # (with f16, Q's bf16 and fp16 views)
     if spec.quant:
         i8 = tuple(u[1] for u in parts)
         parts = tuple(u[0] for u in parts)
@@ -759,7 +798,8 @@ def _kernel(spec: KernelSpec, *refs):
         ins=ins,
         out=out,
         part_out=part_out,
-        q=(q_c, q_r),
+        q=tuple(q_f16[0]) if q_f16 else tuple(q_in),
+        q_in=tuple(q_in),
         qs=qs,
         o_smem=o_smem,
         parts=parts,
@@ -782,21 +822,24 @@ def smem_types(spec: KernelSpec):
     """(scratch buffers, barriers) of the attention kernel."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bf16 = jnp.bfloat16
+    bf16, cdt = jnp.bfloat16, spec.compute_dtype()
     t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     t64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
     if spec.qk8:  # int8 Q (64-byte rows per 64 columns, as the int8 blocks it meets in the wgmma)
-        q_parts = tuple(plgpu.SMEM((BLOCK, w), jnp.int8, transforms=t64) for w in (spec.c, spec.r))
-    else:
-        q_parts = tuple(plgpu.SMEM((BLOCK, w), bf16, transforms=t128) for w in (spec.c, spec.r))
+        q_parts = (tuple(plgpu.SMEM((BLOCK, w), jnp.int8, transforms=t64) for w in (spec.c, spec.r)),)
+    else:  # with f16: the bf16 Q as it lands, and the same bytes as fp16 once the leader has converted them
+        q_parts = tuple(
+            tuple(plgpu.SMEM((BLOCK, w), dt, transforms=t128) for w in (spec.c, spec.r))
+            for dt in ((bf16, cdt) if spec.f16 else (bf16,))
+        )
     q = plgpu.RefUnion(  # Q, then (after the last Q.K) the two output halves
-        q_parts,
+        *q_parts,
         plgpu.SMEM((2, BLOCK, spec.c // 2), bf16, transforms=t128),
     )
     parts = []
     for p in (A, B, R):
         w = spec.part(p)[1]
-        part = plgpu.SMEM((2, BLOCK_KV, w), bf16, transforms=t128)
+        part = plgpu.SMEM((2, BLOCK_KV, w), cdt, transforms=t128)
         if spec.quant:
             # The int8 twin [slot, 0] starts where bf16 slot `slot` starts ([slot, 1] is padding).
             part = plgpu.RefUnion(part, plgpu.SMEM((2, 2, BLOCK_KV, w), jnp.int8, transforms=t64))

@@ -143,6 +143,20 @@ def test_int8_kernel_matches_reference(version):
     )
 
 
+@pytest.mark.parametrize("lat,rope", [(1e-4, 1e-4), (1e-3, 1.0)])
+def test_int8_kernel_in_fp16_keeps_the_scales_range(lat, rope):
+    # Version 3 converts the int8 cache into fp16 (f16). Small scales: P times the latent scales would go subnormal
+    # without P_SCALE (rel 1.5e-2 at 1e-4 with P_SCALE = 1, against 1.9e-3). A rope scale 1000x the latent's: the rope
+    # part's values relative to the latent scale (127 x 1000) would overflow fp16 without ROPE_SHIFT (NaN). The
+    # softmax scale keeps the usual logits (the rope's, in the second case).
+    qn, qp, kv, sc, pt, lengths = make(5, [1, 150, 255], 1, 16, max_pages=4, quant=True)
+    sc, scale = sc * jnp.asarray([lat, rope]), C**-0.5 * 3 / rope
+    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True)
+    want, want_lse = float64_attention(qn, qp, kv, sc, pt, lengths, scale)
+    assert rel(np.asarray(out, np.float32), want) < 5e-3
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-3, atol=1e-2)
+
+
 def test_int8_qk_kernel_matches_reference():
     # qk8: Q.K from the landed int8 blocks and int8 queries (an int32 sum per part, both scales on S), the latent
     # converted after it while the next block loads; one unit of three blocks reuses a slot, an empty row has a

@@ -278,6 +278,21 @@ def test_unpack_bit_tricks_give_the_nibbles():
     np.testing.assert_array_equal(hi.view(np.int8).reshape(-1, 4), 16 * vals[:, 4:])
 
 
+def test_int8_to_f16_bit_trick_is_exact():
+    """The MLA kernel's int8 -> fp16 conversion (pallas_kernels/int8_f16.py), run on numpy through the same code the
+    kernel emits as MLIR: every int8 value, in every byte of a word, comes out as the fp16 bits of 1152 + v, so the
+    kernel's fp16x2 subtract of 1152 gives v exactly."""
+    from pallas_kernels.int4_unpack import NumpyOps
+    from pallas_kernels.int8_f16 import OFFSET, f16_bits
+
+    rand = np.random.default_rng(1).integers(0, 2**32, 4096, np.uint32)
+    r = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101, rand])  # every byte, then random words
+    words = f16_bits(r, NumpyOps)
+    halves = np.stack([w.view(np.uint16).reshape(-1, 2) for w in words], axis=1).reshape(-1, 4)  # bytes 0..3
+    got = halves.view(np.float16).astype(np.float64) - OFFSET
+    np.testing.assert_array_equal(got, r.view(np.int8).reshape(-1, 4).astype(np.float64))
+
+
 def _tiling(spec):
     """A test case's tiling: None (the default), "legacy", or Tiling's fields."""
     from pallas_kernels.moe_int4 import Tiling

@@ -88,6 +88,7 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     dtype, b, ctx, kind = parse_case(case)
     if dtype == "bf16" and "q" in version:
         raise ValueError(f"version {version} (qk8) needs an int8 cache, got case {case}")
+    os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
     os.environ["HCFJAX_MOSAIC_PROFILE"] = f"{where}:{ranges}"
     try:
