@@ -53,7 +53,8 @@ def int8_lo_bits(r, ops):
 
 
 class NumpyOps:
-    """The operations of bf16_bits on uint32 numpy arrays (prmt with a zero second operand, as the kernel uses it)."""
+    """The operations of bf16_bits and int8_f16.f16_bits on uint32 numpy arrays (prmt's second operand b supplies
+    bytes 4-7: zero for bf16_bits, 0x64 for f16_bits)."""
 
     @staticmethod
     def prmt(a, sel, b=0):

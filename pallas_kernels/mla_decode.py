@@ -23,9 +23,6 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, spl
 
 __all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]  # and the functions below
 
-# The kernel version `mla_decode` runs unless told (mla_kernel's docstring: 3 = leader/follower, 4 = seesaw).
-# 3: v4 measured 1.7x slower on the H200 (bench/RESULTS.md, 2026-11-30).
-VERSION = 3
 # Whether the two head tiles of a token run as a CTA pair that multicasts the cache (mla_kernel.KernelSpec.pair)
 # where the head count allows it: bf16 128 x 4096 342 -> 296 us, 64 x 16384 694 -> 602 us on the H200 (RESULTS.md).
 PAIR = True
@@ -53,11 +50,10 @@ def mla_decode_reference(
     num_sms=None,
     min_blocks_per_split=None,
     plan=None,
-    version=None,
     pair=None,
 ):
     """The same function as `mla_decode`, in plain jnp over the gathered cache (the XLA baseline)."""
-    del blocks_per_split, interpret, num_sms, min_blocks_per_split, plan, version, pair
+    del blocks_per_split, interpret, num_sms, min_blocks_per_split, plan, pair
     c = q_nope.shape[-1] if kv_lora_rank is None else kv_lora_rank
     b, t = q_nope.shape[:2]
     if layer is not None:
@@ -193,7 +189,6 @@ def mla_decode(
     num_sms=None,
     min_blocks_per_split=4,
     plan=None,
-    version=None,
     pair=None,
     registers=None,
     qk8=False,
@@ -209,14 +204,13 @@ def mla_decode(
     -> out [B, T, H, C] in q's dtype (and lse [B, T, H] f32).  `interpret` runs Mosaic GPU's interpreter (CPU tests).
 
     `plan` (from `mla_plan` with the same lengths, positions and shapes) skips building the work list; otherwise it
-    is built here from num_sms, min_blocks_per_split and blocks_per_split. `version` picks the kernel's schedule
-    (default VERSION), `pair` whether head tiles run in multicasting CTA pairs (default PAIR where the padded head
-    count is a multiple of 128; not in interpret mode). `registers` overrides the warpgroups' register split
-    (WG0, WG1, loader; default mla_kernel.REGISTERS), for benchmarks comparing splits. `qk8` (int8 caches, version
-    3): Q.K on the int8 tensor cores, with the queries quantised per head here (`quantize_queries`: a scale per
-    head for each of the latent's halves and the rope, as the cache quantises each token). `f16` (int8 caches,
-    version 3 without qk8; default on there): the kernel converts the cache into fp16 rather than bf16 (KernelSpec.f16),
-    the queries too (in the kernel).
+    is built here from num_sms, min_blocks_per_split and blocks_per_split. `pair`: whether head tiles run in
+    multicasting CTA pairs (default PAIR where the padded head count is a multiple of 128; not in interpret mode).
+    `registers` overrides the warpgroups' register split (WG0, WG1, loader; default mla_kernel.REGISTERS), for
+    benchmarks comparing splits. `qk8` (int8 caches): Q.K on the int8 tensor cores, with the queries quantised per
+    head here (`quantize_queries`: a scale per head for each of the latent's halves and the rope, as the cache
+    quantises each token). `f16` (int8 caches without qk8; default on there): the kernel converts the cache, and the
+    queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -233,9 +227,8 @@ def mla_decode(
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     heads = -(-h // BLOCK) * BLOCK
-    version = VERSION if version is None else version
     if f16 is None:
-        f16 = quant and version == 3 and not qk8
+        f16 = quant and not qk8
     qs = None
     if qk8:  # [B, T, H, *] int8 and [B, T, 3, H] f32 scales: per head and part (the latent's halves A, B; rope)
         qn, qp, qs = quantize_queries(q_nope, q_pe)
@@ -273,7 +266,6 @@ def mla_decode(
         batch=0 if plan.mode == "dense" else b,
         slots=plan.slots,
         quant=quant,
-        version=version,
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(PAIR if pair is None else pair) and can_pair,

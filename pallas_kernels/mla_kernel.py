@@ -4,35 +4,31 @@ wrapper, mla_schedule.py builds its work list, mla_merge.py merges the rows it s
 Attention: one CTA = 64 heads of one query token over one work unit (a row's block range), three warpgroups: WG0
 and WG1 compute, WG2 loads. A cache block (64 tokens) sits in one of two smem slots, as three parts with a barrier
 each: A = latent columns [0, C/2), B = [C/2, C), R = rope columns [C, C+R). A and B are V's two column halves; R is
-dead after Q.K and holds the block's softmax P (bf16 [64, 64], the same 128-byte swizzle as V, which wgmma wants).
+dead after Q.K and holds the block's softmax P ([64, 64] in the MMAs' 16-bit type, the same 128-byte swizzle as V,
+which wgmma wants).
 Q sits in smem as its latent and rope parts (two TMAs straight from q_nope and q_pe); the output halves reuse it.
 The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512: WG0 owns O[:, :C/2], WG1 O[:, C/2:].
 
-version 3 (leader): WG0 computes S = Q.K^T for every block, the online softmax, writes P and the row rescale, and
-  updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of the MMA work and all of
-  the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it converts: below). A
-  slot is reloaded once both have released it.
-version 4 (seesaw): blocks go in pairs, block 2j in slot 0 and 2j+1 in slot 1. Each warpgroup computes S for its own
-  block of the pair (both Q.K run at once) and the softmax of it; the running max goes WG0 -> WG1 (m0) -> WG0 (m1),
-  so WG1's P1 is relative to the pair's max and WG0 rescales its P0 once more (a 64 x 64 multiply) before handing
-  it over. Each warpgroup multiplies both blocks' P into its own half of O. The MMA work is split evenly and one
-  warpgroup's softmax overlaps the other's MMAs. Each slot part is released as soon as its last reader is done
-  (slot 0's A after WG0's first P.V, slot 1's B after WG1's), and the loader refills parts in that order, so the
-  next pair's loads start in the middle of this one; Q.K then walks the parts in arrival order.
+The schedule (version 3, leader and follower): WG0 computes S = Q.K^T for every block, the online softmax, writes P
+and the row rescale, and updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of
+the MMA work and all of the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it
+converts: below). A slot is reloaded once both have released it. (Version 4, a seesaw over pairs of blocks that
+split the MMAs evenly, measured 1.7x slower on the H200 and was removed on 2026-12-01: NOTES.md "v4", commit 9eb5a3e.)
 
-int8 caches: the loader TMA-loads the int8 part into the bf16 part's own bytes (a RefUnion: nothing else is free in
-smem beside Q and two bf16 slots); its converter reads all of it into registers, and only then writes the bf16 part,
+int8 caches: the loader TMA-loads the int8 part into the 16-bit part's own bytes (a RefUnion: nothing else is free in
+smem beside Q and two 16-bit slots); its converter reads all of it into registers, and only then writes the 16-bit
+part,
 so the overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
-Q.K instead: below). The converter is the loader, except in version 3 without qk8 for the second latent half (B):
-WG1, which would otherwise wait for P, converts each next block's B. Version 3 converts the latent parts
+Q.K instead: below). The converter is the loader, except without qk8 for the second latent half (B): WG1, which
+would otherwise wait for P, converts each next block's B. The latent parts are converted
 exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
 conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
 s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
 which is the same attention as over the dequantised cache. Without qk8 the parts, Q and P are fp16 rather than bf16
 (`KernelSpec.f16`): fp16 holds a byte whole, so the exact conversion takes half the instructions (int8_f16.py), and
-the leader converts Q in place after its TMA. Version 4 converts bf16(int8 * scale), as the reference dequantises.
+the leader converts Q in place after its TMA.
 
-int8 Q.K (`KernelSpec.qk8`, version 3, opt-in: its queries are quantised too, and it pays only on long rows): the
+int8 Q.K (`KernelSpec.qk8`, opt-in: its queries are quantised too, and it pays only on long rows): the
 leader multiplies int8 queries (quantised per head by the wrapper, a scale for each part: the latent's halves A and B,
 the rope) with the landed int8 block on the int8 tensor cores, an int32 accumulator per part started at MAGIC
 (int_sums.py), and applies the scales (three per head, two per token) to S. Only then is the block's latent (V)
@@ -69,7 +65,6 @@ _LN2 = math.log(2.0)
 # end clock per warpgroup (python -m pallas_kernels.bench.timeline).
 scope = jax.named_scope
 A, B, R = 0, 1, 2  # slot parts
-M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute warpgroups
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
 # launch; asking for 512 left setmaxnreg waiting forever on the H200). An int8 converter holds a part in registers.
 # v3's splits are ptxas's (the SASS of the H=128 kernel, NOTES.md "MLA: the leader's spills"): at (232, 232, 40) the
@@ -81,12 +76,10 @@ M0, M1, P0, P1, L0, L1 = range(6)  # version 4's signals between the compute war
 # with WG1 converting one; (256, 184, 64) spills less and ran 369. The int8 split was chosen before WG1 took over
 # the second latent half's conversion (2026-12-01: WG1 now holds an int8 tile beside its half of O, the loader
 # converts less); it has not been re-read or re-timed since.
-REGISTERS = {
-    (3, False, False): (256, 208, 40),
-    (3, True, False): (248, 176, 80),
-    (3, True, True): (256, 176, 72),
-    (4, False, False): (232, 232, 40),
-    (4, True, False): (216, 216, 72),
+REGISTERS = {  # by (int8 cache, qk8)
+    (False, False): (256, 208, 40),
+    (True, False): (248, 176, 80),
+    (True, True): (256, 176, 72),
 }
 P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
 ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
@@ -115,7 +108,6 @@ class KernelSpec:
     batch: int  # rows of the direct output (0: no unit writes it)
     slots: int  # rows of the partial output (0: none)
     quant: bool
-    version: int
     sm_scale: float
     interpret: bool
     # Run the two head tiles of a query token as a cluster of two CTAs that multicast each cache block into both
@@ -123,33 +115,36 @@ class KernelSpec:
     # of head tiles; GPU interpret mode has no multicast copies.
     pair: bool = False
     registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
-    # int8 caches, version 3: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
+    # int8 caches: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
     # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; only the latent (V) is
     # converted to bf16, after the block's Q.K, beside the leader's softmax (half by the loader, half by WG1).
     # Opt-in (HCFJAX_MLA_QK8 in the model): the queries' rounding adds error, and it pays only on long rows
     # (RESULTS.md, "int8 Q.K").
     qk8: bool = False
-    # int8 caches, version 3 without qk8 (the wrapper's default there): fp16 rather than bf16 for the converted
+    # int8 caches without qk8 (the wrapper's default there): fp16 rather than bf16 for the converted
     # cache, Q (converted in place by the leader) and P. fp16's mantissa holds a byte whole, so the latent's exact
     # conversion is 1.25 operations a value instead of 2.5 (int8_f16.py). P goes to P.V as P x latent scale x
     # P_SCALE (without it P would go subnormal for latent scales below ~1e-3), and 1/l takes P_SCALE out again. fp16's
     # range (65504) bounds what is converted: the latent queries (|q| < 65504), the rope queries times ROPE_SHIFT
-    # (|q_pe| < 4094) and the rope's int8 times s_rope / s_latent / ROPE_SHIFT (s_rope / s_latent < 8256 per token).
+    # (|q_pe| < 4094), the rope's int8 times s_rope / s_latent / ROPE_SHIFT (s_rope / s_latent < 8252 per token) and
+    # P x s_latent x P_SCALE (s_latent < 255, latent values below ~32,000). Not with qk8 (fp16 measured slower there).
     # bf16 has no such bounds; RMS-normalised latents (DeepSeek's kv_a_layernorm) and rope keys sit far inside them.
     f16: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
             raise ValueError(f"sm_scale must be positive, got {self.sm_scale}")
-        if self.qk8 and not (self.quant and self.version == 3):
-            raise ValueError(f"qk8 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
+        if self.qk8 and not self.quant:
+            raise ValueError("qk8 needs an int8 cache")
         if self.qk8 and self.c // 2 > 256:  # an int8 part's sum must stay below 2^22 (MAGIC)
             raise ValueError(f"qk8 takes a latent of at most 512 columns, got {self.c}")
-        if self.f16 and not (self.quant and self.version == 3):
-            raise ValueError(f"f16 needs an int8 cache and version 3 (quant {self.quant}, version {self.version})")
+        if self.f16 and not self.quant:
+            raise ValueError("f16 needs an int8 cache")
+        if self.f16 and self.qk8:  # (qk8's queries are int8; its latent measured slower in fp16)
+            raise ValueError("f16 and qk8 do not go together")
 
     def register_split(self) -> tuple[int, int, int]:
-        return self.registers or REGISTERS[(self.version, self.quant, self.qk8)]
+        return self.registers or REGISTERS[(self.quant, self.qk8)]
 
     def compute_dtype(self):
         """The dtype of the converted cache parts (and of Q without qk8, and of P)."""
@@ -191,9 +186,9 @@ class _Ctx:
     q_in: tuple  # where Q's TMAs land: q, or with f16 its bf16 view (the leader converts it in place: `load_q`)
     qs: object  # qk8: smem [3, 64] f32, the heads' scales of Q's parts (A, B, rope); else None
     o_smem: object  # [2, 64, C/2] output halves (aliases q)
-    parts: tuple  # per part: bf16 [2, 64, w] (slot-major)
-    i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the bf16 parts (int8 caches), else None
-    rows: object  # [6, 64] f32 row vectors handed between warpgroups
+    parts: tuple  # per part: bf16 or fp16 (f16) [2, 64, w] (slot-major)
+    i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the 16-bit parts (int8 caches), else None
+    rows: object  # [4, 64] f32 row vectors handed between warpgroups
     scales: object  # [2, 2, 64] f32 int8 scales per slot, or None
     bars: dict
     b: object
@@ -286,7 +281,7 @@ class _Ctx:
             if self.spec.qk8:
                 plgpu.copy_gmem_to_smem(self.ins["qs"].at[self.b, self.t, :, heads], self.qs, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
-        if self.spec.f16:  # bf16 -> fp16 in place, a [64, 64] tile at a time (all of a tile read before it is written)
+        if self.spec.f16:  # bf16 -> fp16 in place, a [64, 64] tile at a time (all of it read, then written)
             for src, dst, shift in zip(self.q_in, self.q, (1.0, ROPE_SHIFT), strict=True):
                 for j in range(src.shape[1] // 64):
                     x = src.at[:, pl.ds(64 * j, 64)][...]
@@ -304,7 +299,7 @@ class _Ctx:
         o_half = self.o_smem.at[w]
         o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
         if lse is not None:
-            self.rows.at[5][...] = lse
+            self.rows.at[3][...] = lse
         plgpu.commit_smem()
         targets = []
         if self.out is not None:
@@ -317,7 +312,7 @@ class _Ctx:
             def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
                 plgpu.copy_smem_to_gmem(o_half, o_ref.at[idx, self.t, heads, cols])
                 if lse is not None:
-                    plgpu.copy_smem_to_gmem(self.rows.at[5], l_ref.at[idx, self.t, heads])
+                    plgpu.copy_smem_to_gmem(self.rows.at[3], l_ref.at[idx, self.t, heads])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -350,8 +345,8 @@ class _Ctx:
             )
 
     def finish(self, slot, p: int, scales: bool):
-        """int8: converts the landed part p into bf16 in place and marks it loaded (`convert_part`; bf16: nothing to
-        do)."""
+        """int8: converts the landed part p into bf16 or fp16 in place and marks it loaded (`convert_part`; a bf16
+        cache: nothing to do)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         if not self.spec.quant:
@@ -359,24 +354,24 @@ class _Ctx:
         if scales:
             plgpu.barrier_wait(self.bars["sc"].at[slot])
         plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
-        if self.spec.version == 3 and p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
+        if p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
             self.convert_part(slot, p)
             return
         token = plgpu.Layout.WGMMA.reduce(1)
-        scale = plgpu.load(self.scales.at[slot, 1 if p == R else 0], layout=token)
-        if self.spec.version == 3:  # rope: relative to the latent scale, which multiplies all of S
-            scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
-            if self.spec.f16:  # (Q's rope part is ROPE_SHIFT times larger)
-                scale = scale * (1.0 / ROPE_SHIFT)
+        # the rope relative to the latent scale, which multiplies all of S
+        scale = plgpu.load(self.scales.at[slot, 1], layout=token)
+        scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
+        if self.spec.f16:  # (Q's rope part is ROPE_SHIFT times larger)
+            scale = scale * (1.0 / ROPE_SHIFT)
         scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
         dtype = self.spec.compute_dtype()
         self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(dtype))
 
     def convert_part(self, slot, p: int, convert=None, mark: bool = True):
-        """Part p of `slot` from its landed int8 twin to bf16 in place, then (`mark`) marked loaded. The whole twin
-        is read into registers before any bf16 store, since the twin overlays the part's bytes. convert: int8 tile ->
-        bf16 or fp16 (default: exact, the scales applied to S and P; integer and bf16x2 or fp16x2 ops, no I2F: 2.5 a
-        value for bf16, 1.25 for fp16, int8_f16.py)."""
+        """Part p of `slot` from its landed int8 twin to bf16 or fp16 in place, then (`mark`) marked loaded. The whole
+        twin is read into registers before any 16-bit store, since the twin overlays the part's bytes. convert: int8
+        tile -> bf16 or fp16 (default: exact, the scales applied to S and P; integer and bf16x2 or fp16x2 ops, no I2F:
+        2.5 a value for bf16, 1.25 for fp16, int8_f16.py)."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -395,7 +390,7 @@ class _Ctx:
             plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
 
     def latent_scale(self, slot):
-        """int8, version 3: the block's latent scales as rows over S's key columns [64, 64]: (for P, times P_SCALE
+        """int8: the block's latent scales as rows over S's key columns [64, 64]: (for P, times P_SCALE
         with f16; for S, zero scales as 1)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -443,7 +438,7 @@ def _init(half):
 
 
 def _v3(ctx: _Ctx, wg, active):
-    """Version 3: WG0 computes every block's scores and softmax; WG1 follows with the other output half (and, int8,
+    """WG0 computes every block's scores and softmax; WG1 follows with the other output half (and, int8,
     converts the latent's second half: the next block's, or with qk8 this block's after its Q.K)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -602,169 +597,6 @@ def _v3(ctx: _Ctx, wg, active):
             plgpu.barrier_wait(bars["consumed"].at[lax.rem(i, 2)])
 
 
-def _slots(j):
-    """Slots 0 and 1 as values traced in the loop body: a constant index into a ref that pl.run_state closes over
-    lowers to a Python int where Mosaic wants an MLIR value (NOTES.md, int4 MoE item 1)."""
-    zero = j - j
-    return zero, zero + 1
-
-
-def _v4(ctx: _Ctx, wg, active):
-    """Version 4: the seesaw over pairs of blocks (module docstring). Barrier protocol per pair j (blocks 2j in slot 0,
-    2j+1 in slot 1; `has1` when 2j+1 exists):
-      WG0: S0 (parts A, B, R) -> m0 -> [M0] -> P0 into 0.R -> O_L += P0 V0_L -> release 0.A -> wait [M1] ->
-           P0 *= 2^(m0 - m1) into 0.R -> [P0] -> (has1: wait [P1] -> O_L += P1 V1_L -> release 1.A, 1.R)
-      WG1: (has1: S1 (parts B, A, R)) -> wait [M0] -> m1 -> [M1] -> (has1: P1 into 1.R -> [P1] -> O_R += P1 V1_R ->
-           release 1.B) -> wait [P0] -> O_R += P0 V0_R -> release 0.B, 0.R
-    Every release has one arrival: 0.R and 0.B are last read by WG1 after WG0 is done with them ([P0] orders it),
-    1.A by WG0 after WG1 ([P1]); 1.R is read by both, and the loader reloads it only after 1.B, which WG1 releases
-    after its last use of 1.R. A warpgroup waits on the load barrier of every part it reads."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    spec, bars = ctx.spec, ctx.bars
-    half = spec.c // 2
-    row = plgpu.Layout.WGMMA.reduce(1)
-    regs = spec.register_split()
-    sig, full, consumed = bars["sig"], bars["full"], bars["consumed"]
-    b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
-    n_pairs = lax.div(ctx.n_steps, 2)  # pairs with both blocks; one more with block 2j alone when n_steps is odd
-    odd = lax.rem(ctx.n_steps, 2)
-
-    def publish(r, x, signal):
-        ctx.rows.at[r][...] = x
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(sig.at[signal])
-
-    def pv_other(acc, signal, slot, z, part):
-        """The other warpgroup's P (staged in slot's rope part, once `signal` says so) times this warpgroup's half
-        `part` of the slot's latent, then both parts released."""
-        plgpu.barrier_wait(sig.at[signal])
-        plgpu.barrier_wait(full.at[slot * 3 + part])
-        plgpu.barrier_wait(full.at[slot * 3 + R])
-        acc = _pv(acc, ctx.parts[R].at[z], ctx.parts[part].at[z], spec.interpret)
-        plgpu.barrier_arrive(consumed.at[slot * 3 + part])
-        plgpu.barrier_arrive(consumed.at[slot * 3 + R])
-        return acc
-
-    def exchange_l(w, m, den):
-        publish(2 + w, den, L0 + w)
-        plgpu.barrier_wait(sig.at[L1 - w])
-        return _finish(m, den + plgpu.load(ctx.rows.at[2 + (1 - w)], layout=row))
-
-    @pl.when(jnp.logical_and(wg == 0, active))
-    def _wg0():
-        plgpu.set_max_registers(regs[0], action="increase")
-        ctx.load_q(issue=True)
-
-        def pair(j, carry, has1: bool):
-            acc, m, den = carry
-            z0, z1 = _slots(j)
-            s = ctx.masked(ctx.scores(0, (A, B, R)), 2 * j)
-            m0 = jnp.maximum(m, s.max(axis=1))
-            p = jnp.exp2(s - b(m0, s.shape))
-            a0 = jnp.exp2(m - m0)
-            publish(0, m0, M0)
-            p_smem = ctx.parts[R].at[z0]
-            p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
-            den = den * a0 + p.sum(axis=1)
-            acc = _pv(acc * b(a0, acc.shape), p_smem, ctx.parts[A].at[z0], spec.interpret)
-            plgpu.barrier_arrive(consumed.at[0 * 3 + A])
-            plgpu.barrier_wait(sig.at[M1])
-            m1 = plgpu.load(ctx.rows.at[1], layout=row)
-            s1 = jnp.exp2(m0 - m1)
-            p_smem[...] = (p * b(s1, p.shape)).astype(p_smem.dtype)  # P0 relative to the pair's max, for WG1
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(sig.at[P0])
-            acc, den = acc * b(s1, acc.shape), den * s1
-            if has1:
-                acc = pv_other(acc, P1, 1, z1, A)
-            return acc, m1, den
-
-        carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
-        acc, m, den = lax.fori_loop(0, odd, lambda _, c: pair(n_pairs, c, has1=False), carry)
-        inv_l, lse = exchange_l(0, m, den)
-        ctx.store(acc, inv_l, 0, lse)
-
-    @pl.when(jnp.logical_and(wg == 1, active))
-    def _wg1():
-        plgpu.set_max_registers(regs[1], action="increase")
-        ctx.load_q(issue=False)
-
-        def pair(j, carry, has1: bool):
-            acc, m, den = carry
-            z0, z1 = _slots(j)
-            if has1:
-                s = ctx.masked(ctx.scores(1, (B, A, R)), 2 * j + 1)
-            plgpu.barrier_wait(sig.at[M0])
-            m0 = plgpu.load(ctx.rows.at[0], layout=row)
-            m1 = jnp.maximum(m0, s.max(axis=1)) if has1 else m0
-            publish(1, m1, M1)
-            a1 = jnp.exp2(m - m1)
-            acc, den = acc * b(a1, acc.shape), den * a1
-            if has1:
-                p = jnp.exp2(s - b(m1, s.shape))
-                p_smem = ctx.parts[R].at[z1]
-                p_smem[...] = p.astype(p_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sig.at[P1])
-                den = den + p.sum(axis=1)
-                acc = _pv(acc, p_smem, ctx.parts[B].at[z1], spec.interpret)
-                plgpu.barrier_arrive(consumed.at[1 * 3 + B])
-            acc = pv_other(acc, P0, 0, z0, B)
-            return acc, m1, den
-
-        carry = lax.fori_loop(0, n_pairs, functools.partial(pair, has1=True), _init(half))
-        acc, m, den = lax.fori_loop(0, odd, lambda _, c: pair(n_pairs, c, has1=False), carry)
-        inv_l, _ = exchange_l(1, m, den)
-        ctx.store(acc, inv_l, 1)
-
-    @pl.when(jnp.logical_and(wg == 2, active))
-    def _loader():
-        plgpu.set_max_registers(regs[2], action="decrease")
-        # Parts in the order the previous pair releases them.
-        order = ((0, A), (1, B), (0, B), (0, R), (1, A), (1, R))
-
-        def load_pair(j, has1: bool):
-            # One part's TMA ahead of the previous part's int8 conversion.
-            todo = [(slot, p) for slot, p in order if slot == 0 or has1]
-            for k, (slot, p) in enumerate(todo):
-                first = p == (A, B)[slot]  # each slot's first part brings the block's int8 scales
-
-                @pl.when(j >= 1)
-                def _(slot=slot, p=p):
-                    plgpu.barrier_wait(consumed.at[slot * 3 + p])
-
-                ctx.issue(2 * j + slot, slot, p, scales=first)
-                if first:
-                    ctx.prefetch(2 * j + slot + 2)
-                if k:
-                    prev = todo[k - 1]
-                    ctx.finish(*prev, scales=prev[1] == (A, B)[prev[0]])
-            last = todo[-1]
-            ctx.finish(*last, scales=last[1] == (A, B)[last[0]])
-
-        @pl.loop(0, n_pairs)
-        def _(j):
-            load_pair(j, True)
-
-        @pl.loop(0, odd)
-        def _(_):
-            load_pair(n_pairs, False)
-
-        # The last pair's releases (every earlier one was waited on before reloading the part).
-        @pl.when(ctx.n_steps >= 1)
-        def _():
-            for p in (A, B, R):
-                plgpu.barrier_wait(consumed.at[0 * 3 + p])
-
-        @pl.when(ctx.n_steps >= 2)
-        def _():
-            for p in (A, B, R):
-                plgpu.barrier_wait(consumed.at[1 * 3 + p])
-
-
 def _kernel(spec: KernelSpec, *refs):
     names = ["q_nope", "q_pe"] + (["qs"] if spec.qk8 else []) + ["kv"] + (["sc", "pts"] if spec.quant else [])
     names += ["pt", "vis", "work"]
@@ -815,7 +647,7 @@ def _kernel(spec: KernelSpec, *refs):
         n_steps=n_steps,
         dest=dest,
     )
-    (_v3 if spec.version == 3 else _v4)(ctx, wg, dest != PADDING)
+    _v3(ctx, wg, dest != PADDING)
 
 
 def smem_types(spec: KernelSpec):
@@ -841,21 +673,17 @@ def smem_types(spec: KernelSpec):
         w = spec.part(p)[1]
         part = plgpu.SMEM((2, BLOCK_KV, w), cdt, transforms=t128)
         if spec.quant:
-            # The int8 twin [slot, 0] starts where bf16 slot `slot` starts ([slot, 1] is padding).
+            # The int8 twin [slot, 0] starts where 16-bit slot `slot` starts ([slot, 1] is padding).
             part = plgpu.RefUnion(part, plgpu.SMEM((2, 2, BLOCK_KV, w), jnp.int8, transforms=t64))
         parts.append(part)
     smem = (
         q,
         tuple(parts),
-        plgpu.SMEM((6, BLOCK), jnp.float32),  # row vectors: v3 alpha per slot, 1/l; v4 m0, m1, l0, l1; lse staging
+        plgpu.SMEM((4, BLOCK), jnp.float32),  # row vectors: alpha per slot, 1/l, lse staging
         plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
         plgpu.SMEM((3, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head and part (A, B, rope)
     )
-    consumed = (
-        plgpu.Barrier(num_arrivals=2, num_barriers=2)  # v3: both warpgroups release the whole slot
-        if spec.version == 3
-        else plgpu.Barrier(num_barriers=6)  # v4: per part, one arrival each
-    )
+    consumed = plgpu.Barrier(num_arrivals=2, num_barriers=2)  # both warpgroups release the whole slot
     if spec.pair:  # a slot is refilled (in both CTAs, by multicast) once both CTAs' readers have released it
         consumed = plgpu.ClusterBarrier(
             collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals
@@ -864,7 +692,7 @@ def smem_types(spec: KernelSpec):
         plgpu.Barrier(num_arrivals=3 if spec.qk8 else 2, num_barriers=1),  # Q: latent and rope copies (qk8: scales)
         plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
         consumed,
-        plgpu.Barrier(num_barriers=6),  # v3: P ready per slot, 1/l; v4: M0, M1, P0, P1, L0, L1
+        plgpu.Barrier(num_barriers=3),  # P ready per slot, 1/l
     ]
     if spec.quant:
         bars += [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2)]  # int8 part TMAs, scales per slot

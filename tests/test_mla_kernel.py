@@ -105,7 +105,6 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-3, atol=max(1e-2, 1.5 * ref_err))
 
 
-@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize(
     "lengths,t,h,kw",
     [
@@ -113,12 +112,12 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
         ([1, 150, 192], 1, 16, dict(num_sms=8, min_blocks_per_split=1, mode="dense")),
         # 80 heads: two head tiles, the second padded; default schedule: one unit per row, written directly
         ([97, 200], 1, 80, dict(mode="direct")),
-        # T=3, causal within the new tokens; fixed 3-block splits: version 4's pairs end on a lone block
+        # T=3, causal within the new tokens; fixed 3-block splits: a unit's third block reuses its first's slot
         ([3, 250], 3, 32, dict(blocks_per_split=3, mode="dense")),
     ],
 )
-def test_kernel_matches_reference(lengths, t, h, kw, version):
-    check_kernel(len(lengths) * 10 + t, lengths, t, h, max_pages=4, version=version, **kw)
+def test_kernel_matches_reference(lengths, t, h, kw):
+    check_kernel(len(lengths) * 10 + t, lengths, t, h, max_pages=4, **kw)
 
 
 def test_batch_1_long_context_splits_over_the_chip():
@@ -134,13 +133,12 @@ def test_ragged_batch_of_mixed_lengths():
     check_kernel(37, lengths, 1, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
 
 
-@pytest.mark.parametrize("version", [3, 4])
-def test_int8_kernel_matches_reference(version):
-    # The loader converts each part in place (the int8 twin overlays the bf16 part); version 3 leaves the latent
-    # unscaled and scales S and P per token, where a zero latent scale must not zero the rope's share of S.
-    check_kernel(
-        13, [1, 150, 255], 1, 16, max_pages=4, quant=True, version=version, blocks_per_split=3, zero_latent=True
-    )
+@pytest.mark.parametrize("f16", [True, False])
+def test_int8_kernel_matches_reference(f16):
+    # The loader and WG1 convert each part in place (the int8 twin overlays the 16-bit part), into fp16 (the
+    # default) or bf16; the latent is left unscaled and S and P are scaled per token, where a zero latent scale must
+    # not zero the rope's share of S.
+    check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, f16=f16, blocks_per_split=3, zero_latent=True)
 
 
 @pytest.mark.parametrize("lat,rope", [(1e-4, 1e-4), (1e-3, 1.0)])
@@ -161,7 +159,7 @@ def test_int8_qk_kernel_matches_reference():
     # qk8: Q.K from the landed int8 blocks and int8 queries (an int32 sum per part, both scales on S), the latent
     # converted after it while the next block loads; one unit of three blocks reuses a slot, an empty row has a
     # unit of none. Checked against the attention of the per-head quantised queries.
-    kw = dict(quant=True, version=3, blocks_per_split=3, zero_latent=True, qk8=True)
+    kw = dict(quant=True, blocks_per_split=3, zero_latent=True, qk8=True)
     check_kernel(17, [1, 150, 0], 1, 16, max_pages=3, **kw)
 
 
@@ -356,13 +354,15 @@ def test_wrapper_rejects_bad_inputs(kwargs, match):
     assert not M.kernel_applies(*args[:5], kw["scales"])
 
 
-def test_int8_qk_needs_an_int8_cache_and_version_3():
+def test_int8_qk_and_f16_need_an_int8_cache():
     args, kw = _args()
     with pytest.raises(ValueError, match="qk8 needs an int8 cache"):
         M.mla_decode(*args, **kw, interpret=True, qk8=True)
+    with pytest.raises(ValueError, match="f16 needs an int8 cache"):
+        M.mla_decode(*args, **kw, interpret=True, f16=True)
     args, kw = _args(dtype=jnp.int8, scales=jnp.ones((4, PAGE, 2), jnp.float32))
-    with pytest.raises(ValueError, match="version 3"):
-        M.mla_decode(*args, **kw, interpret=True, qk8=True, version=4)
+    with pytest.raises(ValueError, match="f16 and qk8"):
+        M.mla_decode(*args, **kw, interpret=True, qk8=True, f16=True)
 
 
 def test_kernel_needs_a_positive_softmax_scale():
@@ -379,21 +379,20 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor,version,pair",
+    "b,ctx,dtype,layer,minor,qk8,pair",
     [
-        (128, 4096, "bf16", False, False, 3, None),
-        (128, 4096, "bf16", False, False, 4, None),
-        (4, 4096, "int8", True, True, 4, None),
-        (2, 256, "int8", True, False, 3, None),
-        (32, 4096, "bf16", False, False, 3, False),
-        (128, 4096, "int8", False, False, "3-qk8", None),  # int8 Q.K: int8 Q in smem, three int32 accumulators
+        (128, 4096, "bf16", False, False, False, None),
+        (4, 4096, "int8", True, True, False, None),
+        (2, 256, "int8", True, False, False, None),
+        (32, 4096, "bf16", False, False, False, False),
+        (128, 4096, "int8", False, False, True, None),  # int8 Q.K: int8 Q in smem, three int32 accumulators
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair, monkeypatch):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, monkeypatch):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
     # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
     # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
-    # those: the lowering and the bench's device checks are their tests). Version 3's loops must open the named
+    # those: the lowering and the bench's device checks are their tests). The kernel's loops must open the named
     # regions bench.timeline reads (the profiler's host callback does not lower on a CPU, so its regions are
     # recorded here as the lowering opens them).
     import contextlib
@@ -421,19 +420,15 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, version, pair, mo
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        ver, qk8 = (3, True) if version == "3-qk8" else (version, False)
-        return M.mla_decode(
-            qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, version=ver, pair=pair, qk8=qk8
-        )
+        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, pair=pair, qk8=qk8)
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
     assert "mosaic_gpu" in text
     assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
-    if version != 4:
-        want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
-        want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
-        want |= {"wait_v", "wait_qk", "mma", "scale"} if version != 3 else set()
-        assert want <= regions, want - regions
+    want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
+    want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
+    want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else set()
+    assert want <= regions, want - regions
 
 
 def test_register_splits_fit_the_cta():
@@ -450,9 +445,11 @@ def test_register_splits_fit_the_cta():
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="register split"):  # checked before anything runs
         M.mla_decode(*args, **kw, interpret=True, registers=(256, 256, 40))
-    assert parse_version("3p@232/232/40") == (3, True, (232, 232, 40), False)
-    assert parse_version("4") == (4, None, None, False)
-    assert parse_version("3pq") == (3, True, None, True)
+    assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False)
+    assert parse_version("3") == (None, None, False)
+    assert parse_version("3pq") == (True, None, True)
+    with pytest.raises(ValueError, match="version 4 was removed"):
+        parse_version("4")
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

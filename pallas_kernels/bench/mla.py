@@ -1,7 +1,7 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
     python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,...] [--reps 20]
-                                       [--versions 3,4] [--device-time | --kernel-time] [--rounds N]
+                                       [--versions 3p,3pq] [--device-time | --kernel-time] [--rounds N]
 
 H=128, C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
@@ -22,19 +22,19 @@ FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the s
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
 
---versions times each kernel version (mla_kernel: 3 = leader/follower, 4 = seesaw; a p or n suffix runs it with or
-without paired head tiles, the multicast cluster; a q suffix, int8 rows only, runs Q.K on int8 tensor cores,
-mla_decode's qk8; "@256/208/40" with that register split of WG0/WG1/loader, e.g.
-3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run compares them. A version
-other than 3 is first run on three small shapes in a child process with a timeout: a kernel that hangs there is
-dropped from the run instead of hanging it. --rounds N times each case's kernel rows N times, interleaved, and
-keeps each row's best (the H200's times of one call vary between runs; side-by-side versions should see the same
-spells). --min-blocks sets the smallest work unit
-in 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all,
-e.g. batch 1 x 4096). "kernel us" is the kernel given a plan built beforehand (what every layer costs: the model
-makes one plan per forward; FlashInfer's column excludes its plan() the same way, and "vs FlashInfer" is its time
-over ours); "call us" also makes the plan inside the call, and "plan us" is the plan alone. Before 2026-11-30 the
-tables' "kernel us" was the call with its plan, and "w/ plan us" the kernel given its plan.
+--versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version since the
+seesaw v4 was removed on 2026-12-01; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
+a q suffix, int8 rows only, runs Q.K on int8 tensor cores, mla_decode's qk8; "@256/208/40" with that register split of
+WG0/WG1/loader, e.g. 3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run
+compares them. A variant other than 3 and 3n is first run on three small shapes in a child process with a timeout: a
+kernel that hangs there is dropped from the run instead of hanging it. --rounds N times each case's kernel rows N
+times, interleaved, and keeps each row's best (the H200's times of one call vary between runs; side-by-side variants
+should see the same spells). --min-blocks sets the smallest work unit in 64-token blocks (it decides the split only
+when the batch has fewer than num_sms / 2 x min_blocks blocks in all, e.g. batch 1 x 4096). "kernel us" is the kernel
+given a plan built beforehand (what every layer costs: the model makes one plan per forward; FlashInfer's column
+excludes its plan() the same way, and "vs FlashInfer" is its time over ours); "call us" also makes the plan inside the
+call, and "plan us" is the plan alone. Before 2026-11-30 the tables' "kernel us" was the call with its plan, and "w/
+plan us" the kernel given its plan.
 """
 
 from __future__ import annotations
@@ -148,24 +148,26 @@ MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
 
 
 def parse_version(text):
-    """--versions token -> mla_decode's (version, pair, registers, qk8): "3" the kernel version, "3p" / "3n" with /
-    without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), a q (e.g.
-    "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), None the defaults."""
+    """--versions token -> mla_decode's (pair, registers, qk8): "3" the kernel (the only version since v4's removal on
+    2026-12-01), "3p" / "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split
+    (WG0/WG1/loader), a q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), None the
+    defaults."""
     if text is None:
-        return None, None, None, False
+        return None, None, False
     base, _, regs = str(text).partition("@")
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
     qk8, base = "q" in base, base.replace("q", "")
-    return int(base.rstrip("pn")), {"p": True, "n": False}.get(base[-1]), registers, qk8
+    if base.rstrip("pn") != "3":
+        raise ValueError(f"version token {text!r}: 3 with p, n, q or @split (version 4 was removed on 2026-12-01)")
+    return {"p": True, "n": False}.get(base[-1]), registers, qk8
 
 
 def fns(scale, version=None):
-    version, pair, registers, qk8 = parse_version(version)
+    pair, registers, qk8 = parse_version(version)
     kern = jax.jit(
         functools.partial(
             mla_decode,
             sm_scale=scale,
-            version=version,
             pair=pair,
             registers=registers,
             qk8=qk8,
@@ -456,7 +458,7 @@ def main():
     ap.add_argument(
         "--versions",
         default="",
-        help="kernel versions to time side by side, e.g. 3,4,3p,3pq (p / n: with / without paired head tiles; q: qk8)",
+        help="kernel variants to time side by side, e.g. 3p,3pq (p / n: with / without paired head tiles; q: qk8)",
     )
     ap.add_argument("--min-blocks", type=int, default=MIN_BLOCKS, help="min_blocks_per_split (units at small batch)")
     ap.add_argument("--rounds", type=int, default=1, help="time each case's kernel rows this many times, interleaved")
