@@ -93,9 +93,6 @@ class Tiling:
     wgs: int = 1  # w4a8: compute warpgroups per CTA, each taking bn / wgs of the weight rows against the same token
     # tile, their loads issued by one more warpgroup (a warp-specialised pipeline; one CTA per SM): where two CTAs of
     # bn / 2 rows would each load the token tile, this loads it once (`default_tiling` says where it pays)
-    persistent: int = 0  # w4a8: a grid of this many CTAs per SM, each walking its share of the (token block, N tile)
-    # work items in one pipeline, so the next item's loads overlap this one's last steps and no CTA is launched for
-    # an unused block (0: one CTA per work item, the grid over N tiles and token blocks; `_persistent`)
 
     @property
     def tiles(self) -> int:
@@ -122,17 +119,15 @@ def _transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
 
 
-def _kernel(
-    act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, n_ctas: int, xgroups: bool, qout: bool, gs_ref, *refs
-):
-    """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile.
-    gs_ref [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking
-    and accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs). ksteps: pipeline steps
-    of one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials
-    [splits, M, nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). n_ctas: the grid of a
-    persistent tiling (`_persistent`). xgroups (w4a8): x's scales are per row and K group, [K/G, M'] (a block of them
-    per pipeline step, applied to each group's partial) instead of per row. qout (gate/up): the output is the SiLU
-    product quantised per row and 128 channels, int8 [M, N] and its scales [N/128, M'] (`store_quantized`)."""
+def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bool, qout: bool, gs_ref, *refs):
+    """nw = 1: out^T = W^T x^T; nw = 2 (gate, up): out^T = silu(Wg^T x^T) * (Wu^T x^T), both from one token tile. gs_ref
+    [E] int32: the group sizes, from which the CTA finds its block (`block_info`). fast: the GPU's unpacking and
+    accumulator start (False: int16 ops and an added MAGIC, as GPU interpret mode needs). ksteps: pipeline steps of
+    one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials [splits, M,
+    nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). xgroups (w4a8): x's scales are per
+    row and K group, [K/G, M'] (a block of them per pipeline step, applied to each group's partial) instead of per
+    row. qout (gate/up): the output is the SiLU product quantised per row and 128 channels, int8 [M, N] and its
+    scales [N/128, M'] (`store_quantized`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -140,16 +135,12 @@ def _kernel(
     x_ref, *rest = refs[2 * nw :]
     xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
     hs_ref, *rest = rest if qout else (None, *rest)
-    if t.persistent:  # the output tile and the CTA's work items, in smem (`_persistent`)
-        o_tile, items, *rest = rest
-    else:
-        xs_smem, xs_bar, *rest = rest if act == "int8" and not xgroups else (None, None, *rest)
+    xs_smem, xs_bar, *rest = rest if act == "int8" and not xgroups else (None, None, *rest)
     a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
     sizes = [gs_ref[i] for i in range(n_experts)]
-    if not t.persistent:
-        ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
-        e, tile, off, count = block_info(sizes, mi, m, t.bm)
-        tile = pl.multiple_of(tile, ROW_ALIGN)
+    ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
+    e, tile, off, count = block_info(sizes, mi, m, t.bm)
+    tile = pl.multiple_of(tile, ROW_ALIGN)
 
     def body(t: Tiling):
         """The CTA's work with token blocks of t.bm rows (the grid's, or a narrower one for a block that needs
@@ -262,9 +253,8 @@ def _kernel(
         in_specs = [w_spec, s_spec] * nw + [x_spec]
         if xgroups:  # the step's K groups' scales for the token tile's rows (rounded up to 128 bytes per group)
             in_specs.append(plgpu.BlockSpec((t.gps, pl.Element(_xs_block(t.bm))), lambda k: (k0 + k, tile)))
-        if not t.persistent:
-            operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
-            operands += [xs_ref] if xgroups else []
+        operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
+        operands += [xs_ref] if xgroups else []
         pipeline = functools.partial(
             plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages
         )
@@ -334,7 +324,7 @@ def _kernel(
 
         def store(accs, ni, tile, off, count, o_tile=None):
             """out^T [64, bm] f32 per 64-row tile and output -> the block's rows of out [M, n_out N], through o_tile
-            or a tile allocated after the pipeline, in its buffers."""
+            (a compute warpgroup's, t.wgs > 1) or a tile allocated after the pipeline, in its buffers."""
 
             def scope(o_smem):  # [n_out, bm, bn] bf16 (f32 partials), untiled
                 for i in range(n_out):
@@ -349,10 +339,6 @@ def _kernel(
                 scope(o_tile)
             else:
                 pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
-
-        if t.persistent:
-            _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g)
-            return
 
         def finish(accs, o_tile=None):
             if nw == 2 and not partial:
@@ -430,9 +416,6 @@ def _kernel(
         else:
             pl.run_scoped(blocks, plgpu.SMEM((t.wgs, n_out, t.bm, wg_rows), o_dtype), collective_axes="wg")
 
-    if t.persistent:
-        body(t)
-        return
     # The narrowest of the tiling's block widths that holds the rows of the tile this block uses: its MMAs, token
     # loads and epilogue then cover those rows instead of the grid's bm (a group's last block is mostly partial).
     need, lo = off + count, 0
@@ -453,7 +436,7 @@ def block_widths(t: Tiling) -> tuple[int, ...]:
     16 up to bm, the NARROW_WIDTHS largest of them (blocks of 80 rows: 16 to 80), else bm alone. Each width is a copy
     of the pipeline in the kernel's code: ten of them (w4a8, 160-row blocks) took the H200 run past its time limit
     while compiling."""
-    if not t.narrow or t.persistent:
+    if not t.narrow:
         return (t.bm,)
     return tuple(range(max(16, t.bm - 16 * (NARROW_WIDTHS - 1)), t.bm + 1, 16))
 
@@ -493,85 +476,6 @@ def _proxy_fence():
 def _silu_mul(accs, tiles: int) -> list:
     """silu(gate) * up in f32, over the gate tiles (the first `tiles` accumulators) and the up tiles after them."""
     return [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[:tiles], accs[tiles:], strict=True)]
-
-
-MAX_ITEMS = 32  # work items a persistent CTA may take (their block_info is computed once, unrolled, at its start)
-
-
-def persistent_items(m: int, n: int, e: int, t: Tiling, n_ctas: int) -> int:
-    """A static bound on one persistent CTA's work items: (token blocks x N tiles) over the grid's CTAs."""
-    return -(-num_blocks(m, e, t.bm) * (n // t.bn) // n_ctas)
-
-
-def _persistent(t, m, n_experts, ksteps, n_ctas, n_cols, sizes, items, int8_step, store, o_tile, refs, nw, g):
-    """The w4a8 kernel's persistent schedule (Tiling.persistent). CTA c takes the work items c, c + n_ctas, ... of
-    (token block, N tile), N tile fastest, blocks [0, blocks_used) only, and runs one pipeline over (its items x K
-    steps): the next item's first loads are in flight while this item's last steps compute, and no CTA is started
-    for an unused block (the tile grid launches one per block bound `num_blocks`, about half of them empty in
-    decode, each reading the group sizes before it can exit). Each item's `block_info` and N tile are computed once
-    into `items` [5, n] int32 (smem), which the pipeline's index maps read. Every step also loads the item's token
-    scales (a [bm] block rounded up to 128 bytes, at the token tile's row); at an item's last step the accumulators
-    times them go out through o_tile, and the accumulators restart at zero."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
-    x_ref, xs_ref = refs[2 * nw], refs[2 * nw + 1]
-    c, n_tiles = lax.axis_index("c"), n_cols // t.bn
-    count = jnp.maximum(lax.div(blocks_used(sizes, m, t.bm) * n_tiles - c + (n_ctas - 1), jnp.int32(n_ctas)), 0)
-    expert, tile, off, rows, ntile = range(5)  # the fields of `items`
-    for j in range(items.shape[1]):
-        item = c + j * n_ctas
-        info = block_info(sizes, lax.div(item, jnp.int32(n_tiles)), m, t.bm) + (lax.rem(item, jnp.int32(n_tiles)),)
-        for f, v in enumerate(info):
-            items[f, j] = v
-    plgpu.commit_smem()
-
-    def weights(j):  # group E (rows past sum(group_sizes)) loads the last expert's weights and stores zeros
-        return jnp.minimum(items[expert, j], n_experts - 1)
-
-    def at_tile(j):
-        return pl.multiple_of(items[tile, j], ROW_ALIGN)
-
-    half = g // 2
-    w_spec = plgpu.BlockSpec(
-        (None, t.bn, t.gps * half), lambda j, k: (weights(j), items[ntile, j], k), transforms=_transforms(KC, 1)
-    )
-    s_spec = plgpu.BlockSpec((None, t.gps, t.bn), lambda j, k: (weights(j), k, items[ntile, j]))
-    x_spec = plgpu.BlockSpec((pl.Element(t.bm), t.gps * g), lambda j, k: (at_tile(j), k), transforms=_transforms(KC, 1))
-    xs_spec = plgpu.BlockSpec((pl.Element(_xs_block(t.bm)),), lambda j, k: (at_tile(j),))
-    col = plgpu.Layout.WGMMA.reduce(0)
-    zero = plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-
-    def tile_of(flag):  # a scalar predicate as an accumulator-shaped one (Mosaic's select does not broadcast)
-        return plgpu.layout_cast(jnp.broadcast_to(flag, (BN, t.bm)), plgpu.Layout.WGMMA)
-
-    def body(idx, *smems_and_carry):
-        *smems, xs_smem, accs = smems_and_carry
-        j, k = idx
-        accs = int8_step(idx, *smems, accs)
-        last = k == ksteps - 1
-
-        @pl.when(last)
-        def _():
-            xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col), (BN, t.bm), [1])
-            keep = tile_of(items[expert, j] < n_experts)  # group E: zeros (selected: 0 x a non-finite row is NaN)
-            out = [jnp.where(keep, a * xs, zero) for a in accs]
-            if nw == 2:
-                out = _silu_mul(out, t.tiles)
-            store(out, items[ntile, j], at_tile(j), items[off, j], items[rows, j], o_tile)
-
-        restart = tile_of(last)
-        return tuple(jnp.where(restart, zero, a) for a in accs)  # the next item starts from zero (finite or not)
-
-    operands = [r for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref, xs_ref]
-    plgpu.emit_pipeline(
-        body,
-        grid=(count, ksteps),
-        in_specs=[w_spec, s_spec] * nw + [x_spec, xs_spec],
-        max_concurrent_steps=t.stages,
-        init_carry=(zero,) * (nw * t.tiles),
-    )(*operands)
 
 
 def block_info(sizes, b, m: int, bm: int):
@@ -654,12 +558,6 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = F
     out = t.bm * t.bn * (2 if t.splits == 1 else 4 * nw)
     if qout:
         out = _kib(t.bm * t.bn * 2) + _kib(t.bm * t.bn) + _kib(t.bn // QGROUP * t.bm * 4)
-    if t.persistent:  # every buffer its own (Mosaic aligns each to 1 KiB): the pipeline's, whose steps also carry
-        # the token scales, the output tile and the items table beside it
-        w, sc = t.stages * t.bn * t.gps * g // 2, t.stages * t.gps * t.bn * 4
-        x, xs = t.stages * t.bm * t.gps * g, t.stages * 4 * _xs_block(t.bm)
-        table = _kib(5 * 4 * MAX_ITEMS)
-        return nw * (_kib(w) + _kib(sc)) + _kib(x) + _kib(xs) + _kib(out) + table + _a_bytes(act, t, g, nw) + 1024
     pipe = _pipe_bytes(act, t, g, nw, xgroups)
     if t.wgs > 1:  # the output tiles are allocated beside the pipeline (by every warpgroup, before it runs)
         return _kib(out) + pipe + _fixed_bytes(act, t, g, nw, xgroups)
@@ -667,7 +565,7 @@ def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = F
 
 
 def _xs_block(bm: int) -> int:
-    """Token scales per pipeline step of the persistent kernel: [bm] f32 rounded up to 128 bytes (each stage's TMA
+    """Token scales per row of a pipeline step's K group (xgroups): [bm] f32 rounded up to 128 bytes (each stage's TMA
     destination must be 128-byte aligned)."""
     return -(-bm // 32) * 32
 
@@ -846,13 +744,11 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, 
         raise ValueError(f"gps={t.gps} x splits={t.splits} must divide the {k_groups} K groups; stages={t.stages} >= 1")
     if interpret and t.a_regs:
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
-    if t.persistent and (act != "int8" or t.splits != 1):
-        raise ValueError(f"{t}: a persistent tiling is w4a8's, without split-K")
-    if (xgroups or qout) and (t.persistent or t.splits != 1 or act != "int8"):
-        raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K or persistence")
+    if (xgroups or qout) and (t.splits != 1 or act != "int8"):
+        raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K")
     if qout and (nw != 2 or t.bn % QGROUP):
         raise ValueError(f"{t}: a quantised output is gate/up's, with bn a multiple of {QGROUP}")
-    if t.wgs > 1 and (act != "int8" or t.persistent or t.splits != 1 or qout or t.bn % (t.wgs * BN)):
+    if t.wgs > 1 and (act != "int8" or t.splits != 1 or qout or t.bn % (t.wgs * BN)):
         raise ValueError(f"{t}: compute warpgroups sharing a token tile are w4a8's, with bn / wgs a multiple of {BN}")
     smem = smem_bytes(act, t, g, nw, xgroups, qout)
     if smem > SMEM_LIMIT:
@@ -896,21 +792,10 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
             jax.ShapeDtypeStruct((rows, n), jnp.int8),
             jax.ShapeDtypeStruct((n // QGROUP, _hs_rows(m)), jnp.float32),
         )
-    if t.persistent:  # interpret mode: t.persistent CTAs in all
-        sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS  # (SMS: lowering for sm_90 here)
-        n_ctas = t.persistent * (1 if interpret else sms)
-        n_items = persistent_items(m, n, e, t, n_ctas)
-        if n_items > MAX_ITEMS:
-            raise ValueError(f"{t}: {n_items} work items per CTA > {MAX_ITEMS}: a persistent tiling is for decode")
-        grid, names = (n_ctas,), ("c",)
-        fixed = [plgpu.SMEM((1, t.bm, t.bn), jnp.bfloat16), plgpu.SMEM((5, n_items), jnp.int32)]
-    else:
-        n_ctas, grid, names = 0, (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
-        fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
+    grid, names = (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
+    fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
     kern = plgpu.kernel(
-        functools.partial(
-            _kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, n_ctas, xgroups, quant_out
-        ),
+        functools.partial(_kernel, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out),
         out_type=out_type,
         grid=grid,
         grid_names=names,

@@ -236,7 +236,7 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
         assert (owner[rows] == expert[b]).all()
         seen[rows] += 1
     assert (seen == 1).all()
-    used_n = int(blocks_used([jnp.int32(v) for v in sizes], m, bm))  # the persistent kernel's work: blocks [0, n)
+    used_n = int(blocks_used([jnp.int32(v) for v in sizes], m, bm))  # the groups' blocks: [0, n)
     assert used[:used_n].all() and not used[used_n:].any()
 
 
@@ -408,75 +408,6 @@ def test_warpgroups_sharing_token_tiles_interpret():
         int4_gated_ragged_dot(x, (qg.q, qg.scale), (qu.q, qu.scale), gs, act="int8", interpret=True, tiling=t)
     )
     np.testing.assert_array_equal(gated(dataclasses.replace(ws, narrow=False)), gated(one))
-
-
-@pytest.mark.usefixtures("_reset_interpreter")
-def test_persistent_kernel_matches_reference_interpret():
-    """w4a8 with persistent CTAs (Tiling.persistent): each CTA walks several (token block, N tile) items in one
-    pipeline, the accumulators restarting at each item's end. More items than CTAs, items that start off the 8-row
-    grid, rows past sum(group_sizes) (zeros), more CTAs than items (CTAs with none), and the gated kernel; exact
-    against the tile grid's kernel."""
-    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
-
-    cases = [(256, 128, [5, 0, 20, 3], Tiling(16, 64, 2, persistent=3)), (128, 64, [70, 1, 0, 9], Tiling(48, 64, 3))]
-    cases += [(128, 64, [3, 2], Tiling(16, 64, 2, persistent=8))]
-    for k, n, sizes, t in cases:
-        t = dataclasses.replace(t, a_regs=False, inline=False, persistent=t.persistent or 2)
-        e, m = len(sizes), sum(sizes) + 3
-        w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
-        x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
-        gs = jnp.array(sizes, jnp.int32)
-        qw = quant.quantize(w, 4, "int8")
-        grid = dataclasses.replace(t, persistent=0)
-        y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=t), np.float32)
-        ref = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=grid), np.float32)
-        np.testing.assert_array_equal(y, ref)
-        exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
-        np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
-        assert not y[sum(sizes) :].any()
-        if t.persistent == 3:  # (the case with more items than CTAs)
-            # Non-finite values stay where they are: rows past the groups still give zeros, and a NaN scale of one
-            # expert spoils only its rows (not the items a CTA takes after it, as multiplying by 0 to restart would)
-            x = x.at[sum(sizes) :].set(jnp.inf)
-            qw = quant.QWeight(qw.q, qw.scale.at[0, 0, 0].set(jnp.nan), 4, "int8")
-            y, ref = (
-                np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=tt), np.float32)
-                for tt in (t, grid)
-            )
-            np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
-            assert not y[sum(sizes) :].any() and np.isnan(y[: sizes[0]]).any()
-    k, n, sizes = 256, 128, [9, 0, 30]
-    qg, qu = (
-        quant.quantize(jax.random.normal(kk, (3, k, n)) / 4, 4, "int8") for kk in jax.random.split(jax.random.key(7))
-    )
-    x = jax.random.normal(jax.random.key(2), (sum(sizes) + 2, k)).astype(jnp.bfloat16)
-    gs = jnp.array(sizes, jnp.int32)
-    t = Tiling(16, 64, 2, a_regs=False, inline=False, persistent=3)
-    run = lambda t: np.asarray(  # noqa: E731
-        int4_gated_ragged_dot(x, (qg.q, qg.scale), (qu.q, qu.scale), gs, act="int8", interpret=True, tiling=t)
-    )
-    np.testing.assert_array_equal(run(t), run(dataclasses.replace(t, persistent=0)))
-
-
-def test_persistent_tiling_is_checked():
-    """A persistent tiling is w4a8's and for decode: w4a16, split-K and more work items per CTA than it takes are
-    refused before any kernel is built."""
-    from pallas_kernels.moe_int4 import MAX_ITEMS, Tiling, int4_ragged_dot, persistent_items
-
-    x, q, sc, gs = (
-        jnp.zeros((64, 256), jnp.bfloat16),
-        jnp.zeros((4, 128, 128), jnp.uint8),
-        jnp.ones((4, 2, 128)),
-        jnp.full((4,), 16, jnp.int32),
-    )
-    with pytest.raises(ValueError, match="w4a8's, without split-K"):
-        int4_ragged_dot(x, q, sc, gs, act="bf16", tiling=Tiling(16, 64, 2, persistent=1), interpret=True)
-    with pytest.raises(ValueError, match="w4a8's, without split-K"):
-        int4_ragged_dot(x, q, sc, gs, act="int8", tiling=Tiling(16, 64, 1, splits=2, persistent=1), interpret=True)
-    big = Tiling(16, 64, 2, a_regs=False, inline=False, persistent=1)
-    assert persistent_items(4096, 128, 4, big, 1) > MAX_ITEMS
-    with pytest.raises(ValueError, match="work items per CTA"):
-        int4_ragged_dot(jnp.zeros((4096, 256), jnp.bfloat16), q, sc, gs, act="int8", tiling=big, interpret=True)
 
 
 def _w4a8_experts(f: int):
@@ -668,30 +599,6 @@ def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act):
     assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act, tiling=t), *args)
 
 
-@pytest.mark.parametrize("nw", [1, 2])
-def test_persistent_kernel_lowers_for_hopper(nw):
-    """The persistent w4a8 kernel (the GPU's path: unpacking inline, A in registers) at the down and gate/up
-    projections' decode shapes: the items table's scalar stores and reads, the dynamic pipeline grid and the per-step
-    token-scale block lower for sm_90 within the smem limit."""
-    from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
-
-    e, m, k, n = (16, 128, 2048, 7168) if nw == 1 else (16, 128, 7168, 2048)
-    s = jax.ShapeDtypeStruct
-    x, gs, w = (
-        s((m, k), jnp.bfloat16),
-        s((e,), jnp.int32),
-        (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32)),
-    )
-    t = Tiling(16, 128, 5 if nw == 1 else 2, gps=2, persistent=2)
-    if nw == 1:
-        f = lambda x, w, gs: int4_ragged_dot(x, *w, gs, act="int8", tiling=t)  # noqa: E731
-        assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs)
-    else:
-        f = lambda x, w, gs: int4_gated_ragged_dot(x, w, w, gs, act="int8", tiling=t)  # noqa: E731
-        assert "mosaic_gpu" in lower_for_hopper(f, x, w, gs)
-
-
 @pytest.mark.usefixtures("_two_narrow_widths")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_lowers_for_hopper(act):
@@ -752,16 +659,15 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     x, gs = s((m, k), jnp.bfloat16), s((e,), jnp.int32)
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     shapes = [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]
-    for bm, bn, gps, persistent in [(*b, 0) for b in shapes] + [(*b, 2) for b in shapes[:3] if act == "int8"]:
-        t = Tiling(bm, bn, 2, gps, persistent=persistent)  # persistent: the token scales pipelined too
+    for bm, bn, gps in shapes:
+        t = Tiling(bm, bn, 2, gps)
         if nw == 1:  # (tracing builds the pipelines; lowering them is other tests' business)
             trace_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
         else:
             trace_for_hopper(lambda x, w, gs, t=t: int4_gated_ragged_dot(x, w, w, gs, act=act, tiling=t), x, w, gs)
     assert seen
     for shape, dtype in seen:
-        rows = [getattr(d, "block_size", d) or 1 for d in shape]  # pl.Element(bm): a tile at a row offset; None:
-        # a squeezed dimension (the persistent kernel's expert)
+        rows = [getattr(d, "block_size", d) or 1 for d in shape]  # pl.Element(bm): a tile at a row offset
         assert np.prod(rows) * jnp.dtype(dtype).itemsize % 128 == 0, (shape, dtype)
 
 
@@ -774,9 +680,8 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
         ("bf16", (80, 128, 3), 1),
         ("int8", (256, 256, 2), 1),
         ("int8", (128, 128, 2, {"splits": 2}), 2),  # split-K: the f32 partials of gate and up outgrow the stages
-        ("int8", (16, 128, 5, {"gps": 2, "persistent": 2}), 1),  # persistent: output tile and table beside them
-        ("int8", (16, 64, 2, {"persistent": 2}), 2),
-        ("int8", (32, 64, 3, {"persistent": 1, "a_regs": False}), 1),
+        ("int8", (16, 128, 4, {"gps": 2}), 1),
+        ("int8", (32, 64, 3, {"a_regs": False}), 1),
         ("int8", (80, 256, 3, {"wgs": 2}), 1),  # two compute warpgroups: their output tiles beside the pipeline
         ("int8", (80, 128, 7, {"wgs": 2}), 2),  # the fused prefill default's: seven stages of 1 KiB-aligned buffers
         ("int8", (80, 64, 5), 2),

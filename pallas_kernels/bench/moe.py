@@ -65,8 +65,8 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
     tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
     choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one
-    compute warpgroup per CTA, or two sharing each token tile) and, in decode, as persistent CTAs
-    (Tiling.persistent: 1 or 2 per SM)."""
+    compute warpgroup per CTA, or two sharing each token tile). (Persistent CTAs, Tiling.persistent until 2026-12-01,
+    were slower in every regime timed and were removed: pallas_kernels/NOTES.md.)"""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling
@@ -83,10 +83,6 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
     out += [dataclasses.replace(d, narrow=not d.narrow)] if d.bm > 32 else []
-    if act == "int8" and d.bm <= 32:  # persistent CTAs (1 or 2 per SM, stages sized for that), no split-K
-        out += [
-            dataclasses.replace(default_tiling(act, m, n, kg, e, nw, ctas=c, splits=1), persistent=c) for c in (1, 2)
-        ]
     out = [t for t in out if kg % (t.gps * t.splits) == 0]  # K = 1408 (V2-Lite's down projection): 11 groups
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
@@ -178,8 +174,7 @@ def _short(t) -> str:
     gps += f" split-K {t.splits}" if t.splits > 1 else ""
     via = ("" if t.a_regs else " A via smem") + ("" if t.inline else " int16")
     via += "" if t.unpack_first else " unpacked per tile"
-    via += " narrow tails" if t.narrow else (" full-width tails" if t.bm > 32 and not t.persistent else "")
-    via += f" persistent x{t.persistent}" if t.persistent else ""
+    via += " narrow tails" if t.narrow else (" full-width tails" if t.bm > 32 else "")
     via += f" {t.wgs} compute warpgroups" if t.wgs > 1 else ""
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
