@@ -17,16 +17,15 @@ split the MMAs evenly, measured 1.7x slower on the H200 and was removed on 2026-
 
 int8 caches: the loader TMA-loads the int8 part into the 16-bit part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two 16-bit slots); its converter reads all of it into registers, and only then writes the 16-bit
-part,
-so the overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's own
-Q.K instead: below). The converter is the loader, except without qk8 for the second latent half (B): WG1, which
-would otherwise wait for P, converts each next block's B. The latent parts are converted
-exactly and without scales (int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float
-conversion instructions, which run at 16 per clock per SM and made the loader the bottleneck), the rope part times
-s_rope / s_latent; the leader multiplies S's key columns by s_latent and P by s_latent before P.V (both per token),
-which is the same attention as over the dequantised cache. Without qk8 the parts, Q and P are fp16 rather than bf16
-(`KernelSpec.f16`): fp16 holds a byte whole, so the exact conversion takes half the instructions (int8_f16.py), and
-the leader converts Q in place after its TMA.
+part, so the overlap is harmless. Conversion of one slot overlaps the MMAs on the other (with qk8 it follows the slot's
+own Q.K instead: below). The converter is the loader, except without qk8 for the second latent half (B): WG1, which
+would otherwise wait for P, converts each next block's B. The latent parts are converted exactly and without scales
+(int8 -> bf16 in a few integer and bf16x2 ops, Mosaic's fast path: no int-to-float conversion instructions, which run
+at 16 per clock per SM and made the loader the bottleneck), the rope part times s_rope / s_latent; the leader
+multiplies S's key columns by s_latent and P by s_latent before P.V (both per token), which is the same attention as
+over the dequantised cache. Without qk8 the parts, Q and P are fp16 rather than bf16 (`KernelSpec.f16`): fp16 holds a
+byte whole, so the exact conversion takes half the instructions (int8_f16.py), and the leader converts Q in place after
+its TMA.
 
 int8 Q.K (`KernelSpec.qk8`, opt-in: its queries are quantised too, and it pays only on long rows): the
 leader multiplies int8 queries (quantised per head by the wrapper, a scale for each part: the latent's halves A and B,
