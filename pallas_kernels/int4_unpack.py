@@ -33,10 +33,8 @@ from jax import lax
 
 LOW_NIBBLES = 0x000F000F  # the low nibble of each 16-bit lane
 BF16_136 = 0x43084308  # bf16x2 (136, 136); XOR-ing a nibble u into it gives 0x4300 | (u ^ 8) = 136 + q
-OFFSET = 136  # what bf16_bits adds to every weight
 SPREAD = 0x4140  # prmt selector: bytes 0 and 1 of a register to bytes 0 and 2 (the low bytes of two 16-bit lanes),
 # zeros (byte 4, from the zero second operand) to bytes 1 and 3
-LANE_SPREAD = (0x4140, 0x4342)  # the same for bytes 0 and 1, and for bytes 2 and 3
 HIGH_NIBBLES = 0xF0F0F0F0  # the high nibble of each byte
 
 
@@ -46,29 +44,6 @@ def bf16_bits(r, ops):
     and for the high half a shift first. Four integer ops per four weights."""
     spread = ops.prmt(r, SPREAD)
     return [ops.xor(ops.and_(v, LOW_NIBBLES), BF16_136) for v in (spread, ops.shr(spread, 4))]
-
-
-def bf16_lane_bits(r, ops):
-    """r: four packed bytes in lane order (`to_lane_order`) in a 32-bit word -> four bf16x2 patterns 136 + q: bytes
-    0-1's low nibbles (K half 0) and high nibbles (half 1), then bytes 2-3's: two prmts, two shifts, four lop3."""
-    out = []
-    for sel in LANE_SPREAD:
-        spread = ops.prmt(r, sel)
-        out += [ops.xor(ops.and_(v, LOW_NIBBLES), BF16_136) for v in (spread, ops.shr(spread, 4))]
-    return out
-
-
-def to_lane_order(q):
-    """Packed int4 bytes [..., K/2] in the standard order (hcfjax.quant) -> lane order: in each 16 bytes, position
-    4c + 2a + b takes the byte of k = 8a + 2c + b (a, b < 2, c < 4). A 32-bit load in the WGMMA_8BIT layout then gives
-    lane c (of its quad) exactly the nibbles its bf16 WGMMA-layout fragments of both K halves need: the w4a16 kernel
-    loads a tile with half the loads of the WGMMA layout (two bytes each) and no shuffles."""
-    return q.reshape(*q.shape[:-1], -1, 2, 4, 2).swapaxes(-3, -2).reshape(q.shape)
-
-
-def from_lane_order(p):
-    """The inverse of `to_lane_order`."""
-    return p.reshape(*p.shape[:-1], -1, 4, 2, 2).swapaxes(-3, -2).reshape(p.shape)
 
 
 def int8_lo_bits(r, ops):
@@ -159,36 +134,6 @@ def _bf16_bits_gpu(p):
     return run(p)
 
 
-def _bf16_lane_bits_gpu(p):
-    """p int8 [64, G/2] in lane order, loaded in the WGMMA_8BIT layout -> the two K halves' bf16 bit patterns in the
-    WGMMA layout. A WGMMA_8BIT register (n, r) holds a lane's bytes 16n + 4c .. 16n + 4c + 3 of one row; in lane order
-    its bytes 0-1 are the k = 16n + 2c, 2c + 1 of the WGMMA register (2n, r) and bytes 2-3 those of (2n + 1, r)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils
-    from jaxlib.mlir import ir
-
-    out = plgpu.ShapeDtypeStruct(p.shape, jnp.int16, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=(out, out))
-    def run(ctx, p):
-        ops = _MlirOps()
-        pair = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
-        shape = fa.WGMMA_LAYOUT.registers_shape(p.shape)
-        if p.registers.shape[1] * 2 != shape[1] or p.registers.shape[2:] != shape[2:]:
-            raise NotImplementedError(f"register arrays {p.registers.shape} -> {shape}")
-        outs = [np.empty(shape, dtype=object) for _ in range(2)]
-        for idx, reg in np.ndenumerate(p.registers):
-            words = bf16_lane_bits(utils.bitcast(reg, ops.i32), ops)
-            for j in range(2):
-                at = (idx[0], 2 * idx[1] + j, *idx[2:])
-                for hh in range(2):
-                    outs[hh][at] = utils.bitcast(words[2 * j + hh], pair)
-        return tuple(fa.FragmentedArray(_registers=o, _layout=fa.WGMMA_LAYOUT, _is_signed=True) for o in outs)
-
-    return run(p)
-
-
 def _int8_lo_gpu(p):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jaxlib.mlir import ir
@@ -203,26 +148,17 @@ def _int8_lo_gpu(p):
     return run(p)
 
 
-def bf16_offset_halves(p, fast: bool, lanes: bool = False):
-    """p int8 [64, G/2] (WGMMA layout; with `lanes`, in lane order and the WGMMA_8BIT layout) -> the two K halves
-    [64, G/2] bf16 (WGMMA layout) of 136 + q, exact: one integer op per weight. A K group's dot product with them is
-    its dot product with q plus 136 x the tokens' sum over the group (`OFFSET`), which the w4a16 fold takes out after
-    the MMAs (moe_int4.Tiling.fold)."""
+def bf16_halves(p, s, fast: bool):
+    """p int8 [64, G/2] (WGMMA layout), s f32 [64] (the rows' group scales, WGMMA row layout) -> the two K halves
+    [64, G/2] bf16 (WGMMA layout): round(q * bf16(s))."""
     if fast:
-        bits = _bf16_lane_bits_gpu(p) if lanes else _bf16_bits_gpu(p)
+        bits = _bf16_bits_gpu(p)
     else:
-        p = from_lane_order(p) if lanes else p
         p16 = p.astype(jnp.int16)  # sign-extended; the nibbles are masked out of it
         nib = (p16 & 0xF, lax.shift_right_arithmetic(p16, jnp.int16(4)) & 0xF)
         bits = [v ^ jnp.int16(BF16_136 & 0xFFFF) for v in nib]
-    return [lax.bitcast_convert_type(b, jnp.bfloat16) for b in bits]
-
-
-def bf16_halves(p, s, fast: bool, lanes: bool = False):
-    """p int8 [64, G/2] (as `bf16_offset_halves` takes it), s f32 [64] (the rows' group scales, WGMMA row layout) ->
-    the two K halves [64, G/2] bf16 (WGMMA layout): round(q * bf16(s)), two more bf16x2 ops per pair of weights."""
     sb = lax.broadcast_in_dim(s.astype(jnp.bfloat16), p.shape, [0])
-    return [(b - jnp.bfloat16(OFFSET)) * sb for b in bf16_offset_halves(p, fast, lanes)]
+    return [(lax.bitcast_convert_type(b, jnp.bfloat16) - jnp.bfloat16(136)) * sb for b in bits]
 
 
 def int8_halves(p, fast: bool):

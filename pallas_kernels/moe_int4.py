@@ -21,9 +21,7 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
   [bm, gps G]. Each 64-row packed tile is loaded into registers in the layout of a wgmma A operand and unpacked there
   with integer and bf16x2 ops (int4_unpack.py: no conversion instructions, no smem round trip), then
     w4a16: two bf16 wgmmas (the group's K halves, weights scaled in bf16) accumulate into f32 accumulators that live
-           across the pipeline; or, in decode (Tiling.fold), the weights unpacked as 136 + q alone (one integer op a
-           weight) go into a partial per K group, and the fold takes out 136 x the tokens' group sums (a [K/G, M]
-           f32 operand from the wrapper, pipelined like w4a8's group scales) and applies the group scale in f32;
+           across the pipeline;
     w4a8:  two int8 wgmmas (16 q x int8 tokens, pre-quantised per token) into int32 accumulators started at MAGIC,
            so that the int32 sum's bits read as the f32 1.5 * 2^23 + sum (no int -> float conversion), then added to
            the f32 accumulators times the group scales / 16; the token scales ([bm] f32, copied once into a buffer of
@@ -57,7 +55,7 @@ from jax import lax
 
 from hcfjax.cache import quantize_int8
 from hcfjax.quant import QWeight, quantize_int8_groups, ragged_dot_reference
-from pallas_kernels.int4_unpack import OFFSET, bf16_halves, bf16_offset_halves, int8_halves
+from pallas_kernels.int4_unpack import bf16_halves, int8_halves
 from pallas_kernels.int_sums import MAGIC, MAGIC_F  # a w4a8 K group's sum: 128 products of |16 q| <= 128 and |x| <= 127
 
 BN = 64  # weight rows of one wgmma (its M dimension); a CTA takes 1, 2 or 4 such tiles
@@ -95,11 +93,6 @@ class Tiling:
     wgs: int = 1  # w4a8: compute warpgroups per CTA, each taking bn / wgs of the weight rows against the same token
     # tile, their loads issued by one more warpgroup (a warp-specialised pipeline; one CTA per SM): where two CTAs of
     # bn / 2 rows would each load the token tile, this loads it once (`default_tiling` says where it pays)
-    fold: bool = False  # w4a16: each K group's MMAs into a partial from the weights as 136 + q (no bf16 arithmetic),
-    # then 136 x the tokens' group sums taken out and the group scale applied per output element in f32: 0.25 FP32
-    # ops a weight at bm = 16 instead of two bf16x2 ops a pair (decode, where the unpacking is the step's chain)
-    lanes: bool = False  # w4a16: q in lane order (int4_unpack.to_lane_order), each tile loaded with 32-bit loads in
-    # the WGMMA_8BIT layout (half the loads of the standard order's WGMMA layout, two bytes each)
 
     @property
     def tiles(self) -> int:
@@ -133,15 +126,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
     one K split. With t.splits > 1 the CTA's K split is its third grid index, and it writes f32 partials [splits, M,
     nw N] (gate and up side by side, no SiLU: the wrapper sums the splits first). xgroups (w4a8): x's scales are per
     row and K group, [K/G, M'] (a block of them per pipeline step, applied to each group's partial) instead of per
-    row; with t.fold (w4a16) the same operand holds 136 x x's sums per row and K group. qout (gate/up): the output
-    is the SiLU product quantised per row and 128 channels, int8 [M, N] and its scales [N/128, M']
-    (`store_quantized`)."""
+    row. qout (gate/up): the output is the SiLU product quantised per row and 128 channels, int8 [M, N] and its
+    scales [N/128, M'] (`store_quantized`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, *rest = refs[2 * nw :]
-    xs_ref, o_ref, *rest = rest if act == "int8" or t.fold else (None, *rest)
+    xs_ref, o_ref, *rest = rest if act == "int8" else (None, *rest)
     hs_ref, *rest = rest if qout else (None, *rest)
     xs_smem, xs_bar, *rest = rest if act == "int8" and not xgroups else (None, None, *rest)
     a_smem = None if t.a_regs else rest[0]  # [one K chunk's wgmmas, 64, KC]: A operands through smem
@@ -184,23 +176,19 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
             plgpu.commit_smem()
             plgpu.wgmma(acc, a_smem.at[slot], b)
 
-        def load_w(p):  # a w4a16 tile, in the layout its order needs
-            return plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT if t.lanes else plgpu.Layout.WGMMA)
-
         def split(smems):  # the pipeline's step refs: (w, s) per weight, the token tile
             return smems[2 * nw], smems[0 : 2 * nw : 2], smems[1 : 2 * nw : 2]
 
         def bf16_step(acc_refs, idx, *smems):
             for n_mma, (a, _, _, p, s, xh) in enumerate(steps(*split(smems))):
-                halves = bf16_halves(load_w(p), plgpu.load(s, layout=row), fast, t.lanes)
+                halves = bf16_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA), plgpu.load(s, layout=row), fast)
                 for hh in range(2):
                     mma(acc_refs[a], halves[hh], xh[hh], n_mma, hh)
             plgpu.wgmma_wait(0)  # frees the A registers and this step's slot (refilled after the body)
 
-        def partial_step(idx, *smems_and_carry):  # w4a8, and w4a16 with t.fold: a partial per K group, then folded
+        def int8_step(idx, *smems_and_carry):
             *smems, accs = smems_and_carry
             accs, work = list(accs), list(steps(*split(smems)))
-            int8 = act == "int8"
 
             def partials(*rs):  # one int32 partial per K chunk and accumulator, all issued before the one wait
                 # With t.unpack_first every tile is unpacked (and every accumulator started) before the first wgmma:
@@ -209,8 +197,6 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                 # serialising the step's eight (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised
                 # the w4a8 MMAs". Without it (registers too few), each tile is unpacked just before its own wgmmas.
                 def unpack(r, p):
-                    if not int8:  # (the partial starts at zero)
-                        return bf16_offset_halves(load_w(p), fast, t.lanes)
                     if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
                         r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
                     return int8_halves(plgpu.load(p, layout=plgpu.Layout.WGMMA_8BIT), fast)
@@ -224,31 +210,24 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                         mma(r, h[hh], xh[hh], n_mma, hh)
                 return tuple(r[...] for r in rs)
 
-            parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32 if int8 else jnp.float32)] * len(work))
-            x_scales = {}  # xgroups, fold: per K group of the step, its rows' scales (sums), as [BN, bm]
-
-            def x_cols(j):
-                if j not in x_scales:
-                    sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
-                    x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
-                return x_scales[j]
-
+            parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.int32)] * len(work))
+            x_scales = {}  # xgroups: per K group of the step, its rows' scales as a [BN, bm] column broadcast
             by_row = functools.partial(lax.broadcast_in_dim, shape=(BN, t.bm), broadcast_dimensions=[0])
             for v, (a, j, _, _, s, _) in zip(parts, work, strict=True):
-                if not int8:  # v = sum (136 + q) x over the group: less 136 sum x, times the rows' group scales
-                    accs[a] = accs[a] + (v - x_cols(j)) * by_row(plgpu.load(s, layout=row))
-                    continue
                 bits = lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32)  # 1.5 * 2^23 + the int32 sum
                 s16 = plgpu.load(s, layout=row) * (1 / 16)  # [64]: this tile's rows' group scales
                 if not xgroups:  # the exact sum (one FADD), then one FFMA with the group's scales
                     accs[a] = accs[a] + (bits - MAGIC_F) * by_row(s16)
                     continue
+                if j not in x_scales:
+                    sx = plgpu.load(smems[2 * nw + 1].at[j, pl.ds(0, t.bm)], layout=col)
+                    x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
                 # Per-group token scales make the scale a product per element (a row's times a column's). The magic
                 # offset comes out in the FFMA that applies the weight's scale (bits * s16 - MAGIC_F * s16, the
                 # constant per row), so two FFMAs do what the exact sum, the scales' product and an FFMA did (NOTES.md,
                 # "Per-group token scales in two FFMAs"). MAGIC_F * s16 is rounded to f32: an error below 0.9 units
                 # of the group's integer sum where the compiler fuses the FMA (it may), 1.5 where it does not.
-                accs[a] = accs[a] + (bits * by_row(s16) + by_row(s16 * -MAGIC_F)) * x_cols(j)
+                accs[a] = accs[a] + (bits * by_row(s16) + by_row(s16 * -MAGIC_F)) * x_scales[j]
             # The fold's reads of the step's scales must be done before the slot is refilled: by this warpgroup's TMA
             # right after the body, behind a bar.sync alone, or with several warpgroups by the memory warpgroup's once
             # the consumed barrier's mbarrier arrivals are in. Neither orders the TMA's (async proxy) write after these
@@ -272,10 +251,10 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
             (pl.Element(t.bm), t.gps * g), lambda k: (tile, k0 + k), transforms=_transforms(KC, x_item)
         )
         in_specs = [w_spec, s_spec] * nw + [x_spec]
-        if xgroups or t.fold:  # the step's K groups' scales (sums) for the token tile's rows (128-byte blocks)
+        if xgroups:  # the step's K groups' scales for the token tile's rows (rounded up to 128 bytes per group)
             in_specs.append(plgpu.BlockSpec((t.gps, pl.Element(_xs_block(t.bm))), lambda k: (k0 + k, tile)))
         operands = [r.at[e] for pair in zip(w_refs, s_refs, strict=True) for r in pair] + [x_ref]
-        operands += [xs_ref] if xgroups or t.fold else []
+        operands += [xs_ref] if xgroups else []
         pipeline = functools.partial(
             plgpu.emit_pipeline, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages
         )
@@ -375,7 +354,7 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
 
             @pl.when(jnp.logical_and(e >= 0, e < n_experts))
             def _():
-                if act == "bf16" and not t.fold:
+                if act == "bf16":
 
                     def scope(*acc_refs):
                         pipeline(functools.partial(bf16_step, acc_refs))(*operands)
@@ -388,14 +367,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                 # bm = 16 every other stage was misaligned, CUDA_ERROR_MISALIGNED_ADDRESS on the H200.) Per-group
                 # scales come with each pipeline step instead (xgroups). With t.wgs > 1 the memory warpgroup issues
                 # the copy and the compute warpgroups wait for it.
-                if act == "int8" and not xgroups:
+                if not xgroups:
 
                     @pl.when(wg == t.wgs if t.wgs > 1 else True)
                     def _():
                         plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem.at[pl.ds(0, t.bm)], xs_bar)
 
                 def epilogue(accs, o_tile=None):
-                    if act == "int8" and not xgroups:
+                    if not xgroups:
                         plgpu.barrier_wait(xs_bar)
                         xs = plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col)
                         xs = lax.broadcast_in_dim(xs, (BN, t.bm), [1])
@@ -404,14 +383,14 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
 
                 zero = lambda: plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
                 if t.wgs == 1:
-                    epilogue(pipeline(partial_step, init_carry=(zero(),) * accs_n)(*operands))
+                    epilogue(pipeline(int8_step, init_carry=(zero(),) * accs_n)(*operands))
                     return
 
                 def compute(run):  # the compute warpgroups: the pipeline's steps, then their epilogue
                     epilogue(run((zero(),) * accs_n), o_ws.at[wg])
 
                 plgpu.emit_pipeline_warp_specialized(
-                    partial_step,
+                    int8_step,
                     grid=(ksteps,),
                     memory_registers=MEMORY_REGS,
                     in_specs=in_specs,
@@ -557,10 +536,10 @@ def block_table(group_sizes, m: int, bm: int):
 def _stage_blocks(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False) -> list[int]:
     """The bytes of one pipeline step's blocks, one per pipelined operand: per weight the packed tile [bn, gps G/2]
     and its scales [gps, bn] f32; the token tile [bm, gps G] (bf16 or int8); with xgroups the token tile's scales
-    [gps, bm rounded up to 32] f32 (with t.fold their sums). Each is a multiple of 128 bytes (a TMA's smem
-    destination must be 128-byte aligned, and a pipeline buffer holds its stages' blocks back to back)."""
+    [gps, bm rounded up to 32] f32. Each is a multiple of 128 bytes (a TMA's smem destination must be 128-byte
+    aligned, and a pipeline buffer holds its stages' blocks back to back)."""
     weights = [t.bn * t.gps * g // 2, t.gps * t.bn * 4] * nw
-    x_scales = [t.gps * _xs_block(t.bm) * 4] if xgroups or t.fold else []
+    x_scales = [t.gps * _xs_block(t.bm) * 4] if xgroups else []
     return weights + [t.bm * t.gps * g * (2 if act == "bf16" else 1)] + x_scales
 
 
@@ -610,12 +589,11 @@ def _a_tiles(t: Tiling, g: int, nw: int) -> int:
     return t.wgs * nw * t.tiles * 2  # one K chunk's A operands (K halves x 64-row tiles x weights, per warpgroup)
 
 
-def regs(act: str, bm: int, bn: int, nw: int = 1, gps: int = 1, fold: bool = False) -> int:
-    """Registers per thread the tiling pins: the accumulators (f32 [64, bm] per 64-row tile and weight; w4a8 and
-    w4a16's fold a partial per K group of the step too) and one step's unpacked A operands, which stay live until the
-    step's wgmmas are waited for (bf16 [64, 64]: 16 registers, int8: 8, two K halves per tile, weight and group)."""
-    partial = bm // 2 if act == "int8" or fold else 0
-    per_tile = bm // 2 + gps * (partial + 2 * (16 if act == "bf16" else 8))
+def regs(act: str, bm: int, bn: int, nw: int = 1, gps: int = 1) -> int:
+    """Registers per thread the tiling pins: the accumulators (f32 [64, bm] per 64-row tile and weight; w4a8 an int32
+    partial per K group of the step too) and one step's unpacked A operands, which stay live until the step's wgmmas
+    are waited for (bf16 [64, 64]: 16 registers, int8: 8, two K halves per tile, weight and group)."""
+    per_tile = bm // 2 + gps * ((bm // 2 if act == "int8" else 0) + 2 * (16 if act == "bf16" else 8))
     return nw * (bn // BN) * per_tile
 
 
@@ -634,7 +612,6 @@ def default_tiling(
     splits=None,
     ctas=None,
     wgs=None,
-    fold=None,
     sms: int = SMS,
 ) -> Tiling:
     """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
@@ -659,8 +636,6 @@ def default_tiling(
       copies of its pipeline (blocks of 128 rows) took ptxas past 42 s.
     - gps: 2 K groups per step in decode (one wait for both groups' MMAs: the per-step chain of loads, unpacking,
       MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, RESULTS.md), else 1.
-    - fold (w4a16 in decode, bm <= 32): the group scales applied to each K group's partial instead of to every
-      weight (Tiling.fold).
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
       at least 8 K steps per split: one K loop per output tile leaves each SM only about two CTAs there."""
     mu = m / max(e, 1)
@@ -689,9 +664,8 @@ def default_tiling(
     # ptxas), at bm = 32 it would need 320 and spill, so there each tile is unpacked before its own wgmmas.
     first = act == "bf16" or regs(act, bm, bn_, nw, gps) <= UNPACK_FIRST_REGS  # (w4a16 steps ignore it)
     narrow = act == "int8" and bm > 32
-    fold = act == "bf16" and bm <= 32 if fold is None else fold
-    t = Tiling(bm=bm, bn=bn_ * wgs, stages=1, gps=gps, unpack_first=first, narrow=narrow, wgs=wgs, fold=fold)
-    total = regs(act, bm, bn_, nw, gps, fold) + 40  # + addresses, indices, temporaries
+    t = Tiling(bm=bm, bn=bn_ * wgs, stages=1, gps=gps, unpack_first=first, narrow=narrow, wgs=wgs)
+    total = regs(act, bm, bn_, nw, gps) + 40  # + addresses, indices, temporaries
     out_tile = _kib(bm * bn_ * wgs * 2) if wgs > 1 else 0  # allocated beside the pipeline (smem_bytes)
 
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
@@ -770,10 +744,6 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, 
         raise ValueError(f"gps={t.gps} x splits={t.splits} must divide the {k_groups} K groups; stages={t.stages} >= 1")
     if interpret and t.a_regs:
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
-    if t.lanes and (act != "bf16" or not (t.inline or interpret)):
-        raise ValueError(f"{t}: lane order is w4a16's, unpacked inline (or in the interpreter)")
-    if t.fold and act != "bf16":
-        raise ValueError(f"{t}: fold is w4a16's (w4a8 folds every K group's partial anyway)")
     if (xgroups or qout) and (t.splits != 1 or act != "int8"):
         raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K")
     if qout and (nw != 2 or t.bn % QGROUP):
@@ -808,7 +778,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     if interpret:
         t = dataclasses.replace(t, a_regs=False, inline=False)
     _check_tiling(t, act, n, k // g, g, nw, interpret, xgroups, quant_out)
-    args = kernel_operands(x, weights, group_sizes, act, t.bm, x_q, fold=t.fold)
+    args = kernel_operands(x, weights, group_sizes, act, t.bm, x_q)
     a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
     a_smem = plgpu.SMEM((_a_tiles(t, g, nw), BN, KC), a_dtype, transforms=_transforms(KC, jnp.dtype(a_dtype).itemsize))
     rows = max(m, t.bm)
@@ -846,7 +816,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     return out[:m]  # [M, N] (a slice only when M < bm)
 
 
-def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None, fold: bool = False):
+def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     """The wrapper's XLA work before the kernel, all of it: q bitcast to int8 (free), and w4a8's per-token
     quantisation of x (one fused pass: [M, K] int8 and [M] f32 scales) unless the caller gives it as x_q (the
     model quantises its tokens before gathering their top-k copies: 1/k of the rows, fused with the gather). A
@@ -856,8 +826,7 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None, fold: 
     ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales are padded by bm (a few
     bytes: their copy into smem is a plain [bm] slice, which must stay in bounds); per-group scales [K/G, M'] (x_q
     from a producer that quantised in groups) are padded only if M' is short of that (the gate/up kernel's quantised
-    output leaves HS_PAD rows). fold (w4a16): 136 x x's sums per row and K group, [K/G, M'] f32, in f32 from the bf16
-    rows (one XLA reduction over x)."""
+    output leaves HS_PAD rows)."""
     m = x.shape[0]
     pad = ((0, max(bm, -(-m // ROW_ALIGN) * ROW_ALIGN) - m), (0, 0))
     args = [group_sizes.astype(jnp.int32)]
@@ -870,10 +839,6 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None, fold: 
         args += [jnp.pad(xq, pad), xs]
     else:
         args.append(jnp.pad(x, pad))
-        if fold:
-            k_groups = weights[0][1].shape[1]
-            sums = x.astype(jnp.float32).reshape(m, k_groups, -1).sum(-1).T * OFFSET  # [K/G, M]
-            args.append(_pad_rows(sums, m + _xs_block(bm) + ROW_ALIGN))
     return args
 
 

@@ -410,42 +410,6 @@ def test_warpgroups_sharing_token_tiles_interpret():
     np.testing.assert_array_equal(gated(dataclasses.replace(ws, narrow=False)), gated(one))
 
 
-@pytest.mark.usefixtures("_reset_interpreter")
-def test_w4a16_fold_takes_out_the_offset_and_applies_the_scales_interpret():
-    """w4a16 with Tiling.fold (the decode default): the weights go into the MMAs as 136 + q, and each K group's
-    partial loses 136 x the tokens' group sum and takes its group scale after. The tokens have a mean of 1 here, so
-    an offset left in (or a group's sum taken from the wrong rows or K group) is off by far more than the tolerance.
-    Single weight (one and two K groups a step, split-K) and gate/up; the default picks fold only in decode."""
-    from pallas_kernels.moe_int4 import (
-        Tiling,
-        default_tiling,
-        int4_gated_ragged_dot,
-        int4_gated_reference,
-        int4_ragged_dot,
-    )
-
-    k, n, sizes = 512, 256, [9, 30, 0, 2]
-    e, m = len(sizes), sum(sizes) + 3
-    kw, kg, ku = jax.random.split(jax.random.key(13), 3)
-    qw, qg, qu = (quant.quantize(jax.random.normal(kk, (e, k, n)) / 8, 4, "bf16") for kk in (kw, kg, ku))
-    x = (jax.random.normal(jax.random.key(1), (m, k)) + 1).astype(jnp.bfloat16)
-    gs = jnp.array(sizes, jnp.int32)
-    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
-    tilings = [Tiling(16, 128, 2, fold=True), Tiling(32, 256, 2, gps=2, fold=True)]
-    for t in [*tilings, Tiling(16, 64, 1, splits=2, fold=True)]:
-        y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act="bf16", interpret=True, tiling=t), np.float32)
-        np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
-        assert not y[sum(sizes) :].any()
-    gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
-    ref = np.asarray(int4_gated_reference(x, gate, up, gs, "bf16"), np.float32)
-    t = Tiling(16, 128, 2, gps=2, fold=True)
-    y = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, act="bf16", interpret=True, tiling=t), np.float32)
-    np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=2e-2)
-    assert default_tiling("bf16", 128, 2048, 56, 16).fold and not default_tiling("bf16", 4096, 2048, 56, 32).fold
-    with pytest.raises(ValueError, match="fold is w4a16"):
-        int4_ragged_dot(x, qw.q, qw.scale, gs, act="int8", interpret=True, tiling=Tiling(16, 128, 2, fold=True))
-
-
 def _w4a8_experts(f: int):
     """Six tokens routed top-2 over four w4a8 experts (hidden 256, width f): (params, x, ids, weights), and the
     routing as moe.experts sorts it (order, source token of each copy, group sizes)."""
@@ -696,7 +660,7 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     w = (s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32))
     shapes = [(16, 64, 1), (32, 128, 2), (48, 128, 1), (80, 64, 1), (128, 256, 1)]
     for bm, bn, gps in shapes:
-        t = Tiling(bm, bn, 2, gps, fold=act == "bf16" and bm <= 32)  # (w4a16's fold pipelines the tokens' sums)
+        t = Tiling(bm, bn, 2, gps)
         if nw == 1:  # (tracing builds the pipelines; lowering them is other tests' business)
             trace_for_hopper(lambda x, w, gs, t=t: int4_ragged_dot(x, *w, gs, act=act, tiling=t), x, w, gs)
         else:
@@ -714,7 +678,6 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
         ("int8", (32, 128, 3), 1),
         ("int8", (64, 64, 4), 2),
         ("bf16", (80, 128, 3), 1),
-        ("bf16", (16, 128, 4, {"gps": 2, "fold": True}), 1),  # w4a16's decode default: the tokens' group sums
         ("int8", (256, 256, 2), 1),
         ("int8", (128, 128, 2, {"splits": 2}), 2),  # split-K: the f32 partials of gate and up outgrow the stages
         ("int8", (16, 128, 4, {"gps": 2}), 1),

@@ -62,7 +62,6 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per
     SM); otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or
     with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM).
-    w4a16 in decode: also the default without its fold (the weights scaled in bf16).
     Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
     tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
     choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one
@@ -80,11 +79,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64), dict(bm=48)] if nw == 1 else []
         if act == "int8":  # the other choice of compute warpgroups per CTA (one, or two sharing each token tile)
             alts += [dict(wgs=1)] if d.wgs > 1 else [dict(wgs=2, bn=d.bn)] if n % (2 * d.bn) == 0 else []
-    if act == "bf16" and d.bm <= 32:  # w4a16 with the weights scaled in bf16 (the decode default before its fold)
-        alts += [dict(fold=False)]
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]
-    if act == "bf16":  # the weights in lane order (32-bit tile loads), with and without the fold
-        out += [dataclasses.replace(d, lanes=True), dataclasses.replace(d, lanes=True, fold=not d.fold)]
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
     out += [dataclasses.replace(d, narrow=not d.narrow)] if d.bm > 32 else []
@@ -181,8 +176,6 @@ def _short(t) -> str:
     via += "" if t.unpack_first else " unpacked per tile"
     via += " narrow tails" if t.narrow else (" full-width tails" if t.bm > 32 else "")
     via += f" {t.wgs} compute warpgroups" if t.wgs > 1 else ""
-    via += " fold" if t.fold else ""
-    via += " lanes" if t.lanes else ""
     return f"bm={t.bm} bn={t.bn} st={t.stages}{gps}{via}"
 
 
@@ -200,7 +193,6 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     from hcfjax.bench.common import repeats_exactly
     from hcfjax.cache import quantize_int8
     from hcfjax.quant import dequantize_int8_groups, quantize_int8_groups
-    from pallas_kernels.int4_unpack import to_lane_order
     from pallas_kernels.moe_int4 import (
         _hs_rows,
         default_tiling,
@@ -292,8 +284,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         for label, t in [("v1 tiling", legacy_tiling(act, m, e))] + [(None, t) for t in alternatives]:
             fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
             label = f"{name} kernel, {label or _short(t)}"
-            qt = to_lane_order(q4.q) if t.lanes else q4.q
-            row(label, fn, x, qt, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
+            row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
     if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
         qu, su = (q4.q + jnp.uint8(0x35)), q4.scale * 0.5  # a second, different weight for "up"
         wu = quant.dequantize(quant.QWeight(qu, su, 4, "bf16"), jnp.bfloat16).astype(jnp.float32)
@@ -323,8 +314,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                     row(label, _given_x_q(fn), *weights, x_rows, act=act, tiling=ts, ref=ref, nw=2, **kw)
                 else:
                     label = f"{name} gate+up+SiLU fused, {_short(ts)}"
-                    lw = (x, (to_lane_order(q4.q), q4.scale), (to_lane_order(qu), su), gs) if ts.lanes else weights
-                    row(label, fn, *lw, act=act, tiling=ts, ref=ref, nw=2, **kw)
+                    row(label, fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
             row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
