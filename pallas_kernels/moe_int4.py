@@ -41,6 +41,11 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
   only, for w4a8, the per-token int8 quantisation of x (one fused pass; in the kernel it would be
   redone by every one of the N/bn CTAs that share a token tile, and each needs the token's max over all of K first).
 Shared memory per CTA is `smem_bytes`; NOTES.md has the configurations and the reasoning behind `default_tiling`.
+
+w4a16 with few rows per expert (`digits_pay`) runs on the w4a8 kernel instead (`int4_ragged_dot_digits`): each row of
+x becomes two rows of int8 digits, the row and its quantisation residual, both quantised per 128 channels, and each
+pair's products are summed after the kernel. Unpacking for the int8 MMAs costs a fraction of the bf16 one, and
+while the doubled rows still fit 16-row token blocks the MMAs take no more columns.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hcfjax.cache import quantize_int8
-from hcfjax.quant import QWeight, quantize_int8_groups, ragged_dot_reference
+from hcfjax.quant import QWeight, dequantize_int8_groups, quantize_int8_groups, ragged_dot_reference
 from pallas_kernels.int4_unpack import bf16_halves, int8_halves
 from pallas_kernels.int_sums import MAGIC, MAGIC_F  # a w4a8 K group's sum: 128 products of |16 q| <= 128 and |x| <= 127
 
@@ -863,8 +868,46 @@ def int4_ragged_dot(
     [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `tiling` defaults
     by the regime (`default_tiling`). w4a8: x_q = quantize_int8(x) when the caller has it (x is then only a shape),
     or (int8 [M, K], scales [K/128, M' >= M]) quantised per row and 128 channels (hcfjax.quant.quantize_int8_groups;
-    int4_gated_ragged_dot(..., quant_out=True) writes it): each K group's partial is then scaled by its own."""
+    int4_gated_ragged_dot(..., quant_out=True) writes it): each K group's partial is then scaled by its own.
+    w4a16 without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`)."""
+    (e, n, _), (m, k), k_groups = q.shape, x.shape, scale.shape[1]
+    if act == "bf16" and tiling is None and digits_pay(m, n, k // k_groups, k_groups, e):
+        return int4_ragged_dot_digits(x, q, scale, group_sizes, interpret)
     return _run(x, ((q, scale),), group_sizes, act, interpret, tiling, x_q)
+
+
+def digits_pay(m: int, n: int, g: int, k_groups: int, e: int) -> bool:
+    """Whether w4a16 runs faster as int8 digits on the w4a8 kernel (`int4_ragged_dot_digits`) than on its own
+    kernel: where the doubled rows still take 16-row token blocks (about 6 rows per expert or fewer, the decode of
+    wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (RESULTS.md,
+    2026-12-01): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128) the
+    digits need 32-row blocks and were level to 13% slower."""
+    return g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
+
+
+def int8_digits(x):
+    """x [M, K] -> two int8 digits per value, interleaved by row: (int8 [2M, K], scales [K/128, 2M] f32), rows 2i and
+    2i + 1 x's row i quantised per 128 channels and the residual of that quantised the same way: x = d0 s0 + d1 s1 up
+    to s1 / 2 <= s0 / 508 (about 1 / 64,500 of each group's largest value, against bf16's 1 / 512 of each value)."""
+    m, k = x.shape
+    d0, s0 = quantize_int8_groups(x, QGROUP)
+    d1, s1 = quantize_int8_groups(x.astype(jnp.float32) - dequantize_int8_groups(d0, s0), QGROUP)
+    return jnp.stack([d0, d1], 1).reshape(2 * m, k), jnp.stack([s0, s1], 2).reshape(k // QGROUP, 2 * m)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def int4_ragged_dot_digits(x, q, scale, group_sizes, interpret: bool = False, tiling: Tiling | None = None):
+    """w4a16 on the w4a8 kernel: each row of x as two int8 digits (`int8_digits`, one XLA pass), both through the
+    int8 tensor cores with w4a8's cheap unpacking (no bf16 weights formed: q times the group scales in f32, exactly),
+    and each row pair's products summed after the kernel (one more). The result differs from the bf16 product by the
+    digits' residual, below 1 / 64,500 of each 128-channel group's largest value: closer to the exact product than
+    the w4a16 kernel (bf16 weights) for values within 1/126 of their group's largest, further for smaller ones, all
+    well inside bf16's tolerance of the output (tests/test_quant.py)."""
+    m, k = x.shape
+    xq = int8_digits(x)
+    x2 = jnp.broadcast_to(jnp.zeros((), x.dtype), (2 * m, k))  # (a shape only: the kernel reads xq)
+    y = _run(x2, ((q, scale),), 2 * group_sizes, "int8", interpret, tiling, xq)
+    return y.reshape(m, 2, -1).astype(jnp.float32).sum(1).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "quant_out"))

@@ -336,6 +336,36 @@ def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
 
 
 @pytest.mark.usefixtures("_reset_interpreter")
+def test_w4a16_as_int8_digits_interpret():
+    """w4a16 with few rows per expert runs as two int8 digits a value on the w4a8 kernel (moe_int4.digits_pay): the
+    default at 3 rows per expert (not at 20, nor with K groups of 256). The digits give x back within their bound
+    (heavy-tailed x, an all-zero row); the product is as close to the exact one as the w4a16 kernel's, with the row
+    pairs summed back in x's order and the rows past the groups zero."""
+    from pallas_kernels.moe_int4 import Tiling, digits_pay, int4_ragged_dot, int4_ragged_dot_digits, int8_digits
+
+    e, k, n, sizes = 8, 256, 128, [3, 0, 5, 2, 4, 1, 0, 6]
+    m = sum(sizes) + 3
+    assert digits_pay(m, n, 128, 2, e) and not digits_pay(20 * e, n, 128, 2, e) and not digits_pay(m, n, 256, 1, e)
+    kx, kw, ks = jax.random.split(jax.random.key(7), 3)
+    x = (jax.random.normal(kx, (m, k)) * jnp.exp(jax.random.normal(ks, (m, k)))).at[1].set(0).astype(jnp.bfloat16)
+    xf = np.asarray(x, np.float32)
+    d, sc = (np.asarray(a, np.float32) for a in int8_digits(x))
+    back = (d.reshape(m, 2, k // 128, 128) * sc.T.reshape(m, 2, k // 128)[..., None]).sum(1).reshape(m, k)
+    group_max = np.abs(xf).reshape(m, k // 128, 128).max(-1, keepdims=True)
+    assert (np.abs(back - xf).reshape(m, k // 128, 128) <= group_max / 64_000).all() and not back[1].any()
+    w = jax.random.normal(kw, (e, k, n)) / 16
+    gs = jnp.array(sizes, jnp.int32)
+    qw = quant.quantize(w, 4, "bf16")
+    exact = np.asarray(jax.lax.ragged_dot(xf, quant.dequantize(qw, jnp.float32), gs, precision="highest"))
+    y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, interpret=True), np.float32)
+    np.testing.assert_array_equal(y, np.asarray(int4_ragged_dot_digits(x, qw.q, qw.scale, gs, True), np.float32))
+    y16 = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, interpret=True, tiling=Tiling(16, 128, 2)), np.float32)
+    err = [np.linalg.norm(v[: sum(sizes)] - exact[: sum(sizes)]) / np.linalg.norm(exact) for v in (y, y16)]
+    assert 0 < err[0] <= 1.1 * err[1] < 5e-3, err
+    assert not y[sum(sizes) :].any() and not (y16 == y).all()
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_kernel_group_256_interpret(act):
     """A K group of 256: two 64-byte packed chunks per group and row tile (each K half of the group is two wgmma K

@@ -196,8 +196,10 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     from pallas_kernels.moe_int4 import (
         _hs_rows,
         default_tiling,
+        digits_pay,
         int4_gated_ragged_dot,
         int4_ragged_dot,
+        int4_ragged_dot_digits,
         kernel_operands,
         legacy_tiling,
         smem_bytes,
@@ -278,6 +280,14 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             label = f"{name} kernel, x in 128-channel groups by the producer"
             kw = dict(nbytes=nb_int4, int8=True, act=act, tiling=t, ref=refs["int8 groups"], needs=(f"{name} kernel",))
             row(label, given, x, q4.q, q4.scale, gs, x_groups, **kw)
+    # w4a16 as two int8 digits a value on the w4a8 kernel: where digits_pay (the default int4_ragged_dot then takes),
+    # or everywhere with MOE_BENCH_DIGITS=1
+    if digits_pay(m, n, 128, kg, e) or os.environ.get("MOE_BENCH_DIGITS"):
+        t = default_tiling("int8", 2 * m, n, kg, e)
+        fn = functools.partial(int4_ragged_dot_digits, interpret=interpret, tiling=t)
+        kw = dict(nbytes=nb_int4, act="int8", tiling=t, ref=refs["bf16"])
+        default = " (int4_ragged_dot's default here)" if digits_pay(m, n, 128, kg, e) else ""
+        row(f"w4a16 as int8 digits{default}", fn, x, q4.q, q4.scale, gs, **kw)
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
         alternatives = _swept(act, e, m, k, n) if sweep else []
