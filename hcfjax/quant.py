@@ -245,22 +245,26 @@ def int8_activations(w) -> bool:
 # (pallas_kernels/bench/RESULTS.md, 2026-11-30, device time): w4a8 fused beats two kernel calls + SiLU (87-95 vs
 # 96-100 us at E=16 M=128, 149-161 vs 165 at E=32, 170 vs 181 back to back at E=16 M=1024) and ties in prefill; w4a16
 # fused now loses in decode (121-127 vs 116-117 us at E=16; its registers allow only two pipeline stages) and ties or
-# loses in prefill (2112 vs 2008 us at E=32 M=16384).
+# loses in prefill (2112 vs 2008 us at E=32 M=16384). w4a16 where its int8 digits pay runs the fused w4a8 kernel
+# instead (149.9 vs about 205 us for two w4a16 kernels at E=32 M=128, 2026-12-01).
 FUSED_GATE_UP = {"bf16": False, "int8": True}
 
 
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, quant_out: bool = False):
     """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU (shapes
     the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
-    where FUSED_GATE_UP says it is faster, else two kernel calls; everything else two ragged_dots. x_q as in
+    where FUSED_GATE_UP says it is faster, or for w4a16 where its int8 digits do (moe_int4.digits_pay: the fused
+    w4a8 kernel), else two kernel calls; everything else two ragged_dots. x_q as in
     `ragged_dot`. quant_out: the product as quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the
     fused w4a8 kernel itself where that pays (moe_int4.quant_out_pays: decode, up to ~32 rows per expert), else
     quantised after it: a down projection's x_q."""
     if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
-        if use_kernel() and FUSED_GATE_UP[gate.act]:
-            from pallas_kernels.moe_int4 import int4_gated_ragged_dot, quant_out_pays, supports
+        if use_kernel():
+            from pallas_kernels.moe_int4 import digits_pay, int4_gated_ragged_dot, quant_out_pays, supports
 
-            if supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
+            shape = (x.shape[0], gate.n, gate.group, gate.k // gate.group, group_sizes.shape[0])
+            fused = FUSED_GATE_UP[gate.act] or gate.act == "bf16" and digits_pay(*shape)
+            if fused and supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
                 xq = x_q if gate.act == "int8" else None
                 call = (gate.act, x.shape[0], gate.n, gate.k // gate.group, group_sizes.shape[0])
                 in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0 and quant_out_pays(*call)

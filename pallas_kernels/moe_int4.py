@@ -44,8 +44,9 @@ Shared memory per CTA is `smem_bytes`; NOTES.md has the configurations and the r
 
 w4a16 with few rows per expert (`digits_pay`) runs on the w4a8 kernel instead (`int4_ragged_dot_digits`): each row of
 x becomes two rows of int8 digits, the row and its quantisation residual, both quantised per 128 channels, and each
-pair's products are summed after the kernel. Unpacking for the int8 MMAs costs a fraction of the bf16 one, and
-while the doubled rows still fit 16-row token blocks the MMAs take no more columns.
+pair's products are summed in the epilogue (Tiling.pairs, before gate/up's SiLU: the fused kernel runs w4a16's
+gate/up too). Unpacking for the int8 MMAs costs a fraction of the bf16 one, and while the doubled rows still fit
+16-row token blocks the MMAs take no more columns.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class Tiling:
     wgs: int = 1  # w4a8: compute warpgroups per CTA, each taking bn / wgs of the weight rows against the same token
     # tile, their loads issued by one more warpgroup (a warp-specialised pipeline; one CTA per SM): where two CTAs of
     # bn / 2 rows would each load the token tile, this loads it once (`default_tiling` says where it pays)
+    pairs: bool = False  # w4a8: token rows come in pairs (2i, 2i + 1: int8 digits of one row, `int8_digits`) whose
+    # products are summed in the epilogue, the sum written to both rows (the caller keeps the even ones)
 
     @property
     def tiles(self) -> int:
@@ -384,6 +387,8 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                         xs = plgpu.load(xs_smem.at[pl.ds(0, t.bm)], layout=col)
                         xs = lax.broadcast_in_dim(xs, (BN, t.bm), [1])
                         accs = tuple(a * xs for a in accs)
+                    if t.pairs:  # (before gate/up's SiLU: the digits' products add up to the row's)
+                        accs = tuple(_pair_sum(a, fast) for a in accs)
                     finish(accs, o_tile)
 
                 zero = lambda: plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
@@ -476,6 +481,35 @@ def _proxy_fence():
     @plgpu.inline_mgpu()
     def _(ctx):
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
+def _pair_sum(a, fast: bool):
+    """a f32 [64, bm] (WGMMA layout) -> each column pair's sum (2i, 2i + 1) in both columns. In the WGMMA layout a
+    pair is one thread's register of two values: one add per register, no data between threads."""
+    if not fast:
+        s = a.reshape(a.shape[0], -1, 2).sum(-1)
+        return jnp.repeat(s, 2, axis=1)
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    out = plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out)
+    def run(ctx, a):
+        import numpy as np
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, vector
+
+        regs = np.empty_like(a.registers)
+        for idx, reg in np.ndenumerate(a.registers):
+            vt = ir.VectorType(reg.type)
+            if vt.shape != [2]:
+                raise NotImplementedError(f"a WGMMA register of {vt}")
+            total = arith.addf(vector.extract(reg, [], [0]), vector.extract(reg, [], [1]))
+            regs[idx] = vector.broadcast(vt, total)
+        return fa.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=None)
+
+    return run(a)
 
 
 def _silu_mul(accs, tiles: int) -> list:
@@ -753,6 +787,8 @@ def _check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, 
         raise ValueError(f"{t}: per-group activation scales (in or out) are w4a8's, without split-K")
     if qout and (nw != 2 or t.bn % QGROUP):
         raise ValueError(f"{t}: a quantised output is gate/up's, with bn a multiple of {QGROUP}")
+    if t.pairs and (act != "int8" or qout):
+        raise ValueError(f"{t}: row pairs (int8 digits) are w4a8's, with a bf16 output")
     if t.wgs > 1 and (act != "int8" or t.splits != 1 or qout or t.bn % (t.wgs * BN)):
         raise ValueError(f"{t}: compute warpgroups sharing a token tile are w4a8's, with bn / wgs a multiple of {BN}")
     smem = smem_bytes(act, t, g, nw, xgroups, qout)
@@ -777,7 +813,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     xgroups = act == "int8" and x_q is not None and x_q[1].ndim == 2
     if xgroups and (g != QGROUP or x_q[1].shape[0] != k // g):
         raise ValueError(f"per-group x scales {x_q[1].shape} need K groups of {QGROUP} ({k // QGROUP} of them)")
-    t = tiling or default_tiling(act, m, n, k // g, e, nw, g)
+    t = tiling or default_tiling(act, m, n, k // g, e, nw, g, splits=1 if xgroups else None)  # (no split-K there)
     if quant_out and tiling is None and (t.bn < QGROUP or t.wgs > 1):  # a CTA's N tile: whole 128-channel groups
         t = default_tiling(act, m, n, k // g, e, nw, g, bn=QGROUP, wgs=1)
     if interpret:
@@ -899,15 +935,21 @@ def int8_digits(x):
 def int4_ragged_dot_digits(x, q, scale, group_sizes, interpret: bool = False, tiling: Tiling | None = None):
     """w4a16 on the w4a8 kernel: each row of x as two int8 digits (`int8_digits`, one XLA pass), both through the
     int8 tensor cores with w4a8's cheap unpacking (no bf16 weights formed: q times the group scales in f32, exactly),
-    and each row pair's products summed after the kernel (one more). The result differs from the bf16 product by the
-    digits' residual, below 1 / 64,500 of each 128-channel group's largest value: closer to the exact product than
-    the w4a16 kernel (bf16 weights) for values within 1/126 of their group's largest, further for smaller ones, all
-    well inside bf16's tolerance of the output (tests/test_quant.py)."""
-    m, k = x.shape
-    xq = int8_digits(x)
-    x2 = jnp.broadcast_to(jnp.zeros((), x.dtype), (2 * m, k))  # (a shape only: the kernel reads xq)
-    y = _run(x2, ((q, scale),), 2 * group_sizes, "int8", interpret, tiling, xq)
-    return y.reshape(m, 2, -1).astype(jnp.float32).sum(1).astype(x.dtype)
+    and each row pair's products summed in the kernel's epilogue (Tiling.pairs; the output's odd rows dropped). The
+    result differs from the bf16 product by the digits' residual, below 1 / 64,500 of each 128-channel group's
+    largest value: closer to the exact product than the w4a16 kernel (bf16 weights) for values within 1/126 of their
+    group's largest, further for smaller ones, all well inside bf16's tolerance of the output (tests/test_quant.py)."""
+    return _run_digits(x, ((q, scale),), group_sizes, interpret, tiling)
+
+
+def _run_digits(x, weights, group_sizes, interpret, tiling):
+    """The w4a8 kernel over x's int8 digits with Tiling.pairs (each row pair's products summed in the epilogue,
+    before gate/up's SiLU): the even rows of its output are the product."""
+    (m, k), (e, n, _) = x.shape, weights[0][0].shape
+    t = tiling or default_tiling("int8", 2 * m, n, weights[0][1].shape[1], e, len(weights), splits=1)
+    x2 = jnp.broadcast_to(jnp.zeros((), x.dtype), (2 * m, k))  # (a shape only: the kernel reads the digits)
+    y = _run(x2, weights, 2 * group_sizes, "int8", interpret, dataclasses.replace(t, pairs=True), int8_digits(x))
+    return y[::2]
 
 
 @functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "quant_out"))
@@ -926,8 +968,19 @@ def int4_gated_ragged_dot(
     (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once. x_q as in
     int4_ragged_dot. quant_out (w4a8): the product is written quantised per row and 128 channels, as
     (int8 [M, N], scales [N/128, M' >= M + HS_PAD] f32) = quantize_int8_groups of the bf16 product (the scales'
-    columns past M are padding), which the down projection takes as its x_q: no XLA pass between the kernels."""
+    columns past M are padding), which the down projection takes as its x_q: no XLA pass between the kernels. w4a16
+    without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`)."""
+    (e, n, _), (m, k), k_groups = gate[0].shape, x.shape, gate[1].shape[1]
+    if act == "bf16" and tiling is None and not quant_out and digits_pay(m, n, k // k_groups, k_groups, e):
+        return _run_digits(x, (tuple(gate), tuple(up)), group_sizes, interpret, None)
     return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling, x_q, quant_out)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def int4_gated_ragged_dot_digits(x, gate, up, group_sizes, interpret: bool = False, tiling: Tiling | None = None):
+    """int4_gated_ragged_dot in w4a16 as `int4_ragged_dot_digits` runs it: x's int8 digits through the fused w4a8
+    kernel, each row pair's gate and up products summed before the SiLU."""
+    return _run_digits(x, (tuple(gate), tuple(up)), group_sizes, interpret, tiling)
 
 
 def int4_gated_reference(x, gate, up, group_sizes, act="bf16", quant_out=False):

@@ -340,8 +340,17 @@ def test_w4a16_as_int8_digits_interpret():
     """w4a16 with few rows per expert runs as two int8 digits a value on the w4a8 kernel (moe_int4.digits_pay): the
     default at 3 rows per expert (not at 20, nor with K groups of 256). The digits give x back within their bound
     (heavy-tailed x, an all-zero row); the product is as close to the exact one as the w4a16 kernel's, with the row
-    pairs summed back in x's order and the rows past the groups zero."""
-    from pallas_kernels.moe_int4 import Tiling, digits_pay, int4_ragged_dot, int4_ragged_dot_digits, int8_digits
+    pairs summed in the epilogue (Tiling.pairs) and the rows past the groups zero; the same for the fused gate/up
+    kernel, whose pairs are summed before the SiLU."""
+    from pallas_kernels.moe_int4 import (
+        Tiling,
+        digits_pay,
+        int4_gated_ragged_dot,
+        int4_gated_ragged_dot_digits,
+        int4_ragged_dot,
+        int4_ragged_dot_digits,
+        int8_digits,
+    )
 
     e, k, n, sizes = 8, 256, 128, [3, 0, 5, 2, 4, 1, 0, 6]
     m = sum(sizes) + 3
@@ -363,6 +372,14 @@ def test_w4a16_as_int8_digits_interpret():
     err = [np.linalg.norm(v[: sum(sizes)] - exact[: sum(sizes)]) / np.linalg.norm(exact) for v in (y, y16)]
     assert 0 < err[0] <= 1.1 * err[1] < 5e-3, err
     assert not y[sum(sizes) :].any() and not (y16 == y).all()
+    # gate/up: the fused kernel over the digits, each row pair's gate and up summed before the SiLU
+    u = quant.quantize(jax.random.normal(ks, (e, k, n)) / 16, 4, "bf16")
+    gate, up = (qw.q, qw.scale), (u.q, u.scale)
+    h = np.asarray(int4_gated_ragged_dot(x, gate, up, gs, interpret=True), np.float32)
+    np.testing.assert_array_equal(h, np.asarray(int4_gated_ragged_dot_digits(x, gate, up, gs, True), np.float32))
+    exact_up = np.asarray(jax.lax.ragged_dot(xf, quant.dequantize(u, jnp.float32), gs, precision="highest"))
+    want = exact / (1 + np.exp(-exact)) * exact_up
+    assert np.linalg.norm(h - want) / np.linalg.norm(want) < 5e-3 and not h[sum(sizes) :].any()
 
 
 @pytest.mark.usefixtures("_reset_interpreter")

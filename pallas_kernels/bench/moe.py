@@ -198,6 +198,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         default_tiling,
         digits_pay,
         int4_gated_ragged_dot,
+        int4_gated_ragged_dot_digits,
         int4_ragged_dot,
         int4_ragged_dot_digits,
         kernel_operands,
@@ -283,7 +284,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     # w4a16 as two int8 digits a value on the w4a8 kernel: where digits_pay (the default int4_ragged_dot then takes),
     # or everywhere with MOE_BENCH_DIGITS=1
     if digits_pay(m, n, 128, kg, e) or os.environ.get("MOE_BENCH_DIGITS"):
-        t = default_tiling("int8", 2 * m, n, kg, e)
+        t = default_tiling("int8", 2 * m, n, kg, e, splits=1)
         fn = functools.partial(int4_ragged_dot_digits, interpret=interpret, tiling=t)
         kw = dict(nbytes=nb_int4, act="int8", tiling=t, ref=refs["bf16"])
         default = " (int4_ragged_dot's default here)" if digits_pay(m, n, 128, kg, e) else ""
@@ -325,6 +326,12 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 else:
                     label = f"{name} gate+up+SiLU fused, {_short(ts)}"
                     row(label, fn, *weights, act=act, tiling=ts, ref=ref, nw=2, **kw)
+            if act == "bf16" and (digits_pay(m, n, 128, kg, e) or os.environ.get("MOE_BENCH_DIGITS")):
+                td = default_tiling("int8", 2 * m, n, kg, e, nw=2, splits=1)
+                fn = functools.partial(int4_gated_ragged_dot_digits, interpret=interpret, tiling=td)
+                default = " (int4_gated_ragged_dot's default here)" if digits_pay(m, n, 128, kg, e) else ""
+                row(f"w4a16 gate+up+SiLU fused as int8 digits{default}", fn, *weights, act="int8", tiling=td, ref=ref,
+                    nw=2, **kw)  # fmt: skip
             two = functools.partial(int4_ragged_dot, act=act, interpret=interpret)
             unfused = lambda x, g, u, gs, two=two: jax.nn.silu(two(x, *g, gs)) * two(x, *u, gs)  # noqa: E731
             row(f"{name} gate, up kernels + SiLU", unfused, *weights, **kw)
