@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -917,8 +918,9 @@ def digits_pay(m: int, n: int, g: int, k_groups: int, e: int) -> bool:
     kernel: where the doubled rows still take 16-row token blocks (about 6 rows per expert or fewer, the decode of
     wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (RESULTS.md,
     2026-12-01): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128) the
-    digits need 32-row blocks and were level to 13% slower."""
-    return g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
+    digits need 32-row blocks and were level to 13% slower. HCFJAX_INT4_DIGITS=0 turns the digits off."""
+    on = os.environ.get("HCFJAX_INT4_DIGITS", "1") != "0"
+    return on and g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
 
 
 def int8_digits(x):

@@ -336,7 +336,7 @@ def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
 
 
 @pytest.mark.usefixtures("_reset_interpreter")
-def test_w4a16_as_int8_digits_interpret():
+def test_w4a16_as_int8_digits_interpret(monkeypatch):
     """w4a16 with few rows per expert runs as two int8 digits a value on the w4a8 kernel (moe_int4.digits_pay): the
     default at 3 rows per expert (not at 20, nor with K groups of 256). The digits give x back within their bound
     (heavy-tailed x, an all-zero row); the product is as close to the exact one as the w4a16 kernel's, with the row
@@ -355,6 +355,9 @@ def test_w4a16_as_int8_digits_interpret():
     e, k, n, sizes = 8, 256, 128, [3, 0, 5, 2, 4, 1, 0, 6]
     m = sum(sizes) + 3
     assert digits_pay(m, n, 128, 2, e) and not digits_pay(20 * e, n, 128, 2, e) and not digits_pay(m, n, 256, 1, e)
+    with monkeypatch.context() as env:
+        env.setenv("HCFJAX_INT4_DIGITS", "0")
+        assert not digits_pay(m, n, 128, 2, e)
     kx, kw, ks = jax.random.split(jax.random.key(7), 3)
     x = (jax.random.normal(kx, (m, k)) * jnp.exp(jax.random.normal(ks, (m, k)))).at[1].set(0).astype(jnp.bfloat16)
     xf = np.asarray(x, np.float32)
