@@ -452,6 +452,23 @@ def test_register_splits_fit_the_cta():
         parse_version("4")
 
 
+def test_bench_cases_name_their_head_count():
+    # bench.mla's cases: cache:BxCTX[:lengths][:hH], and the versions as each case can run them (the bench then
+    # labels a 3p row below 128 heads as 3, so int8 rows find their bf16 counterpart).
+    from pallas_kernels.bench.mla import for_case, parse_case
+
+    assert parse_case("bf16:128x4096") == ("bf16", 128, 4096, "full", 128)
+    assert parse_case("int8:32x16384:mixed:h16") == ("int8", 32, 16384, "mixed", 16)
+    assert parse_case("int8t:1x4096:h64") == ("int8t", 1, 4096, "full", 64)
+    for bad in ["bf16", "fp8:1x4096", "bf16:1x4096:ragged", "bf16:1x4096:mixed:skew", "bf16:1x4096:h0"]:
+        with pytest.raises(ValueError):
+            parse_case(bad)
+    assert for_case("3pq", "int8", 128) == "3pq"
+    assert for_case("3pq", "bf16", 128) == "3p"
+    assert for_case("3pq@256/176/72", "int8", 16) == "3q@256/176/72"
+    assert for_case(None, "int8", 16) is None
+
+
 def test_head_tile_pairs_need_128_heads_and_a_gpu():
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="pair=True needs"):

@@ -1,11 +1,13 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
-    python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,...] [--reps 20]
-                                       [--versions 3p,3pq] [--device-time | --kernel-time] [--rounds N]
+    python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,int8:128x4096:h16,...]
+                                       [--reps 20] [--versions 3p,3pq] [--device-time | --kernel-time] [--rounds N]
 
-H=128, C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths]: `full` rows (every row CTX
+C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths][:hH]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
 table is always CTX wide, so mixed and skew rows leave most of it unused (what the length-aware split schedule is for).
+H query heads, 128 (DeepSeek-V3) unless `hH` says otherwise (h16: V2-Lite; the kernel runs heads in 64-row tiles, so
+below 64 its MMAs do 64 heads' work, which TFLOP/s does not count).
 Cache `int8` uses hcfjax.cache's scale layout [P, page, 2] (the wrapper gathers and transposes the table's scales per
 call), `int8t` the proposed token-minor [P, 2, page] (no per-call pass).
 
@@ -178,14 +180,21 @@ def fns(scale, version=None):
     return kern, ref
 
 
+def for_case(version, dtype, heads):
+    """The version token as it applies to a case: without p below 128 heads (head tiles pair only in multiples of
+    128), without q for a bf16 cache (int8 Q.K is for int8 caches)."""
+    if version is None:
+        return None
+    base, at, regs = str(version).partition("@")
+    if heads % 128:
+        base = base.replace("p", "")
+    if dtype == "bf16":
+        base = base.replace("q", "")
+    return base + at + regs
+
+
 def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
-    if version is not None:
-        base, at, regs = str(version).partition("@")
-        if heads % 128:  # head tiles pair only in multiples of 128 heads
-            base = base.replace("p", "")
-        if dtype == "bf16":  # int8 Q.K is for int8 caches
-            base = base.replace("q", "")
-        version = base + at + regs
+    version = for_case(version, dtype, heads)
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )
@@ -305,32 +314,44 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
 
 
 def parse_case(text):
+    """A case's text, cache:BxCTX[:lengths][:hH] -> (cache, B, CTX, lengths, H); H, the query heads, defaults to
+    DeepSeek-V3's 128."""
     parts = text.split(":")
-    dtype, shape = parts[0], parts[1]
-    kind = parts[2] if len(parts) > 2 else "full"
+    if len(parts) < 2:
+        raise ValueError(f"case {text!r}: cache:BxCTX[:full|mixed|skew][:hH], e.g. int8:128x4096:h16")
+    dtype, shape, rest = parts[0], parts[1], parts[2:]
+    heads = 128
+    if rest and rest[-1].startswith("h"):
+        heads = int(rest.pop()[1:])
+    kind = rest[0] if rest else "full"
     b, ctx = (int(v) for v in shape.split("x"))
     if dtype not in ("bf16", "int8", "int8t"):
         raise ValueError(f"cache must be bf16, int8 or int8t, got {dtype!r}")
-    return dtype, b, ctx, kind
+    if kind not in ("full", "mixed", "skew") or len(rest) > 1:
+        raise ValueError(f"case {text!r}: lengths must be full, mixed or skew")
+    if heads < 1:
+        raise ValueError(f"case {text!r}: the head count must be positive")
+    return dtype, b, ctx, kind, heads
 
 
 # kernel us: the kernel given its plan, as every layer of a forward runs it (the model makes one plan per forward,
 # attention.with_decode_plan); GB/s, % copy, TFLOP/s, speedup and "vs FlashInfer" (its time over ours: > 1 is
 # faster) are of that time. call us: one call that also makes its plan (plan us alone).
 TABLE_HEAD = (
-    "| cache | B | ctx | lengths | ver | kernel us | GB/s | % copy | TFLOP/s | plan us | call us | "
+    "| cache | H | B | ctx | lengths | ver | kernel us | GB/s | % copy | TFLOP/s | plan us | call us | "
     "XLA ref us | speedup | FlashInfer us | FlashInfer GB/s | vs FlashInfer | rel err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
 def table_row(row, copy_bw) -> str:
-    dtype, b, ctx, kind, ver, tc, tk, tp, bwk, tr, sp, fl, err, tf = row
+    dtype, b, ctx, kind, heads, ver, tc, tk, tp, bwk, tr, sp, fl, err, tf = row
     pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
     fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}", f"{tf / tk:.2f}x") if tf else ("", "", "")
     return (
-        f"| {dtype} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | {fl / 1e12:.0f} | "
-        f"{tp * 1e6:.1f} | {tc * 1e6:.1f} | {tr * 1e6:.1f} | {sp:.1f}x | {' | '.join(fi)} | {err:.1e} |"
+        f"| {dtype} | {heads} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | "
+        f"{fl / 1e12:.0f} | {tp * 1e6:.1f} | {tc * 1e6:.1f} | {tr * 1e6:.1f} | {sp:.1f}x | {' | '.join(fi)} | "
+        f"{err:.1e} |"
     )
 
 
@@ -372,11 +393,12 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
         print("flashinfer: not installed (column empty)", flush=True)
     print(TABLE_HEAD, flush=True)  # each row is printed as it finishes, so a run cut short still leaves a table
     rows = []
-    for dtype, batch, context, kind in cases:
+    for dtype, batch, context, kind, heads in cases:
         t0 = time.perf_counter()
+        name = f"{dtype}:{batch}x{context}:{kind}:h{heads}"
         try:
             qn, qp, kv, pt, lengths, sc = make_inputs(
-                jax.random.key(batch + context), batch, context, dtype=dtype, kind=kind
+                jax.random.key(batch + context), batch, context, heads, dtype=dtype, kind=kind
             )
             _, ref = fns(512**-0.5)
             want = ref(qn, qp, kv, pt, lengths, scales=sc)
@@ -384,62 +406,63 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             tr = timer(ref_fn, qn, qp, kv, pt, lengths, sc)
             plan_fn = jax.jit(
                 functools.partial(
-                    mla_plan, max_pages=pt.shape[1], page_size=64, heads=128, min_blocks_per_split=MIN_BLOCKS
+                    mla_plan, max_pages=pt.shape[1], page_size=64, heads=heads, min_blocks_per_split=MIN_BLOCKS
                 )
             )
             tp = timer(plan_fn, lengths)
             plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
             tf = (
-                flashinfer_time(np.asarray(lengths), context, reps, kernels=kernels)
+                flashinfer_time(np.asarray(lengths), context, reps, heads, kernels=kernels)
                 if use_flashinfer and dtype == "bf16"
                 else None
             )
         except Exception as e:  # noqa: BLE001 (report the case, go on)
-            print(f"{dtype}:{batch}x{context}:{kind}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
             if "CUDA" in str(e):
                 raise  # a CUDA error leaves the context unusable; the rest would fail too
             continue
         timed_rows = []  # (row index, kernel timer, with-plan timer) for the later rounds
-        for version in versions:
-            if dtype == "bf16" and "q" in str(version):  # int8 Q.K: int8 caches only
-                continue
+        for version in dict.fromkeys(for_case(v, dtype, heads) for v in versions):  # (3p and 3 alike below 128)
             try:
                 kern, _ = fns(512**-0.5, version)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
                 out = kern_fn(qn, qp, kv, pt, lengths, sc)
                 err = rel_err(out, want)
                 if not repeats_exactly(kern_fn, (qn, qp, kv, pt, lengths, sc), out):
-                    print(f"{dtype}:{batch}x{context}:{kind} v{version}: outputs differ between runs", flush=True)
+                    print(f"{name} v{version}: outputs differ between runs", flush=True)
                     err = float("nan")  # shown as the row's rel err
                 timers = again(kern_fn, qn, qp, kv, pt, lengths, sc), again(kern_fn, qn, qp, kv, pt, lengths, sc, plan)
                 tc, tk = (t() for t in timers)  # the call (plan inside), the kernel given its plan
             except Exception as e:  # noqa: BLE001
-                print(f"{dtype}:{batch}x{context}:{kind} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                print(f"{name} v{version}: FAILED {type(e).__name__}: {str(e)[:2000]}")
                 if "CUDA" in str(e):
                     raise
                 continue
             nb = cache_bytes(tokens, dtype=dtype)
-            flops = tokens * 128 * (576 + 512) * 2
+            flops = tokens * heads * (576 + 512) * 2  # (the kernel pads heads to 64-row tiles: not counted)
             ver = "-" if version is None else version
-            rows.append((dtype, batch, context, kind, ver, tc, tk, tp, nb / tk, tr, tr / tk, flops / tk, err, tf))
+            rows.append(
+                (dtype, batch, context, kind, heads, ver, tc, tk, tp, nb / tk, tr, tr / tk, flops / tk, err, tf)
+            )
             print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             timed_rows.append((len(rows) - 1, *timers))
         for _ in range(rounds - 1):
             for i, t_call, t_kern in timed_rows:
                 row = list(rows[i])
-                row[5], row[6] = min(row[5], t_call()), min(row[6], t_kern())
-                row[8], row[10], row[11] = nb / row[6], row[9] / row[6], flops / row[6]
+                row[6], row[7] = min(row[6], t_call()), min(row[7], t_kern())
+                row[9], row[11], row[12] = nb / row[7], row[10] / row[7], flops / row[7]
                 rows[i] = tuple(row)
         for i, *_ in timed_rows if rounds > 1 else ():
             print(table_row(rows[i], copy_bw), f"(best of {rounds} rounds)", flush=True)
         del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
-    by = {(d, b, c, k, v): tk for d, b, c, k, v, _, tk, *_ in rows}
+    by = {(d, b, c, k, h, v): tk for d, b, c, k, h, v, _, tk, *_ in rows}
     pairs = [
-        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k} v{v} {by[('bf16', b, c, k, v)] / tk:.2f}x"
-        for (d, b, c, k, v), tk in by.items()
-        if d != "bf16" and ("bf16", b, c, k, v) in by
+        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k}{'' if h == 128 else f' H={h}'} v{v} "
+        f"{by[('bf16', b, c, k, h, for_case(v, 'bf16', h))] / tk:.2f}x"
+        for (d, b, c, k, h, v), tk in by.items()
+        if d != "bf16" and ("bf16", b, c, k, h, for_case(v, "bf16", h)) in by
     ]
     if pairs:
         lines += ["", "int8 speedup over bf16: " + ", ".join(pairs)]
