@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -344,14 +345,35 @@ TABLE_HEAD = (
 )
 
 
-def table_row(row, copy_bw) -> str:
-    dtype, b, ctx, kind, heads, ver, tc, tk, tp, bwk, tr, sp, fl, err, tf = row
+class Row(NamedTuple):
+    """One timed kernel version on one case: seconds per call (the call with its plan, the kernel given its plan, the
+    plan alone, the XLA reference, FlashInfer or None) and what the rates are of (cache bytes read, FLOPs)."""
+
+    dtype: str
+    batch: int
+    context: int
+    kind: str
+    heads: int
+    ver: str
+    t_call: float
+    t_kern: float
+    t_plan: float
+    t_ref: float
+    t_fi: float | None
+    nbytes: int
+    flops: int
+    err: float
+
+
+def table_row(row: Row, copy_bw) -> str:
+    tk, tf = row.t_kern, row.t_fi
+    bwk = row.nbytes / tk
     pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
-    fi = (f"{tf * 1e6:.1f}", f"{bwk * tk / tf / 1e9:.0f}", f"{tf / tk:.2f}x") if tf else ("", "", "")
+    fi = (f"{tf * 1e6:.1f}", f"{row.nbytes / tf / 1e9:.0f}", f"{tf / tk:.2f}x") if tf else ("", "", "")
     return (
-        f"| {dtype} | {heads} | {b} | {ctx} | {kind} | {ver} | {tk * 1e6:.1f} | {bwk / 1e9:.0f} | {pct} | "
-        f"{fl / 1e12:.0f} | {tp * 1e6:.1f} | {tc * 1e6:.1f} | {tr * 1e6:.1f} | {sp:.1f}x | {' | '.join(fi)} | "
-        f"{err:.1e} |"
+        f"| {row.dtype} | {row.heads} | {row.batch} | {row.context} | {row.kind} | {row.ver} | {tk * 1e6:.1f} | "
+        f"{bwk / 1e9:.0f} | {pct} | {row.flops / tk / 1e12:.0f} | {row.t_plan * 1e6:.1f} | {row.t_call * 1e6:.1f} | "
+        f"{row.t_ref * 1e6:.1f} | {row.t_ref / tk:.1f}x | {' | '.join(fi)} | {row.err:.1e} |"
     )
 
 
@@ -439,25 +461,20 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
                 if "CUDA" in str(e):
                     raise
                 continue
-            nb = cache_bytes(tokens, dtype=dtype)
             flops = tokens * heads * (576 + 512) * 2  # (the kernel pads heads to 64-row tiles: not counted)
             ver = "-" if version is None else version
-            rows.append(
-                (dtype, batch, context, kind, heads, ver, tc, tk, tp, nb / tk, tr, tr / tk, flops / tk, err, tf)
-            )
+            nbytes = cache_bytes(tokens, dtype=dtype)
+            rows.append(Row(dtype, batch, context, kind, heads, ver, tc, tk, tp, tr, tf, nbytes, flops, err))
             print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             timed_rows.append((len(rows) - 1, *timers))
         for _ in range(rounds - 1):
             for i, t_call, t_kern in timed_rows:
-                row = list(rows[i])
-                row[6], row[7] = min(row[6], t_call()), min(row[7], t_kern())
-                row[9], row[11], row[12] = nb / row[7], row[10] / row[7], flops / row[7]
-                rows[i] = tuple(row)
+                rows[i] = rows[i]._replace(t_call=min(rows[i].t_call, t_call()), t_kern=min(rows[i].t_kern, t_kern()))
         for i, *_ in timed_rows if rounds > 1 else ():
             print(table_row(rows[i], copy_bw), f"(best of {rounds} rounds)", flush=True)
         del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
-    by = {(d, b, c, k, h, v): tk for d, b, c, k, h, v, _, tk, *_ in rows}
+    by = {(r.dtype, r.batch, r.context, r.kind, r.heads, r.ver): r.t_kern for r in rows}
     pairs = [
         f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k}{'' if h == 128 else f' H={h}'} v{v} "
         f"{by[('bf16', b, c, k, h, for_case(v, 'bf16', h))] / tk:.2f}x"
