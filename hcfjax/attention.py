@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
 from hcfjax.layers import apply_rope, rms_norm
-from pallas_kernels.mla_decode import MlaPlan, decode_attention, decode_mode, mla_plan
+from hcfjax.options import DEFAULT, Options
+from pallas_kernels.mla_decode import MlaPlan, kernel_applies, mla_decode, mla_decode_reference, mla_plan
 
 
 @jax.tree_util.register_dataclass
@@ -33,20 +34,31 @@ class CacheContext:
     plan: MlaPlan | None = None  # the MLA kernel's work list for this forward (with_decode_plan), read by every layer
 
 
-def with_decode_plan(cfg: ModelConfig, ctx: CacheContext | None, positions: jax.Array) -> CacheContext | None:
+def decode_mode(cfg: ModelConfig, cache: kvcache.KVCache, page_table, kv_len, queries: tuple[int, int], opts) -> str:
+    """'kernel', 'interpret' or 'reference': what the absorbed attention over the paged cache runs for B x T
+    queries (opts.mode, where the MLA kernel applies to these shapes)."""
+    b, t = queries
+    h = cfg.num_attention_heads
+    q_nope = jax.ShapeDtypeStruct((b, t, h, cfg.kv_lora_rank), jnp.bfloat16)
+    q_pe = jax.ShapeDtypeStruct((b, t, h, cfg.qk_rope_head_dim), jnp.bfloat16)
+    applies = kernel_applies(q_nope, q_pe, cache.kv, page_table, kv_len, cache.scale, cfg.kv_lora_rank, 0)
+    return opts.mode("mla", applies)
+
+
+def with_decode_plan(
+    cfg: ModelConfig, ctx: CacheContext | None, positions: jax.Array, opts: Options = DEFAULT
+) -> CacheContext | None:
     """ctx with the MLA decode kernel's plan for queries at positions [B, T] when the kernel will run: it depends
     only on the lengths, positions and shapes, so one plan serves every layer of the forward (its head count only
     sizes the splits). Unchanged otherwise."""
     if ctx is None or ctx.plan is not None:
         return ctx
-    b, t = positions.shape
-    h = cfg.num_attention_heads
-    q_nope = jax.ShapeDtypeStruct((b, t, h, cfg.kv_lora_rank), jnp.bfloat16)
-    q_pe = jax.ShapeDtypeStruct((b, t, h, cfg.qk_rope_head_dim), jnp.bfloat16)
-    cache = ctx.cache  # kv [L, P, page, C + R]: each layer passes its index
-    if decode_mode(q_nope, q_pe, cache.kv, ctx.page_table, ctx.kv_len, cache.scale, cfg.kv_lora_rank, 0) == "reference":
+    if decode_mode(cfg, ctx.cache, ctx.page_table, ctx.kv_len, positions.shape, opts) == "reference":
         return ctx
-    plan = mla_plan(ctx.kv_len, ctx.page_table.shape[1], cache.page_size, h, t, positions=positions)
+    b, t = positions.shape
+    plan = mla_plan(
+        ctx.kv_len, ctx.page_table.shape[1], ctx.cache.page_size, cfg.num_attention_heads, t, positions=positions
+    )
     return dataclasses.replace(ctx, plan=plan)
 
 
@@ -96,31 +108,37 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Ar
     return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
 
 
-def attend_absorbed_paged(p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions) -> jax.Array:
-    """attend_absorbed straight over the paged cache (the MLA decode kernel on a GPU, its jnp reference elsewhere);
-    a query at positions [B, T] sees keys at positions <= its own and < kv_len.  -> [B, T, H, V]"""
+def attend_absorbed_paged(
+    p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions, opts: Options = DEFAULT
+) -> jax.Array:
+    """attend_absorbed straight over the paged cache (the MLA decode kernel or its jnp reference, as
+    `decode_mode` picks); a query at positions [B, T] sees keys at positions <= its own and < kv_len.
+    -> [B, T, H, V]"""
     w_uk = p["kv_b"][..., : cfg.qk_nope_head_dim]  # [C, H, N]
     w_uv = p["kv_b"][..., cfg.qk_nope_head_dim :]  # [C, H, V]
     q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
     cache = ctx.cache
-    o_lat = decode_attention(
-        q_lat,
-        q_pe,
-        cache.kv,
-        ctx.page_table,
-        ctx.kv_len,
-        cfg.softmax_scale,
-        scales=cache.scale,
-        kv_lora_rank=cfg.kv_lora_rank,
-        positions=positions,
-        layer=layer,
-        plan=ctx.plan,
-    )  # [B, T, H, C]
-    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
+    args = (q_lat, q_pe, cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
+    kw = dict(scales=cache.scale, kv_lora_rank=cfg.kv_lora_rank, positions=positions, layer=layer)
+    mode = decode_mode(cfg, cache, ctx.page_table, ctx.kv_len, q_pe.shape[:2], opts)
+    if mode == "reference":
+        o_lat = mla_decode_reference(*args, **kw)
+    else:
+        qk8 = opts.mla_qk8 and cache.quantized
+        pair = None if opts.mla_pair else False
+        o_lat = mla_decode(*args, **kw, interpret=mode == "interpret", plan=ctx.plan, qk8=qk8, pair=pair)
+    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 
 
 def mla(
-    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, ctx: CacheContext | None, layer, absorbed: bool
+    p: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    ctx: CacheContext | None,
+    layer,
+    absorbed: bool,
+    opts: Options = DEFAULT,
 ) -> tuple[jax.Array, CacheContext | None]:
     """x [B, T, D] at positions [B, T] -> ([B, T, D], ctx with this layer's new entries written).
 
@@ -137,7 +155,7 @@ def mla(
         cache = kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
         ctx = dataclasses.replace(ctx, cache=cache)
         if absorbed:
-            out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
+            out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
             return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx
         ckv, kpe = kvcache.read(cache, layer, ctx.page_table, cfg.kv_lora_rank, x.dtype)
         key_pos = jnp.arange(ckv.shape[1])[None, None, :]  # [1, 1, S]

@@ -1,7 +1,9 @@
-"""Batched generation: one jitted prefill over the ragged prompts, then the whole decode in one lax.while_loop."""
+"""Batched generation: a prefill step over the ragged prompts, then the whole decode in one lax.while_loop of steps
+(hcfjax.step), on one device or under the sharding plans."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -13,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
-from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model, hidden_states, logits
+from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
-from hcfjax.sampling import SamplingBatch, SamplingParams, sample
-from hcfjax.speculative import SpeculativeConfig, speculative_decode
-
-PAD = -1  # marks unused slots of the output buffer
+from hcfjax.sampling import SamplingBatch, SamplingParams
+from hcfjax.speculative import SpeculativeConfig
+from hcfjax.step import PAD, DecodeInputs, PrefillInputs, decode_steps, empty_state, jitted_step
 
 
 @dataclasses.dataclass
@@ -68,74 +69,6 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden"), donate_argnames=("cache",))
-def prefill(
-    params, cfg: ModelConfig, tokens, lengths, cache, page_table, sp: SamplingBatch, key, return_hidden: bool = False
-):
-    """tokens [B, T] (right-padded to lengths [B]) -> (first generated token [B], cache with the prompts), and the
-    final-normed hidden states [B, T, D] when return_hidden (speculative decoding drafts from them)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ctx = CacheContext(cache, page_table, lengths, positions < lengths[:, None])
-    h, ctx = hidden_states(params, cfg, tokens, positions, ctx, absorbed=False)
-    last = h[jnp.arange(b), lengths - 1]  # [B, D]
-    first = sample(logits(params, last), sp, key)
-    return (first, ctx.cache, h) if return_hidden else (first, ctx.cache)
-
-
-def decode_loop(
-    params,
-    cfg: ModelConfig,
-    first,
-    lengths,
-    cache,
-    page_table,
-    sp: SamplingBatch,
-    key,
-    stop_ids,
-    max_new_tokens: int,
-    idle=None,
-    experts_fn=None,
-    axis: str | None = None,
-):
-    """Decodes up to max_new_tokens per row in one while_loop (absorbed MLA over the paged cache).
-
-    first [B] is the token sampled at prefill; rows stop at a token in stop_ids [S] (padded with PAD).
-    idle [B] marks mock rows, which never write the cache. Under a data-parallel plan (axis set, inside shard_map)
-    every rank keeps stepping until all ranks are done, since the MoE exchange needs all of them each step.
-    Returns (tokens [B, max_new_tokens] with PAD after a row stops, cache).
-    """
-    b = first.shape[0]
-    out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, stop_ids) | (False if idle is None else idle)
-    if axis is not None:
-        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-
-    def cond(state):
-        i, _, done, _, _ = state
-        running = jnp.sum(~done)
-        if axis is not None:
-            running = jax.lax.psum(running, axis)  # all ranks agree on the number of live requests
-        return (i < max_new_tokens) & (running > 0)
-
-    def body(state):
-        i, out, done, cache, key = state
-        key, sub = jax.random.split(key)
-        tok = out[:, i - 1]
-        pos = (lengths + i - 1)[:, None]  # [B, 1]
-        ctx = CacheContext(cache, page_table, lengths + i, ~done[:, None])
-        h, ctx = hidden_states(params, cfg, tok[:, None], pos, ctx, absorbed=True, experts_fn=experts_fn)
-        nxt = sample(logits(params, h[:, 0]), sp, sub)
-        out = out.at[:, i].set(jnp.where(done, PAD, nxt))
-        return i + 1, out, done | jnp.isin(nxt, stop_ids), ctx.cache, key
-
-    _, out, _, cache, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, done, cache, key))
-    return out, cache
-
-
-decode = jax.jit(decode_loop, static_argnames=("cfg", "max_new_tokens"), donate_argnames=("cache",))
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward(params, cfg: ModelConfig, tokens):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -154,6 +87,11 @@ def forward(model: Model, tokens) -> jax.Array:
     return _forward(model.params, model.cfg, tokens)
 
 
+_decode = jax.jit(decode_steps, static_argnames=("cfg", "max_new_tokens", "spec", "opts"), donate_argnames=("state",))
+
+MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests)
+
+
 def generate(
     model: Model,
     prompts,
@@ -165,94 +103,111 @@ def generate(
     cache_dtype=None,
     max_prefill_tokens: int = 16384,
     speculative: SpeculativeConfig | None = None,
+    options: Options = DEFAULT,
+    decode_plan=None,
+    prefill_plan=None,
 ) -> GenerationResult:
-    """Generates continuations of a ragged batch of prompts.
+    """Generates continuations of a ragged batch of prompts: a prefill step, then the whole decode in one jitted
+    while_loop of decode steps (hcfjax.step).
 
     prompts: a string, a token list, or a list of either. sampling: one SamplingParams for all or one per prompt
-    (default greedy). stop_token_ids: None stops at the checkpoint's eos tokens, [] never stops early.
+    (default greedy). seed: each row draws from its own stream, seeded from this and its index.
+    stop_token_ids: None stops at the checkpoint's eos tokens, [] never stops early.
     cache_dtype: the KV cache's dtype (default the model's, or int8 for a w4a8c8 checkpoint; jnp.int8 asks for it).
     max_prefill_tokens: prompts are prefilled in groups of rows holding at most this many (padded) tokens, which
     bounds prefill activation memory for large batches.
     speculative: draft with the checkpoint's MTP modules and verify (hcfjax.speculative.SpeculativeConfig); the
     stats then carry acceptance_per_depth and mean_accepted_length, overall and per request.
+    options: kernel or reference per op, and the kernels' variants (hcfjax.options.Options).
+    decode_plan (sharding.plans.decode_plan): the batch spread over the plan's ranks in contiguous blocks, attention
+    data parallel, experts over EP; ranks short of requests get mock rows, which step with the others but never
+    write. prefill_plan (sharding.plans.prefill_plan): prefill under tensor parallelism, its cache then handed over.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     ids = prepare_prompts(model, prompts, max_new_tokens)
-    b = len(ids)
+    cfg, b_real = model.cfg, len(ids)
     sampling = sampling or SamplingParams()
-    per_req = sampling if isinstance(sampling, list) else [sampling] * b
-    if len(per_req) != b or not all(isinstance(s, SamplingParams) for s in per_req):
+    per_req = sampling if isinstance(sampling, list) else [sampling] * b_real
+    if len(per_req) != b_real or not all(isinstance(s, SamplingParams) for s in per_req):
         raise ValueError("sampling must be a SamplingParams or a list of one per prompt")
-    stops = list(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    cfg = model.cfg
+    stops = list(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     if speculative is not None and not model.params.get("mtp"):
         raise ValueError("speculative decoding needs MTP layers, and this model has none (loaded with mtp=False?)")
     k = speculative.num_draft_tokens if speculative else 0
     n_layers = cfg.num_hidden_layers + (len(model.params["mtp"]) if speculative else 0)
 
-    lengths = np.array([len(p) for p in ids], np.int32)
+    ranks = 1 if decode_plan is None else decode_plan.ranks
+    b = -(-b_real // ranks) * ranks  # mock rows give every rank the same number
+    rows, per_req = ids + [MOCK_PROMPT] * (b - b_real), per_req + [SamplingParams()] * (b - b_real)
+    lengths = np.array([len(p) for p in rows], np.int32)
     t = bucket(int(lengths.max()))
     tokens = np.zeros((b, t), np.int32)
-    for i, p in enumerate(ids):
+    for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
-    pages_per_seq = math.ceil((max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
-    page_table = np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
-    dtype = default_cache_dtype(model, cache_dtype)
-    cache = kvcache.init_cache(cfg, b * pages_per_seq, page_size, dtype, num_layers=n_layers)
+    pages = math.ceil((max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
+    page_table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # rank major: rank r's rows, its pages
+    cache = kvcache.init_cache(cfg, b * pages, page_size, default_cache_dtype(model, cache_dtype), n_layers)
+    state = empty_state(cfg, b, cache, speculative, model.dtype)
     sp = SamplingBatch.of(per_req)
-    k_prefill, k_decode = jax.random.split(jax.random.key(seed))
+    seeds = np.random.SeedSequence(seed).generate_state(b).astype(np.uint32)
     stop_arr = jnp.asarray(np.array(stops or [PAD], np.int32))
 
     t0 = time.perf_counter()
-    rows = max(1, max_prefill_tokens // t)
-    firsts, hiddens = [], []
-    for r0 in range(0, b, rows):
-        part = slice(r0, r0 + rows)
-        f, cache, *h = prefill(
-            model.params,
-            cfg,
-            jnp.asarray(tokens[part]),
-            jnp.asarray(lengths[part]),
-            cache,
-            jnp.asarray(page_table[part]),
-            jax.tree.map(lambda x, part=part: x[part], sp),
-            jax.random.fold_in(k_prefill, r0),
-            return_hidden=speculative is not None,
-        )
-        firsts.append(f)
-        hiddens += h
-    first = jnp.concatenate(firsts)
+    params = model.params if prefill_plan is None else prefill_plan.place_params(model.params)
+    group = max(1, max_prefill_tokens // t)
+    zeros = np.zeros(b, np.int32)
+    with contextlib.nullcontext() if prefill_plan is None else jax.set_mesh(prefill_plan.mesh):
+        for r0 in range(0, b, group):
+            part = slice(r0, r0 + group)
+            pre = PrefillInputs(
+                *map(jnp.asarray, (tokens[part], zeros[part], lengths[part], page_table[part])),
+                jnp.arange(b)[part],
+                jax.tree.map(lambda x, part=part: x[part], sp),
+                jnp.asarray(seeds[part]),
+                jnp.asarray(zeros[part]),
+            )
+            state, first, *_ = jitted_step(params, cfg, state, pre, None, speculative, options)
     first.block_until_ready()
     t1 = time.perf_counter()
-    args = (jnp.asarray(lengths), cache, jnp.asarray(page_table), sp, k_decode, stop_arr, max_new_tokens)
-    spec_stats = {}
-    if speculative is None:
-        out, cache = decode(model.params, cfg, first, *args)
-        out = np.asarray(out)
-        result = [[int(x) for x in row if x != PAD] for row in out]
+
+    active = np.arange(b) < b_real
+    if decode_plan is None:
+        dec = DecodeInputs(jnp.asarray(active), jnp.asarray(page_table), sp, jnp.asarray(seeds))
+        out, counts, _ = _decode(model.params, cfg, state, dec, stop_arr, max_new_tokens, speculative, options)
     else:
-        h = jnp.concatenate(hiddens)
-        out, counts, cache = speculative_decode(model.params, cfg, speculative, h, jnp.asarray(tokens), first, *args)
-        out, counts = np.asarray(out), jax.tree.map(np.asarray, counts)
-        result = [[int(x) for x in row[:c]] for row, c in zip(out, counts["count"], strict=True)]
-        spec_stats = speculative_stats(counts)
+        put = lambda x: jax.device_put(jnp.asarray(x), decode_plan.rows())  # noqa: E731
+        local_table = page_table - (np.arange(b) // (b // ranks) * (b // ranks) * pages)[:, None]
+        dec = DecodeInputs(put(active), put(local_table), jax.tree.map(put, sp), put(seeds))
+        params = decode_plan.place_params(model.params)
+        state = decode_plan.place_state(state)  # the prefill's cache handed to the ranks owning its pages
+        run = decode_plan.wrap_decode_steps(cfg, params, state, max_new_tokens, speculative, options)
+        out, counts, _ = run(params, state, dec, stop_arr)
+        if not out.is_fully_addressable:  # multi-process: every process gets all rows
+            from jax.experimental import multihost_utils
+
+            out, counts = multihost_utils.process_allgather((out, counts), tiled=True)
+    out, counts = np.asarray(out)[:b_real], {name: np.asarray(c)[:b_real] for name, c in counts.items()}
     t2 = time.perf_counter()
 
+    result = [[int(x) for x in row[:c]] for row, c in zip(out, counts["count"], strict=True)]
     n_new = sum(len(r) for r in result)
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode([x for x in r if x not in stops]) for r in result]
+    n_prompt = int(lengths[:b_real].sum())
     stats = {
-        "batch": b,
-        "prompt_tokens": int(lengths.sum()),
+        "batch": b_real,
+        "prompt_tokens": n_prompt,
         "new_tokens": n_new,
         "prefill_s": t1 - t0,
         "decode_s": t2 - t1,
-        "prefill_tokens_per_s": float(lengths.sum()) / (t1 - t0),
-        "decode_tokens_per_s": (n_new - b) / (t2 - t1) if n_new > b else 0.0,
-        **spec_stats,
+        "prefill_tokens_per_s": n_prompt / (t1 - t0),
+        "decode_tokens_per_s": (n_new - b_real) / (t2 - t1) if n_new > b_real else 0.0,
+        **(speculative_stats(counts) if speculative is not None else {}),
     }
+    if decode_plan is not None:
+        stats.update(ranks=ranks, mock_rows=b - b_real)
     return GenerationResult(result, text, stats)
 
 

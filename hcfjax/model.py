@@ -22,6 +22,7 @@ from hcfjax.checkpoint import stacked_shapes, tensor_specs, to_pytree
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp, rms_norm
 from hcfjax.moe import moe
+from hcfjax.options import DEFAULT, Options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +50,21 @@ def decoder_layer(
     absorbed: bool,
     experts_fn=None,
     with_load=False,
+    opts: Options = DEFAULT,
 ):
     """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D].
 
     Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load (True, or a bool mask
     [B, T] of the tokens to count)."""
-    h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed)
+    h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed, opts)
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if not is_moe:
         return x + mlp(p["mlp"], h), ctx
     if with_load is not False:
-        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load)
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts)
         return x + y, ctx, load
-    return x + moe(p["mlp"], cfg, h, experts_fn), ctx
+    return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts), ctx
 
 
 def run_layers(
@@ -75,13 +77,14 @@ def run_layers(
     experts_fn=None,
     with_load=False,
     unroll: int | bool = 1,
+    opts: Options = DEFAULT,
 ):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
     layer on the side of the forward). unroll: lax.scan's, per run of layers."""
     loads = []
     if absorbed:
-        ctx = with_decode_plan(cfg, ctx, positions)  # one MLA kernel plan for every layer (when the kernel runs)
+        ctx = with_decode_plan(cfg, ctx, positions, opts)  # one MLA kernel plan for every layer (when it runs)
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
 
@@ -89,7 +92,7 @@ def run_layers(
             x, ctx = carry
             p, layer = xs
             x, ctx, *load = decoder_layer(
-                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, with_load if collect else False
+                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, with_load if collect else False, opts
             )
             return (x, ctx), (load[0] if collect else None)
 
@@ -127,6 +130,7 @@ def hidden_states(
     absorbed: bool = False,
     experts_fn=None,
     with_load=False,
+    opts: Options = DEFAULT,
 ):
     """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx).
 
@@ -134,42 +138,24 @@ def hidden_states(
     with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]; True counts every
     token, a bool mask [B, T] only its tokens (so padding and mock rows do not count).
 
-    Decode forwards (absorbed) unroll the layer loops where UNROLL_DECODE says so, and one query token (batch-1
+    Decode forwards (absorbed) unroll the layer loops where opts.unroll_decode says so, and one query token (batch-1
     decode) runs as two identical rows where `two_rows` does."""
-    unroll = bool(absorbed and _on(UNROLL_DECODE))
-    if two_rows(tokens, ctx, experts_fn):
-        return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load, unroll)
+    unroll = bool(absorbed and opts.on("unroll_decode"))
+    if two_rows(tokens, ctx, experts_fn, opts):
+        return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load, unroll, opts)
     x, ctx, *load = run_layers(
-        params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load, unroll=unroll
+        params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load, unroll, opts
     )
     return (final_hidden(params, cfg, x), ctx, *load)
 
 
-# Decode's layer loops unrolled: XLA runs a step's kernels with fewer gaps when the layers are not a loop (H200,
-# V2-Lite w4a8: batch 32 a step 7.26 -> 6.29 ms, batch 128 9.53 -> 9.16; hcfjax/bench/results/generate.md). Prefill
-# keeps the loop (unrolled, its 512-token forward took 39.4 ms instead of 18.2). "gpu": on GPU backends only;
-# True / False force it.
-UNROLL_DECODE: bool | str = "gpu"
-
-# Batch-1 decode as two identical rows: on the GPU, XLA rewrites a one-row product under 10M elements (every
-# projection of a V2-Lite-sized layer but the LM head) as a multiply and a reduction at 12-16% of copy bandwidth;
-# with two rows it is a GEMM, 2.6-4.5x faster (hcfjax.bench.gemv). Over the layer loops that made the step slower
-# (4.90 against 4.57 ms); unrolled, it is 3% faster (4.42 against 4.57 ms; H200, V2-Lite w4a8, batch 1).
-# "gpu": on GPU backends only; True / False force it (tests).
-TWO_ROWS: bool | str = "gpu"
+def two_rows(tokens, ctx, experts_fn, opts: Options = DEFAULT) -> bool:
+    """Whether hidden_states runs this forward as two rows (opts.two_rows): one query token over the cache, routed
+    experts local (an expert-parallel exchange would carry the copy too)."""
+    return opts.on("two_rows") and ctx is not None and experts_fn is None and tuple(tokens.shape) == (1, 1)
 
 
-def _on(flag: bool | str) -> bool:
-    return jax.default_backend() == "gpu" if flag == "gpu" else bool(flag)
-
-
-def two_rows(tokens, ctx, experts_fn) -> bool:
-    """Whether hidden_states runs this forward as two rows: one query token over the cache, routed experts local
-    (an expert-parallel exchange would carry the copy too)."""
-    return _on(TWO_ROWS) and ctx is not None and experts_fn is None and tuple(tokens.shape) == (1, 1)
-
-
-def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, with_load, unroll):
+def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, with_load, unroll, opts):
     """hidden_states over [row, copy of row]: the copy reads the same page table and length, so it sees the cache
     entry the row writes in each layer and computes exactly what the row does (the same attention, the same
     experts: no extra weights are read), but it writes nothing (valid False) and counts no load. -> row 0's."""
@@ -180,7 +166,7 @@ def _as_two_rows(params, cfg, tokens, positions, ctx: CacheContext, absorbed, wi
         counted = jnp.broadcast_to(jnp.asarray(with_load, bool), tokens.shape)
         with_load = jnp.concatenate([counted, jnp.zeros_like(ctx.valid)])
     x, out_ctx, *load = run_layers(
-        params, cfg, embed(params, twice(tokens)), twice(positions), ctx2, absorbed, None, with_load, unroll=unroll
+        params, cfg, embed(params, twice(tokens)), twice(positions), ctx2, absorbed, None, with_load, unroll, opts
     )
     out_ctx = dataclasses.replace(ctx, cache=out_ctx.cache)
     return (final_hidden(params, cfg, x[:1]), out_ctx, *load)
@@ -198,6 +184,7 @@ def mtp_module(
     absorbed: bool = False,
     head_norm: bool = True,
     experts_fn=None,
+    opts: Options = DEFAULT,
 ):
     """MTP module k (DeepSeek-V3 section 2.2): combines the previous depth's hidden state h_prev [B, T, D] for token
     t with the embedding of token t+1 (next_tokens [B, T], at `positions` = t+1), runs one decoder block, and
@@ -211,7 +198,9 @@ def mtp_module(
     h = rms_norm(h_prev, p["hnorm"], cfg.rms_norm_eps)
     x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]
     layer = cfg.num_hidden_layers + k
-    x, ctx = decoder_layer(p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed, experts_fn)
+    x, ctx = decoder_layer(
+        p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed, experts_fn, opts=opts
+    )
     y = rms_norm(x, p["head_norm"], cfg.rms_norm_eps) if head_norm else x
     out = jnp.einsum("...D,DV->...V", y, p["head"], preferred_element_type=jnp.float32)
     return x, out, ctx

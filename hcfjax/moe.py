@@ -13,19 +13,15 @@ import jax.numpy as jnp
 from hcfjax.cache import quantize_int8
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
+from hcfjax.options import DEFAULT, Options
 from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations, ragged_dot
 
-# w4a8 / w8a8 experts: the down projection's input quantised per row and 128 channels (DeepSeek-V3's activation
-# grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels; in prefill, where the kernel's
-# tiling would pay for it, by XLA after it: quant.gated_ragged_dot), instead of per row after it.
-# On the H200 (V2-Lite shape, w4a8): batch-1 decode step 4.42 -> 4.00 ms, batches 32 and 128 unchanged
-# (hcfjax/bench/results/generate.md; pallas_kernels/NOTES.md, "1 x 128 activation quantisation").
-GROUPED_DOWN_INPUT = True
 
-
-def grouped_down_input(down) -> bool:
-    """Whether the experts' down projection takes its input quantised in 128-channel groups (GROUPED_DOWN_INPUT)."""
-    return GROUPED_DOWN_INPUT and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
+def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
+    """Whether the experts' down projection takes its input quantised per row and 128 channels (DeepSeek-V3's
+    activation grouping), by the fused gate/up kernel itself where that pays, so no XLA pass runs between the two
+    kernels (opts.grouped_down_input; int8-activation weights with 128-wide groups)."""
+    return opts.grouped_down_input and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -56,7 +52,7 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
     return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT) -> jax.Array:
     """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
     QWeights of those logical shapes)."""
     n, k = ids.shape
@@ -70,29 +66,29 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Ar
     if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
         xq, sc = quantize_int8(x)
         x_q = (xq[token], sc[token])
-    if grouped_down_input(p["down"]):  # the product quantised per 128 channels by its producer (int8, scales)
-        h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, quant_out=True)
+    if grouped_down_input(p["down"], opts):  # the product quantised per 128 channels by its producer
+        h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, quant_out=True, opts=opts)
         h = jnp.zeros(h_q[0].shape, x.dtype)  # only a shape for the down projection (unused, so never made)
-        y = ragged_dot(h, p["down"], group_sizes, h_q)
+        y = ragged_dot(h, p["down"], group_sizes, h_q, opts)
     else:
-        h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q)  # silu(xs @ gate) * (xs @ up) [N*K, F]
-        y = ragged_dot(h, p["down"], group_sizes)  # [N*K, D]
+        h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, opts=opts)  # silu(xs gate) * (xs up) [N*K, F]
+        y = ragged_dot(h, p["down"], group_sizes, opts=opts)  # [N*K, D]
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=False):
+def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=False, opts: Options = DEFAULT):
     """x [..., D] -> routed experts + shared experts (and, with_load, tokens routed to each expert [E] for EPLB).
 
     with_load: False, True (count every token) or a bool mask [...] of the tokens to count (padding rows of a
     batch route too, but must not count as load).
 
-    experts_fn runs the routed experts (default: all experts local, `experts`); an expert-parallel plan passes its
-    own (sharding/ep.py) with the same contract."""
+    experts_fn(p, x, weights, ids, opts) runs the routed experts (default: all experts local, `experts`); an
+    expert-parallel plan passes its own (sharding/ep.py) with the same contract."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(p, cfg, flat)
-    out = (experts_fn or experts)(p["experts"], flat, weights, ids)
+    out = (experts_fn or experts)(p["experts"], flat, weights, ids, opts)
     if "shared" in p:
         out = out + mlp(p["shared"], flat)
     if with_load is not False:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from hcfjax.cache import quantize_int8
+from hcfjax.options import DEFAULT, Options
 
 GROUP = 128  # int4 group size along K (symmetric scales)
 ACTS = ("bf16", "int8")
@@ -221,18 +221,30 @@ def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=N
     return (y if grouped else y * xs[:, None]).astype(x.dtype)
 
 
-def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None) -> jax.Array:
-    """Grouped matmul over experts, the one place that picks how: plain weights -> `jax.lax.ragged_dot`; int4
-    QWeights -> the Pallas Mosaic GPU kernel on a GPU (shapes it supports), the jnp reference elsewhere; int8
-    QWeights -> the reference. x_q: quantize_int8(x), when the caller made it (int8 activations use it)."""
+def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None, opts: Options = DEFAULT) -> jax.Array:
+    """Grouped matmul over experts: plain weights -> `jax.lax.ragged_dot`; int4 QWeights -> the Pallas Mosaic GPU
+    kernel where opts.mode("moe") says so, else the jnp reference; int8 QWeights -> the reference. x_q:
+    quantize_int8(x), when the caller made it (int8 activations use it)."""
     if not isinstance(w, QWeight):
         return lax.ragged_dot(x, w, group_sizes)
-    if w.bits == 4 and use_kernel():
-        from pallas_kernels.moe_int4 import int4_ragged_dot, supports
+    mode = _int4_mode(opts, x, w)
+    if mode != "reference":
+        from pallas_kernels.moe_int4 import int4_ragged_dot
 
-        if supports(x, w.q, w.scale):
-            return int4_ragged_dot(x, w.q, w.scale, group_sizes, act=w.act, x_q=x_q if w.act == "int8" else None)
+        xq = x_q if w.act == "int8" else None
+        interpret = mode == "interpret"
+        return int4_ragged_dot(x, w.q, w.scale, group_sizes, w.act, interpret, x_q=xq, digits=opts.int4_digits)
     return ragged_dot_reference(x, w, group_sizes, x_q)
+
+
+def _int4_mode(opts: Options, x, w) -> str:
+    """opts.mode("moe") for an int4 QWeight (the kernel applies where moe_int4.supports the shapes); the reference
+    for every other weight."""
+    if not (isinstance(w, QWeight) and w.bits == 4):
+        return "reference"
+    from pallas_kernels.moe_int4 import supports
+
+    return opts.mode("moe", supports(x, w.q, w.scale))
 
 
 def int8_activations(w) -> bool:
@@ -241,46 +253,39 @@ def int8_activations(w) -> bool:
     return isinstance(w, QWeight) and w.act == "int8"
 
 
-# Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, decode tiles with two K groups per step
-# (pallas_kernels/bench/RESULTS.md, 2026-11-30, device time): w4a8 fused beats two kernel calls + SiLU (87-95 vs
-# 96-100 us at E=16 M=128, 149-161 vs 165 at E=32, 170 vs 181 back to back at E=16 M=1024) and ties in prefill; w4a16
-# fused now loses in decode (121-127 vs 116-117 us at E=16; its registers allow only two pipeline stages) and ties or
-# loses in prefill (2112 vs 2008 us at E=32 M=16384). w4a16 where its int8 digits pay runs the fused w4a8 kernel
-# instead (149.9 vs about 205 us for two w4a16 kernels at E=32 M=128, 2026-12-01).
-FUSED_GATE_UP = {"bf16": False, "int8": True}
+def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, quant_out: bool = False, opts=DEFAULT):
+    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype. Where the int4
+    kernel runs (opts.mode("moe")), int4 QWeights of one kind run one fused Pallas kernel for the activation modes
+    in opts.fused_gate_up, and for w4a16 where its int8 digits pay (moe_int4.digits_pay: the fused w4a8 kernel),
+    else two kernel calls; everything else two ragged_dots. x_q as in `ragged_dot`. quant_out: the product as
+    quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the fused w4a8 kernel itself where that
+    pays (moe_int4.quant_out_pays: decode, up to ~32 rows per expert), else quantised after it: a down projection's
+    x_q."""
+    same = isinstance(up, QWeight) and isinstance(gate, QWeight) and gate.bits == up.bits and gate.act == up.act
+    mode = _int4_mode(opts, x, gate) if same else "reference"
+    if mode != "reference" and gate.q.shape == up.q.shape and gate.group == up.group:
+        from pallas_kernels.moe_int4 import digits_pay, int4_gated_ragged_dot, quant_out_pays
 
-
-def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, quant_out: bool = False):
-    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype: on a GPU (shapes
-    the kernel supports; HCFJAX_INT4_KERNEL=0 turns it off) int4 QWeights of one kind run one fused Pallas kernel
-    where FUSED_GATE_UP says it is faster, or for w4a16 where its int8 digits do (moe_int4.digits_pay: the fused
-    w4a8 kernel), else two kernel calls; everything else two ragged_dots. x_q as in
-    `ragged_dot`. quant_out: the product as quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the
-    fused w4a8 kernel itself where that pays (moe_int4.quant_out_pays: decode, up to ~32 rows per expert), else
-    quantised after it: a down projection's x_q."""
-    if isinstance(gate, QWeight) and isinstance(up, QWeight) and gate.bits == up.bits == 4 and gate.act == up.act:
-        if use_kernel():
-            from pallas_kernels.moe_int4 import digits_pay, int4_gated_ragged_dot, quant_out_pays, supports
-
-            shape = (x.shape[0], gate.n, gate.group, gate.k // gate.group, group_sizes.shape[0])
-            fused = FUSED_GATE_UP[gate.act] or gate.act == "bf16" and digits_pay(*shape)
-            if fused and supports(x, gate.q, gate.scale) and gate.q.shape == up.q.shape and gate.group == up.group:
-                xq = x_q if gate.act == "int8" else None
-                call = (gate.act, x.shape[0], gate.n, gate.k // gate.group, group_sizes.shape[0])
-                in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0 and quant_out_pays(*call)
-                out = int4_gated_ragged_dot(
-                    x, (gate.q, gate.scale), (up.q, up.scale), group_sizes, act=gate.act, x_q=xq, quant_out=in_kernel
-                )
-                return out if in_kernel or not quant_out else quantize_int8_groups(out)
-    h = jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q)) * ragged_dot(x, up, group_sizes, x_q)
+        shape = (x.shape[0], gate.n, gate.group, gate.k // gate.group, group_sizes.shape[0])
+        digits = gate.act == "bf16" and opts.int4_digits and digits_pay(*shape)
+        if gate.act in opts.fused_gate_up or digits:
+            xq = x_q if gate.act == "int8" else None
+            call = (gate.act, x.shape[0], gate.n, gate.k // gate.group, group_sizes.shape[0])
+            in_kernel = quant_out and gate.act == "int8" and gate.n % ACT_GROUP == 0 and quant_out_pays(*call)
+            out = int4_gated_ragged_dot(
+                x,
+                (gate.q, gate.scale),
+                (up.q, up.scale),
+                group_sizes,
+                act=gate.act,
+                interpret=mode == "interpret",
+                x_q=xq,
+                quant_out=in_kernel,
+                digits=opts.int4_digits,
+            )
+            return out if in_kernel or not quant_out else quantize_int8_groups(out)
+    h = jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q, opts)) * ragged_dot(x, up, group_sizes, x_q, opts)
     return quantize_int8_groups(h) if quant_out else h
-
-
-def use_kernel() -> bool:
-    """True on a GPU backend unless HCFJAX_INT4_KERNEL=0. On the H200 (2026-11-29) the kernels passed their checks at
-    every benchmarked shape, and a quantised model's teacher-forced logits with them are as close to a float32 truth
-    as the jnp reference path's, in both modes (pallas_kernels/bench/RESULTS.md, e2e_check.py --kernel int4)."""
-    return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL", "1") != "0"
 
 
 def nbytes(w) -> int:

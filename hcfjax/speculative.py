@@ -1,4 +1,4 @@
-"""Multi-layer MTP speculative decoding: a whole speculative step is one function, the whole decode one while_loop.
+"""Multi-layer MTP speculative decoding: a whole speculative step is one function (hcfjax.step runs it).
 
 A step, for a batch of rows, each with its newest token `last` at position L (not yet in the target's cache) and k
 drafts for positions L+1..L+k:
@@ -16,7 +16,6 @@ Cache layers: the main model's L layers, then one per MTP module.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.model import hidden_states, logits, mtp_module
+from hcfjax.options import DEFAULT, Options
 from hcfjax.sampling import SamplingBatch, filtered_logprobs
 from hcfjax.verify import METHODS, row_keys, sample_probs_rows, split_rows, verify
 
@@ -124,6 +124,7 @@ def mtp_extend(
     depths: int,
     head_norm: bool = True,
     experts_fn=None,
+    opts: Options = DEFAULT,
 ):
     """Runs MTP depths 1..depths over anchors (teacher forcing on verified tokens), writing the modules' KV.
 
@@ -146,7 +147,7 @@ def mtp_extend(
         valid = anchor_ok & (anchor_pos + i <= last_pos[:, None])
         ctx = CacheContext(cache, page_table, last_pos + 1 - i, valid)
         x, lg, ctx = mtp_module(
-            modules[m], cfg, m, x, tok, anchor_pos, params["embed"], ctx, True, head_norm, experts_fn
+            modules[m], cfg, m, x, tok, anchor_pos, params["embed"], ctx, True, head_norm, experts_fn, opts
         )
         cache = ctx.cache
         xs.append(x)
@@ -168,6 +169,7 @@ def draft_chain(
     key,
     head_norm: bool = True,
     experts_fn=None,
+    opts: Options = DEFAULT,
 ):
     """Drafts k tokens from anchor A [B]. ext: mtp_extend's chain hidden of each depth it ran at the k anchors
     A-k+1..A ([B, k, D] each); lg1 [B, V]: depth 1's logits at A, which give the first draft.
@@ -197,7 +199,7 @@ def draft_chain(
         else:  # the last module again, one position further
             x, pos, tok = x[:, -1:], (anchor + i - 1 - m)[:, None], ds[-1][:, None]
         ctx = CacheContext(cache, page_table, pos[:, -1] + 1, valid[:, None] & (pos >= 0))
-        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, emb, ctx, True, head_norm, experts_fn)
+        x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, emb, ctx, True, head_norm, experts_fn, opts)
         cache = ctx.cache
         q = probs(lg[:, -1:], sp_draft)[:, 0]
         ds.append(sample_probs_rows(keys[:, i - 1], q))
@@ -238,6 +240,7 @@ def spec_prefill(
     live,
     key,
     experts_fn=None,
+    opts: Options = DEFAULT,
 ) -> tuple[Drafts, object]:
     """After a prefill: the MTP modules see every prompt position, then the first k drafts from anchor lengths - 1.
 
@@ -268,12 +271,26 @@ def spec_prefill(
         depths,
         spec.mtp_head_norm,
         experts_fn,
+        opts,
     )
     last_k = (lengths - k)[:, None] + jnp.arange(k)  # the anchors lengths-k .. lengths-1 (clipped below 0: unused)
     ext, lg1 = [_take_rows(x, last_k) for x in xs], lg1[rows, lengths - 1]
     sp_draft = scaled(sp, spec.draft_scale)
     drafts, q, cache = draft_chain(
-        params, cfg, cache, page_table, ext, lg1, lengths - 1, sp_draft, k, live, key, spec.mtp_head_norm, experts_fn
+        params,
+        cfg,
+        cache,
+        page_table,
+        ext,
+        lg1,
+        lengths - 1,
+        sp_draft,
+        k,
+        live,
+        key,
+        spec.mtp_head_norm,
+        experts_fn,
+        opts,
     )
     hist_idx = lengths[:, None] - r + jnp.arange(r)
     return Drafts(first, lengths, drafts, q, _take_rows(h_prompt, hist_idx), _take_rows(tok1, hist_idx)), cache
@@ -291,6 +308,7 @@ def spec_step(
     stops,
     key,
     experts_fn=None,
+    opts: Options = DEFAULT,
 ):
     """One speculative step for every row: target forward over [last, drafts] (writing their KV), verification,
     the bonus or recovered token, rollback (the new position), MTP extend and the next k drafts.
@@ -307,7 +325,7 @@ def spec_step(
     toks = jnp.concatenate([d.last[:, None], d.drafts], axis=1)  # [B, k+1]
     pos = d.pos[:, None] + jnp.arange(k + 1)
     ctx = CacheContext(cache, page_table, d.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
-    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn)
+    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn, opts=opts)
     # 2. verification
     lg = logits(params, h)
     p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
@@ -338,6 +356,7 @@ def spec_step(
         depths,
         spec.mtp_head_norm,
         experts_fn,
+        opts,
     )
     # 5. drafts for the next step
     sp_draft = scaled(sp, spec.draft_scale)
@@ -355,70 +374,9 @@ def spec_step(
         k_draft,
         spec.mtp_head_norm,
         experts_fn,
+        opts,
     )
     new = Drafts(extra, new_pos, drafts, q, hist_h, hist_tok)
     keep = lambda a, b: jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 1)), a, b)
     state = jax.tree.map(keep, new, d)  # rows that did not step keep their state (a slot filled this step)
     return state, cache, emitted, n_emit, done, jnp.where(live, n, 0)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new_tokens"), donate_argnames=("cache",))
-def speculative_decode(
-    params,
-    cfg: ModelConfig,
-    spec: SpeculativeConfig,
-    h_prompt,
-    tokens,
-    first,
-    lengths,
-    cache,
-    page_table,
-    sp: SamplingBatch,
-    key,
-    stop_ids,
-    max_new_tokens: int,
-):
-    """Decodes with MTP drafts after a prefill, the whole decode in one while_loop.
-
-    h_prompt [B, T, D]: the target's hidden states of the prompts; tokens [B, T] (right-padded to lengths);
-    first [B]: the token sampled at prefill. Returns (out [B, max_new_tokens], stats dict of per-row arrays, cache).
-    """
-    k = spec.num_draft_tokens
-    b = tokens.shape[0]
-    rows = jnp.arange(b)
-    key, k_draft = jax.random.split(key)
-    done = jnp.isin(first, stop_ids) | (max_new_tokens <= 1)
-    d, cache = spec_prefill(params, cfg, spec, h_prompt, tokens, first, lengths, cache, page_table, sp, ~done, k_draft)
-    out = jnp.zeros((b, max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
-    zeros_k = jnp.zeros((b, k), jnp.int32)
-    count, steps = jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
-    carry = (d, cache, out, count, done, steps, zeros_k, zeros_k, key)
-
-    def body(carry):
-        d, cache, out, count, done, steps, evaluated, accepted, key = carry
-        key, sub = jax.random.split(key)
-        live = ~done
-
-        def stops(emitted, n_emit):
-            j = jnp.arange(k + 1)[None]
-            is_stop = jnp.isin(emitted, stop_ids) & (j < n_emit[:, None])
-            first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1) + 1, n_emit)
-            n_emit = jnp.minimum(jnp.minimum(n_emit, first_stop), max_new_tokens - count)
-            n_emit = jnp.where(live, n_emit, 0)
-            return n_emit, done | is_stop.any(1) | (count + n_emit >= max_new_tokens)
-
-        d, cache, emitted, n_emit, new_done, n = spec_step(
-            params, cfg, spec, d, cache, page_table, sp, live, stops, sub
-        )
-        j = jnp.arange(k + 1)[None]
-        slot = jnp.where(j < n_emit[:, None], count[:, None] + j, out.shape[1])
-        out = out.at[rows[:, None], slot].set(emitted, mode="drop")
-        evaluated = evaluated + (live[:, None] & (n[:, None] >= jnp.arange(k)[None])).astype(jnp.int32)
-        accepted = accepted + (live[:, None] & (n[:, None] >= jnp.arange(1, k + 1)[None])).astype(jnp.int32)
-        steps = steps + live.astype(jnp.int32)
-        return d, cache, out, count + n_emit, new_done, steps, evaluated, accepted, key
-
-    carry = jax.lax.while_loop(lambda c: ~jnp.all(c[4]), body, carry)
-    _, cache, out, count, _, steps, evaluated, accepted, _ = carry
-    stats = {"steps": steps, "evaluated": evaluated, "accepted": accepted, "count": count}
-    return out[:, :max_new_tokens], stats, cache

@@ -1,5 +1,5 @@
 """Absorbed-MLA decode attention over the paged latent cache: the wrapper of the Mosaic GPU kernel (mla_kernel.py),
-its work list (mla_schedule.py), a pure-jnp reference, and the one place that picks between them (`decode_attention`).
+its work list (mla_schedule.py) and a pure-jnp reference. The model picks between them (hcfjax.options).
 
 Per query token the heads attend in the latent space: scores = q_lat . c_kv + q_pe . k_pe over the cached tokens,
 out = softmax(scores * sm_scale) @ c_kv, with q_lat = q_nope @ W_UK already folded in by the caller.
@@ -12,8 +12,6 @@ kernel that touches only the split rows). Rows read in one piece are written by 
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -22,10 +20,6 @@ from pallas_kernels.mla_merge import combine, combine_dense
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, split_schedule, visible_keys
 
 __all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]  # and the functions below
-
-# Whether the two head tiles of a token run as a CTA pair that multicasts the cache (mla_kernel.KernelSpec.pair)
-# where the head count allows it: bf16 128 x 4096 342 -> 296 us, 64 x 16384 694 -> 602 us on the H200 (RESULTS.md).
-PAIR = True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,6 +186,7 @@ def mla_decode(
     pair=None,
     registers=None,
     qk8=False,
+    profile="",
     f16=None,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
@@ -205,12 +200,14 @@ def mla_decode(
 
     `plan` (from `mla_plan` with the same lengths, positions and shapes) skips building the work list; otherwise it
     is built here from num_sms, min_blocks_per_split and blocks_per_split. `pair`: whether head tiles run in
-    multicasting CTA pairs (default PAIR where the padded head count is a multiple of 128; not in interpret mode).
+    multicasting CTA pairs (None: where the padded head count is a multiple of 128, not in interpret mode; pairs
+    multicast the cache to both head tiles of a token).
     `registers` overrides the warpgroups' register split (WG0, WG1, loader; default mla_kernel.REGISTERS), for
     benchmarks comparing splits. `qk8` (int8 caches): Q.K on the int8 tensor cores, with the queries quantised per
     head here (`quantize_queries`: a scale per head for each of the latent's halves and the rope, as the cache
     quantises each token). `f16` (int8 caches without qk8; default on there): the kernel converts the cache, and the
-    queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16).
+    queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16). `profile`: "DIR[:RANGES]" builds the kernel
+    with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -268,10 +265,11 @@ def mla_decode(
         quant=quant,
         sm_scale=float(sm_scale),
         interpret=interpret,
-        pair=(PAIR if pair is None else pair) and can_pair,
+        pair=(True if pair is None else pair) and can_pair,
         registers=None if registers is None else mla_kernel.check_registers(registers),
         qk8=qk8,
         f16=f16,
+        profile=profile,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
     if plan.mode == "direct":
@@ -304,12 +302,7 @@ def dequantize_queries(qn, qp, scales):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Selection
-
-
-# The kernel is the model's decode attention on a GPU: on the H200 (2026-11-29, pallas_kernels/bench/RESULTS.md) its
-# teacher-forced logits are as close to a float32 truth as the XLA reference's, and it is 2-15x faster from batch 4 up.
-KERNEL_ON_GPU = True
+# Selection (hcfjax.options.Options.mode decides; this says whether the kernel takes the shapes)
 
 
 def kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_lora_rank=None, layer=None) -> bool:
@@ -318,52 +311,3 @@ def kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_
     except ValueError:
         return False
     return True
-
-
-def decode_mode(q_nope, q_pe, kv_pages, page_table, lengths, scales=None, kv_lora_rank=None, layer=None) -> str:
-    """'kernel', 'interpret' or 'reference': what `decode_attention` runs for these shapes (q_nope, q_pe may be
-    jax.ShapeDtypeStructs). HCFJAX_MLA=reference|kernel|interpret overrides `auto`."""
-    mode = os.environ.get("HCFJAX_MLA", "auto")
-    if mode == "auto":
-        ok = (
-            KERNEL_ON_GPU
-            and jax.default_backend() == "gpu"
-            and kernel_applies(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
-        )
-        return "kernel" if ok else "reference"
-    if mode not in ("reference", "kernel", "interpret"):
-        raise ValueError(f"HCFJAX_MLA must be auto, reference, kernel or interpret, got {mode!r}")
-    return mode
-
-
-def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, plan=None, **kwargs):
-    """The model's absorbed decode attention: the kernel on a GPU when the shapes suit it, the jnp reference elsewhere
-    (`decode_mode`; kernel/interpret raise on unsupported shapes; KERNEL_ON_GPU=False turns the kernel off for
-    `auto`). plan: the kernel's plan for this step (`mla_plan`), shared by every layer; the reference ignores it.
-    HCFJAX_MLA_QK8=1 gives the kernel int8 Q.K over an int8 cache (`int8_qk`)."""
-    mode = decode_mode(
-        q_nope,
-        q_pe,
-        kv_pages,
-        page_table,
-        lengths,
-        kwargs.get("scales"),
-        kwargs.get("kv_lora_rank"),
-        kwargs.get("layer"),
-    )
-    qk8 = int8_qk() and kv_pages.dtype == jnp.int8  # (read on every path: a bad value is an error everywhere)
-    if mode == "reference":
-        return mla_decode_reference(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, **kwargs)
-    kwargs.setdefault("qk8", qk8)
-    return mla_decode(
-        q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, interpret=mode == "interpret", plan=plan, **kwargs
-    )
-
-
-def int8_qk() -> bool:
-    """HCFJAX_MLA_QK8=1: the kernel's Q.K over an int8 cache on the int8 tensor cores, its queries quantised per head
-    (`mla_decode`'s qk8; faster, and less exact: RESULTS.md); 0 or unset: bf16 queries."""
-    flag = os.environ.get("HCFJAX_MLA_QK8", "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"HCFJAX_MLA_QK8 must be 0 or 1, got {flag!r}")
-    return flag == "1"

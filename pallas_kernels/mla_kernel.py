@@ -60,7 +60,7 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT, PADDING
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # The v3 loops' named regions ("qk", "softmax", "pv", "convert", the barrier waits): no code unless the kernel is built
-# with Mosaic GPU's profiler (HCFJAX_MOSAIC_PROFILE, `profile_params`), which then records each region's start and
+# with Mosaic GPU's profiler (KernelSpec.profile, `profile_params`), which then records each region's start and
 # end clock per warpgroup (python -m pallas_kernels.bench.timeline).
 scope = jax.named_scope
 A, B, R = 0, 1, 2  # slot parts
@@ -129,6 +129,8 @@ class KernelSpec:
     # P x s_latent x P_SCALE (s_latent < 255, latent values below ~32,000). Not with qk8 (fp16 measured slower there).
     # bf16 has no such bounds; RMS-normalised latents (DeepSeek's kv_a_layernorm) and rope keys sit far inside them.
     f16: bool = False
+    # Mosaic GPU's in-kernel profiler: "DIR[:RANGES]" (`profile_params`), or "" for none (bench.timeline)
+    profile: str = ""
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -700,21 +702,18 @@ def smem_types(spec: KernelSpec):
     return smem, tuple(bars)
 
 
-def profile_params() -> dict:
-    """CompilerParams for Mosaic GPU's in-kernel profiler from HCFJAX_MOSAIC_PROFILE=DIR[:RANGES] (read when the
-    kernel is traced): each run then writes a Perfetto trace of every warpgroup's named regions into DIR, RANGES
-    (default 100, which fits beside every v3 kernel's buffers at H=128) regions per warpgroup and CTA, kept in shared
-    memory (4 x 4 bytes each; later ones are dropped)."""
-    import os
-
+def profile_params(value: str) -> dict:
+    """CompilerParams for Mosaic GPU's in-kernel profiler from value = DIR[:RANGES] (KernelSpec.profile; "" for
+    none): each run then writes a Perfetto trace of every warpgroup's named regions into DIR, RANGES (default 100,
+    which fits beside every v3 kernel's buffers at H=128) regions per warpgroup and CTA, kept in shared memory
+    (4 x 4 bytes each; later ones are dropped)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    value = os.environ.get("HCFJAX_MOSAIC_PROFILE", "")
     if not value:
         return {}
     path, _, ranges = value.partition(":")
     if ranges and not ranges.isdigit():
-        raise ValueError(f"HCFJAX_MOSAIC_PROFILE must be DIR or DIR:RANGES, got {value!r}")
+        raise ValueError(f"the kernel profile must be DIR or DIR:RANGES, got {value!r}")
     return dict(
         profile_dir=path,
         profile_space=int(ranges or 100),
@@ -744,7 +743,7 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=Non
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params()),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params(spec.profile)),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # profiles and ncu: "mla_decode_bf16_mosaic..."
     )
     args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -897,18 +896,26 @@ def _pad_rows(xs, rows: int):
     return xs if xs.shape[1] == want else jnp.pad(xs, ((0, 0), (0, want - xs.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling"))
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "digits"))
 def int4_ragged_dot(
-    x, q, scale, group_sizes, act: str = "bf16", interpret: bool = False, tiling: Tiling | None = None, x_q=None
+    x,
+    q,
+    scale,
+    group_sizes,
+    act: str = "bf16",
+    interpret: bool = False,
+    tiling: Tiling | None = None,
+    x_q=None,
+    digits: bool = True,
 ):
     """ragged_dot(x [M, K] bf16, int4 experts (q [E, N, K/2] uint8, scale [E, K/G, N] f32), group_sizes [E]) ->
     [M, N] bf16, on the Mosaic GPU kernel (`interpret`: Mosaic GPU's interpreter, on any backend). `tiling` defaults
     by the regime (`default_tiling`). w4a8: x_q = quantize_int8(x) when the caller has it (x is then only a shape),
     or (int8 [M, K], scales [K/128, M' >= M]) quantised per row and 128 channels (hcfjax.quant.quantize_int8_groups;
     int4_gated_ragged_dot(..., quant_out=True) writes it): each K group's partial is then scaled by its own.
-    w4a16 without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`)."""
+    w4a16 without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`) unless not digits."""
     (e, n, _), (m, k), k_groups = q.shape, x.shape, scale.shape[1]
-    if act == "bf16" and tiling is None and digits_pay(m, n, k // k_groups, k_groups, e):
+    if act == "bf16" and tiling is None and digits and digits_pay(m, n, k // k_groups, k_groups, e):
         return int4_ragged_dot_digits(x, q, scale, group_sizes, interpret)
     return _run(x, ((q, scale),), group_sizes, act, interpret, tiling, x_q)
 
@@ -918,9 +925,8 @@ def digits_pay(m: int, n: int, g: int, k_groups: int, e: int) -> bool:
     kernel: where the doubled rows still take 16-row token blocks (about 6 rows per expert or fewer, the decode of
     wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (RESULTS.md,
     2026-12-01): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128) the
-    digits need 32-row blocks and were level to 13% slower. HCFJAX_INT4_DIGITS=0 turns the digits off."""
-    on = os.environ.get("HCFJAX_INT4_DIGITS", "1") != "0"
-    return on and g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
+    digits need 32-row blocks and were level to 13% slower."""
+    return g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
 
 
 def int8_digits(x):
@@ -954,7 +960,7 @@ def _run_digits(x, weights, group_sizes, interpret, tiling):
     return y[::2]
 
 
-@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "quant_out"))
+@functools.partial(jax.jit, static_argnames=("act", "interpret", "tiling", "quant_out", "digits"))
 def int4_gated_ragged_dot(
     x,
     gate,
@@ -965,15 +971,16 @@ def int4_gated_ragged_dot(
     tiling: Tiling | None = None,
     x_q=None,
     quant_out: bool = False,
+    digits: bool = True,
 ):
     """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel (an expert's gate/up projection): gate and up are
     (q, scale) pairs as in int4_ragged_dot; the product is formed in f32 and rounded to bf16 once. x_q as in
     int4_ragged_dot. quant_out (w4a8): the product is written quantised per row and 128 channels, as
     (int8 [M, N], scales [N/128, M' >= M + HS_PAD] f32) = quantize_int8_groups of the bf16 product (the scales'
     columns past M are padding), which the down projection takes as its x_q: no XLA pass between the kernels. w4a16
-    without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`)."""
+    without a tiling runs as int8 digits on the w4a8 kernel where that pays (`digits_pay`) unless not digits."""
     (e, n, _), (m, k), k_groups = gate[0].shape, x.shape, gate[1].shape[1]
-    if act == "bf16" and tiling is None and not quant_out and digits_pay(m, n, k // k_groups, k_groups, e):
+    if act == "bf16" and tiling is None and not quant_out and digits and digits_pay(m, n, k // k_groups, k_groups, e):
         return _run_digits(x, (tuple(gate), tuple(up)), group_sizes, interpret, None)
     return _run(x, (tuple(gate), tuple(up)), group_sizes, act, interpret, tiling, x_q, quant_out)
 

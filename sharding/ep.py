@@ -17,9 +17,9 @@ ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the r
         it on GPU but not on CPU (jax 0.11); the tests check its offsets with a CPU stand-in (tests/test_ep.py).
         `python -m hcfjax.bench.ep` compares the two on GPUs.
 
-`exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else dense: on two H200s (2026-11-29,
-hcfjax/bench/results/ep.md) XLA's ragged_all_to_all took 1.3-13 ms where the dense all_to_all of twice the bytes
-took 0.45-1.0 ms, so ragged is opt-in until XLA's implementation (or a hand-written one) wins.
+Dense is the default (hcfjax.options.Options.ep_exchange): on two H200s XLA's ragged_all_to_all measured several
+times slower than the dense all_to_all of twice the bytes (docs/), so ragged is opt-in until XLA's implementation
+(or a hand-written one) wins.
 
 In both, the received rows lie in groups (source, local expert); padding rows outside every group get an
 out-of-range expert (no group of the grouped matmul) and are zeroed.
@@ -27,47 +27,33 @@ out-of-range expert (no group of the grouped matmul) and are zeroed.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from hcfjax.moe import experts as local_experts
-
-EXCHANGES = ("dense", "ragged", "auto")
-
-
-def resolve_exchange(exchange: str = "auto") -> str:
-    """'dense' or 'ragged' for an `exchange` of EXCHANGES (auto: HCFJAX_EP_EXCHANGE, else dense; module docstring)."""
-    if exchange == "auto":
-        exchange = os.environ.get("HCFJAX_EP_EXCHANGE") or "dense"
-    if exchange not in ("dense", "ragged"):
-        raise ValueError(
-            f"EP exchange must be one of {EXCHANGES} (or HCFJAX_EP_EXCHANGE dense|ragged), got {exchange!r}"
-        )
-    return exchange
+from hcfjax.options import DEFAULT, EXCHANGES, Options
 
 
-def ep_experts(axis: str, exchange: str | Callable = "auto", compute: Callable | None = None):
+def ep_experts(axis: str, exchange: str | Callable = "dense", compute: Callable | None = None):
     """An experts function (same contract as hcfjax.moe.experts) that runs the routed experts over `axis`.
 
     p: this rank's experts {gate, up: [E_l, D, F], down: [E_l, F, D]}; x [N, D] this rank's tokens;
     weights, ids [N, K] with global expert ids. With an EPLB placement (sharding.eplb.apply_placement) p also has
     log2phy [E, M] and logcnt [E], and the slots are physical replicas.
 
-    exchange: 'dense', 'ragged' or 'auto' (module docstring), or a function with `lax.ragged_all_to_all`'s
-    signature to run the ragged path with (the tests' CPU stand-in). compute(p, rows [M, D], expert [M]) -> [M, D]:
+    exchange: 'dense' or 'ragged' (module docstring), or a function with `lax.ragged_all_to_all`'s signature to run
+    the ragged path with (the tests' CPU stand-in). compute(p, rows [M, D], expert [M], opts) -> [M, D]:
     what a rank does with the rows it receives, expert = E_l on padding rows (default: its experts; the benchmark
     times the exchange alone with the identity).
     """
-    ragged = exchange if callable(exchange) else None
-    if ragged is None and resolve_exchange(exchange) == "ragged":
-        ragged = jax.lax.ragged_all_to_all
+    if not callable(exchange) and exchange not in EXCHANGES:
+        raise ValueError(f"EP exchange must be one of {EXCHANGES}, got {exchange!r}")
+    ragged = exchange if callable(exchange) else (jax.lax.ragged_all_to_all if exchange == "ragged" else None)
     compute = compute or _run_experts
 
-    def run(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    def run(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT) -> jax.Array:
         n_ranks, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         e_local = p["gate"].shape[0]  # expert slots per rank
         n, k = ids.shape
@@ -77,7 +63,8 @@ def ep_experts(axis: str, exchange: str | Callable = "auto", compute: Callable |
         counts = jnp.bincount(slots, length=n_ranks * e_local).astype(jnp.int32)
         table = jax.lax.all_gather(counts, axis).reshape(n_ranks, n_ranks, e_local)  # [source, dest, E_l] copies
         cap = n * min(k, e_local)  # most rows one source sends one rank
-        serve = lambda rows, block_start: _on_received(rows, table[:, me], block_start, functools.partial(compute, p))
+        own = lambda rows, expert: compute(p, rows, expert, opts)  # noqa: E731
+        serve = lambda rows, block_start: _on_received(rows, table[:, me], block_start, own)
         if ragged is None:
             ys = _dense(axis, me, x[token], slots[order] // e_local, table, cap, serve)
         else:
@@ -148,8 +135,8 @@ def _on_received(rows, groups, block_start, compute):
     return jnp.where(valid[:, None], compute(rows, expert), 0)
 
 
-def _run_experts(p, rows, expert):
+def _run_experts(p, rows, expert, opts: Options = DEFAULT):
     """The rank's experts on its received rows, each one routed copy of weight 1 (combined at its source); padding
     rows (expert = E_l) fall outside every group of the grouped matmul."""
     ones = jnp.ones((rows.shape[0], 1), jnp.float32)
-    return local_experts({w: p[w] for w in ("gate", "up", "down")}, rows, ones, expert[:, None])
+    return local_experts({w: p[w] for w in ("gate", "up", "down")}, rows, ones, expert[:, None], opts)

@@ -34,7 +34,7 @@ def _logits(params, cfg, tokens, positions):
     return logits(params, hidden_states(params, cfg, tokens, positions)[0])
 
 
-def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens, exchange="auto") -> jax.Array:
+def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens, exchange="dense") -> jax.Array:
     """Teacher-forced logits under the decode plan: each rank runs attention on its own rows (mock rows pad the
     batch to a multiple of the ranks) and the MoE exchanges routed tokens between the ranks (sharding.ep.ep_experts'
     `exchange`)."""

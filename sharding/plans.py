@@ -22,6 +22,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharding.ep import ep_experts
+
 # (regex on the "/"-joined params path, spec of the trailing dims), first match wins
 PREFILL_RULES: tuple[tuple[str, tuple], ...] = (
     (r"experts/(gate|up)$", ("ep", None, "tp")),  # [E, D, F]
@@ -47,6 +49,67 @@ class Plan:
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
+
+    # What a plan hands to the drivers (generate, the engine, the PD prefill worker), so that they need not know
+    # its partition rules: placement, and the step under its shard_map.
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks of a decode plan: rows, slots and cache pages are split over them, rank major."""
+        return self.mesh.shape["ep"]
+
+    def place_params(self, params: dict) -> dict:
+        return shard_params(params, self)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def rows(self) -> NamedSharding:
+        """The sharding of per-row inputs of a decode plan (split over the ranks)."""
+        return NamedSharding(self.mesh, P("ep"))
+
+    def place_state(self, state):
+        """A step.SlotState placed for the decode plan: slot rows and cache pages over the ranks."""
+        return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(self.mesh, s), _state_specs(state)))
+
+    def wrap_step(self, cfg, params, state, with_prefill: bool, with_decode: bool, with_load, spec, opts):
+        """hcfjax.step.step under the decode plan: a shard_map over the ranks, each running attention on its own
+        slot rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens
+        over EP (sharding.ep, opts.ep_exchange). Every rank runs every step; rows without work are mock rows that
+        write nothing (and, with_load, add nothing to the expert loads, which are summed over the ranks).
+        -> jitted fn(params, state, pre, dec) -> (state, first, next, load), state donated."""
+        from hcfjax.step import DecodeInputs, PrefillInputs, step
+
+        row = P("ep")
+        pre_spec = PrefillInputs(row, row, row, row, row, _rows_sp(), row, row) if with_prefill else None
+        dec_spec = DecodeInputs(row, row, _rows_sp(), row) if with_decode else None
+        experts = ep_experts("ep", opts.ep_exchange)
+
+        def local(params, state, pre, dec):  # sampling keys come from each row's seed and counter
+            state, first, nxt, load = step(params, cfg, state, pre, dec, spec, opts, experts, with_load)
+            return state, first, nxt, None if load is None else jax.lax.psum(load, "ep")
+
+        st = _state_specs(state)
+        specs = (param_specs(params, self), st, pre_spec, dec_spec)
+        out = (st, row if with_prefill else None, row if with_decode else None, P() if with_load else None)
+        return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
+
+    def wrap_decode_steps(self, cfg, params, state, max_new_tokens: int, spec, opts):
+        """hcfjax.step.decode_steps under the decode plan: the whole decode loop inside one shard_map (the ranks
+        agree on when to stop). -> jitted fn(params, state, dec, stop_ids) -> (tokens, counters, state)."""
+        from hcfjax.step import DecodeInputs, decode_steps
+
+        row = P("ep")
+        experts = ep_experts("ep", opts.ep_exchange)
+
+        def local(params, state, dec, stops):
+            return decode_steps(params, cfg, state, dec, stops, max_new_tokens, spec, opts, experts, "ep")
+
+        st = _state_specs(state)
+        counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}
+        specs = (param_specs(params, self), st, DecodeInputs(row, row, _rows_sp(), row), P())
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(row, counters, st))
+        return jax.jit(fn, donate_argnums=(1,))
 
 
 def _devices(n: int, devices=None):
@@ -107,3 +170,19 @@ def shard_params(params: dict, plan: Plan) -> dict:
         return jax.device_put(x, NamedSharding(plan.mesh, spec))
 
     return jax.tree_util.tree_map_with_path(place, params)
+
+
+def _rows_sp():
+    from hcfjax.sampling import SamplingBatch
+
+    row = P("ep")
+    return SamplingBatch(row, row, row, row)
+
+
+def _state_specs(state):
+    """PartitionSpecs of a step.SlotState under a decode plan: slot rows and cache pages over the ranks."""
+    from hcfjax.step import SlotState
+
+    row = P("ep")
+    drafts = None if state.drafts is None else jax.tree.map(lambda _: row, state.drafts)
+    return SlotState(jax.tree.map(lambda _: P(None, "ep"), state.cache), row, row, row, drafts)

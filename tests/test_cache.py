@@ -1,6 +1,8 @@
 """Paged latent cache: cached prefill + decode equals teacher forcing; absorbed MLA equals expanded; page size and
 page order do not change results."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,20 +104,22 @@ def test_padding_and_mock_rows_never_write(v3_model):
     assert np.all(kv[:, 0, 3:] == 7.0) and np.all(kv[:, 1:] == 7.0)  # nothing else was
 
 
-def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
-    """hidden_states runs a one-token cached forward as the row and a copy, its layers unrolled (model.TWO_ROWS and
-    UNROLL_DECODE, on by default on GPUs): the same logits, cache and expert loads as one row over the layer loops."""
+def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
+    """hidden_states runs a one-token cached forward as the row and a copy, its layers unrolled (Options.two_rows and
+    unroll_decode, on by default on GPUs): the same logits, cache and expert loads as one row over the layer loops."""
     from hcfjax import model as model_mod
+    from hcfjax.options import Options
 
     cfg, p = v3_model.cfg, v3_model.params
     ids = jnp.asarray(np.load("tests/fixtures/tiny_v3/reference.npz")["ids"][:1, :14])
     order = np.random.default_rng(1).permutation(8)
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(model_mod, "TWO_ROWS", on)
-        monkeypatch.setattr(model_mod, "UNROLL_DECODE", on)
-        assert model_mod.two_rows(ids[:, :1], object(), None) == on
-        step_fn = jax.jit(hidden_states, static_argnames=("cfg", "absorbed", "with_load"))  # a fresh trace each
+        opts = Options(two_rows=on, unroll_decode=on)
+        assert model_mod.two_rows(ids[:, :1], object(), None, opts) == on
+        step_fn = jax.jit(
+            functools.partial(hidden_states, opts=opts), static_argnames=("cfg", "absorbed", "with_load")
+        )
         got, cache = run_cached(v3_model, ids, prefix=9, page_size=4, page_order=order, step=step_fn)
         ctx = CacheContext(cache, jnp.asarray(order[:4].reshape(1, 4)), jnp.array([15]), jnp.ones((1, 1), bool))
         h, ctx2, load = step_fn(p, cfg, ids[:, 13:14], jnp.array([[14]]), ctx, absorbed=True, with_load=True)
@@ -123,6 +127,7 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model, monkeypatch):
     (one, c1, l1, _), (two, c2, l2, x2) = runs[False], runs[True]
     assert one.shape == two.shape == (1, 14, cfg.vocab_size)
     assert rel_err(two, one) < 1e-5
-    np.testing.assert_allclose(np.asarray(c2.kv), np.asarray(c1.kv), rtol=1e-5, atol=1e-6)
+    # (two rows change the projections' GEMM shapes, so float32 sums round differently: a few 1e-6)
+    np.testing.assert_allclose(np.asarray(c2.kv), np.asarray(c1.kv), rtol=1e-4, atol=1e-5)
     assert bool(jnp.all(l1 == l2)) and int(l2.sum()) == cfg.num_experts_per_tok * l2.shape[0]  # one token counted
     assert x2.page_table.shape == (1, 4) and x2.kv_len.shape == (1,)  # the caller's view comes back

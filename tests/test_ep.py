@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import hcfjax
 from hcfjax.moe import experts
-from sharding.ep import ep_experts, resolve_exchange
+from sharding.ep import ep_experts
 from sharding.plans import decode_plan
 from tests.conftest import FIXTURES, rel_err
 
@@ -114,7 +114,7 @@ def test_received_rows_and_their_experts(exchange, skew):
     x, _, ids = routing(5 * ranks, k, choices, seed=1)
     ones = jnp.ones(ids.shape, jnp.float32)
 
-    def probe(p, rows, expert):
+    def probe(p, rows, expert, opts):
         real = (expert < e_local).sum()
         return jnp.zeros_like(rows).at[:, 0].set(expert).at[:, 1].set(real)
 
@@ -177,12 +177,13 @@ def test_ragged_exchange_lowers_for_cuda():
     assert text.count("custom_call @ragged_all_to_all") == 2  # there and back
 
 
-def test_exchange_choice(monkeypatch):
-    monkeypatch.delenv("HCFJAX_EP_EXCHANGE", raising=False)
-    assert resolve_exchange("auto") == "dense"  # the default everywhere (ragged is slower on GPUs for now)
-    assert resolve_exchange("ragged") == "ragged"
-    monkeypatch.setenv("HCFJAX_EP_EXCHANGE", "ragged")
-    assert resolve_exchange("auto") == "ragged" and resolve_exchange("dense") == "dense"
-    for bad in ("sparse", None):
+def test_exchange_choice():
+    """Dense is the default (Options.ep_exchange); an unknown exchange is an error, in Options and in ep_experts."""
+    from hcfjax.options import Options
+
+    assert Options().ep_exchange == "dense" and Options(ep_exchange="ragged").ep_exchange == "ragged"
+    for bad in ("sparse", "auto", None):
+        with pytest.raises(ValueError, match="exchange"):
+            Options(ep_exchange=bad)
         with pytest.raises(ValueError, match="EP exchange"):
-            resolve_exchange(bad)
+            ep_experts("ep", bad)

@@ -297,33 +297,59 @@ def test_model_layer_index_reads_that_layer():
     assert rel(np.asarray(out, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
-def test_selection_uses_the_reference_off_gpu(monkeypatch):
-    qn, qp, kv, _, pt, lengths = make(19, [33], 1, 16, max_pages=1)
-    monkeypatch.delenv("HCFJAX_MLA", raising=False)
-    got = M.decode_attention(qn, qp, kv, pt, lengths, 0.1)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1)))
-    monkeypatch.setenv("HCFJAX_MLA", "bogus")
+def test_selection_uses_the_reference_off_gpu():
+    """Options.mode, the one selector: auto is the reference off a GPU (and where the kernel does not apply),
+    a forced mode stands; the model's absorbed attention follows it (interpret runs the kernel)."""
+    from hcfjax.attention import decode_mode
+    from hcfjax.options import Options
+    from hcfjax.random_model import preset_config
+
+    assert Options().mode("mla", True) == "reference" and Options(mla="kernel").mode("mla", False) == "kernel"
+    with pytest.raises(ValueError, match="Options.mla"):
+        Options(mla="bogus")
+    cfg = preset_config("tiny-v3", kv_lora_rank=128, qk_rope_head_dim=64)
+    cache = kvcache.KVCache(jnp.zeros((1, 4, PAGE, 192), jnp.bfloat16))
+    pt, lengths = jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32)
+    assert decode_mode(cfg, cache, pt, lengths, (2, 1), Options()) == "reference"
+    assert decode_mode(cfg, cache, pt, lengths, (2, 1), Options(mla="interpret")) == "interpret"
+
+
+def test_options_from_the_environment():
+    """Only the CLI reads HCFJAX_* variables, into Options; a bad value names its variable."""
+    from hcfjax.options import Options
+
+    env = {"HCFJAX_MLA": "kernel", "HCFJAX_MLA_QK8": "1", "HCFJAX_INT4_KERNEL": "0", "HCFJAX_EP_EXCHANGE": "ragged"}
+    got = Options.from_env(env, two_rows=False)
+    want = ("kernel", True, "reference", "ragged", False)
+    assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows) == want
+    assert Options.from_env({}) == Options() and hash(Options.from_env({})) == hash(Options())
+    with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
+        Options.from_env({"HCFJAX_MLA_QK8": "yes"})
     with pytest.raises(ValueError, match="HCFJAX_MLA"):
-        M.decode_attention(qn, qp, kv, pt, lengths, 0.1)
+        Options.from_env({"HCFJAX_MLA": "bogus"})
 
 
 def test_qk8_switch_reaches_the_kernel_for_int8_caches_only(monkeypatch):
+    """Options.mla_qk8 reaches the kernel over an int8 cache only."""
+    from hcfjax import attention
+    from hcfjax.attention import CacheContext
+    from hcfjax.options import Options
+    from hcfjax.random_model import preset_config, random_model
+
     seen = []
-    monkeypatch.setattr(M, "mla_decode", lambda *a, **k: seen.append(k["qk8"]))
-    monkeypatch.setenv("HCFJAX_MLA", "kernel")
-    qn, qp, kv, _, pt, lengths = make(19, [33], 1, 16, max_pages=1)
-    _, _, q8, sc, _, _ = make(19, [33], 1, 16, max_pages=1, quant=True)
-    for flag, cache, want in (("1", (q8, sc), True), ("1", (kv, None), False), ("0", (q8, sc), False)):
-        monkeypatch.setenv("HCFJAX_MLA_QK8", flag)
-        M.decode_attention(qn, qp, cache[0], pt, lengths, 0.1, scales=cache[1])
+    monkeypatch.setattr(attention, "mla_decode", lambda *a, **k: seen.append(k["qk8"]) or a[0])
+    cfg = preset_config("tiny-v3", num_hidden_layers=1, kv_lora_rank=128, qk_rope_head_dim=64)
+    p = random_model(cfg, seed=3, dtype=jnp.bfloat16).params["segments"][0]["attn"]
+    p = jax.tree.map(lambda a: a[0], p)
+    q_nope = jnp.zeros((1, 1, cfg.num_attention_heads, cfg.qk_nope_head_dim), jnp.bfloat16)
+    q_pe = jnp.zeros((1, 1, cfg.num_attention_heads, cfg.qk_rope_head_dim), jnp.bfloat16)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    for qk8, dtype, want in ((True, jnp.int8, True), (True, jnp.bfloat16, False), (False, jnp.int8, False)):
+        cache = kvcache.init_cache(cfg, 2, PAGE, dtype, num_layers=1)
+        ctx = CacheContext(cache, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones((1, 1), bool))
+        opts = Options(mla="kernel", mla_qk8=qk8)
+        attention.attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, 0, pos, opts)
         assert seen.pop() is want
-    M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc, qk8=False)  # a caller's choice stands
-    assert seen.pop() is False
-    monkeypatch.setenv("HCFJAX_MLA_QK8", "yes")
-    for mode in ("kernel", "reference"):
-        monkeypatch.setenv("HCFJAX_MLA", mode)
-        with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
-            M.decode_attention(qn, qp, q8, pt, lengths, 0.1, scales=sc)
 
 
 def _args(b=2, t=1, h=16, c=C, r=R, page=PAGE, dtype=jnp.bfloat16, scales=None, pt_rows=None, lengths_dtype=jnp.int32):
@@ -424,7 +450,7 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, monkey
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
     assert "mosaic_gpu" in text
-    assert ("cluster_block_id" in text) == (pair is None and M.PAIR)
+    assert ("cluster_block_id" in text) == (pair is None)
     want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
     want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
     want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else set()
@@ -484,6 +510,7 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
     from hcfjax import attention
     from hcfjax.attention import CacheContext
     from hcfjax.model import hidden_states, logits
+    from hcfjax.options import Options
     from hcfjax.random_model import preset_config, random_model
 
     cfg = preset_config("tiny-v3", num_hidden_layers=2, kv_lora_rank=128, qk_rope_head_dim=64)
@@ -495,9 +522,8 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
     tok = jnp.array([[5], [9], [200]], jnp.int32)
 
     def step(mode):
-        monkeypatch.setenv("HCFJAX_MLA", mode)
         ctx = CacheContext(cache, table, kv_len, jnp.ones((b, 1), bool))
-        h, ctx = hidden_states(m.params, cfg, tok, (kv_len - 1)[:, None], ctx, absorbed=True)
+        h, ctx = hidden_states(m.params, cfg, tok, (kv_len - 1)[:, None], ctx, absorbed=True, opts=Options(mla=mode))
         assert ctx.plan is None
         return np.asarray(logits(m.params, h[:, 0]), np.float32)
 
@@ -534,12 +560,9 @@ def test_timeline_summary_of_a_profiler_trace():
     assert set(got["WG1"]) == {"wait_p", "(between)"} and "loader" not in got
 
 
-def test_profile_params_from_the_environment(monkeypatch):
-    monkeypatch.delenv("HCFJAX_MOSAIC_PROFILE", raising=False)
-    assert mla_kernel.profile_params() == {}
-    monkeypatch.setenv("HCFJAX_MOSAIC_PROFILE", "/tmp/traces:64")
-    got = mla_kernel.profile_params()
+def test_profile_params():
+    assert mla_kernel.profile_params("") == {}
+    got = mla_kernel.profile_params("/tmp/traces:64")
     assert (got["profile_dir"], got["profile_space"], got["profile_bounds_check"]) == ("/tmp/traces", 64, True)
-    monkeypatch.setenv("HCFJAX_MOSAIC_PROFILE", "/tmp/traces:lots")
     with pytest.raises(ValueError, match="DIR or DIR:RANGES"):
-        mla_kernel.profile_params()
+        mla_kernel.profile_params("/tmp/traces:lots")

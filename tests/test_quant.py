@@ -355,9 +355,6 @@ def test_w4a16_as_int8_digits_interpret(monkeypatch):
     e, k, n, sizes = 8, 256, 128, [3, 0, 5, 2, 4, 1, 0, 6]
     m = sum(sizes) + 3
     assert digits_pay(m, n, 128, 2, e) and not digits_pay(20 * e, n, 128, 2, e) and not digits_pay(m, n, 256, 1, e)
-    with monkeypatch.context() as env:
-        env.setenv("HCFJAX_INT4_DIGITS", "0")
-        assert not digits_pay(m, n, 128, 2, e)
     kx, kw, ks = jax.random.split(jax.random.key(7), 3)
     x = (jax.random.normal(kx, (m, k)) * jnp.exp(jax.random.normal(ks, (m, k)))).at[1].set(0).astype(jnp.bfloat16)
     xf = np.asarray(x, np.float32)
@@ -495,18 +492,18 @@ def test_experts_quantise_tokens_before_gathering_their_copies():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_grouped_down_input_is_the_group_quantised_product(monkeypatch):
-    """moe.GROUPED_DOWN_INPUT: the down projection takes the gate/up product quantised per row and 128 channels
+def test_grouped_down_input_is_the_group_quantised_product():
+    """Options.grouped_down_input: the down projection takes the gate/up product quantised per row and 128 channels
     (quantize_int8_groups of the bf16 product, as the fused kernel writes it), exactly on the reference path, and
     within quantisation noise of the per-row path."""
     from hcfjax import moe
+    from hcfjax.options import Options
 
     (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=256)
-    monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", False)
-    per_row = moe.experts(p, x, weights, ids)
-    monkeypatch.setattr(moe, "GROUPED_DOWN_INPUT", True)
+    per_row = moe.experts(p, x, weights, ids, Options(grouped_down_input=False))
     e, f, d = p["down"].shape
     assert moe.grouped_down_input(p["down"]) and not moe.grouped_down_input(quant.quantize(jnp.ones((e, f, d)), 4))
+    assert not moe.grouped_down_input(p["down"], Options(grouped_down_input=False))
     got = moe.experts(p, x, weights, ids)
     xq = quantize_int8(x)
     h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
@@ -519,38 +516,41 @@ def test_grouped_down_input_is_the_group_quantised_product(monkeypatch):
 
 @pytest.mark.parametrize("act, fused", [("bf16", True), ("int8", True), ("int8", False)])
 def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
-    """With the kernel on, gate/up + SiLU runs as one fused kernel where quant.FUSED_GATE_UP says so, else as two
-    kernel calls."""
+    """With the kernel on, gate/up + SiLU runs as one fused kernel for the activation modes in
+    Options.fused_gate_up, else as two kernel calls."""
+    from hcfjax.options import Options
     from pallas_kernels import moe_int4
 
     calls = []
-    monkeypatch.setattr(quant, "use_kernel", lambda: True)
-    monkeypatch.setitem(quant.FUSED_GATE_UP, act, fused)
+    opts = Options(moe="kernel", fused_gate_up=(act,) if fused else (), int4_digits=False)
 
     # The caller's quantised rows (x_q) reach the kernel with int8 activations, and only then.
-    def fused_fn(x, g, u, gs, act, x_q, quant_out):
+    def fused_fn(x, g, u, gs, act, interpret, x_q, quant_out, digits):
         calls.append(("fused", x_q is not None, quant_out))
         return (x[:, :128].astype(jnp.int8), jnp.ones((1, 8))) if quant_out else x[:, :128]
 
-    one_fn = lambda x, q, s, gs, act, x_q: calls.append(("one", x_q is not None)) or x[:, :128]  # noqa: E731
+    def one_fn(x, q, s, gs, act, interpret, x_q, digits):
+        calls.append(("one", x_q is not None))
+        return x[:, :128]
+
     monkeypatch.setattr(moe_int4, "int4_gated_ragged_dot", fused_fn)
     monkeypatch.setattr(moe_int4, "int4_ragged_dot", one_fn)
     w = quant.quantize(jnp.ones((2, 128, 128)), 4, act)
     x = jnp.ones((8, 128), jnp.bfloat16)
     gs = jnp.array([3, 5], jnp.int32)
-    quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x))
+    quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x), opts=opts)
     given = act == "int8"
     assert calls == ([("fused", given, False)] if fused else [("one", given), ("one", given)])
     # quant_out (a down projection's grouped input): written by the w4a8 kernel itself, else quantised after
     calls.clear()
-    hq, hs = quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x), quant_out=True)
+    hq, hs = quant.gated_ragged_dot(x, w, w, gs, x_q=quantize_int8(x), quant_out=True, opts=opts)
     assert hq.dtype == jnp.int8 and hs.shape[0] == 1
     assert calls == ([("fused", given, given)] if fused else [("one", given), ("one", given)])
     if act == "int8" and fused:  # 200 rows per expert (prefill): the kernel's bf16 product, quantised after it
         calls.clear()
         xl = jnp.ones((400, 128), jnp.bfloat16)
         gl = jnp.array([200, 200], jnp.int32)
-        hq, hs = quant.gated_ragged_dot(xl, w, w, gl, x_q=quantize_int8(xl), quant_out=True)
+        hq, hs = quant.gated_ragged_dot(xl, w, w, gl, x_q=quantize_int8(xl), quant_out=True, opts=opts)
         assert calls == [("fused", True, False)] and hq.dtype == jnp.int8 and hs.shape[0] == 1
 
 

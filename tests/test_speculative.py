@@ -7,10 +7,11 @@ import pytest
 
 import hcfjax
 from hcfjax import cache as kvcache
-from hcfjax.generate import bucket, prefill
+from hcfjax.generate import bucket
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams
-from hcfjax.speculative import SpeculativeConfig, mtp_extend, spec_prefill, spec_step, speculative_decode
+from hcfjax.speculative import SpeculativeConfig, mtp_extend, spec_step
+from hcfjax.step import DecodeInputs, PrefillInputs, decode_steps, empty_state, jitted_step
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
 
@@ -28,7 +29,25 @@ def three_heads():
     )
 
 
-@pytest.mark.parametrize("k", [1, 5])  # k = 2 runs in the engine and PD tests, k = 3 with independent modules below
+def prefilled(model, prompt, cache, table, sp: SamplingParams, spec=None, seed=0):
+    """One slot after a prefill step over `prompt` (the first token, and with spec the first drafts)."""
+    t = bucket(len(prompt))
+    i32 = lambda *x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    pre = PrefillInputs(
+        jnp.asarray([prompt + [0] * (t - len(prompt))]),
+        i32(0),
+        i32(len(prompt)),
+        table,
+        i32(0),
+        SamplingBatch.of([sp]),
+        jnp.asarray([seed], jnp.uint32),
+        i32(0),
+    )
+    state = empty_state(model.cfg, 1, cache, spec, model.dtype)
+    return jitted_step(model.params, model.cfg, state, pre, None, spec)[0]
+
+
+@pytest.mark.parametrize("k", [1, 4, 5])  # k = 2 runs in the engine and PD tests, k = 3 with independent modules below
 def test_greedy_exact_equals_plain_greedy(embedded, k):
     plain = hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[])
     spec = hcfjax.generate(
@@ -104,36 +123,21 @@ def test_rollback_leaves_exactly_the_accepted_entries(embedded):
     prefill of prompt + output (rejected drafts' entries lie beyond the length and are never read)."""
     m, cfg = embedded, embedded.cfg
     prompt = [0] + m.tokenizer.encode("def walk(top):\n    for name in").ids
-    t, page, new, k = bucket(len(prompt)), 16, 16, 3
+    page, new, k = 16, 16, 3
     n_layers = cfg.num_hidden_layers + 1
     table = jnp.arange(4)[None]
-    tokens = jnp.asarray([prompt + [0] * (t - len(prompt))])
-    lengths = jnp.asarray([len(prompt)])
-    sp = SamplingBatch.of([SamplingParams()])
-    cache = kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers)
-    first, cache, h = prefill(m.params, cfg, tokens, lengths, cache, table, sp, jax.random.key(0), return_hidden=True)
-    out, stats, cache = speculative_decode(
-        m.params,
-        cfg,
-        SpeculativeConfig(num_draft_tokens=k),
-        h,
-        tokens,
-        first,
-        lengths,
-        cache,
-        table,
-        sp,
-        jax.random.key(1),
-        jnp.array([-1]),
-        new,
-    )
+    sp = SamplingParams()
+    spec = SpeculativeConfig(num_draft_tokens=k)
+    state = prefilled(m, prompt, kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers), table, sp, spec)
+    dec = DecodeInputs(jnp.array([True]), table, SamplingBatch.of([sp]), jnp.zeros(1, jnp.uint32))
+    decode = jax.jit(decode_steps, static_argnames=("cfg", "max_new_tokens", "spec"))
+    out, stats, state = decode(m.params, cfg, state, dec, jnp.array([-1]), new, spec)
+    cache = state.cache
     steps, accepted = int(stats["steps"][0]), int(stats["accepted"][0].sum())
     assert steps < new - 1 and accepted < steps * k  # some drafts accepted, some rejected
     full = prompt + [int(x) for x in out[0]]
     n = len(full) - 1  # the last emitted token is not in the cache yet
-    ref = kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers)
-    padded = jnp.asarray([full[:n] + [0] * (bucket(n) - n)])
-    _, ref = prefill(m.params, cfg, padded, jnp.asarray([n]), ref, table, sp, jax.random.key(0))
+    ref = prefilled(m, full[:n], kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers), table, sp).cache
     got = np.asarray(cache.kv[: cfg.num_hidden_layers, :4]).reshape(cfg.num_hidden_layers, -1, cfg.kv_dim)[:, :n]
     want = np.asarray(ref.kv[: cfg.num_hidden_layers, :4]).reshape(cfg.num_hidden_layers, -1, cfg.kv_dim)[:, :n]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -169,17 +173,14 @@ def test_independent_drafts_equal_the_training_view(three_heads):
 
     m, cfg, k = three_heads, three_heads.cfg, 3
     prompt = [5, 9, 2, 33, 7, 41, 8, 8, 19, 60, 3]
-    t, page = bucket(len(prompt)), 8
+    page = 8
     table = jnp.arange(6)[None]
     cache = kvcache.init_cache(cfg, 6, page, jnp.float32, num_layers=cfg.num_hidden_layers + 3)
     cache = kvcache.KVCache(jax.random.normal(jax.random.key(2), cache.kv.shape, cache.kv.dtype), cache.scale)
-    tokens, lengths = jnp.asarray([prompt + [0] * (t - len(prompt))]), jnp.asarray([len(prompt)])
-    sp, live = SamplingBatch.of([SamplingParams(temperature=1.0)]), jnp.array([True])
+    sp, live = SamplingParams(temperature=1.0), jnp.array([True])
     spec = SpeculativeConfig(num_draft_tokens=k, method="rejection")  # drafts sampled from q = softmax(logits)
-    first, cache, h = prefill(m.params, cfg, tokens, lengths, cache, table, sp, jax.random.key(0), return_hidden=True)
-    d, cache = jax.jit(spec_prefill, static_argnums=(1, 2))(
-        m.params, cfg, spec, h, tokens, first, lengths, cache, table, sp, live, jax.random.key(1)
-    )
+    state = prefilled(m, prompt, cache, table, sp, spec, seed=1)
+    d, cache, sp = state.drafts, state.cache, SamplingBatch.of([sp])
 
     @jax.jit
     def training_view(params, full):  # softmax of depths 1..k's logits at anchor A, tokens full [1, A + k + 2]
@@ -191,7 +192,7 @@ def test_independent_drafts_equal_the_training_view(three_heads):
         full = jnp.asarray([seq + [int(x) for x in d.drafts[0]]])
         np.testing.assert_allclose(np.asarray(d.q[0]), np.asarray(training_view(m.params, full)), rtol=1e-3, atol=1e-6)
 
-    seq = prompt + [int(first[0])]
+    seq = prompt + [int(d.last[0])]
     check(seq, d)
     stops = lambda emitted, n_emit: (n_emit, jnp.zeros_like(live))  # noqa: E731
     step = jax.jit(spec_step, static_argnums=(1, 2, 8))

@@ -94,7 +94,7 @@ def run(args) -> tuple[str, bool]:
         return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))
 
     def exchange_alone(exchange):
-        run_ex = ep_experts("ep", exchange, compute=lambda p, r, e: r)
+        run_ex = ep_experts("ep", exchange, compute=lambda p, r, e, opts: r)
         in_specs = (specs["experts"], P("ep"), P("ep"), P("ep"))
         return jax.jit(jax.shard_map(run_ex, mesh=plan.mesh, in_specs=in_specs, out_specs=P("ep")))
 

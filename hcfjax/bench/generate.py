@@ -29,15 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import hcfjax
-from hcfjax import model as hcfjax_model
-from hcfjax import moe as hcfjax_moe
+from hcfjax import cache as kvcache
 from hcfjax import quant
+from hcfjax.attention import decode_mode
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
+from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
-from pallas_kernels.mla_decode import decode_mode
 
 SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8")
 
@@ -60,6 +60,7 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache
 
 
 def run(args) -> str:
+    opts = args.options
     cfg = preset_config(args.preset, num_nextn_predict_layers=0)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     n_params = sum(x.size for x in jax.tree.leaves(model.params))
@@ -75,7 +76,9 @@ def run(args) -> str:
     rows, profiles, names = [], [], []
     for b in args.batches:
         prompts = [list(rng.integers(2, cfg.vocab_size, args.prompt_len)) for _ in range(b)]
-        gen = lambda n, prompts=prompts: hcfjax.generate(model, prompts, max_new_tokens=n, stop_token_ids=[])  # noqa: E731
+        gen = lambda n, prompts=prompts: hcfjax.generate(  # noqa: E731
+            model, prompts, max_new_tokens=n, stop_token_ids=[], options=opts
+        )
         for _ in range(2):
             out = gen(args.new_tokens)
         s = out.stats
@@ -94,7 +97,7 @@ def run(args) -> str:
     if args.prefill_len:
         prompt = [list(rng.integers(2, cfg.vocab_size, args.prefill_len))]
         for _ in range(2):
-            out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[])
+            out = hcfjax.generate(model, prompt, max_new_tokens=1, stop_token_ids=[], options=opts)
         s = out.stats
         active = 2 * args.prefill_len * _active_params(cfg)
         attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * args.prefill_len**2 * cfg.qk_head_dim / 2
@@ -110,9 +113,9 @@ def run(args) -> str:
         f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
-        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, args.scheme, cache_dtype)}; "
-        f"batch-1 decode as two rows: {args.two_rows}, decode layers unrolled: {args.unroll_decode}, "
-        f"down projection's input quantised by the gate/up kernel: {hcfjax_moe.GROUPED_DOWN_INPUT}.",
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, model, cache_dtype, opts)}; "
+        f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
+        f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}.",
         "",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
         f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
@@ -141,20 +144,17 @@ def run(args) -> str:
     return "\n".join(lines)
 
 
-def kernels_in_use(cfg: ModelConfig, scheme: str, cache_dtype) -> str:
-    """What the decode runs on this backend, as the model selects it: the MLA kernel where `decode_mode` says (its
-    shapes, HCFJAX_MLA), the int4 kernel where `quant.use_kernel` does."""
-    s = jax.ShapeDtypeStruct
-    h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    kv = s((cfg.num_hidden_layers, 1, 64, cfg.kv_dim), cache_dtype)
-    scales = s(kv.shape[:-1] + (2,), jnp.float32) if jnp.dtype(cache_dtype) == jnp.int8 else None
-    q_nope, q_pe = s((1, 1, h, c), jnp.bfloat16), s((1, 1, h, r), jnp.bfloat16)
-    mode = decode_mode(q_nope, q_pe, kv, s((1, 1), jnp.int32), s((1,), jnp.int32), scales, c, 0)
+def kernels_in_use(cfg: ModelConfig, model, cache_dtype, opts: Options) -> str:
+    """What the decode runs on this backend, as the model selects it (opts.mode, where the kernels apply)."""
+    cache = kvcache.init_cache(cfg, 1, 64, cache_dtype, num_layers=1)
+    one = jnp.zeros((1, 1), jnp.int32)
+    mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
     mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
-    if scheme in ("bf16", "w8a8"):
-        moe = "XLA ragged_dot experts"
-    else:
-        moe = "Pallas int4 grouped GEMM" if quant.use_kernel() else "jnp int4 reference experts"
+    w = next((seg["mlp"]["experts"]["gate"] for seg in model.params["segments"] if "experts" in seg["mlp"]), None)
+    if not isinstance(w, quant.QWeight) or w.bits != 4:
+        return f"{mla}, XLA ragged_dot experts"
+    x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)
+    moe = "Pallas int4 grouped GEMM" if quant._int4_mode(opts, x, w) != "reference" else "jnp int4 reference experts"
     return f"{mla}, {moe}"
 
 
@@ -202,26 +202,27 @@ def main(argv=None) -> None:
         "--two-rows",
         default="auto",
         choices=("auto", "on", "off"),
-        help="batch-1 decode as two identical rows (hcfjax.model.TWO_ROWS; auto: on GPUs)",
+        help="batch-1 decode as two identical rows (Options.two_rows; auto: on GPUs)",
     )
     ap.add_argument(
         "--unroll-decode",
         default="auto",
         choices=("auto", "on", "off"),
-        help="unroll the decode step's layer loops (hcfjax.model.UNROLL_DECODE; auto: on GPUs)",
+        help="unroll the decode step's layer loops (Options.unroll_decode; auto: on GPUs)",
     )
     ap.add_argument(
         "--grouped-down-input",
         default="default",
         choices=("default", "on", "off"),
         help="w4a8 experts: the gate/up kernel quantises the down projection's input in 128-channel groups "
-        "(hcfjax.moe.GROUPED_DOWN_INPUT)",
+        "(Options.grouped_down_input)",
     )
     args = ap.parse_args(argv)
-    flag = {"auto": "gpu", "on": True, "off": False}
-    hcfjax_model.TWO_ROWS, hcfjax_model.UNROLL_DECODE = flag[args.two_rows], flag[args.unroll_decode]
+    flag = {"auto": "auto", "on": True, "off": False}
+    changes = dict(two_rows=flag[args.two_rows], unroll_decode=flag[args.unroll_decode])
     if args.grouped_down_input != "default":
-        hcfjax_moe.GROUPED_DOWN_INPUT = flag[args.grouped_down_input]
+        changes["grouped_down_input"] = flag[args.grouped_down_input]
+    args.options = Options.from_env(os.environ, **changes)  # HCFJAX_MLA etc. (hcfjax.options)
     table = run(args)
     print(table)
     if args.out:

@@ -26,6 +26,7 @@ from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.model import Model
+from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingParams
 from hcfjax.speculative import SpeculativeConfig
@@ -62,7 +63,7 @@ class EngineConfig:
     nodes the dp ranks span (it must divide dp; node i holds ranks i * dp / nodes ..): when it also divides the
     model's n_group, the placement is hierarchical as in DeepSeek's EPLB (expert groups packed onto nodes, every
     replica of an expert on its group's node, so routed tokens cross nodes no more than without EPLB), else
-    global."""
+    global. options: how the model runs (hcfjax.options.Options)."""
 
     max_slots: int = 8
     dp: int = 1
@@ -82,6 +83,7 @@ class EngineConfig:
     eplb_redundant: int = 0
     eplb_window: int = 100
     eplb_nodes: int = 1
+    options: Options = DEFAULT  # how the model runs: kernel or reference per op, the kernels' variants
 
     def __post_init__(self):
         for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
@@ -165,6 +167,7 @@ class Engine:
             c.min_prefill_bucket,
             decode_plan,
             _live_eplb(model, c, decode_plan),
+            c.options,
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic

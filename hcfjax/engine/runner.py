@@ -1,11 +1,10 @@
-"""The engine's device side: the paged cache and per-slot decode state, and one jitted step per engine iteration.
+"""The engine's device side: the paged cache and per-slot decode state, and one call of hcfjax.step per engine
+iteration (prefill chunks and decode rows together; under a decode plan, the plan's shard_map of it).
 
-A step runs, in one compiled call, a prefill part (chunks of up to Bp requests, Tc tokens each, written into their
-pages; a chunk that ends its prompt samples the request's first new token into its decode slot) and a decode part
-(one token for every active slot, absorbed MLA over the cache). Decode slots are fixed (dp x max_slots rows, rank
-major), prefill shapes are bucketed to powers of two, so steady state never recompiles; each new shape is logged as
-a compile event. The tokens a step samples stay on the device as the next step's input: the host only sends page
-tables and masks, and reads the sampled tokens back one step later (see engine.py).
+Decode slots are fixed (dp x max_slots rows, rank major), prefill shapes are bucketed to powers of two, so steady
+state never recompiles; each new shape is logged as a compile event. The tokens a step samples stay on the device
+as the next step's input: the host only sends page tables and masks, and reads the sampled tokens back one step
+later (see engine.py).
 """
 
 from __future__ import annotations
@@ -17,185 +16,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from hcfjax import cache as kvcache
-from hcfjax.attention import CacheContext
-from hcfjax.config import ModelConfig
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.generate import bucket
-from hcfjax.model import Model, hidden_states, logits
-from hcfjax.sampling import SamplingBatch, SamplingParams, sample_rows
-from hcfjax.speculative import Drafts, SpeculativeConfig, spec_prefill, spec_step
+from hcfjax.model import Model
+from hcfjax.options import DEFAULT, Options
+from hcfjax.sampling import SamplingBatch, SamplingParams
+from hcfjax.speculative import Drafts, SpeculativeConfig
+from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, jitted_step
 
 log = logging.getLogger("hcfjax.engine")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotState:
-    cache: kvcache.KVCache
-    tok: jax.Array  # [S] the slot's newest token, not yet in the cache
-    length: jax.Array  # [S] tokens of the slot's sequence in the cache
-    count: jax.Array  # [S] tokens sampled for the slot's request (its rng counter)
-    drafts: Drafts | None = None  # [S] speculative state (then `tok` and `length` are unused)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PrefillInputs:
-    tokens: jax.Array  # [Bp, Tc] chunk tokens, right-padded
-    start: jax.Array  # [Bp] position of the chunk's first token
-    n: jax.Array  # [Bp] real tokens in the chunk (0 for padding rows)
-    page_table: jax.Array  # [Bp, M]
-    slot: jax.Array  # [Bp] decode slot receiving the sampled token (S when the chunk does not end its prompt)
-    sp: SamplingBatch  # [Bp]
-    seed: jax.Array  # [Bp] uint32 request seeds
-    count: jax.Array  # [Bp] the request's rng counter at this sample
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeInputs:
-    active: jax.Array  # [S] bool
-    page_table: jax.Array  # [S, M]
-    sp: SamplingBatch  # [S]
-    seed: jax.Array  # [S]
-
-
-def _keys(seed: jax.Array, count: jax.Array) -> jax.Array:
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
-
-
-_DRAFT_TAG = 0x5EED  # the prefill's first drafts: apart from the first decode step's keys (same counter)
-
-
-def draft_keys(seed: jax.Array, count: jax.Array) -> jax.Array:
-    """Per-row keys [B] for the first drafts after a prefill whose sampled token was the count-th: a request's
-    drafts depend only on its seed and counter, so the colocated engine and a PD prefill worker draw the same."""
-    return jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_TAG))(_keys(seed, count + 1))
-
-
-def step_body(
-    params,
-    cfg: ModelConfig,
-    state: SlotState,
-    pre: PrefillInputs | None,
-    dec: DecodeInputs | None,
-    spec: SpeculativeConfig | None = None,
-    experts_fn=None,
-    with_load: bool = False,
-):
-    """One engine step; experts_fn runs the routed experts (sharding.ep.ep_experts under the decode plan).
-
-    -> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
-    decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]),
-    with_load: tokens routed to each expert [n_moe_layers, E] by the real rows (EPLB's counters), else None)."""
-    if with_load and spec is not None:
-        raise ValueError("expert-load counting covers plain decoding only")
-    cache, tok, length, count, drafts = state.cache, state.tok, state.length, state.count, state.drafts
-    first = nxt = None
-    loads = []  # per part, [n_moe_layers, E]: only real tokens count (padding and mock rows route too)
-    if pre is not None:
-        b, t = pre.tokens.shape
-        pos = pre.start[:, None] + jnp.arange(t)
-        real = jnp.arange(t)[None] < pre.n[:, None]
-        ctx = CacheContext(cache, pre.page_table, pre.start + pre.n, real)
-        h, ctx, *loads = hidden_states(
-            params, cfg, pre.tokens, pos, ctx, False, experts_fn, with_load=real if with_load else False
-        )
-        cache = ctx.cache
-        last = h[jnp.arange(b), jnp.maximum(pre.n - 1, 0)]
-        first = sample_rows(logits(params, last), pre.sp, _keys(pre.seed, pre.count))
-        tok = tok.at[pre.slot].set(first, mode="drop")
-        length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
-        count = count.at[pre.slot].set(pre.count + 1, mode="drop")
-        if spec is not None:  # prompts come whole (start 0): the MTP modules see every anchor
-            d, cache = spec_prefill(
-                params,
-                cfg,
-                spec,
-                h,
-                pre.tokens,
-                first,
-                pre.n,
-                cache,
-                pre.page_table,
-                pre.sp,
-                pre.n > 0,
-                draft_keys(pre.seed, pre.count),
-                experts_fn,
-            )
-            drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
-    if dec is not None and spec is not None:
-        no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # the host applies stops
-        keys = _keys(dec.seed, count)  # each row's own: its draws do not depend on its batch
-        drafts, cache, emitted, n_emit, _, n_acc = spec_step(
-            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, keys, experts_fn
-        )
-        count = count + jnp.where(dec.active, n_emit, 0)  # the rng counter: tokens emitted so far
-        nxt = (emitted, n_emit, n_acc)
-    elif dec is not None:
-        ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
-        h, ctx, *load = hidden_states(
-            params,
-            cfg,
-            tok[:, None],
-            length[:, None],
-            ctx,
-            True,
-            experts_fn,
-            dec.active[:, None] if with_load else False,
-        )
-        loads += load
-        cache = ctx.cache
-        nxt = sample_rows(logits(params, h[:, 0]), dec.sp, _keys(dec.seed, count))
-        tok = jnp.where(dec.active, nxt, tok)
-        length = length + dec.active
-        count = count + dec.active
-    load = sum(loads) if with_load else None
-    return SlotState(cache, tok, length, count, drafts), first, nxt, load
-
-
-engine_step = jax.jit(step_body, static_argnames=("cfg", "spec", "experts_fn", "with_load"), donate_argnames=("state",))
-
-
-def planned_step(
-    plan,
-    cfg: ModelConfig,
-    params,
-    state: SlotState,
-    with_prefill: bool,
-    with_decode: bool,
-    with_load: bool = False,
-    spec: SpeculativeConfig | None = None,
-):
-    """engine_step under the decode plan: a shard_map over the plan's ranks, each running attention on its own slot
-    rows and cache pages (page tables and slots in rank-local indices), the MoE exchanging routed tokens over EP
-    (sharding.ep, exchange "auto"). Every rank runs every step; rows without work are mock rows that write nothing
-    (and, with_load, add nothing to the expert loads, which are summed over the ranks)."""
-    from sharding.ep import ep_experts
-    from sharding.plans import param_specs
-
-    row, pages = P("ep"), P(None, "ep")
-    drafts_spec = None if state.drafts is None else jax.tree.map(lambda _: row, state.drafts)
-    state_spec = SlotState(jax.tree.map(lambda _: pages, state.cache), row, row, row, drafts_spec)
-    pre_spec = PrefillInputs(row, row, row, row, row, SamplingBatch(row, row, row, row), row, row)
-    dec_spec = DecodeInputs(row, row, SamplingBatch(row, row, row, row), row)
-
-    def local(params, state, pre, dec):  # sampling keys come from each row's seed and counter
-        state, first, nxt, load = step_body(params, cfg, state, pre, dec, spec, ep_experts("ep"), with_load)
-        return state, first, nxt, None if load is None else jax.lax.psum(load, "ep")
-
-    specs = (
-        param_specs(params, plan),
-        state_spec,
-        pre_spec if with_prefill else None,
-        dec_spec if with_decode else None,
-    )
-    out = (state_spec, row if with_prefill else None, row if with_decode else None, P() if with_load else None)
-    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
 
 
 def _install(state: SlotState, pages, kv, scale, slot, first, length, count, drafts) -> SlotState:
@@ -243,42 +74,32 @@ class ModelRunner:
         min_bucket: int = 16,
         plan=None,
         eplb=None,
+        options: Options = DEFAULT,
     ):
-        """eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count the
-        routed load of every step."""
+        """plan (a sharding.plans decode plan): the dp ranks on the plan's devices, each with its share of the slots
+        and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
+        the routed load of every step. options: how the model runs (hcfjax.options)."""
         self.model, self.cfg, self.spec, self.min_bucket, self.plan = model, model.cfg, spec, min_bucket, plan
+        self.options = options
         # device ranks: slots and pages are rank major, each rank's share on its device under a decode plan
-        self.ranks = 1 if plan is None else plan.mesh.shape["ep"]
+        self.ranks = 1 if plan is None else plan.ranks
         self.slots_per_rank, self.pages_per_rank = num_slots // self.ranks, num_pages // self.ranks
         self.num_slots, self.max_pages, self.cache_page_size = num_slots, max_pages, page_size
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
-        drafts = None
-        if spec is not None:
-            k, r, s = spec.num_draft_tokens, 2 * spec.num_draft_tokens + 1, num_slots
-            i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
-            hist_h = jnp.zeros((s, r, self.cfg.hidden_size), model.dtype)
-            q = jnp.zeros((s, k, self.cfg.vocab_size), jnp.float32)
-            drafts = Drafts(i32(s), i32(s), i32(s, k), q, hist_h, i32(s, r))
-        self.state = SlotState(cache, *(jnp.zeros((num_slots,), jnp.int32) for _ in range(3)), drafts)
+        self.state = empty_state(self.cfg, num_slots, cache, spec, model.dtype)
         self.params = model.params
         self._planned: dict = {}
         self.eplb = eplb
-        if plan is not None:
-            from sharding.plans import shard_params
-
-            self.params = shard_params(model.params, plan) if eplb is None else eplb.place(model.params)
-            rows, pages = NamedSharding(plan.mesh, P("ep")), NamedSharding(plan.mesh, P(None, "ep"))
-            drafts_at = None if drafts is None else jax.tree.map(lambda _: rows, drafts)
-            self.state = jax.device_put(
-                self.state, SlotState(jax.tree.map(lambda _: pages, cache), rows, rows, rows, drafts_at)
-            )
-        shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
-        self._landing = (
-            NamedSharding(plan.mesh, P()) if plan is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        )
         if plan is None:  # committed to its device from the start, as every step's and install's output will be:
-            self.state = jax.device_put(self.state, self._landing)  # one compiled shape each, whatever came first
+            self._landing = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # one compiled shape each
+            self.state = jax.device_put(self.state, self._landing)
+            shardings = None
+        else:
+            self.params = plan.place_params(model.params) if eplb is None else eplb.place(model.params)
+            self.state = plan.place_state(self.state)
+            self._landing = plan.replicated()
+            shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         self.shapes: set = set()
@@ -295,13 +116,15 @@ class ModelRunner:
         key = (None if pre is None else pre.tokens.shape, dec is not None)
         t0 = time.perf_counter()
         if self.plan is None:
-            self.state, first, nxt, load = engine_step(self.params, self.cfg, self.state, pre, dec, self.spec)
+            self.state, first, nxt, load = jitted_step(
+                self.params, self.cfg, self.state, pre, dec, self.spec, self.options
+            )
         else:
             parts = (pre is not None, dec is not None)
             if parts not in self._planned:
                 with_load = self.eplb is not None
-                self._planned[parts] = planned_step(
-                    self.plan, self.cfg, self.params, self.state, *parts, with_load, self.spec
+                self._planned[parts] = self.plan.wrap_step(
+                    self.cfg, self.params, self.state, *parts, with_load, self.spec, self.options
                 )
             fn = self._planned[parts]
             self.state, first, nxt, load = fn(self.params, self.state, pre, dec)
@@ -454,7 +277,7 @@ class ModelRunner:
 
     def _put(self, x):
         x = jnp.asarray(x)
-        return x if self.plan is None else jax.device_put(x, NamedSharding(self.plan.mesh, P("ep")))
+        return x if self.plan is None else jax.device_put(x, self.plan.rows())
 
     def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
         s = self.num_slots

@@ -39,16 +39,16 @@ import numpy as np
 
 from hcfjax import cache as kvcache
 from hcfjax import trace
-from hcfjax.attention import CacheContext
 from hcfjax.config import ModelConfig
 from hcfjax.engine.pages import PageAllocator
-from hcfjax.engine.runner import _keys, draft_keys  # the colocated engine's: same first tokens, same drafts
 from hcfjax.generate import bucket
-from hcfjax.model import Model, decoder_layer, embed, final_hidden, logits
+from hcfjax.model import Model, embed, final_hidden
+from hcfjax.options import DEFAULT, Options
 from hcfjax.pd.transport import Piece
 from hcfjax.quantize import default_cache_dtype
-from hcfjax.sampling import SamplingBatch, SamplingParams, sample_rows
-from hcfjax.speculative import Drafts, SpeculativeConfig, spec_prefill
+from hcfjax.sampling import SamplingBatch, SamplingParams
+from hcfjax.speculative import Drafts, SpeculativeConfig
+from hcfjax.step import PrefillInputs, finish_prefill, prefill_layer
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -79,24 +79,21 @@ class PrefillConfig:
     transfer_timeout_s: float = 30.0
     cache_dtype: str = "auto"  # auto (the model's) or int8: must match the decode workers'
     speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
+    options: Options = DEFAULT  # how the model runs (hcfjax.options)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "is_moe"), donate_argnames=("cache",))
-def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n):
+@functools.partial(jax.jit, static_argnames=("cfg", "is_moe", "opts"), donate_argnames=("cache",))
+def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n, opts: Options):
     """Layer `layer` (params: row i of the stacked segment) over one chunk of x [B, Tc, D] at positions start.."""
     p = jax.tree.map(lambda a: a[i], seg)
-    t = x.shape[1]
-    pos = start + jnp.arange(t)[None]
-    ctx = CacheContext(cache, table, jnp.minimum(start + t, n), pos < n[:, None])
-    x, ctx = decoder_layer(p, cfg, x, jnp.broadcast_to(pos, x.shape[:2]), ctx, layer, is_moe, absorbed=False)
-    return x, ctx.cache
+    return prefill_layer(p, cfg, is_moe, layer, x, start, cache, table, n, opts)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
-def _spec_prefill(params, cfg: ModelConfig, spec: SpeculativeConfig, x, tokens, first, n, cache, table, sp, key):
-    """The MTP modules over the prompts and the first drafts (the engine's prefill step does the same)."""
-    h = final_hidden(params, cfg, x)
-    return spec_prefill(params, cfg, spec, h, tokens, first, n, cache, table, sp, n > 0, key)
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "opts"), donate_argnames=("cache",))
+def _finish(params, cfg: ModelConfig, x, pre: PrefillInputs, cache, spec: SpeculativeConfig | None, opts: Options):
+    """The first tokens (and with speculation the MTP modules over the prompts and the first drafts), as the
+    engine's step makes them after its prefill: the same keys, the same tokens and drafts."""
+    return finish_prefill(params, cfg, final_hidden(params, cfg, x), pre, cache, spec, opts)
 
 
 @functools.partial(jax.jit, static_argnames=("lo", "hi"))
@@ -105,12 +102,6 @@ def _take_pages(cache: kvcache.KVCache, pages, lo: int, hi: int):
     One compile per page count and layer range; the warm-up compiles the whole-cache ones."""
     take = lambda x: None if x is None else x[lo:hi][:, pages]
     return take(cache.kv), take(cache.scale)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _sample_first(params, cfg: ModelConfig, x, n, sp: SamplingBatch, seed, count):
-    last = x[jnp.arange(x.shape[0]), jnp.maximum(n - 1, 0)]
-    return sample_rows(logits(params, final_hidden(params, cfg, last)), sp, _keys(seed, count))
 
 
 class PrefillWorker:
@@ -285,7 +276,7 @@ class PrefillWorker:
         """The layer-major forward of a batch; send(lo, hi) hands layers [lo, hi) to the transport (each group
         once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent, the warm-up).
         -> (first tokens [B], Drafts [B] or None), on the device."""
-        cfg = self.cfg
+        cfg, opts = self.cfg, self.config.options
         total, t = cfg.num_hidden_layers, tokens.shape[1]
         with self._mesh():
             x = _embed(self.params, jnp.asarray(tokens))
@@ -297,25 +288,21 @@ class PrefillWorker:
                     layer = first + i
                     outs = []
                     for s in range(0, t, tc):
-                        xo, self.cache = _layer(
-                            seg, i, cfg, is_moe, layer, x[:, s : s + tc], jnp.int32(s), self.cache, table_j, n_j
-                        )
+                        chunk = x[:, s : s + tc]
+                        xo, self.cache = _layer(seg, i, cfg, is_moe, layer, chunk, s, self.cache, table_j, n_j, opts)
                         outs.append(xo)
                     x = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
                     if layerwise and layer + 1 == group[1]:
                         send(*group)
                         group = next(groups, None)
             sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling))
-            first_tok = _sample_first(self.params, cfg, x, n_j, sp, jnp.asarray(seed), jnp.asarray(count))
-            drafts = None
-            if self.spec is not None:  # the colocated engine's keys: the same drafts as it would make
-                key = draft_keys(jnp.asarray(seed), jnp.asarray(count))
-                tok_j = jnp.asarray(tokens)
-                drafts, self.cache = _spec_prefill(
-                    self.params, cfg, self.spec, x, tok_j, first_tok, n_j, self.cache, table_j, sp, key
-                )
-                if layerwise and send is not None:
-                    send(total, self.layers)
+            zeros = jnp.zeros(n.shape, jnp.int32)
+            pre = PrefillInputs(
+                jnp.asarray(tokens), zeros, n_j, table_j, zeros, sp, jnp.asarray(seed), jnp.asarray(count)
+            )
+            first_tok, drafts, self.cache = _finish(self.params, cfg, x, pre, self.cache, self.spec, opts)
+            if self.spec is not None and layerwise and send is not None:
+                send(total, self.layers)
             if not layerwise and send is not None:
                 send(0, self.layers)
         return first_tok, drafts

@@ -38,8 +38,9 @@ import time
 import numpy as np
 
 CODE = r"""
-import json, sys, functools, jax, jax.numpy as jnp, numpy as np, hcfjax
+import json, os, sys, functools, jax, jax.numpy as jnp, numpy as np, hcfjax
 from hcfjax import cache as kvcache
+from hcfjax.options import Options
 from hcfjax.attention import CacheContext
 from hcfjax.generate import bucket
 from hcfjax.model import hidden_states, logits
@@ -47,6 +48,7 @@ from hcfjax.random_model import preset_config, random_model
 
 preset, layers, new, out, want_truth, scheme, quick = sys.argv[1:]
 layers, new, want_truth, quick = int(layers), int(new), want_truth == "1", quick == "1"
+opts = Options.from_env(os.environ)  # this mode's HCFJAX_MLA / HCFJAX_INT4_KERNEL
 m = random_model(preset_config(preset, num_hidden_layers=layers), seed=0, dtype=jnp.bfloat16)
 if scheme != "none":
     from hcfjax.quantize import quantize_model
@@ -57,7 +59,8 @@ rng = np.random.default_rng(0)
 ps = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 17, 64, 100, 3, 250, 31, 77)]
 conts = [rng.integers(1, cfg.vocab_size, new).tolist() for _ in ps]
 greedy = [] if quick else [
-    hcfjax.generate(m, ps, max_new_tokens=new, stop_token_ids=[], cache_dtype=d).tokens for _, d in caches
+    hcfjax.generate(m, ps, max_new_tokens=new, stop_token_ids=[], cache_dtype=d, options=opts).tokens
+    for _, d in caches
 ]
 
 
@@ -65,7 +68,8 @@ greedy = [] if quick else [
 def prefill(params, cfg, tokens, lengths, cache, table):
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    _, ctx = hidden_states(params, cfg, tokens, pos, CacheContext(cache, table, lengths, pos < lengths[:, None]))
+    ctx = CacheContext(cache, table, lengths, pos < lengths[:, None])
+    _, ctx = hidden_states(params, cfg, tokens, pos, ctx, opts=opts)
     return ctx.cache
 
 
@@ -73,7 +77,7 @@ def prefill(params, cfg, tokens, lengths, cache, table):
 def step(params, cfg, tok, kv_len, cache, table):
     # the token at position kv_len - 1, attending to the cache up to and including itself (the decode loop's step)
     ctx = CacheContext(cache, table, kv_len, jnp.ones((tok.shape[0], 1), bool))
-    h, ctx = hidden_states(params, cfg, tok[:, None], (kv_len - 1)[:, None], ctx, absorbed=True)
+    h, ctx = hidden_states(params, cfg, tok[:, None], (kv_len - 1)[:, None], ctx, absorbed=True, opts=opts)
     return logits(params, h[:, 0]), ctx.cache
 
 

@@ -165,7 +165,7 @@ def parse_version(text):
     return {"p": True, "n": False}.get(base[-1]), registers, qk8
 
 
-def fns(scale, version=None):
+def fns(scale, version=None, profile=""):
     pair, registers, qk8 = parse_version(version)
     kern = jax.jit(
         functools.partial(
@@ -175,6 +175,7 @@ def fns(scale, version=None):
             registers=registers,
             qk8=qk8,
             min_blocks_per_split=MIN_BLOCKS,
+            profile=profile,
         )
     )
     ref = jax.jit(functools.partial(mla_decode_reference, sm_scale=scale))

@@ -2,7 +2,7 @@
 
     python -m pallas_kernels.bench.timeline [--cases bf16:128x4096,int8:128x4096] [--versions 3p,3pq] [--ranges 100]
 
-For each case and version the kernel is built with HCFJAX_MOSAIC_PROFILE (mla_kernel.profile_params): thread 0 of
+For each case and version the kernel is built with Mosaic GPU's profiler (mla_decode's profile): thread 0 of
 every warpgroup writes the SM clock at the start and end of each named region of the v3 loops (`mla_kernel.scope`:
 the leader's "qk" (with qk8, its "mma" and "scale" inside it), "softmax", "wait_v", "pv"; WG1's "wait_qk",
 "convert", "wait_v", "wait_p", "pv"; the loader's "wait_slot", "wait_qk", "convert") into shared memory, and a
@@ -91,16 +91,10 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     version = for_case(version, dtype, heads)
     os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
-    os.environ["HCFJAX_MOSAIC_PROFILE"] = f"{where}:{ranges}"
-    try:
-        jax.clear_caches()  # the variable is read when the kernel is traced
-        qn, qp, kv, pt, lengths, scales = make_inputs(jax.random.key(0), b, ctx, heads, dtype=dtype, kind=kind)
-        kern, _ = fns(1 / 24.0, version)
-        kern(qn, qp, kv, pt, lengths, scales=scales)[0].block_until_ready()
-        jax.effects_barrier()  # the trace is written by a host callback
-    finally:
-        os.environ.pop("HCFJAX_MOSAIC_PROFILE")
-        jax.clear_caches()
+    qn, qp, kv, pt, lengths, scales = make_inputs(jax.random.key(0), b, ctx, heads, dtype=dtype, kind=kind)
+    kern, _ = fns(1 / 24.0, version, profile=f"{where}:{ranges}")
+    kern(qn, qp, kv, pt, lengths, scales=scales)[0].block_until_ready()
+    jax.effects_barrier()  # the trace is written by a host callback
     summaries = []
     for path in sorted(glob.glob(os.path.join(where, "*-trace.json"))):
         with open(path) as f:

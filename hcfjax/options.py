@@ -1,0 +1,117 @@
+"""How the model runs, as opposed to what it computes: kernel or reference per op, the kernels' variants, the EP
+exchange and the shape of the decode loop.
+
+One frozen, hashable object is passed down explicitly to every traced function that branches on it, so it is part
+of every jit cache key (a static argument). Library code never reads the environment; the CLI builds Options from
+its flags and from HCFJAX_* variables (`Options.from_env`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+
+KERNEL_MODES = ("auto", "kernel", "interpret", "reference")
+SWITCH = ("auto", True, False)  # auto: on a GPU backend only
+EXCHANGES = ("dense", "ragged")
+INT4_ACTS = ("bf16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """mla: the absorbed decode attention over the paged cache; auto runs the Pallas kernel on a GPU where the shapes
+        suit it, else the jnp reference; kernel / interpret force the kernel (interpret: Mosaic GPU's interpreter).
+    mla_qk8: the MLA kernel's Q.K over an int8 cache on the int8 tensor cores, the queries quantised per head (faster
+        on long rows, less exact: opt-in).
+    mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
+    moe: the int4 expert GEMMs (w4a16, w4a8): auto / kernel / interpret / reference, as for mla.
+    int4_digits: w4a16 with few rows per expert runs as two int8 digits on the w4a8 kernel where that pays.
+    fused_gate_up: the int4 activation modes whose gate/up + SiLU run as one fused kernel (else two kernel calls);
+        w4a16 still runs fused where its int8 digits pay.
+    grouped_down_input: w4a8 / w8a8 experts take the down projection's input quantised per row and 128 channels,
+        written by the fused gate/up kernel where that pays (DeepSeek-V3's activation grouping), instead of per row.
+    ep_exchange: how the decode plan moves routed tokens between ranks: dense (fixed-capacity all_to_all, runs
+        everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
+    unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps;
+        prefill keeps the loop, which compiles and runs faster there). auto: on GPUs.
+    two_rows: a one-token decode forward runs as the row and a copy of it that writes nothing: on GPUs XLA lowers a
+        one-row product to a slow multiply-and-reduce, two rows to a GEMM. auto: on GPUs.
+    """
+
+    mla: str = "auto"
+    mla_qk8: bool = False
+    mla_pair: bool = True
+    moe: str = "auto"
+    int4_digits: bool = True
+    fused_gate_up: tuple[str, ...] = ("int8",)
+    grouped_down_input: bool = True
+    ep_exchange: str = "dense"
+    unroll_decode: bool | str = "auto"
+    two_rows: bool | str = "auto"
+
+    def __post_init__(self):
+        for name in ("mla", "moe"):
+            if getattr(self, name) not in KERNEL_MODES:
+                raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
+        for name in ("unroll_decode", "two_rows"):
+            if getattr(self, name) not in SWITCH:
+                raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
+        if self.ep_exchange not in EXCHANGES:
+            raise ValueError(f"Options.ep_exchange must be one of {EXCHANGES}, got {self.ep_exchange!r}")
+        if not set(self.fused_gate_up) <= set(INT4_ACTS):
+            raise ValueError(f"Options.fused_gate_up takes activation modes of {INT4_ACTS}, got {self.fused_gate_up}")
+        object.__setattr__(self, "fused_gate_up", tuple(sorted(set(self.fused_gate_up))))
+
+    def mode(self, op: str, applies: bool = True) -> str:
+        """The one kernel-or-reference selector: 'kernel', 'interpret' or 'reference' for op ('mla' or 'moe') where
+        the kernel `applies` to the shapes at hand. auto takes the kernel on a GPU where it applies; a forced kernel
+        mode stands (the kernel's wrapper then rejects shapes it does not support, with the reason)."""
+        mode = getattr(self, op)
+        if mode == "auto":
+            return "kernel" if applies and on_gpu() else "reference"
+        return mode
+
+    def on(self, switch: str) -> bool:
+        """unroll_decode / two_rows resolved for this backend."""
+        value = getattr(self, switch)
+        return on_gpu() if value == "auto" else bool(value)
+
+    def replace(self, **changes) -> Options:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
+        """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
+        HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_INT4_KERNEL=0|1 (0: reference
+        experts), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged. overrides win over the environment."""
+        got, source = {}, {}
+        if "HCFJAX_MLA" in environ:
+            got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
+        for var, name in (("HCFJAX_MLA_QK8", "mla_qk8"), ("HCFJAX_INT4_DIGITS", "int4_digits")):
+            if var in environ:
+                got[name], source[name] = _flag(var, environ[var]), var
+        if "HCFJAX_INT4_KERNEL" in environ:
+            on = _flag("HCFJAX_INT4_KERNEL", environ["HCFJAX_INT4_KERNEL"])
+            got["moe"], source["moe"] = "auto" if on else "reference", "HCFJAX_INT4_KERNEL"
+        if environ.get("HCFJAX_EP_EXCHANGE"):
+            got["ep_exchange"], source["ep_exchange"] = environ["HCFJAX_EP_EXCHANGE"], "HCFJAX_EP_EXCHANGE"
+        try:
+            return cls(**{**got, **overrides})
+        except ValueError as e:
+            named = ", ".join(f"{source[k]}={environ[source[k]]!r}" for k in got if k not in overrides)
+            raise ValueError(f"{e} (from the environment: {named})" if named else str(e)) from e
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _flag(var: str, value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"{var} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+DEFAULT = Options()
