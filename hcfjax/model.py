@@ -146,7 +146,7 @@ def hidden_states(
 
 
 # Decode's layer loops unrolled: XLA runs a step's kernels with fewer gaps when the layers are not a loop (H200,
-# V2-Lite w4a8: batch 32 a step 7.26 -> 6.29 ms, batch 128 9.53 -> 9.16; hcfjax/bench/results/generate.md). Prefill
+# V2-Lite w4a8: batch 32 a step 7.26 -> 6.29 ms, batch 128 9.53 -> 9.16; docs/results.md). Prefill
 # keeps the loop (unrolled, its 512-token forward took 39.4 ms instead of 18.2). "gpu": on GPU backends only;
 # True / False force it.
 UNROLL_DECODE: bool | str = "gpu"

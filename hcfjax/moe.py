@@ -19,7 +19,7 @@ from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations,
 # grouping) by the fused gate/up kernel itself (no XLA pass between the two kernels; in prefill, where the kernel's
 # tiling would pay for it, by XLA after it: quant.gated_ragged_dot), instead of per row after it.
 # On the H200 (V2-Lite shape, w4a8): batch-1 decode step 4.42 -> 4.00 ms, batches 32 and 128 unchanged
-# (hcfjax/bench/results/generate.md; pallas_kernels/NOTES.md, "1 x 128 activation quantisation").
+# (docs/results.md, "Generation"; docs/kernels.md, "quant_out").
 GROUPED_DOWN_INPUT = True
 
 

@@ -242,7 +242,7 @@ def int8_activations(w) -> bool:
 
 
 # Whether gate/up + SiLU runs as one fused kernel, per activation mode. H200, decode tiles with two K groups per step
-# (pallas_kernels/bench/RESULTS.md, 2026-11-30, device time): w4a8 fused beats two kernel calls + SiLU (87-95 vs
+# (docs/kernels.md, 2026-11-30, device time): w4a8 fused beats two kernel calls + SiLU (87-95 vs
 # 96-100 us at E=16 M=128, 149-161 vs 165 at E=32, 170 vs 181 back to back at E=16 M=1024) and ties in prefill; w4a16
 # fused now loses in decode (121-127 vs 116-117 us at E=16; its registers allow only two pipeline stages) and ties or
 # loses in prefill (2112 vs 2008 us at E=32 M=16384). w4a16 where its int8 digits pay runs the fused w4a8 kernel
@@ -279,7 +279,7 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
 def use_kernel() -> bool:
     """True on a GPU backend unless HCFJAX_INT4_KERNEL=0. On the H200 (2026-11-29) the kernels passed their checks at
     every benchmarked shape, and a quantised model's teacher-forced logits with them are as close to a float32 truth
-    as the jnp reference path's, in both modes (pallas_kernels/bench/RESULTS.md, e2e_check.py --kernel int4)."""
+    as the jnp reference path's, in both modes (docs/results.md, e2e_check.py --kernel int4)."""
     return jax.default_backend() == "gpu" and os.environ.get("HCFJAX_INT4_KERNEL", "1") != "0"
 
 

@@ -24,7 +24,7 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, spl
 __all__ = ["BLOCK", "BLOCK_KV", "MlaPlan", "split_schedule", "visible_keys"]  # and the functions below
 
 # Whether the two head tiles of a token run as a CTA pair that multicasts the cache (mla_kernel.KernelSpec.pair)
-# where the head count allows it: bf16 128 x 4096 342 -> 296 us, 64 x 16384 694 -> 602 us on the H200 (RESULTS.md).
+# where the head count allows it: bf16 128 x 4096 342 -> 296 us, 64 x 16384 694 -> 602 us on the H200 (docs/kernels.md).
 PAIR = True
 
 
@@ -307,7 +307,7 @@ def dequantize_queries(qn, qp, scales):
 # Selection
 
 
-# The kernel is the model's decode attention on a GPU: on the H200 (2026-11-29, pallas_kernels/bench/RESULTS.md) its
+# The kernel is the model's decode attention on a GPU: on the H200 (2026-11-29, docs/results.md) its
 # teacher-forced logits are as close to a float32 truth as the XLA reference's, and it is 2-15x faster from batch 4 up.
 KERNEL_ON_GPU = True
 
@@ -362,7 +362,7 @@ def decode_attention(q_nope, q_pe, kv_pages, page_table, lengths, sm_scale, *, p
 
 def int8_qk() -> bool:
     """HCFJAX_MLA_QK8=1: the kernel's Q.K over an int8 cache on the int8 tensor cores, its queries quantised per head
-    (`mla_decode`'s qk8; faster, and less exact: RESULTS.md); 0 or unset: bf16 queries."""
+    (`mla_decode`'s qk8; faster, and less exact: docs/results.md); 0 or unset: bf16 queries."""
     flag = os.environ.get("HCFJAX_MLA_QK8", "0")
     if flag not in ("0", "1"):
         raise ValueError(f"HCFJAX_MLA_QK8 must be 0 or 1, got {flag!r}")

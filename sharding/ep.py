@@ -18,7 +18,7 @@ ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the r
         `python -m hcfjax.bench.ep` compares the two on GPUs.
 
 `exchange="auto"` takes HCFJAX_EP_EXCHANGE (dense | ragged) when set, else dense: on two H200s (2026-11-29,
-hcfjax/bench/results/ep.md) XLA's ragged_all_to_all took 1.3-13 ms where the dense all_to_all of twice the bytes
+docs/results.md) XLA's ragged_all_to_all took 1.3-13 ms where the dense all_to_all of twice the bytes
 took 0.45-1.0 ms, so ragged is opt-in until XLA's implementation (or a hand-written one) wins.
 
 In both, the received rows lie in groups (source, local expert); padding rows outside every group get an
