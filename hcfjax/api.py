@@ -15,7 +15,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.model import Model
 
 # The embedded model: a small DeepSeek-V3-architecture model trained on the Python standard library, with one jointly
-# trained MTP layer (train_mtp/pretrain.py made it; train_mtp/RESULTS.md has its numbers).
+# trained MTP layer (train_mtp/pretrain.py made it; docs/results.md has its numbers).
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -3,8 +3,7 @@
 Why fp16: its 10 mantissa bits hold a whole byte under the exponent of 1024, so the bits 0x64XX read as 1024 + XX for
 every byte XX. bf16 has 7: Mosaic GPU's int8 -> bf16 path folds the byte's top bit into the exponent and takes it out
 again (a prmt, two ands and a bf16x2 subtract per pair, and ptxas adds a select: 2.5 instructions per value in the
-kernel's SASS), which made the conversion the int8 kernel's critical path (NOTES.md, "MLA: a timeline inside the
-kernel").
+kernel's SASS), which made the conversion the int8 kernel's critical path (docs/kernels.md).
 
 Per 32-bit word of four int8 v (two's complement): one xor with 0x80808080 turns each byte into v + 128; two prmt put
 bytes 0, 1 and bytes 2, 3 each under 0x64, i.e. fp16x2 (1152 + v, 1152 + v'); one fp16x2 subtract of 1152 each

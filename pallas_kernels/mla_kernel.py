@@ -13,7 +13,7 @@ The schedule (version 3, leader and follower): WG0 computes S = Q.K^T for every 
 and the row rescale, and updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of
 the MMA work and all of the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it
 converts: below). A slot is reloaded once both have released it. (Version 4, a seesaw over pairs of blocks that
-split the MMAs evenly, measured 1.7x slower on the H200 and was removed on 2026-12-01: NOTES.md "v4", commit 9eb5a3e.)
+split the MMAs evenly, measured 1.7x slower on the H200 and was removed on 2026-12-01: docs/kernels.md, commit 9eb5a3e.)
 
 int8 caches: the loader TMA-loads the int8 part into the 16-bit part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two 16-bit slots); its converter reads all of it into registers, and only then writes the 16-bit
@@ -66,12 +66,12 @@ scope = jax.named_scope
 A, B, R = 0, 1, 2  # slot parts
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
 # launch; asking for 512 left setmaxnreg waiting forever on the H200). An int8 converter holds a part in registers.
-# v3's splits are ptxas's (the SASS of the H=128 kernel, NOTES.md "MLA: the leader's spills"): at (232, 232, 40) the
+# v3's splits are ptxas's (the SASS of the H=128 kernel, docs/kernels.md): at (232, 232, 40) the
 # leader spilled 14 values a block in its loop (bf16; 22 with int8), at (256, 208, 40) nothing spills in either
 # compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6). qk8 (the third key:
 # int8 Q.K): at (248, 176, 80) ptxas waited after each of the leader's 26 wgmmas (serialised them) and spilled 264
 # bytes; at (256, 176, 72) it waits 5 times and spills 100 (WG1, which converts V's second half, reloads 3 values a
-# block). Timed on the H200 at 128 x 4096 (NOTES.md): 445 -> 375 us with the loader converting both halves, 350
+# block). Timed on the H200 at 128 x 4096 (docs/kernels.md): 445 -> 375 us with the loader converting both halves, 350
 # with WG1 converting one; (256, 184, 64) spills less and ran 369. The int8 split was chosen before WG1 took over
 # the second latent half's conversion (2026-12-01: WG1 now holds an int8 tile beside its half of O, the loader
 # converts less); it has not been re-read or re-timed since.
@@ -118,7 +118,7 @@ class KernelSpec:
     # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; only the latent (V) is
     # converted to bf16, after the block's Q.K, beside the leader's softmax (half by the loader, half by WG1).
     # Opt-in (HCFJAX_MLA_QK8 in the model): the queries' rounding adds error, and it pays only on long rows
-    # (RESULTS.md, "int8 Q.K").
+    # (docs/results.md, "MLA decode kernel").
     qk8: bool = False
     # int8 caches without qk8 (the wrapper's default there): fp16 rather than bf16 for the converted
     # cache, Q (converted in place by the leader) and P. fp16's mantissa holds a byte whole, so the latent's exact
@@ -234,7 +234,7 @@ class _Ctx:
 
         def body(*accs):
             if fast:  # every accumulator starts before the first wgmma (ptxas serialises stores between in-flight
-                # wgmmas, NOTES.md); the interpreter cannot store to an accumulator: it adds MAGIC below
+                # wgmmas, docs/kernels.md); the interpreter cannot store to an accumulator: it adds MAGIC below
                 for acc in accs:
                     acc[...] = plgpu.layout_cast(jnp.full((BLOCK, BLOCK_KV), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
             for p, acc in zip((A, B, R), accs, strict=True):
@@ -320,7 +320,7 @@ class _Ctx:
     def pages(self, i):
         """Where block i lies: (page, offset) in the cache and, int8, in the scales' table. Global loads: the v3
         loader reads them before it waits for the slot, so their latency overlaps the wait instead of following it
-        (ncu's dominant stall in this kernel was long_scoreboard, NOTES.md)."""
+        (ncu's dominant stall in this kernel was long_scoreboard, docs/kernels.md)."""
         return self.page(i, self.ins["pt"]), self.page(i, self.ins["pts"]) if self.spec.quant else None
 
     def issue(self, i, slot, p: int, scales: bool, where=None):
@@ -450,7 +450,7 @@ def _v3(ctx: _Ctx, wg, active):
     regs = spec.register_split()
     b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
-    # leader computes P, the loader the first half and the rope (RESULTS.md, "Inside the kernel"; 451 -> 400 us at
+    # leader computes P, the loader the first half and the rope (docs/kernels.md; 451 -> 400 us at
     # 128 x 4096).
     split = spec.quant and not spec.qk8
     log2_scale = spec.sm_scale * _LOG2E
@@ -469,8 +469,8 @@ def _v3(ctx: _Ctx, wg, active):
                 else:
                     s = ctx.scores(slot, (A, B, R))
             with scope("softmax"):
-                # Where the softmax scale (into the log2 domain) is taken was timed (RESULTS.md, "Inside the
-                # kernel"): qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
+                # Where the softmax scale (into the log2 domain) is taken was timed (docs/kernels.md):
+                # qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
                 # argument, one FFMA a score (the max commutes with a positive scale exactly, so m and the lse are
                 # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
                 # it ran 1.2% slower with bf16 parts). sm_scale > 0: KernelSpec checks.

@@ -40,7 +40,7 @@ token tile, read K-major, its B operand, as int8 wgmma requires):
   counts (as jax's ragged_dot_mgpu.py does: a TMA box has a static size). No XLA pass after the kernel; before it
   only, for w4a8, the per-token int8 quantisation of x (one fused pass; in the kernel it would be
   redone by every one of the N/bn CTAs that share a token tile, and each needs the token's max over all of K first).
-Shared memory per CTA is `smem_bytes`; NOTES.md has the configurations and the reasoning behind `default_tiling`.
+Shared memory per CTA is `smem_bytes`; docs/kernels.md has the configurations and the reasoning behind `default_tiling`.
 
 w4a16 with few rows per expert (`digits_pay`) runs on the w4a8 kernel instead (`int4_ragged_dot_digits`): each row of
 x becomes two rows of int8 digits, the row and its quantisation residual, both quantised per 128 channels, and each
@@ -202,8 +202,8 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                 # With t.unpack_first every tile is unpacked (and every accumulator started) before the first wgmma:
                 # unpacking between them let ptxas reuse an in-flight wgmma's A registers for the next tile, and it then
                 # waited for that wgmma before each accumulator's MMAs (C7517 "wgmma.wait_group is injected"),
-                # serialising the step's eight (fused) or four accumulator chains. NOTES.md, "int4 MoE: ptxas serialised
-                # the w4a8 MMAs". Without it (registers too few), each tile is unpacked just before its own wgmmas.
+                # serialising the step's eight (fused) or four accumulator chains (docs/kernels.md).
+                # Without it (registers too few), each tile is unpacked just before its own wgmmas.
                 def unpack(r, p):
                     if fast:  # start at MAGIC (the interpreter cannot store to an accumulator: it adds MAGIC below)
                         r[...] = plgpu.layout_cast(jnp.full((BN, t.bm), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
@@ -232,15 +232,15 @@ def _kernel(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups: bo
                     x_scales[j] = lax.broadcast_in_dim(sx, (BN, t.bm), [1])
                 # Per-group token scales make the scale a product per element (a row's times a column's). The magic
                 # offset comes out in the FFMA that applies the weight's scale (bits * s16 - MAGIC_F * s16, the
-                # constant per row), so two FFMAs do what the exact sum, the scales' product and an FFMA did (NOTES.md,
-                # "Per-group token scales in two FFMAs"). MAGIC_F * s16 is rounded to f32: an error below 0.9 units
+                # constant per row), so two FFMAs do what the exact sum, the scales' product and an FFMA did
+                # (docs/kernels.md). MAGIC_F * s16 is rounded to f32: an error below 0.9 units
                 # of the group's integer sum where the compiler fuses the FMA (it may), 1.5 where it does not.
                 accs[a] = accs[a] + (bits * by_row(s16) + by_row(s16 * -MAGIC_F)) * x_scales[j]
             # The fold's reads of the step's scales must be done before the slot is refilled: by this warpgroup's TMA
             # right after the body, behind a bar.sync alone, or with several warpgroups by the memory warpgroup's once
             # the consumed barrier's mbarrier arrivals are in. Neither orders the TMA's (async proxy) write after these
             # generic reads; PTX asks for a proxy fence. Without it the H200 gave wrong rows, different on every run,
-            # once the fold above was rescheduled (NOTES.md, "Per-group token scales in two FFMAs"; inferred from
+            # once the fold above was rescheduled (docs/kernels.md; inferred from
             # the fix, not observed directly). One warpgroup: the fence and a warpgroup barrier. Several: the fence
             # alone (the arrivals follow it; the barrier had cost 2.6% there, the fence alone is level).
             if t.wgs == 1:
@@ -454,7 +454,7 @@ def block_widths(t: Tiling) -> tuple[int, ...]:
 def _to_int8(src, dst, fast: bool):
     """dst[...] = src[...] as int8, for a [rows, cols] smem tile of bf16 integers in [-127, 127]. On the GPU through
     inline Mosaic GPU code: written in Pallas, this conversion ran Mosaic's layout search out of fuel in the gate/up
-    kernel (NOTES.md). The interpreter (fast=False) runs the same as jnp."""
+    kernel (docs/kernels.md). The interpreter (fast=False) runs the same as jnp."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if not fast:
@@ -653,7 +653,7 @@ def default_tiling(
     wgs=None,
     sms: int = SMS,
 ) -> Tiling:
-    """The tiling by regime (NOTES.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
+    """The tiling by regime (docs/kernels.md has the reasoning); bm, bn, gps override the choices (the bench's sweep):
     - bm: decode (<= 25 rows per expert on average) takes 16 or 32, about one block per expert (each block streams
       its expert's weights again). Otherwise the smallest multiple of 16 that fits an expert's rows with two standard
       deviations of uniform routing's spread (Poisson) and the 8-row alignment in as few blocks as the register
@@ -674,7 +674,7 @@ def default_tiling(
       us, 16384 rows 1589 -> 1467; single weight 280 -> 268 and 946 -> 916). Not for w4a16: 3-4% there, and eight
       copies of its pipeline (blocks of 128 rows) took ptxas past 42 s.
     - gps: 2 K groups per step in decode (one wait for both groups' MMAs: the per-step chain of loads, unpacking,
-      MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, RESULTS.md), else 1.
+      MMAs and the wait is what bounds a decode CTA; 1.3-1.5x on the H200, docs/kernels.md), else 1.
     - splits (split-K): in decode, as many (1, 2 or 4) as keep the CTAs within one wave of the SMs' CTA slots, with
       at least 8 K steps per split: one K loop per output tile leaves each SM only about two CTAs there."""
     mu = m / max(e, 1)
@@ -735,7 +735,7 @@ def quant_out_pays(act: str, m: int, n: int, k_groups: int, e: int, g: int = 128
     block. quant_out's bn = 128 leaves the registers room for 32-row blocks only (fused: two weights, two 64-row
     tiles each); with more rows per expert than that, every expert's weights go through several small blocks, and
     quantising the bf16 product after the kernel (one XLA pass) costs less. H200, fused w4a8 with the tokens
-    quantised by the caller, quant_out against the bf16 product (RESULTS.md, 2026-11-30): 32 experts x 1024 rows
+    quantised by the caller, quant_out against the bf16 product (docs/kernels.md, 2026-11-30): 32 experts x 1024 rows
     220.6 against 229.2 us (32 rows per expert: in the kernel), x 4096 483.6 against 472.6, x 16384 1736.9
     against 1600.7 (after it). In decode the default tiling has bn = 128 already."""
     t = default_tiling(act, m, n, k_groups, e, nw=2, g=g, bn=QGROUP, wgs=1)
@@ -923,7 +923,7 @@ def int4_ragged_dot(
 def digits_pay(m: int, n: int, g: int, k_groups: int, e: int) -> bool:
     """Whether w4a16 runs faster as int8 digits on the w4a8 kernel (`int4_ragged_dot_digits`) than on its own
     kernel: where the doubled rows still take 16-row token blocks (about 6 rows per expert or fewer, the decode of
-    wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (RESULTS.md,
+    wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (docs/kernels.md,
     2026-12-01): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128) the
     digits need 32-row blocks and were level to 13% slower."""
     return g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16

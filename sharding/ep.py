@@ -18,8 +18,8 @@ ragged: `lax.ragged_all_to_all` of the real rows only, packed by source in the r
         `python -m hcfjax.bench.ep` compares the two on GPUs.
 
 Dense is the default (hcfjax.options.Options.ep_exchange): on two H200s XLA's ragged_all_to_all measured several
-times slower than the dense all_to_all of twice the bytes (docs/), so ragged is opt-in until XLA's implementation
-(or a hand-written one) wins.
+times slower than the dense all_to_all of twice the bytes (docs/results.md), so ragged is opt-in until XLA's
+implementation (or a hand-written one) wins.
 
 In both, the received rows lie in groups (source, local expert); padding rows outside every group get an
 out-of-range expert (no group of the grouped matmul) and are zeroed.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the embedded model and train_mtp/RESULTS.md on one GPU (about 6 minutes on an H200).
+# Reproduces the embedded model and the MTP-head comparison of docs/results.md on one GPU (about 6 minutes on an H200).
 #   bash train_mtp/reproduce.sh OUT_DIR
 set -euo pipefail
 OUT=${1:?usage: reproduce.sh OUT_DIR}

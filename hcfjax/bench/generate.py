@@ -2,7 +2,7 @@
 
     python -m hcfjax.bench.generate [--preset v2-lite] [--scheme bf16|w4a16|w4a8|w4a8c8|w8a8] [--batches 1,32,128]
                                     [--prompt-len 512] [--new-tokens 128] [--prefill-len 4096] [--profile]
-                                    [--out hcfjax/bench/results/generate.md]
+                                    [--out FILE]
 
 Random weights of a real shape (default DeepSeek-V2-Lite: 27 layers, hidden 2048, 64 experts top-6, 2 shared,
 kv_lora 512). Every figure is the second of two identical runs (the first compiles). The floor column is the time to

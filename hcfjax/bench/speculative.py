@@ -2,7 +2,7 @@
 
     python -m hcfjax.bench.speculative [--model PATH] [--label NAME] [--model PATH --label NAME ...]
         [--batches 1,32] [--ks 1,2,3] [--methods exact,rejection,typical,tuned] [--new-tokens 128]
-        [--temperature 0.7] [--head-norm-ablation] [--out hcfjax/bench/results/speculative.md]
+        [--temperature 0.7] [--head-norm-ablation] [--out FILE]
 
 Default model: the embedded one (its jointly trained MTP layer reused at every depth); pass checkpoints written by
 train_mtp.train to compare trained heads. Prompts are the first lines of real standard-library modules. `exact` runs

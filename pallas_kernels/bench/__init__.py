@@ -1,1 +1,1 @@
-"""Benchmarks of the Pallas kernels: scripts that print one table (results in RESULTS.md beside them)."""
+"""Benchmarks of the Pallas kernels: scripts that print one table (results in docs/results.md)."""

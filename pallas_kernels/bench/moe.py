@@ -3,7 +3,7 @@ the int4 jnp reference, with the ceilings measured in the same run. One table at
 
     python -m pallas_kernels.bench.moe [--cases default|all|ExMxKxN,...] [--time-limit 200] [--hard-limit SECONDS]
                                        [--stall 45] [--sweep [CASES]] [--sweep-only TEXT] [--rounds N] [--jnp-refs]
-                                       [--no-ceilings] [--interpret] [--lower] [--out RESULTS.md]
+                                       [--no-ceilings] [--interpret] [--lower] [--out FILE]
 
 Cases: DeepSeek-V3 expert shapes, gate/up (K = hidden 7168, N = expert width 2048) and down (K = 2048, N = 7168), for
 E local experts in {16, 32} and M routed token copies in {128, 1024, 4096, 16384} (decode to prefill), spread
@@ -66,7 +66,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
     choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one
     compute warpgroup per CTA, or two sharing each token tile). (Persistent CTAs, Tiling.persistent until 2026-12-01,
-    were slower in every regime timed and were removed: pallas_kernels/NOTES.md.)"""
+    were slower in every regime timed and were removed: docs/kernels.md.)"""
     import dataclasses
 
     from pallas_kernels.moe_int4 import default_tiling

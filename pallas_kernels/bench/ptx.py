@@ -15,7 +15,7 @@ and the .sass files are written beside the PTX. The PTX is version 9.0 (CUDA 13)
 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` and unzip them for ptxas and cuobjdump, with nvdisasm on PATH (cuobjdump
 runs it; CUDA 12's ptxas rejects the PTX). ptxas can also be rerun
 on a hand-edited copy of the PTX (instructions moved, setmaxnreg values changed) to try a change before the next GPU
-run: NOTES.md, "int4 MoE: ptxas serialised the w4a8 MMAs".
+run: docs/kernels.md, "Working method".
 
 Kernels: mla:bf16|int8|int8q[:BxCTX] (the MLA decode kernel at H = 128, by default 4 rows x 1024 tokens: the same
 code as at larger shapes; int8q with int8 Q.K, mla_decode's qk8) and moe:ACT:fused|single:ExMxKxN[:OVERRIDES] (ACT

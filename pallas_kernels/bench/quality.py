@@ -1,7 +1,7 @@
 """Quality of the quantisation schemes on the embedded model's test split, against the bf16 model.
 
     python -m pallas_kernels.bench.quality [--data .data/corpus] [--windows 16] [--seq 512] [--prompts 32]
-                                           [--gen 64] [--schemes w4a16,w4a8,w4a8c8,w8a8] [--out RESULTS.md]
+                                           [--gen 64] [--schemes w4a16,w4a8,w4a8c8,w8a8] [--out FILE]
 
 Perplexity: teacher-forced next-token loss over fixed test windows (train_mtp.common.eval_windows), run as a cached
 prefill so that a scheme's KV cache precision counts (the keys and values are read back from the int8 cache for
