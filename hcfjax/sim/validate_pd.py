@@ -62,11 +62,11 @@ class Workers:
 def worker_configs(pre_args: list[str], dec_args: list[str]):
     """(the prefill worker's PrefillConfig, the decode worker's EngineConfig), from their `hcfjax serve` arguments
     as the command parses them."""
-    from hcfjax.cli import _engine_config, build_parser
-    from hcfjax.pd.roles import prefill_config
+    from hcfjax.cli import build_parser
+    from hcfjax.serving.config import engine_config, prefill_config
 
     parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
-    return prefill_config(parse(pre_args)), _engine_config(parse(dec_args))
+    return prefill_config(parse(pre_args)), engine_config(parse(dec_args))
 
 
 def calibrate_prefill(model, config, longest: int, reps: int) -> list[tuple[tuple[int, int, int, int], float]]:
