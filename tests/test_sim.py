@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hcfjax.bench.serve import workload
 from hcfjax.engine.scheduler import SchedulerConfig
 from hcfjax.sim import SLO, Deployment, Pool, Workload, simulate
 from hcfjax.sim.config import from_mapping, load_config
@@ -21,6 +20,7 @@ from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, Pr
 from hcfjax.sim.sweep import Search, candidates, max_rate
 from hcfjax.sim.validate_pd import breakdown
 from hcfjax.sim.work import EngineShapes, PrefillShapes, actual_works
+from hcfjax.sim.workload import workload
 
 CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
 IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads

@@ -4,8 +4,9 @@
         [--max-slots 32] [--page-size 64] [--token-budget 2048] [--max-model-len 4096] [--speculative K]
         [--pd socket|jax [--pd-gpus P,D]] [--out FILE]
 
-Lengths follow the reference's workload (input mean 3.5k tokens, max 16k; output mean 1.2k, max 32k), each drawn
-from a log-normal with that mean (sigma 0.8), clipped at the max, and multiplied by --scale for small models.
+Lengths follow the reference's workload (hcfjax.sim.workload, which the simulator serves too: input mean 3.5k
+tokens, max 16k; output mean 1.2k, max 32k), each drawn from a log-normal with that mean (sigma 0.8), clipped at the
+max, and multiplied by --scale for small models.
 Prompts are random token ids and outputs ignore eos, so every request produces its drawn length. Reports QPM,
 output tokens/s, TTFT and TPOT percentiles, goodput under the SLO (TTFT < 2 s and TPOT < 50 ms), and the requests
 that got no terminal response (must be 0). Engine.warmup() compiles every step shape first, so compiles stay out.
@@ -19,7 +20,6 @@ bucket go through first.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import threading
 import time
@@ -29,32 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hcfjax.bench.common import header
-
-REFERENCE = {"input_mean": 3500, "input_max": 16384, "output_mean": 1200, "output_max": 32768}
-SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.050
-
-
-def draw_lengths(rng, n: int, mean: float, cap: int, scale: float, lo: int = 1) -> np.ndarray:
-    sigma = 0.8
-    mu = math.log(mean) - sigma**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2)
-    x = np.minimum(rng.lognormal(mu, sigma, n), cap) * scale
-    return np.maximum(np.round(x), lo).astype(int)
-
-
-def workload(seed: int, n: int, rate: float, scale: float, limit: int, vocab: int | None):
-    """The benchmark's requests for a seed: (input lengths, output lengths, prompts, arrival times in s).
-
-    Lengths follow REFERENCE scaled by `scale`, inputs clipped at limit // 2 and outputs to fit the context. With
-    vocab None the prompts are not drawn (None), which changes the arrival times; the simulator passes the model's
-    vocabulary to get exactly this benchmark's workload."""
-    rng = np.random.default_rng(seed)
-    ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], scale)
-    outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], scale)
-    ins = np.minimum(ins, limit // 2)
-    outs = np.minimum(outs, limit - ins)
-    prompts = None if vocab is None else [rng.integers(1, vocab, size=k) for k in ins]  # numpy arrays
-    arrivals = np.cumsum(rng.exponential(1 / rate, n))
-    return ins, outs, prompts, arrivals
+from hcfjax.sim.workload import SLO_TPOT_S, SLO_TTFT_S, workload
 
 
 def run_one(stub, prompt, max_new, t_arrival, record, request_id: str = ""):
