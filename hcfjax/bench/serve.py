@@ -103,7 +103,7 @@ def shown_args(argv) -> str:
 
 
 def engine_config(args, speculative=None):
-    """The engine the benchmark serves with (also what hcfjax.sim.validate measures and simulates)."""
+    """The engine the benchmark serves with (also what hcfjax.bench.sim_validate measures and simulates)."""
     from hcfjax.engine import EngineConfig
 
     return EngineConfig(
@@ -118,24 +118,40 @@ def engine_config(args, speculative=None):
     )
 
 
-def pd_role_args(args) -> tuple[list[str], list[str]]:
-    """The prefill and decode workers' `hcfjax serve` arguments for the benchmark's settings (the prefill worker
-    takes prompts whole, up to 4096 tokens per batch)."""
+def pd_configs(args):
+    """(the prefill worker's PrefillConfig, the decode worker's EngineConfig) for the benchmark's settings: the
+    prefill worker takes prompts whole, up to 4096 tokens a batch; the decode worker is the colocated engine but for
+    the prefill chunk settings, which it does not use."""
+    from hcfjax.engine import EngineConfig
+    from hcfjax.pd.prefill import PrefillConfig
+
+    prefill = PrefillConfig(
+        page_size=args.page_size,
+        max_rows=args.prefill_rows,
+        token_budget=max(args.token_budget, 4096),
+        min_bucket=args.min_bucket,
+        transfer_timeout_s=60.0,  # the decode worker's (hcfjax serve's default --transfer-timeout)
+    )
+    decode = EngineConfig(
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        max_model_len=args.max_model_len,
+        max_queue=args.requests + 8,
+    )
+    return prefill, decode
+
+
+def pd_role_args(args, prefill, decode) -> tuple[list[str], list[str]]:
+    """The `hcfjax serve` arguments of the prefill and decode workers that run with these configs (pd_configs)."""
     import hcfjax
+    from hcfjax.serving.config import engine_flags, prefill_flags
 
     model = f"preset:{args.preset}" if args.preset else (args.model or str(hcfjax.DEFAULT_MODEL))
-    common = ["--model", model, "--page-size", str(args.page_size), "--transport", args.pd, "--port", "0"]
-    common += ["--max-model-len", str(args.max_model_len)]  # the prefill worker compiles its shapes up to it
-    prefill = [
-        *("--role", "prefill", *common),
-        *("--token-budget", str(max(args.token_budget, 4096)), "--max-prefill-rows", str(args.prefill_rows)),
-        *("--min-prefill-bucket", str(args.min_bucket)),
-    ]
-    decode = [
-        *("--role", "decode", *common, "--max-slots", str(args.max_slots), "--token-budget", str(args.token_budget)),
-        *("--max-queue", str(args.requests + 8)),
-    ]
-    return prefill, decode
+    common = ["--model", model, "--transport", args.pd, "--port", "0"]
+    # the prefill worker compiles its shapes up to the decode worker's context length
+    pre = ["--role", "prefill", *common, "--max-model-len", str(decode.max_model_len), *prefill_flags(prefill)]
+    return pre, ["--role", "decode", *common, *engine_flags(decode)]
 
 
 def pd_gpus(spec: str | None) -> tuple[str, str] | None:
@@ -196,7 +212,7 @@ def start_pd(args) -> tuple[list, int, float]:
     gpus = pd_gpus(args.pd_gpus)
     shared = gpus is None or gpus[0] == gpus[1]
     fraction = 0.45 if shared else None
-    pre_args, dec_args = pd_role_args(args)
+    pre_args, dec_args = pd_role_args(args, *pd_configs(args))
     procs: list = []
     pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
     dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
