@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+from hcfjax.serving.config import DTYPES, engine_config, prefill_config
 
 
 def _generate(args) -> int:
@@ -118,7 +118,7 @@ def _serve(args) -> int:
         return 2
     try:
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
-        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), _engine_config(args))
+        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), engine_config(args))
     except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -144,28 +144,6 @@ def _serve(args) -> int:
     return 0
 
 
-def _engine_config(args):
-    import hcfjax
-    from hcfjax.engine import EngineConfig
-
-    spec = None
-    if args.speculative:
-        spec = hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
-    return EngineConfig(
-        max_slots=args.max_slots,
-        dp=args.dp,
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        max_model_len=args.max_model_len,
-        token_budget=args.token_budget,
-        max_prefill_rows=args.max_prefill_rows,
-        max_queue=args.max_queue,
-        balance=args.balance,
-        speculative=spec,
-        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
-    )
-
-
 def _serve_role(args) -> int:
     from hcfjax.pd import roles
 
@@ -177,11 +155,11 @@ def _serve_role(args) -> int:
             return 0
         model = roles.load_model(args)
         if args.role == "prefill":
-            roles.run_prefill(model, args, plans, announce)
+            roles.run_prefill(model, args, plans, prefill_config(args), announce)
         else:
             if "decode" in plans:
                 args.dp = plans["decode"]["dp"]
-            roles.run_decode(model, args, plans, _engine_config(args), announce)
+            roles.run_decode(model, args, plans, engine_config(args), announce)
     except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

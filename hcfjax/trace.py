@@ -1,4 +1,4 @@
-"""Request timestamps across processes, for finding where latency goes (hcfjax.sim.validate's PD breakdown).
+"""Request timestamps across processes, for finding where latency goes (hcfjax.bench.sim_validate's PD breakdown).
 
 With HCFJAX_TRACE_DIR=DIR in its environment, each process appends one JSON line per `mark(event, key, ...)` to
 DIR/trace-PID.jsonl: {"ev": event, "key": key, "t": time.monotonic(), ...}. time.monotonic is one clock for every

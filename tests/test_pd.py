@@ -202,9 +202,9 @@ def prefill_info(addr: str):
 def test_pd_processes_behind_the_router(model, colocated, tmp_path):
     """Router + prefill (TP=2 on 2 fake devices) + decode (DP=2 x EP=2) as processes over the socket transport:
     concurrent requests give the colocated tokens, and every process marked each request's way in order
-    (hcfjax.trace, what sim.validate's PD breakdown reads); a bounded soak loses none; then the decode worker is killed
-    mid-stream: its client gets UNAVAILABLE within the timeout and the prefill worker holds no pages; a decode
-    worker restarted on the same address rejoins."""
+    (hcfjax.trace, what bench.sim_validate's PD breakdown reads); a bounded soak loses none; then the decode worker
+    is killed mid-stream: its client gets UNAVAILABLE within the timeout and the prefill worker holds no pages; a
+    decode worker restarted on the same address rejoins."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "HCFJAX_TRACE_DIR": str(tmp_path)}
     common = ["--dtype", "float32", "--cpu-devices", "2", "--page-size", "16", "--no-warmup"]
     procs = []
@@ -224,7 +224,7 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: stream(addr, p, N), PROMPTS))
         assert got == colocated[: len(PROMPTS)]
-        from hcfjax.sim.validate_pd import STAGES, request_marks
+        from hcfjax.bench.sim_validate_pd import STAGES, request_marks
         from hcfjax.trace import read
 
         way = [a for _, a, _ in STAGES[1:]] + ["relay_first"]  # the client's marks are bench.serve's

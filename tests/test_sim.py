@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hcfjax.bench.serve import workload
+from hcfjax.bench.sim_validate_pd import breakdown
 from hcfjax.engine.scheduler import SchedulerConfig
 from hcfjax.sim import SLO, Deployment, Pool, Workload, simulate
 from hcfjax.sim.config import from_mapping, load_config
@@ -19,8 +19,8 @@ from hcfjax.sim.deployment import model_config
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
 from hcfjax.sim.instances import Clock, DecodeInstance, EngineInstance, Host, PrefillInstance, new_request
 from hcfjax.sim.sweep import Search, candidates, max_rate
-from hcfjax.sim.validate_pd import breakdown
 from hcfjax.sim.work import EngineShapes, PrefillShapes, actual_works
+from hcfjax.sim.workload import workload
 
 CONFIGS = Path(__file__).parent.parent / "hcfjax" / "sim" / "configs"
 IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads
@@ -231,7 +231,7 @@ def _profile(path: Path, eff: Efficiency) -> str:
 
 
 def test_pd_engine_shapes_by_hand(tmp_path):
-    """1P1D as sim.validate builds it, each pool with its own profile: the prefill instance batches whole prompts
+    """1P1D as bench.sim_validate builds it, each pool with its own profile: the prefill instance batches whole prompts
     in the worker's shapes, the cache moves over a measured link in whole pages, the decode instance steps every
     slot. A lone request's TTFT is the prefill host's dispatch + its batch's step + the transfer, its TPOT the
     decode step; two prompts arriving together are one prefill batch, and the second transfer waits for the first."""
@@ -267,7 +267,7 @@ def test_pd_engine_shapes_by_hand(tmp_path):
     assert res.finished == 1
     assert res.ttft[50] == pytest.approx(0.003 + step(1, 100) + link(100))
     assert res.tpot[50] == pytest.approx(decode)
-    # the same request's marks, as sim.validate's breakdown lays them beside the workers' (hcfjax.trace)
+    # the same request's marks, as bench.sim_validate's breakdown lays them beside the workers' (hcfjax.trace)
     (m,) = marks.values()
     assert m["arrive"] == m["remote"] == 0.0 and m["batch"] == pytest.approx(0.003)
     assert m["computed"] - m["batch"] == pytest.approx(step(1, 100))
@@ -304,17 +304,24 @@ def test_pd_engine_shapes_by_hand(tmp_path):
 
 
 def test_validate_builds_the_workers_deployment():
-    """sim.validate's 1P1D deployment takes the workers' settings from their own command lines (bench.serve's)."""
+    """bench.sim_validate's 1P1D deployment has the PD workers' configs (bench.serve's), and the workers' command
+    lines make `hcfjax serve` build exactly those configs."""
     import argparse
 
-    from hcfjax.bench.serve import pd_gpus, pd_role_args, role_env
-    from hcfjax.sim.validate_pd import deployment, worker_configs
+    from hcfjax.bench.serve import pd_configs, pd_gpus, pd_role_args, role_env
+    from hcfjax.bench.sim_validate_pd import deployment
+    from hcfjax.cli import build_parser
+    from hcfjax.serving.config import engine_config, prefill_config
 
     args = argparse.Namespace(
         preset="v2-lite", model=None, pd="jax", page_size=64, max_model_len=4096, token_budget=256, prefill_rows=2,
         min_bucket=64, max_slots=32, requests=48,
     )  # fmt: skip
-    pre, dec = worker_configs(*pd_role_args(args))
+    pre, dec = pd_configs(args)
+    pre_args, dec_args = pd_role_args(args, pre, dec)
+    parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
+    assert prefill_config(parse(pre_args)) == pre and engine_config(parse(dec_args)) == dec
+    assert parse(pre_args).role == "prefill" and parse(dec_args).model == "preset:v2-lite"
     assert (pre.token_budget, pre.max_rows, pre.chunk, pre.min_bucket, pre.page_size) == (4096, 2, 2048, 64, 64)
     assert (dec.max_slots, dec.page_size, dec.max_model_len, dec.token_budget) == (32, 64, 4096, 256)
     dep = deployment("v2-lite", "H200", pre, dec, {"prefill": "a.json", "decode": "b.json"})

@@ -4,8 +4,9 @@
         [--max-slots 32] [--page-size 64] [--token-budget 2048] [--max-model-len 4096] [--speculative K]
         [--pd socket|jax [--pd-gpus P,D]] [--out FILE]
 
-Lengths follow the reference's workload (input mean 3.5k tokens, max 16k; output mean 1.2k, max 32k), each drawn
-from a log-normal with that mean (sigma 0.8), clipped at the max, and multiplied by --scale for small models.
+Lengths follow the reference's workload (hcfjax.sim.workload, which the simulator serves too: input mean 3.5k
+tokens, max 16k; output mean 1.2k, max 32k), each drawn from a log-normal with that mean (sigma 0.8), clipped at the
+max, and multiplied by --scale for small models.
 Prompts are random token ids and outputs ignore eos, so every request produces its drawn length. Reports QPM,
 output tokens/s, TTFT and TPOT percentiles, goodput under the SLO (TTFT < 2 s and TPOT < 50 ms), and the requests
 that got no terminal response (must be 0). Engine.warmup() compiles every step shape first, so compiles stay out.
@@ -19,7 +20,6 @@ bucket go through first.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import threading
 import time
@@ -29,32 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hcfjax.bench.common import header
-
-REFERENCE = {"input_mean": 3500, "input_max": 16384, "output_mean": 1200, "output_max": 32768}
-SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.050
-
-
-def draw_lengths(rng, n: int, mean: float, cap: int, scale: float, lo: int = 1) -> np.ndarray:
-    sigma = 0.8
-    mu = math.log(mean) - sigma**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2)
-    x = np.minimum(rng.lognormal(mu, sigma, n), cap) * scale
-    return np.maximum(np.round(x), lo).astype(int)
-
-
-def workload(seed: int, n: int, rate: float, scale: float, limit: int, vocab: int | None):
-    """The benchmark's requests for a seed: (input lengths, output lengths, prompts, arrival times in s).
-
-    Lengths follow REFERENCE scaled by `scale`, inputs clipped at limit // 2 and outputs to fit the context. With
-    vocab None the prompts are not drawn (None), which changes the arrival times; the simulator passes the model's
-    vocabulary to get exactly this benchmark's workload."""
-    rng = np.random.default_rng(seed)
-    ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], scale)
-    outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], scale)
-    ins = np.minimum(ins, limit // 2)
-    outs = np.minimum(outs, limit - ins)
-    prompts = None if vocab is None else [rng.integers(1, vocab, size=k) for k in ins]  # numpy arrays
-    arrivals = np.cumsum(rng.exponential(1 / rate, n))
-    return ins, outs, prompts, arrivals
+from hcfjax.sim.workload import SLO_TPOT_S, SLO_TTFT_S, workload
 
 
 def run_one(stub, prompt, max_new, t_arrival, record, request_id: str = ""):
@@ -128,7 +103,7 @@ def shown_args(argv) -> str:
 
 
 def engine_config(args, speculative=None):
-    """The engine the benchmark serves with (also what hcfjax.sim.validate measures and simulates)."""
+    """The engine the benchmark serves with (also what hcfjax.bench.sim_validate measures and simulates)."""
     from hcfjax.engine import EngineConfig
 
     return EngineConfig(
@@ -143,24 +118,40 @@ def engine_config(args, speculative=None):
     )
 
 
-def pd_role_args(args) -> tuple[list[str], list[str]]:
-    """The prefill and decode workers' `hcfjax serve` arguments for the benchmark's settings (the prefill worker
-    takes prompts whole, up to 4096 tokens per batch)."""
+def pd_configs(args):
+    """(the prefill worker's PrefillConfig, the decode worker's EngineConfig) for the benchmark's settings: the
+    prefill worker takes prompts whole, up to 4096 tokens a batch; the decode worker is the colocated engine but for
+    the prefill chunk settings, which it does not use."""
+    from hcfjax.engine import EngineConfig
+    from hcfjax.pd.prefill import PrefillConfig
+
+    prefill = PrefillConfig(
+        page_size=args.page_size,
+        max_rows=args.prefill_rows,
+        token_budget=max(args.token_budget, 4096),
+        min_bucket=args.min_bucket,
+        transfer_timeout_s=60.0,  # the decode worker's (hcfjax serve's default --transfer-timeout)
+    )
+    decode = EngineConfig(
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        max_model_len=args.max_model_len,
+        max_queue=args.requests + 8,
+    )
+    return prefill, decode
+
+
+def pd_role_args(args, prefill, decode) -> tuple[list[str], list[str]]:
+    """The `hcfjax serve` arguments of the prefill and decode workers that run with these configs (pd_configs)."""
     import hcfjax
+    from hcfjax.serving.config import engine_flags, prefill_flags
 
     model = f"preset:{args.preset}" if args.preset else (args.model or str(hcfjax.DEFAULT_MODEL))
-    common = ["--model", model, "--page-size", str(args.page_size), "--transport", args.pd, "--port", "0"]
-    common += ["--max-model-len", str(args.max_model_len)]  # the prefill worker compiles its shapes up to it
-    prefill = [
-        *("--role", "prefill", *common),
-        *("--token-budget", str(max(args.token_budget, 4096)), "--max-prefill-rows", str(args.prefill_rows)),
-        *("--min-prefill-bucket", str(args.min_bucket)),
-    ]
-    decode = [
-        *("--role", "decode", *common, "--max-slots", str(args.max_slots), "--token-budget", str(args.token_budget)),
-        *("--max-queue", str(args.requests + 8)),
-    ]
-    return prefill, decode
+    common = ["--model", model, "--transport", args.pd, "--port", "0"]
+    # the prefill worker compiles its shapes up to the decode worker's context length
+    pre = ["--role", "prefill", *common, "--max-model-len", str(decode.max_model_len), *prefill_flags(prefill)]
+    return pre, ["--role", "decode", *common, *engine_flags(decode)]
 
 
 def pd_gpus(spec: str | None) -> tuple[str, str] | None:
@@ -221,7 +212,7 @@ def start_pd(args) -> tuple[list, int, float]:
     gpus = pd_gpus(args.pd_gpus)
     shared = gpus is None or gpus[0] == gpus[1]
     fraction = 0.45 if shared else None
-    pre_args, dec_args = pd_role_args(args)
+    pre_args, dec_args = pd_role_args(args, *pd_configs(args))
     procs: list = []
     pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
     dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)

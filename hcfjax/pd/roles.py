@@ -21,7 +21,7 @@ def _log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def run_prefill(model, args, plans, announce) -> None:
+def run_prefill(model, args, plans, prefill_config, announce) -> None:
     from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
@@ -30,7 +30,7 @@ def run_prefill(model, args, plans, announce) -> None:
     _log_to_stderr()
     transport = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout)
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    worker = PrefillWorker(model, transport.sender(), prefill_config(args), plan)
+    worker = PrefillWorker(model, transport.sender(), prefill_config, plan)
     if args.warmup:
         limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
         announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
@@ -41,25 +41,6 @@ def run_prefill(model, args, plans, announce) -> None:
     server.stop(args.grace)
     worker.shutdown()
     worker.sender.close()
-
-
-def prefill_config(args):
-    """The prefill worker's PrefillConfig from `hcfjax serve --role prefill` arguments."""
-    from hcfjax.pd.prefill import PrefillConfig
-
-    return PrefillConfig(
-        num_pages=args.prefill_pages,
-        page_size=args.page_size,
-        max_rows=args.max_prefill_rows,
-        token_budget=max(args.token_budget, 1),
-        chunk=args.prefill_chunk,
-        min_bucket=args.min_prefill_bucket,
-        layerwise_threshold=args.layerwise_threshold,
-        layer_group=args.layer_group,
-        transfer_timeout_s=args.transfer_timeout,
-        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
-        speculative=_speculative(args),
-    )
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
@@ -100,21 +81,13 @@ def run_router(args, announce) -> None:
     server.stop(args.grace)
 
 
-def _speculative(args):
-    import hcfjax
-
-    if not args.speculative:
-        return None
-    return hcfjax.SpeculativeConfig(num_draft_tokens=args.speculative, method=args.spec_method)
-
-
 def load_model(args):
     """--model PATH, or --model preset:NAME for a random model of that preset (seed 0: every worker gets the same
     weights without a checkpoint on disk; for benchmarks)."""
     from pathlib import Path
 
     import hcfjax
-    from hcfjax.cli import DTYPES
+    from hcfjax.serving.config import DTYPES
 
     dtype = getattr(jnp, DTYPES[args.dtype])
     if args.model and args.model.startswith("preset:"):

@@ -6,12 +6,14 @@ model step, for colocated and PD deployments at scales this project cannot run.
     print(simulate(dep, wl, slo).output_tok_s)
 
 Files, one job each: gpus.py (datasheets, efficiency profiles), cost.py (step time from FLOPs and bytes), work.py
-(what a StepPlan computes), instances.py (the engine loop, PD prefill and decode instances), simulator.py (routing,
-the run, metrics), deployment.py (the deployment as data), sweep.py (rate search, m:n and batch-limit sweeps,
-plots), config.py (YAML), cli.py (`hcfjax sim`), validate.py (calibration against the real engine on a device).
+(what a StepPlan computes), workload.py (the requests and the SLO), instances.py (the engine loop, PD prefill and
+decode instances), simulator.py (routing, the run, metrics), deployment.py (the deployment as data), sweep.py (rate
+search, m:n and batch-limit sweeps, plots), config.py (YAML), cli.py (`hcfjax sim`). The calibration against the
+real engine on a device is a benchmark: hcfjax/bench/sim_validate.py.
 """
 
 from hcfjax.sim.deployment import Deployment, Pool
-from hcfjax.sim.simulator import SLO, Result, Workload, simulate
+from hcfjax.sim.simulator import Result, simulate
+from hcfjax.sim.workload import SLO, Workload
 
 __all__ = ["SLO", "Deployment", "Pool", "Result", "Workload", "simulate"]

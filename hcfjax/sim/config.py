@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from hcfjax.sim.deployment import Deployment, from_dict
-from hcfjax.sim.simulator import SLO, Workload
 from hcfjax.sim.sweep import Search
+from hcfjax.sim.workload import SLO, Workload
 
 TOP = {"name", "deployment", "workload", "slo", "search", "sweep"}
 

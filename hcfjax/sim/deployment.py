@@ -95,9 +95,9 @@ class Deployment:
     decode: Pool | None = None
     layerwise_threshold: int = 8192  # prompts at least this long move their KV layerwise
     # A KV transfer into a decode instance completes only when the decode step running there ends, and lands one
-    # engine iteration later. Measured for hcfjax's jax transport on the H200 (hcfjax.trace, sim.validate: 46 of 48
-    # pulls ended within 1 ms of a decode step's end); False: it lands at the first iteration after its bytes
-    # arrived (a transport writing into reserved pages without the decode stream, as Mooncake's RDMA does).
+    # engine iteration later. Measured for hcfjax's jax transport on the H200 (hcfjax.trace, bench.sim_validate:
+    # 46 of 48 pulls ended within 1 ms of a decode step's end); False: it lands at the first iteration after its
+    # bytes arrived (a transport writing into reserved pages without the decode stream, as Mooncake's RDMA does).
     transfer_waits_for_step: bool = False
     engine_shapes: bool = False
     max_model_len: int | None = None  # engine_shapes: the engine's context (default min(model's, 4096))

@@ -122,7 +122,7 @@ DEEPSEEK_KERNELS = Efficiency(
 # of 4.8); the XLA MLA decode reference at 128 x 4096 bf16: 322 GB/s (0.067) and 78 TFLOP/s (0.079). The routed
 # experts (XLA ragged_dot) and the per-layer overhead are not measured alone (docs/results.md: a batch-1 decode step
 # takes 25 ms against a 1.2 ms floor), so this profile predicts the engine too fast; `python -m
-# hcfjax.sim.validate` fits every factor to the engine's step times on a device and writes a profile JSON.
+# hcfjax.bench.sim_validate` fits every factor to the engine's step times on a device and writes a profile JSON.
 HCFJAX_XLA_H200_MICRO = Efficiency(
     gemm_compute=0.60,
     gemm_memory=0.86,

@@ -11,13 +11,11 @@ the fewest queued prompt tokens computes it.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
-from hcfjax.bench.serve import REFERENCE, SLO_TPOT_S, SLO_TTFT_S, workload
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.request import Request
 from hcfjax.engine.scheduler import StepPlan
@@ -33,45 +31,7 @@ from hcfjax.sim.instances import (
     new_request,
 )
 from hcfjax.sim.work import actual_works
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """Poisson arrivals with the serving benchmark's log-normal lengths (hcfjax.bench.serve.workload: the same
-    requests for the same seed when `vocab` is the bench model's), or a CSV trace (arrival_s, input, output)."""
-
-    requests: int = 1000
-    rate: float = 2.0  # per second
-    seed: int = 0
-    scale: float = 1.0
-    max_model_len: int = REFERENCE["input_max"] + REFERENCE["output_max"]
-    vocab: int | None = None
-    trace: str | None = None
-    # True: run until every request finished and measure as the bench does (over the whole run). False: stop once
-    # the last request has its first token and measure throughput over the arrival window (after the first 20% of
-    # arrivals, a warm-up); long-tailed outputs (32k tokens) otherwise leave a tail of a few requests decoding alone.
-    drain: bool = True
-
-    def replace(self, **kw) -> Workload:
-        return dataclasses.replace(self, **kw)
-
-    def requests_list(self) -> list[tuple[float, int, int]]:
-        """[(arrival s, input tokens, output tokens)] sorted by arrival."""
-        if self.trace:
-            with open(self.trace) as f:
-                rows = [(float(r["arrival_s"]), int(r["input"]), int(r["output"])) for r in csv.DictReader(f)]
-            return sorted(rows)[: self.requests] if self.requests else sorted(rows)
-        ins, outs, _, arrivals = workload(
-            self.seed, self.requests, self.rate, self.scale, self.max_model_len, self.vocab
-        )
-        return [(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
-
-
-@dataclasses.dataclass(frozen=True)
-class SLO:
-    ttft_s: float = SLO_TTFT_S
-    tpot_s: float = SLO_TPOT_S
-    attainment: float = 0.9  # the share of requests that must meet both
+from hcfjax.sim.workload import SLO, Workload
 
 
 @dataclasses.dataclass
@@ -188,9 +148,11 @@ def _host(cost: CostModel) -> Host:
     return Host(cost.eff.host_dispatch_s, cost.eff.host_process_s)
 
 
-def simulate(dep: Deployment, wl: Workload, slo: SLO = SLO(), trace=None) -> Result:
-    """trace: (event, request id, simulated seconds) -> None, called with hcfjax.trace's event names (arrive,
-    remote, batch, computed, received, first) as the simulated requests pass them."""
+def simulate(dep: Deployment, wl: Workload, slo: SLO | None = None, trace=None) -> Result:
+    """slo: what a request must meet to count as good (default SLO()). trace: (event, request id, simulated
+    seconds) -> None, called with hcfjax.trace's event names (arrive, remote, batch, computed, received, first) as
+    the simulated requests pass them."""
+    slo = SLO() if slo is None else slo
     cfg = dep.model_config()
     clock = Clock()
     done: list[Request] = []

@@ -8,7 +8,8 @@ import itertools
 import math
 
 from hcfjax.sim.deployment import Deployment
-from hcfjax.sim.simulator import SLO, Result, Workload, simulate
+from hcfjax.sim.simulator import Result, simulate
+from hcfjax.sim.workload import SLO, Workload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,20 @@
 """Validate the simulator against the real engine on this device: calibrate, serve, simulate, compare; colocated,
 and with --pd also prefill/decode disaggregated.
 
-    python -m hcfjax.sim.validate                   # colocated, the serve.md V2-Lite run's settings, a GPU (~3 min)
-    python -m hcfjax.sim.validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: 2 GPUs, ~6-7 min (cold cache)
-    python -m hcfjax.sim.validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
+    python -m hcfjax.bench.sim_validate             # colocated, the serve.md V2-Lite run's settings, a GPU (~3 min)
+    python -m hcfjax.bench.sim_validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: 2 GPUs, ~6-7 min (cold cache)
+    python -m hcfjax.bench.sim_validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
         --max-slots 4 --page-size 16 --token-budget 64 --prefill-rows 1 --min-bucket 64 --max-model-len 512 \\
         --calib-slots 2 [--pd jax]                   # the same on a CPU, both PD roles on it (about a minute)
 
 1. Calibrate: time every step shape the engine compiles (ModelRunner, the warm-up's inputs) plus decode-only steps
    at other slot counts (--calib-slots), and fit the efficiency profile's factors (GEMM, routed experts, attention
    compute and memory, per-layer and per-step overhead) to them: least squares on log time.
-2. Serve the benchmark's workload (hcfjax.bench.serve.workload, same seed) through the engine in-process, with
+2. Serve the benchmark's workload (hcfjax.sim.workload, same seed) through the engine in-process, with
    hcfjax/bench/serve.py's engine settings, timing tokens as a client receives them; the host's planning and
    read-back time per step are measured on the way.
 3. Simulate the same workload with the calibrated profile (engine_shapes: the runner's padded shapes).
-4. With --pd KIND (hcfjax/sim/validate_pd.py): the PD workers of `hcfjax.bench.serve --pd KIND`, the prefill worker
+4. With --pd KIND (sim_validate_pd.py): the PD workers of `hcfjax.bench.serve --pd KIND`, the prefill worker
    started first (it compiles while steps 1-2 run). After step 2 the prefill worker's batch shapes are timed in this
    process and fitted to a prefill profile, the decode-only steps of step 1 to a decode profile, and the KV link is
    timed; then the decode worker and the router start, a few lone requests time the handoff beyond prefill and
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import tempfile
@@ -43,31 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hcfjax.sim.cost import CostModel, Work
+from hcfjax.bench.sim_profile import fit, fitted, metrics, predicted, write_profile
+from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import Efficiency, gpu
 from hcfjax.sim.work import EngineShapes
-
-FITTED = ("gemm_compute", "moe_compute", "attn_compute", "attn_memory", "layer_overhead_s", "step_overhead_s")
-
-
-def fit(cfg, gpu_name: str, points: list[tuple[list[Work], float]], base: Efficiency) -> Efficiency:
-    """The efficiency factors that best explain measured step times: points are (the step's works, seconds)."""
-    from scipy.optimize import least_squares
-
-    g = gpu(gpu_name)
-    x0 = np.log([0.3, 0.1, 0.1, 0.1, 1e-4, 1e-3])
-
-    def eff_of(x):
-        return base.replace(**dict(zip(FITTED, np.exp(x).tolist(), strict=True)), gemm_memory=base.gemm_memory)
-
-    def residuals(x):
-        cm = CostModel(cfg, g, eff_of(x))
-        return [np.log(cm.step(w).seconds / s) for w, s in points]
-
-    lo = np.log([1e-6, 1e-6, 1e-6, 1e-6, 1e-9, 1e-9])
-    hi = np.log([1.0, 1.0, 1.0, 1.0, 1.0, 10.0])
-    res = least_squares(residuals, x0, bounds=(lo, hi))
-    return eff_of(res.x).replace(source=f"fitted by hcfjax.sim.validate to {len(points)} step times")
 
 
 def _time_shape(runner, b: int, t: int, with_decode: bool, reps: int) -> float:
@@ -183,31 +161,8 @@ def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
     return metrics(record, wall), {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
 
 
-def metrics(record: list[dict], wall: float) -> dict[str, float]:
-    """What the table compares, from client records (ttft, tpot, out) over a run of `wall` seconds."""
-    from hcfjax.bench.serve import pct
-
-    return {
-        "output tok/s": sum(r["out"] for r in record) / wall,
-        "QPM": len(record) / wall * 60,
-        "TTFT p50 (s)": pct([r["ttft"] for r in record], 50),
-        "TPOT p50 (ms)": pct([r["tpot"] for r in record], 50) * 1e3,
-    }
-
-
-def predicted(res) -> dict[str, float]:
-    return {
-        "output tok/s": res.output_tok_s,
-        "QPM": res.qpm,
-        "TTFT p50 (s)": res.ttft[50],
-        "TPOT p50 (ms)": res.tpot[50] * 1e3,
-    }
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hcfjax.sim.validate", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="checkpoint directory (default: --preset)")
-    ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
+def add_settings(ap: argparse.ArgumentParser) -> None:
+    """The workload's and the engine's settings, which sim_resimulate takes too to rebuild a run's simulation."""
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--scale", type=float, default=0.125)
@@ -217,10 +172,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-rows", type=int, default=2)
     ap.add_argument("--min-bucket", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--calib-slots", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 128])
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", default="H200", help="datasheet the efficiencies are relative to")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m hcfjax.bench.sim_validate", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: --preset)")
+    ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
+    add_settings(ap)
+    ap.add_argument("--calib-slots", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 128])
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pd", choices=["socket", "jax"], help="also validate PD over this KV transport")
     ap.add_argument("--pd-gpus", metavar="P,D", help="with --pd: the prefill worker on GPU P, the decode worker on D")
     ap.add_argument(
@@ -252,7 +214,7 @@ def _compile_cache(path: str) -> dict:
 
 
 def main(argv=None) -> None:
-    from hcfjax.bench.serve import pd_gpus, shown_args
+    from hcfjax.bench.serve import pd_configs, pd_gpus, shown_args
 
     args = _parser().parse_args(argv)
     if args.model:
@@ -272,18 +234,18 @@ def main(argv=None) -> None:
     stage = lambda msg: print(f"[validate {time.perf_counter() - t_start:5.0f} s] {msg}", flush=True)
     workers = None
     if args.pd:
-        from hcfjax.sim.validate_pd import Workers
+        from hcfjax.bench.sim_validate_pd import Workers
 
         # every process marks where each request's time goes (hcfjax.trace): the PD breakdown table
         os.environ.setdefault("HCFJAX_TRACE_DIR", tempfile.mkdtemp(prefix="hcfjax-trace-"))
         stage(f"starting the PD prefill worker{f' on GPU {gpus[0]}' if gpus else ''} (it compiles its batch shapes)")
-        workers = Workers(args, gpus, worker_env)
+        workers = Workers(args, pd_configs(args), gpus, worker_env)
     try:
         lines = run(args, stage, workers, gpus)
     finally:
         if workers is not None:
             workers.stop()
-    heading = f"## `python -m hcfjax.sim.validate {shown_args(argv)}`"
+    heading = f"## `python -m hcfjax.bench.sim_validate {shown_args(argv)}`"
     stage("done")
     text = "\n".join([heading, "", lines[0] + f" Total {time.perf_counter() - t_start:.0f} s.", *lines[1:]])
     print("\n" + text, flush=True)
@@ -300,11 +262,12 @@ def run(args, stage, workers, gpus) -> list[str]:
 
     import hcfjax
     from hcfjax.bench.common import header
-    from hcfjax.bench.serve import engine_config, workload
+    from hcfjax.bench.serve import engine_config
     from hcfjax.engine import Engine
     from hcfjax.random_model import preset_config, random_model
     from hcfjax.sim.deployment import Deployment, Pool
-    from hcfjax.sim.simulator import Workload, simulate
+    from hcfjax.sim.simulator import simulate
+    from hcfjax.sim.workload import Workload, workload
 
     stage(f"building the model ({args.model or 'random ' + args.preset}) on {jax.devices()[0].device_kind}")
     if args.model:
@@ -378,7 +341,7 @@ def run(args, stage, workers, gpus) -> list[str]:
     tables += ["", f"Fitted colocated profile ({args.profile}): {fitted(eff)}."]
 
     if workers is not None:
-        from hcfjax.sim.validate_pd import run_pd
+        from hcfjax.bench.sim_validate_pd import run_pd
 
         row, more, pd_tables = run_pd(
             args, stage, workers, gpus, model, model_name, (ins, outs, prompts, arrivals), wl, points, host
@@ -394,14 +357,6 @@ def run(args, stage, workers, gpus) -> list[str]:
             err = (pred[k] - meas[k]) / meas[k] * 100 if meas[k] else float("nan")
             table.append(f"| {mode} | {k} | {fmt(k, meas[k])} | {fmt(k, pred[k])} | {err:+.1f}% |")
     return [desc, "", *tables, "", *table]
-
-
-def fitted(eff: Efficiency) -> str:
-    return ", ".join(f"{k} {getattr(eff, k):.3g}" for k in (*FITTED, "host_dispatch_s", "host_process_s"))
-
-
-def write_profile(path: str, eff: Efficiency) -> None:
-    Path(path).write_text(json.dumps(dataclasses.asdict(eff), indent=1))
 
 
 if __name__ == "__main__":

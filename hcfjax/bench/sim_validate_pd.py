@@ -1,8 +1,8 @@
-"""The PD half of `python -m hcfjax.sim.validate --pd KIND`: the prefill worker's step times, the KV link, the PD
+"""The PD half of `python -m hcfjax.bench.sim_validate --pd KIND`: the prefill worker's step times, the KV link, the PD
 serving run, and the 1P1D deployment that simulates it (the simulator's PD path: a decode instance in remote-prefill
 mode, a prefill instance batching as hcfjax's PrefillWorker does).
 
-- Workers: `hcfjax serve --role prefill|decode|router` processes with hcfjax.bench.serve's settings (pd_role_args).
+- Workers: `hcfjax serve --role prefill|decode|router` processes with hcfjax.bench.serve's configs (pd_configs).
   The prefill worker starts first, since it compiles every batch shape for a minute or two while this process
   calibrates the colocated engine; the decode worker and the router start once this process's device work is done.
   With --pd-gpus P,D the prefill worker sees only GPU P, the decode worker (and this process) only GPU D.
@@ -32,18 +32,17 @@ DECODE_MEM_FRACTION = 0.4  # the decode worker shares its GPU with this process 
 
 
 class Workers:
-    """The PD processes: the prefill worker starts at once (in the background), the rest with start_decode()."""
+    """The PD processes, running with configs (the prefill worker's PrefillConfig, the decode worker's
+    EngineConfig; hcfjax.bench.serve.pd_configs): the prefill worker starts at once (in the background), the rest
+    with start_decode()."""
 
-    def __init__(self, args, gpus: tuple[str, str] | None, env: dict):
-        self.gpus, self.env = gpus, env
+    def __init__(self, args, configs: tuple, gpus: tuple[str, str] | None, env: dict):
+        self.configs, self.gpus, self.env = configs, gpus, env
         self.procs: list = []
-        self.pre_args, self.dec_args = pd_role_args(args)
+        self.pre_args, self.dec_args = pd_role_args(args, *configs)
         self._launcher = ThreadPoolExecutor(1)
         pre_env = role_env(gpus and gpus[0], PREFILL_MEM_FRACTION if gpus else None, **env)
         self._prefill = self._launcher.submit(launch_role, self.pre_args, pre_env, self.procs)
-
-    def configs(self):
-        return worker_configs(self.pre_args, self.dec_args)
 
     def prefill_ready(self) -> str:
         return self._prefill.result()
@@ -57,16 +56,6 @@ class Workers:
     def stop(self) -> None:
         stop_pd(self.procs)  # a prefill worker still starting exits too, which ends its launcher
         self._launcher.shutdown(wait=False)
-
-
-def worker_configs(pre_args: list[str], dec_args: list[str]):
-    """(the prefill worker's PrefillConfig, the decode worker's EngineConfig), from their `hcfjax serve` arguments
-    as the command parses them."""
-    from hcfjax.cli import _engine_config, build_parser
-    from hcfjax.pd.roles import prefill_config
-
-    parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
-    return prefill_config(parse(pre_args)), _engine_config(parse(dec_args))
 
 
 def calibrate_prefill(model, config, longest: int, reps: int) -> list[tuple[tuple[int, int, int, int], float]]:
@@ -284,19 +273,18 @@ def deployment(
 
 
 def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests, wl, points, host):
-    """Step 4 of hcfjax.sim.validate, after the colocated run: `requests` are the workload's (ins, outs, prompts,
+    """Step 4 of hcfjax.bench.sim_validate, after the colocated run: `requests` are the workload's (ins, outs, prompts,
     arrivals), `points` the colocated calibration (its decode-only steps fit the decode profile), `host` the
     engine loop's measured host seconds. -> (the table's row, the description's PD part, the report's tables)."""
-    from hcfjax.bench.serve import role_env
+    from hcfjax.bench.sim_profile import fit, fitted, metrics, predicted, write_profile
     from hcfjax.sim.cost import CostModel
     from hcfjax.sim.gpus import Efficiency, gpu
     from hcfjax.sim.simulator import simulate
-    from hcfjax.sim.validate import fit, fitted, metrics, predicted, write_profile
     from hcfjax.sim.work import PrefillShapes
 
     ins, outs, prompts, arrivals = requests
     cfg = model.cfg
-    pre_cfg, dec_cfg = workers.configs()
+    pre_cfg, dec_cfg = workers.configs
     longest = int(ins.max())
     stage(f"timing the prefill worker's batch shapes for prompts up to {longest} tokens (in process)")
     pre_points = calibrate_prefill(model, pre_cfg, longest, args.reps)
