@@ -923,9 +923,9 @@ def int4_ragged_dot(
 def digits_pay(m: int, n: int, g: int, k_groups: int, e: int) -> bool:
     """Whether w4a16 runs faster as int8 digits on the w4a8 kernel (`int4_ragged_dot_digits`) than on its own
     kernel: where the doubled rows still take 16-row token blocks (about 6 rows per expert or fewer, the decode of
-    wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. H200 (docs/kernels.md,
-    2026-12-01): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128) the
-    digits need 32-row blocks and were level to 13% slower."""
+    wide expert parallelism), so the w4a8 kernel's cheaper unpacking comes with no more MMA columns. On the H200
+    (docs/kernels.md): 32 experts x 128 rows at 2048 x 7168, 85.2 against 115.8 us; at 8 rows per expert (16 x 128)
+    the digits need 32-row blocks and were level to 13% slower."""
     return g == QGROUP and default_tiling("int8", 2 * m, n, k_groups, e).bm == 16
 
 

@@ -117,9 +117,7 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
     for on in (False, True):
         opts = Options(two_rows=on, unroll_decode=on)
         assert model_mod.two_rows(ids[:, :1], object(), None, opts) == on
-        step_fn = jax.jit(
-            functools.partial(hidden_states, opts=opts), static_argnames=("cfg", "absorbed", "with_load")
-        )
+        step_fn = jax.jit(functools.partial(hidden_states, opts=opts), static_argnames=("cfg", "absorbed", "with_load"))
         got, cache = run_cached(v3_model, ids, prefix=9, page_size=4, page_order=order, step=step_fn)
         ctx = CacheContext(cache, jnp.asarray(order[:4].reshape(1, 4)), jnp.array([15]), jnp.ones((1, 1), bool))
         h, ctx2, load = step_fn(p, cfg, ids[:, 13:14], jnp.array([[14]]), ctx, absorbed=True, with_load=True)

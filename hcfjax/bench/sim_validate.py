@@ -52,7 +52,7 @@ def _time_shape(runner, b: int, t: int, with_decode: bool, reps: int) -> float:
     """Median seconds of one runner step of this shape, on the warm-up's inputs (which write nothing)."""
     import jax
 
-    from hcfjax.engine.runner import DecodeInputs, PrefillInputs
+    from hcfjax.step import DecodeInputs, PrefillInputs
     from hcfjax.sampling import SamplingBatch, SamplingParams
 
     s, m = runner.num_slots, runner.max_pages
