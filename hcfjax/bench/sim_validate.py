@@ -52,8 +52,8 @@ def _time_shape(runner, b: int, t: int, with_decode: bool, reps: int) -> float:
     """Median seconds of one runner step of this shape, on the warm-up's inputs (which write nothing)."""
     import jax
 
-    from hcfjax.step import DecodeInputs, PrefillInputs
     from hcfjax.sampling import SamplingBatch, SamplingParams
+    from hcfjax.step import DecodeInputs, PrefillInputs
 
     s, m = runner.num_slots, runner.max_pages
     sp = lambda n: jax.tree.map(runner._put, SamplingBatch.of([SamplingParams()] * n))
