@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from hcfjax.serving.config import DTYPES, engine_config, prefill_config
+from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
 
 
 def _generate(args) -> int:
@@ -49,6 +49,7 @@ def _generate(args) -> int:
             sampling=sampling,
             seed=args.seed,
             cache_dtype=jnp.int8 if args.kv_cache == "int8" else None,
+            options=run_options(),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -95,6 +96,7 @@ def _generate_planned(model, prompts, plans, args, sampling):
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
+        options=run_options(),
     )
 
 

@@ -8,14 +8,24 @@ The jax-heavy config classes are imported inside the functions, so that `hcfjax 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hcfjax.engine import EngineConfig
+    from hcfjax.options import Options
     from hcfjax.pd.prefill import PrefillConfig
     from hcfjax.speculative import SpeculativeConfig
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def run_options() -> Options:
+    """How the model runs, from the HCFJAX_* environment variables (hcfjax.options.Options.from_env): the only
+    place the library's commands read them. Worker processes inherit the environment, so they build the same."""
+    from hcfjax.options import Options
+
+    return Options.from_env(os.environ)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -43,6 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         balance=args.balance,
         speculative=speculative_config(args),
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        options=run_options(),
     )
 
 
@@ -62,6 +73,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         transfer_timeout_s=args.transfer_timeout,
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
         speculative=speculative_config(args),
+        options=run_options(),
     )
 
 
@@ -105,7 +117,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
         max_queue=config.max_queue,
         balance=config.balance,
     )
-    unset = EngineConfig(**flags, speculative=config.speculative, cache_dtype=config.cache_dtype)
+    unset = EngineConfig(
+        **flags, speculative=config.speculative, cache_dtype=config.cache_dtype, options=config.options
+    )  # options travel in the workers' environment
     if unset != config:
         raise ValueError(f"hcfjax serve cannot set every field of {config} (it would build {unset})")
     named = {k.replace("_", "-"): v for k, v in flags.items()}
