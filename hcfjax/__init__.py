@@ -9,6 +9,7 @@ from hcfjax.api import DEFAULT_MODEL, load, save
 from hcfjax.config import ModelConfig
 from hcfjax.generate import GenerationResult, forward, generate
 from hcfjax.model import Model
+from hcfjax.options import Options
 from hcfjax.sampling import SamplingParams
 from hcfjax.speculative import SpeculativeConfig
 
@@ -17,6 +18,7 @@ __all__ = [
     "GenerationResult",
     "Model",
     "ModelConfig",
+    "Options",
     "SamplingParams",
     "SpeculativeConfig",
     "forward",
