@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from hcfjax.config import ModelConfig
+from pallas_kernels.int8_quant import quantize_int8  # re-exported
 
 
 @jax.tree_util.register_dataclass
@@ -50,14 +51,6 @@ def init_cache(
     if jnp.dtype(dtype) == jnp.int8:
         return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:3] + (2,), jnp.float32))
     return KVCache(jnp.zeros(shape, dtype))
-
-
-def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric per-token int8: x [..., K] -> (q [..., K] int8, scale [...] f32)."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-8) / 127.0
-    q = jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
 
 
 def write(

@@ -31,8 +31,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hcfjax.cache import quantize_int8
 from hcfjax.options import DEFAULT, Options
+from pallas_kernels import quant_reference
+from pallas_kernels.int8_quant import (  # noqa: F401 (re-exported: the model and tests import them from here)
+    ACT_GROUP,
+    dequantize_int8_groups,
+    quantize_int8,
+    quantize_int8_groups,
+)
+from pallas_kernels.int8_quant import grouped as _grouped
+from pallas_kernels.quant_reference import pack_int4, unpack_int4  # noqa: F401 (re-exported)
 
 GROUP = 128  # int4 group size along K (symmetric scales)
 ACTS = ("bf16", "int8")
@@ -97,37 +105,14 @@ def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP)
     return QWeight(pack_int4(q, g) if bits == 4 else q, jnp.swapaxes(scale, -1, -2), bits, act)
 
 
-def pack_int4(q: jax.Array, group: int) -> jax.Array:
-    """int8 values in [-8, 7] [..., K] -> uint8 [..., K/2]: per group, the first half in the low nibbles."""
-    u = _grouped(q.astype(jnp.uint8) & 0xF, group)  # [..., K/G, G]
-    h = group // 2
-    return (u[..., :h] | (u[..., h:] << 4)).reshape(*q.shape[:-1], q.shape[-1] // 2)
-
-
-def unpack_int4(p: jax.Array, group: int) -> jax.Array:
-    """uint8 [..., K/2] -> int8 [..., K] (sign-extended nibbles), the inverse of pack_int4."""
-    s = _grouped(p.astype(jnp.int8), group // 2)  # [..., K/G, G/2]
-    lo = jnp.right_shift(jnp.left_shift(s, 4), 4)  # arithmetic shifts sign-extend
-    hi = jnp.right_shift(s, 4)
-    return jnp.concatenate([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-
-
 def int_values(w: QWeight) -> jax.Array:
     """The integer weights, int8 [..., N, K]."""
-    return unpack_int4(w.q, w.group) if w.bits == 4 else w.q
+    return quant_reference.int_values(w.q, w.scale, w.bits)
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(w: QWeight, dtype=jnp.float32) -> jax.Array:
     """QWeight -> W [..., K, N] in dtype."""
-    q = int_values(w).astype(jnp.float32)
-    g = w.group
-    wf = (q.reshape(*q.shape[:-1], -1, g) * jnp.swapaxes(w.scale, -1, -2)[..., None]).reshape(q.shape)
-    return jnp.swapaxes(wf, -1, -2).astype(dtype)
-
-
-def _grouped(x: jax.Array, g: int) -> jax.Array:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // g, g)  # [..., K] -> [..., K/G, G]
+    return quant_reference.dequantize(w.q, w.scale, w.bits, dtype)
 
 
 def matmul(x: jax.Array, w: QWeight) -> jax.Array:
@@ -143,82 +128,11 @@ def matmul(x: jax.Array, w: QWeight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-ACT_GROUP = 128  # channels per activation scale where activations are quantised per group (DeepSeek-V3's 1 x 128)
-
-
-def quantize_int8_groups(x: jax.Array, group: int = ACT_GROUP) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per (row, `group` channels): x [M, K] -> (q [M, K] int8, scales [K/group, M] f32). The scales
-    are group-major, as the int4 kernel reads them (a block of rows for each K group of a pipeline step); each group
-    is quantised as `quantize_int8` quantises a row."""
-    q, s = quantize_int8(_grouped(x, group))  # [M, K/G, G], [M, K/G]
-    return q.reshape(x.shape), s.T
-
-
-def dequantize_int8_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
-    """quantize_int8_groups' inverse: q [M, K] int8, scales [K/G, M' >= M] (columns past M are padding) -> [M, K]
-    f32."""
-    m, k = q.shape
-    g = k // scales.shape[0]
-    return (_grouped(q.astype(jnp.float32), g) * scales[:, :m].T[..., None]).reshape(m, k)
-
-
 def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
-    """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference).
-
-    x [M, K] rows sorted by expert, w: QWeight of [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0)
-    -> [M, N] in x's dtype. w4a16/w8a16: dequantise, then a bf16 ragged_dot with f32 accumulation. int8
-    activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales;
-    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations), or quantize_int8_groups(x)
-    (scales per row and K group, [K/G, M'] with M' >= M) where the producer quantised x in groups.
-    """
-    if w.act == "bf16":
-        return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(
-            x.dtype
-        )
-    return _int8_act_ragged_dot(x, w, group_sizes, x_q)
-
-
-def _int8_act_ragged_dot(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=None) -> jax.Array:
-    """w4a8 / w8a8 experts: y[m] = xs[m] * sum_g s[e(m), :, g] * (xq[m, g] . q[e(m), :, g]) with the per-group dot
-    products exact integers.
-
-    One plain `lax.ragged_dot` ([M, c] x [E, c, N], no batch dimensions) per K chunk c, in a loop over the K groups:
-    XLA's GPU ragged-dot rewriter handles batch dimensions only when group_sizes carries them too ([b, E], batch
-    dimensions leading); a [K/G] batch with [E] group sizes passed the CPU (jax lowers ragged_dot there through its
-    own jnp expansion) and failed XLA GPU's HLO verifier. The integer operands go in as bf16 (exact up to 256) with
-    f32 accumulation, the path the bf16 ragged_dot takes on the GPU; a chunk's sum stays below 2^24 (c x 127 x qmax),
-    so it is exact, and chunks add up in int32. Memory: [M, N] per step (no [K/G, M, N] partials, no [M, N, K/G]
-    scale gather)."""
-    g, e, m = w.group, w.q.shape[0], x.shape[0]
-    qmax = 7 if w.bits == 4 else 127
-    c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
-    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32 or per group [K/G, M'] f32
-    grouped = xs.ndim == 2
-    if grouped and xs.shape[0] != w.k // g:
-        raise ValueError(f"group scales {xs.shape} do not match {w.k // g} K groups of {g}")
-    # Each row's expert, to pick its weight scales; rows past the groups map to a clamped expert (their dots are 0).
-    # compare_all: jnp.searchsorted's default is a while loop, a host round trip per step on XLA GPU.
-    ends = jnp.cumsum(group_sizes)
-    rows = jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right", method="compare_all"), e - 1)
-    packed = g // 2 if w.bits == 4 else g  # stored bytes of one K group
-
-    def group(i, y):  # y [M, N] f32
-        qi = lax.dynamic_slice_in_dim(w.q, i * packed, packed, axis=-1)
-        wi = jnp.swapaxes(unpack_int4(qi, g) if w.bits == 4 else qi, -1, -2).astype(jnp.bfloat16)  # [E, G, N]
-        xi = lax.dynamic_slice_in_dim(xq, i * g, g, axis=-1).astype(jnp.bfloat16)  # [M, G]
-        acc = sum(
-            lax.ragged_dot(xi[:, j : j + c], wi[:, j : j + c], group_sizes, preferred_element_type=jnp.float32).astype(
-                jnp.int32
-            )
-            for j in range(0, g, c)
-        )  # [M, N] the exact int32 dot products of group i
-        s = lax.dynamic_index_in_dim(w.scale, i, axis=-2, keepdims=False)[rows]  # [M, N]
-        if grouped:
-            s = s * lax.dynamic_index_in_dim(xs, i, keepdims=False)[:m, None]
-        return y + acc.astype(jnp.float32) * s
-
-    y = lax.fori_loop(0, w.k // g, group, jnp.zeros((m, w.n), jnp.float32))
-    return (y if grouped else y * xs[:, None]).astype(x.dtype)
+    """The `jax.lax.ragged_dot` contract over quantised experts, in plain jnp (the kernel's reference):
+    pallas_kernels.quant_reference.ragged_dot_reference on the QWeight's arrays. x [M, K] rows sorted by expert,
+    w: QWeight of [E, K, N], group_sizes [E] -> [M, N] in x's dtype; x_q as there (int8 activations only)."""
+    return quant_reference.ragged_dot_reference(x, w.q, w.scale, group_sizes, w.bits, w.act, x_q)
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None, opts: Options = DEFAULT) -> jax.Array:
@@ -256,15 +170,16 @@ def int8_activations(w) -> bool:
 def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, quant_out: bool = False, opts=DEFAULT):
     """silu(ragged_dot(x, gate)) * ragged_dot(x, up) (an expert's gate/up projection), in x's dtype. Where the int4
     kernel runs (opts.mode("moe")), int4 QWeights of one kind run one fused Pallas kernel for the activation modes
-    in opts.fused_gate_up, and for w4a16 where its int8 digits pay (moe_int4.digits_pay: the fused w4a8 kernel),
+    in opts.fused_gate_up, and for w4a16 where its int8 digits pay (moe_int4_tiling.digits_pay: the fused w4a8 kernel),
     else two kernel calls; everything else two ragged_dots. x_q as in `ragged_dot`. quant_out: the product as
     quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the fused w4a8 kernel itself where that
-    pays (moe_int4.quant_out_pays: decode, up to ~32 rows per expert), else quantised after it: a down projection's
-    x_q."""
+    pays (moe_int4_tiling.quant_out_pays: decode, up to ~32 rows per expert), else quantised after it: a down
+    projection's x_q."""
     same = isinstance(up, QWeight) and isinstance(gate, QWeight) and gate.bits == up.bits and gate.act == up.act
     mode = _int4_mode(opts, x, gate) if same else "reference"
     if mode != "reference" and gate.q.shape == up.q.shape and gate.group == up.group:
-        from pallas_kernels.moe_int4 import digits_pay, int4_gated_ragged_dot, quant_out_pays
+        from pallas_kernels.moe_int4 import int4_gated_ragged_dot
+        from pallas_kernels.moe_int4_tiling import digits_pay, quant_out_pays
 
         shape = (x.shape[0], gate.n, gate.group, gate.k // gate.group, group_sizes.shape[0])
         digits = gate.act == "bf16" and opts.int4_digits and digits_pay(*shape)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_kernel
+from pallas_kernels.int8_quant import quantize_int8
 from pallas_kernels.mla_merge import combine, combine_dense
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, split_schedule, visible_keys
 
@@ -285,8 +286,6 @@ def mla_decode(
 def quantize_queries(q_nope, q_pe):
     """qk8's queries: int8 per head and slot part (the latent's two halves, the rope), as the kernel's int8 Q.K sums
     each part in its own accumulator. -> (q_nope int8, q_pe int8, scales [B, T, 3, H] f32)."""
-    from hcfjax.cache import quantize_int8  # (hcfjax imports this module)
-
     b, t, h, c = q_nope.shape
     qn, s_lat = quantize_int8(q_nope.reshape(b, t, h, 2, c // 2))
     qp, s_rope = quantize_int8(q_pe)

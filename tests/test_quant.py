@@ -222,7 +222,7 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
     """The kernel stores, per block, rows [tile + off, tile + off + count) of its expert's product (zeros for expert
     E, rows past the groups); so every row must belong to exactly one block, of its own group, within the block's
     bm-row tile, and each tile must start at a multiple of 8 rows (the TMA of an 8-row-tiled smem buffer)."""
-    from pallas_kernels.moe_int4 import ROW_ALIGN, block_table, blocks_used
+    from pallas_kernels.moe_int4_tiling import ROW_ALIGN, block_table, blocks_used
 
     e = len(sizes)
     t = np.asarray(block_table(jnp.array(sizes, jnp.int32), m, bm))
@@ -243,7 +243,7 @@ def test_block_table_covers_each_row_once(sizes, m, bm):
 def test_block_bound_holds_with_more_experts_than_rows():
     """num_blocks bounds blocks_used for any sizes; with few rows over many experts it counts only the groups that
     can have rows. Random sizes, and every row its own group (the most groups with rows)."""
-    from pallas_kernels.moe_int4 import blocks_used, num_blocks
+    from pallas_kernels.moe_int4_tiling import blocks_used, num_blocks
 
     rng = np.random.default_rng(0)
     for _ in range(40):
@@ -294,10 +294,10 @@ def test_int8_to_f16_bit_trick_is_exact():
 
 
 def _tiling(spec):
-    """A test case's tiling: None (the default), "legacy", or Tiling's fields."""
-    from pallas_kernels.moe_int4 import Tiling
+    """A test case's tiling: None (the default) or Tiling's fields."""
+    from pallas_kernels.moe_int4_tiling import Tiling
 
-    return spec if spec in (None, "legacy") else Tiling(*spec[:3], **spec[3] if len(spec) > 3 else {})
+    return spec if spec is None else Tiling(*spec[:3], **spec[3] if len(spec) > 3 else {})
 
 
 KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
@@ -308,7 +308,8 @@ KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
     (128, 64, [70, 1, 0, 9], (48, 64, 3, {"narrow": True})),
     (128, 64, [3, 2], (16, 64, 2)),  # M < bm (x padded to one block)
     (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
-    (256, 128, [5, 0, 20, 3], "legacy"),  # the first version's tiling
+    # A through smem, unpacked with int16 ops, each tile just before its wgmmas
+    (256, 128, [5, 0, 20, 3], (16, 64, 4, {"a_regs": False, "inline": False, "unpack_first": False})),
     (256, 128, [5, 0, 20, 3], (16, 128, 1, {"splits": 2})),  # split-K: f32 partials of two K halves, summed after
     (128, 64, [0, 1, 0, 0, 2, 0, 0, 9, 1] + [0] * 7, (16, 64, 2)),  # more experts than rows: the grid's tighter bound
 ]
@@ -321,14 +322,14 @@ def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
     """The Mosaic GPU kernel, run by its interpreter: empty groups, sizes not multiples of the token block, rows past
     sum(group_sizes), several K/N and tilings; x unpadded, the output written in x's row order. Equal to the reference
     up to the weights' bf16 scale and one bf16 rounding of the output (w4a16), exact sums (w4a8)."""
-    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
+    from pallas_kernels.moe_int4 import int4_ragged_dot
 
     e, m = len(sizes), sum(sizes) + 3
     w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
     x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
     gs = jnp.array(sizes, jnp.int32)
     qw = quant.quantize(w, 4, act)
-    t = legacy_tiling(act, m, e) if tiling == "legacy" else _tiling(tiling)
+    t = _tiling(tiling)
     ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
     y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
@@ -343,14 +344,13 @@ def test_w4a16_as_int8_digits_interpret(monkeypatch):
     pairs summed in the epilogue (Tiling.pairs) and the rows past the groups zero; the same for the fused gate/up
     kernel, whose pairs are summed before the SiLU."""
     from pallas_kernels.moe_int4 import (
-        Tiling,
-        digits_pay,
         int4_gated_ragged_dot,
         int4_gated_ragged_dot_digits,
         int4_ragged_dot,
         int4_ragged_dot_digits,
         int8_digits,
     )
+    from pallas_kernels.moe_int4_tiling import Tiling, digits_pay
 
     e, k, n, sizes = 8, 256, 128, [3, 0, 5, 2, 4, 1, 0, 6]
     m = sum(sizes) + 3
@@ -387,7 +387,8 @@ def test_w4a16_as_int8_digits_interpret(monkeypatch):
 def test_kernel_group_256_interpret(act):
     """A K group of 256: two 64-byte packed chunks per group and row tile (each K half of the group is two wgmma K
     chunks), with two groups per pipeline step."""
-    from pallas_kernels.moe_int4 import Tiling, int4_ragged_dot
+    from pallas_kernels.moe_int4 import int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import Tiling
 
     e, k, n, sizes = 4, 512, 128, [9, 30, 0, 2]
     w = jax.random.normal(jax.random.key(3), (e, k, n)) / 16
@@ -404,7 +405,8 @@ def test_kernel_group_256_interpret(act):
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_matches_reference_interpret(act):
     """silu(x @ Wg) * (x @ Wu) in one kernel (two weights, one token tile), with an empty group and a partial block."""
-    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_gated_reference
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_gated_reference
+    from pallas_kernels.moe_int4_tiling import Tiling
 
     k, n, sizes = 256, 128, [9, 0, 30]
     e, m = len(sizes), sum(sizes) + 2
@@ -434,7 +436,8 @@ def test_warpgroups_sharing_token_tiles_interpret():
     """w4a8 with two compute warpgroups per CTA (Tiling.wgs, a warp-specialised pipeline): each takes half of the
     CTA's weight rows against the same token tile. Bit for bit the one-warpgroup kernel's result, with narrow blocks
     (widths 16 and 32) and rows past the groups (zeros), and for the gated kernel (the prefill default)."""
-    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import Tiling
 
     k, n, sizes = 256, 256, [40, 1, 0, 9]  # two N tiles of 128 rows: each warpgroup's columns of each tile
     e, m = len(sizes), sum(sizes) + 3
@@ -557,7 +560,7 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
 def test_quant_out_where_it_pays():
     """The fused w4a8 kernel quantises its own output up to about 32 rows per expert (the blocks quant_out's tiling
     allows), at the bench shapes where the H200 measured it faster or level, and not beyond."""
-    from pallas_kernels.moe_int4 import quant_out_pays
+    from pallas_kernels.moe_int4_tiling import quant_out_pays
 
     pays = {(e, m): quant_out_pays("int8", m, 2048, 56, e) for e in (16, 32) for m in (128, 1024, 4096, 16384)}
     assert [k for k, v in pays.items() if v] == [(16, 128), (32, 128), (32, 1024)]
@@ -574,7 +577,7 @@ def test_default_tilings_fit_the_sm(act):
     """At every bench shape the default tiling's registers stay within REGS and at least two CTAs fit an SM's shared
     memory (one overlaps the other's unpacking), or one CTA of two compute warpgroups, with a pipeline of at least
     two steps; w4a8 prefill runs narrow tails, and its fused kernel two compute warpgroups over long K loops."""
-    from pallas_kernels.moe_int4 import REGS, SMEM_PER_SM, Tiling, block_widths, default_tiling, regs, smem_bytes
+    from pallas_kernels.moe_int4_tiling import REGS, SMEM_PER_SM, Tiling, block_widths, default_tiling, regs, smem_bytes
 
     for e, m, k, n in BENCH_SHAPES:
         for nw in (1, 2):
@@ -595,7 +598,7 @@ def test_w4a8_unpacks_a_step_first_only_where_registers_allow():
     """A w4a8 step unpacks all its tiles before its wgmmas (so ptxas need not serialise them) only where every A
     operand fits beside the accumulators: the fused decode kernel at 16 experts x 128 rows (bm = 16) does, at 8
     experts (bm = 32, 320 registers by `regs`) it unpacks each tile before its own wgmmas."""
-    from pallas_kernels.moe_int4 import UNPACK_FIRST_REGS, default_tiling, regs
+    from pallas_kernels.moe_int4_tiling import UNPACK_FIRST_REGS, default_tiling, regs
 
     assert default_tiling("int8", 128, 2048, 56, 16, nw=2).unpack_first
     t = default_tiling("int8", 128, 2048, 56, 8, nw=2)
@@ -617,7 +620,7 @@ LOWER_CASES = [
     (16, 128, 7168, 2048, None),
     (16, 1024, 2048, 7168, None),
     (32, 4096, 7168, 2048, None),
-    (32, 4096, 7168, 2048, "legacy"),
+    (32, 4096, 7168, 2048, (128, 64, 4, {"a_regs": False, "inline": False, "unpack_first": False})),  # A through smem
     # M = 21 tokens x top-6 (V2-Lite): not whole 8-row tiles, which the tiled TMA of x needs (the wrapper pads)
     (16, 126, 7168, 2048, (16, 256, 2, {"gps": 2})),
 ]
@@ -628,9 +631,9 @@ def _two_narrow_widths(monkeypatch):
     """Lowering tests lower two of a narrow tiling's block widths (w4a8 prefill): each width is the same code at
     another static block width, and all five of the 32 x 4096 default took 25 s in CI (`bench.moe --lower` lowers
     every one)."""
-    from pallas_kernels import moe_int4
+    from pallas_kernels import moe_int4_tiling
 
-    monkeypatch.setattr(moe_int4, "NARROW_WIDTHS", 2)
+    monkeypatch.setattr(moe_int4_tiling, "NARROW_WIDTHS", 2)
 
 
 @pytest.mark.usefixtures("_two_narrow_widths")
@@ -641,9 +644,9 @@ def test_kernel_lowers_for_hopper(e, m, k, n, tiling, act):
     A in registers): layout inference, supported ops and smem (227 KiB) are checked here, where the H200 first
     reported "Shaped arrays must be represented by ir.Values" and 8-bit shifts."""
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_ragged_dot, legacy_tiling
+    from pallas_kernels.moe_int4 import int4_ragged_dot
 
-    t = legacy_tiling(act, m, e) if tiling == "legacy" else _tiling(tiling)
+    t = _tiling(tiling)
     s = jax.ShapeDtypeStruct
     args = (s((m, k), jnp.bfloat16), s((e, n, k // 2), jnp.uint8), s((e, k // 128, n), jnp.float32), s((e,), jnp.int32))
     assert "mosaic_gpu" in lower_for_hopper(lambda *a: int4_ragged_dot(*a, act=act, tiling=t), *args)
@@ -655,7 +658,8 @@ def test_gated_kernel_lowers_for_hopper(act):
     """The fused gate/up kernel's prefill default at 32 experts x 4096 rows: w4a8's has two compute warpgroups per
     CTA (the warp-specialised pipeline, its register split, the output tiles beside the pipeline)."""
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import default_tiling, int4_gated_ragged_dot
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot
+    from pallas_kernels.moe_int4_tiling import default_tiling
 
     e, m, k, n = 32, 4096, 7168, 2048
     assert default_tiling(act, m, n, k // 128, e, nw=2).wgs == (2 if act == "int8" else 1)
@@ -669,7 +673,8 @@ def test_two_warpgroup_single_kernel_lowers_for_hopper():
     """Two compute warpgroups per CTA (Tiling.wgs) for the single-weight kernel given per-group token scales (a
     pipeline input the fused default does not have) lower for sm_90; the gated test lowers the fused default."""
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import default_tiling, int4_ragged_dot
+    from pallas_kernels.moe_int4 import int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import default_tiling
 
     e, m, k, n = 32, 4096, 2048, 7168
     s = jax.ShapeDtypeStruct
@@ -690,7 +695,8 @@ def test_pipelined_blocks_are_tma_aligned(monkeypatch, act, nw):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.cross_lower import trace_for_hopper
-    from pallas_kernels.moe_int4 import Tiling, int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import Tiling
 
     seen, emit = [], plgpu.emit_pipeline
 
@@ -745,7 +751,8 @@ def test_smem_bytes_bounds_what_mosaic_allocates(monkeypatch, act, tiling, nw):
     from jax.experimental.mosaic.gpu import core
 
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot, smem_bytes
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import smem_bytes
 
     monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)  # Mosaic then reports its smem count in the error
     t = _tiling(tiling)
@@ -931,7 +938,8 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     group, a partial block, rows past the groups, two groups per N tile); the down projection takes those per-group
     scales and matches the reference given the same operands."""
     from hcfjax.quant import quantize_int8_groups
-    from pallas_kernels.moe_int4 import HS_PAD, Tiling, int4_gated_ragged_dot, int4_gated_reference, int4_ragged_dot
+    from pallas_kernels.moe_int4 import HS_PAD, int4_gated_ragged_dot, int4_gated_reference, int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import Tiling
 
     k, n, sizes = 256, 256, [9, 0, 30]
     e, m = len(sizes), sum(sizes) + 2

@@ -11,9 +11,8 @@ uniformly at random over the experts. "default": decode (E=16 M=128), prefill (E
 E=32 M=16384 gate/up, in that order; "all": every combination, those four first.
 Each case first checks every kernel row (w4a16, w4a8) against the exactly-quantised function computed in f32 (the
 max error over the max of the reference, and the norm-wise relative error), then times every implementation. Kernel
-rows: the default tiling (moe_int4.default_tiling), the first version's tiling (legacy_tiling: 64 weight rows per
-CTA, power-of-two token blocks, A through smem) and with --sweep a few alternatives (`sweep_tilings`). `--lower`
-lowers every one of them for sm_90 on any host (Mosaic's checks without a GPU): run it before a GPU run.
+rows: the default tiling (moe_int4_tiling.default_tiling) and with --sweep a few alternatives (`sweep_tilings`).
+`--lower` lowers every one of them for sm_90 on any host (Mosaic's checks without a GPU): run it before a GPU run.
 
 Gate/up shapes also time the fused gate + up + SiLU kernel (int4_gated_ragged_dot; its bytes and FLOPs count both
 weights) against two kernel calls and XLA's SiLU-and-multiply.
@@ -69,7 +68,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     were slower in every regime timed and were removed: docs/kernels.md.)"""
     import dataclasses
 
-    from pallas_kernels.moe_int4 import default_tiling
+    from pallas_kernels.moe_int4_tiling import default_tiling
 
     kg, d = k // 128, default_tiling(act, m, n, k // 128, e, nw)
     if d.bm <= 32:
@@ -195,16 +194,13 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     from hcfjax.quant import dequantize_int8_groups, quantize_int8_groups
     from pallas_kernels.moe_int4 import (
         _hs_rows,
-        default_tiling,
-        digits_pay,
         int4_gated_ragged_dot,
         int4_gated_ragged_dot_digits,
         int4_ragged_dot,
         int4_ragged_dot_digits,
         kernel_operands,
-        legacy_tiling,
-        smem_bytes,
     )
+    from pallas_kernels.moe_int4_tiling import default_tiling, digits_pay, smem_bytes
 
     e, m, k, n = map(int, spec.split("x"))
     w, x, gs = _problem(e, m, k, n)
@@ -292,9 +288,9 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     for act in ("bf16", "int8"):
         name = "w4a16" if act == "bf16" else "w4a8"
         alternatives = _swept(act, e, m, k, n) if sweep else []
-        for label, t in [("v1 tiling", legacy_tiling(act, m, e))] + [(None, t) for t in alternatives]:
+        for t in alternatives:
             fn = functools.partial(int4_ragged_dot, act=act, interpret=interpret, tiling=t)
-            label = f"{name} kernel, {label or _short(t)}"
+            label = f"{name} kernel, {_short(t)}"
             row(label, fn, x, q4.q, q4.scale, gs, nbytes=nb_int4, int8=act == "int8", act=act, tiling=t)
     if k > n:  # a gate/up shape: the fused gate + up + SiLU kernel against two kernel calls and XLA's SiLU
         qu, su = (q4.q + jnp.uint8(0x35)), q4.scale * 0.5  # a second, different weight for "up"
@@ -382,11 +378,11 @@ def _time_row(r: dict, f, timer, args) -> None:
 
 def kernel_configs(e: int, m: int, k: int, n: int, sweep: bool):
     """(act, nw, tiling) of every kernel row a case times, in order."""
-    from pallas_kernels.moe_int4 import default_tiling, legacy_tiling
+    from pallas_kernels.moe_int4_tiling import default_tiling
 
     out = [(act, 1, default_tiling(act, m, n, k // 128, e)) for act in ("bf16", "int8")]
     for act in ("bf16", "int8"):
-        out += [(act, 1, t) for t in [legacy_tiling(act, m, e)] + (_swept(act, e, m, k, n) if sweep else [])]
+        out += [(act, 1, t) for t in (_swept(act, e, m, k, n) if sweep else [])]
     for act in ("bf16", "int8") if k > n else ():
         out += [(act, 2, t) for t in [default_tiling(act, m, n, k // 128, e, nw=2)]]
         out += [(act, 2, t) for t in (_swept(act, e, m, k, n, nw=2) if sweep else [])]
@@ -400,7 +396,8 @@ def lower_all(cases, sweep: str) -> bool:
     import jax.numpy as jnp
 
     from pallas_kernels.cross_lower import lower_for_hopper
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot, smem_bytes
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+    from pallas_kernels.moe_int4_tiling import smem_bytes
 
     s, ok = jax.ShapeDtypeStruct, True
     for e, m, k, n in cases:

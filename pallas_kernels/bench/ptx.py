@@ -93,7 +93,8 @@ def run_one(spec: str) -> None:
     elif kind == "moe":
         from hcfjax import quant
         from pallas_kernels.bench.moe import _problem
-        from pallas_kernels.moe_int4 import default_tiling, int4_gated_ragged_dot, int4_ragged_dot
+        from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
+        from pallas_kernels.moe_int4_tiling import default_tiling
 
         act, fused, shape, *opts = rest
         dims = tuple(map(int, shape.split("x")))
