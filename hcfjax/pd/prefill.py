@@ -336,7 +336,7 @@ class PrefillWorker:
 
     def run_empty(self, shape: tuple[int, int, int, int]):
         """Dispatches one forward of this batch shape on rows that write nothing (the warm-up's, and what
-        hcfjax.sim.validate times); -> its (first tokens, drafts), not waited for."""
+        hcfjax.bench.sim_validate times); -> its (first tokens, drafts), not waited for."""
         b, tc, t, m = shape
         z = np.zeros(b, np.int32)
         table = np.full((b, m), self._pad_page, np.int32)
