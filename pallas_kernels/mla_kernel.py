@@ -13,7 +13,7 @@ The schedule (version 3, leader and follower): WG0 computes S = Q.K^T for every 
 and the row rescale, and updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of
 the MMA work and all of the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it
 converts: below). A slot is reloaded once both have released it. (Version 4, a seesaw over pairs of blocks that
-split the MMAs evenly, measured 1.7x slower on the H200 and was removed on 2026-12-01: docs/kernels.md, commit 9eb5a3e.)
+split the MMAs evenly, measured 1.7x slower on the H200 and was dropped: docs/kernels.md.)
 
 int8 caches: the loader TMA-loads the int8 part into the 16-bit part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two 16-bit slots); its converter reads all of it into registers, and only then writes the 16-bit

@@ -24,7 +24,7 @@ def repeats_exactly(fn, args, first, runs: int = 2) -> bool:
     """Whether `runs` more calls of fn(*args) return bit for bit `first` (an earlier call's outputs). A kernel whose
     result changes from run to run has a race, which a check against a tolerance can miss: on the H200 a w4a8
     kernel read a pipeline slot after its refill and gave rows off by 10% in one run and right in the next
-    (docs/kernels.md, 2026-12-01)."""
+    (docs/kernels.md)."""
     import numpy as np
 
     def bits(tree):  # (structure, per leaf: shape, dtype, bytes): NaNs and signed zeros compare as the bits they are

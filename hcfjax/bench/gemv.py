@@ -8,7 +8,7 @@ weights well below copy speed. Two rows keep a GEMM. Each row times, on the kern
 kernels of one call), x [1, D] @ W [D, F] as written and as ([x; x] @ W)[:1]; the weight bandwidth is W's bytes over
 that time, against the copy ceiling measured in the same run.
 
-The model does not use the two-row form: tried in every projection (2026-11-30, results in
+The model does not use the two-row form: tried in every projection (results in
 docs/results.md), it cut V2-Lite's batch-1 decode kernels by 1.1 ms per step and still made the
 step slower (4.94 against 4.57-4.61 ms, A/B twice in one session): that step is bound by kernel launches, and the
 copy added one per projection.

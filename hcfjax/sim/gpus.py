@@ -117,7 +117,7 @@ DEEPSEEK_KERNELS = Efficiency(
     source="DeepSeek FlashMLA / DeepGEMM / DeepEP READMEs (H800); gemm memory, overheads assumed",
 )
 
-# This project on the H200 (docs/results.md, 2026-11-29):
+# This project on the H200 (docs/results.md):
 # XLA bf16 matmul 596 TFLOP/s (0.60 of 989), XLA int8 matmul 806 TOP/s (0.41 of 1979), torch copy 4.13 TB/s (0.86
 # of 4.8); the XLA MLA decode reference at 128 x 4096 bf16: 322 GB/s (0.067) and 78 TFLOP/s (0.079). The routed
 # experts (XLA ragged_dot) and the per-layer overhead are not measured alone (docs/results.md: a batch-1 decode step

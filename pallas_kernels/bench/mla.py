@@ -25,7 +25,7 @@ random data when `import flashinfer` works; its plan() (host-side scheduling) is
 compiles and checks small and full shapes.
 
 --versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version since the
-seesaw v4 was removed on 2026-12-01; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
+seesaw v4 was dropped; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
 a q suffix, int8 rows only, runs Q.K on int8 tensor cores, mla_decode's qk8; "@256/208/40" with that register split of
 WG0/WG1/loader, e.g. 3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run
 compares them. A variant other than 3 and 3n is first run on three small shapes in a child process with a timeout: a
@@ -161,7 +161,7 @@ def parse_version(text):
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
     qk8, base = "q" in base, base.replace("q", "")
     if base.rstrip("pn") != "3":
-        raise ValueError(f"version token {text!r}: 3 with p, n, q or @split (version 4 was removed on 2026-12-01)")
+        raise ValueError(f"version token {text!r}: 3 with p, n, q or @split (version 4 was dropped)")
     return {"p": True, "n": False}.get(base[-1]), registers, qk8
 
 
