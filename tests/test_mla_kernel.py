@@ -474,7 +474,7 @@ def test_register_splits_fit_the_cta():
     assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False)
     assert parse_version("3") == (None, None, False)
     assert parse_version("3pq") == (True, None, True)
-    with pytest.raises(ValueError, match="version 4 was removed"):
+    with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 
 
