@@ -117,7 +117,8 @@ def generate(
     max_prefill_tokens: prompts are prefilled in groups of rows holding at most this many (padded) tokens, which
     bounds prefill activation memory for large batches.
     speculative: draft with the checkpoint's MTP modules and verify (hcfjax.speculative.SpeculativeConfig); the
-    stats then carry acceptance_per_depth and mean_accepted_length, overall and per request.
+    stats then carry acceptance_per_depth and mean_accepted_length, overall and per request (and forced_acceptance
+    when the config forces it: a benchmark's, not the model's).
     options: kernel or reference per op, and the kernels' variants (hcfjax.options.Options).
     decode_plan (sharding.plans.decode_plan): the batch spread over the plan's ranks in contiguous blocks, attention
     data parallel, experts over EP; ranks short of requests get mock rows, which step with the others but never
@@ -206,6 +207,8 @@ def generate(
         "decode_tokens_per_s": (n_new - b_real) / (t2 - t1) if n_new > b_real else 0.0,
         **(speculative_stats(counts) if speculative is not None else {}),
     }
+    if speculative is not None and speculative.forced_acceptance is not None:
+        stats["forced_acceptance"] = list(speculative.forced_acceptance)  # benchmark only: not the model's acceptance
     if decode_plan is not None:
         stats.update(ranks=ranks, mock_rows=b - b_real)
     return GenerationResult(result, text, stats)

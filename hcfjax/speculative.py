@@ -45,6 +45,12 @@ class SpeculativeConfig:
     mtp_head_norm: the RMSNorm before the MTP modules' LM head (the reference added it to vLLM's MTP for +2%
         acceptance; DeepSeek ships its weight as shared_head.norm). False drops it, to measure what it buys.
     `tuned` defaults draft_temperature_scale to 0.5: less random drafts are accepted more often.
+    forced_acceptance: BENCHMARK ONLY (a random model has no trained MTP heads). One probability per depth: draft i
+        is accepted with probability a_i given drafts 1..i-1 were (conditional per depth, as the capacity
+        simulator's `acceptance`: tokens per step 1 + a_1 + a_1 a_2 + ...), drawn from each row's own key in place
+        of the method's accept test; everything else (target forward, the method's probabilities, the token after
+        the accepted drafts, MTP extend, drafting) runs as usual. The output is then not the model's. The serving
+        engine and the PD prefill worker refuse a config that sets it, and `hcfjax serve` has no flag for it.
     """
 
     num_draft_tokens: int = 2
@@ -55,6 +61,7 @@ class SpeculativeConfig:
     position_methods: tuple[str, ...] | None = None
     dynamic_temperature: tuple[float, float] | None = None
     mtp_head_norm: bool = True
+    forced_acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 16):
@@ -77,6 +84,10 @@ class SpeculativeConfig:
             lo, hi = self.dynamic_temperature
             if self.method != "tuned" or not 0 < lo <= hi:
                 raise ValueError("dynamic_temperature=(t_min, t_max) with 0 < t_min <= t_max, for method='tuned'")
+        if self.forced_acceptance is not None:
+            rates, k = self.forced_acceptance, self.num_draft_tokens
+            if not (isinstance(rates, tuple) and len(rates) == k and all(0 <= a <= 1 for a in rates)):
+                raise ValueError(f"forced_acceptance needs a tuple of {k} probabilities in [0, 1], got {rates!r}")
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -329,7 +340,9 @@ def spec_step(
     # 2. verification
     lg = logits(params, h)
     p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
-    n, extra = verify(spec.methods, p, d.q, d.drafts, k_verify, spec.typical_epsilon, spec.typical_delta)
+    n, extra = verify(
+        spec.methods, p, d.q, d.drafts, k_verify, spec.typical_epsilon, spec.typical_delta, spec.forced_acceptance
+    )
     j = jnp.arange(k + 1)[None]
     emitted = jnp.where(j < n[:, None], jnp.concatenate([d.drafts, d.drafts[:, :1]], 1), extra[:, None])
     n_emit, done = stops(emitted, jnp.where(live, n + 1, 0))

@@ -12,6 +12,10 @@ d [B, k]: the drafts. Every method returns (n [B] accepted drafts, extra [B] the
   typical    accept iff p(d_i) > min(epsilon, delta * exp(-H(p))) (Medusa); at the first rejection (or after all k)
              emit the target's own sample t_{n+1}.
 Methods can differ per position (the `tuned` configuration): position i uses methods[i].
+
+forced (benchmark only, SpeculativeConfig.forced_acceptance): draft i passes with probability forced[i] (a uniform
+draw of the row's key) instead of its method's test; the token after the accepted drafts is chosen as the method
+would at that position (the target's sample there, or the rejection residual), so it follows the emitted prefix.
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ def verify(
     key: jax.Array,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    forced: tuple[float, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Accept a prefix of the drafts and choose the next token; `methods` has one entry per draft position. key: one
-    key, or one per row [B] (`row_keys`)."""
+    key, or one per row [B] (`row_keys`). forced: per-position acceptance probabilities replacing the methods'
+    tests (benchmark only, see the module docstring)."""
     b, k = d.shape
     if len(methods) != k or any(m not in METHODS for m in methods):
         raise ValueError(f"need {k} methods from {METHODS}, got {methods}")
@@ -80,6 +86,10 @@ def verify(
         "typical": p_d > typical_threshold(p[:, :k], epsilon, delta),
     }
     accept = jnp.stack([by_method[m][:, i] for i, m in enumerate(methods)], axis=1)
+    if forced is not None:
+        if len(forced) != k:
+            raise ValueError(f"need {k} forced acceptance probabilities, got {forced}")
+        accept = u < jnp.asarray(forced, jnp.float32)[None]  # u: the row's own uniforms, as rejection draws them
     n = leading_accepts(accept)
     rows = jnp.arange(b)
     extra = t[rows, n]
