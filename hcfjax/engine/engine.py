@@ -98,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"eplb_nodes must be an integer >= 1 dividing dp={self.dp}, got {self.eplb_nodes!r}")
         if self.cache_dtype not in ("auto", "int8"):
             raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
+        if self.speculative is not None and self.speculative.forced_acceptance is not None:
+            raise ValueError("forced_acceptance is for benchmarks only; a serving engine verifies drafts for real")
 
 
 def _live_eplb(model: Model, c: EngineConfig, plan):

@@ -81,6 +81,10 @@ class PrefillConfig:
     speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
     options: Options = DEFAULT  # how the model runs (hcfjax.options)
 
+    def __post_init__(self):
+        if self.speculative is not None and self.speculative.forced_acceptance is not None:
+            raise ValueError("forced_acceptance is for benchmarks only; a serving worker verifies drafts for real")
+
 
 @functools.partial(jax.jit, static_argnames=("cfg", "is_moe", "opts"), donate_argnames=("cache",))
 def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n, opts: Options):
