@@ -15,6 +15,10 @@ goes: the kernels of a profiler trace of the whole generate call less those of a
 decode step, longest first, and their sum against the step's wall time (the rest is launch gaps and host work).
 Run it with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" and the profile also says where each XLA fusion among
 the longest came from (`hcfjax.bench.hlo_names`: the jax op and source line at its root).
+
+--speculative K --forced-acceptance A1,..,AK (default batch 32, --context 2048) times instead the decode step of
+k = 0..K MTP drafts at acceptance forced to those rates (benchmark only: the random model's heads are untrained), and
+the output tokens/s it gives (hcfjax.bench.spec_step).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import hcfjax
 from hcfjax import cache as kvcache
 from hcfjax import quant
 from hcfjax.attention import decode_mode
+from hcfjax.bench import spec_step
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
@@ -61,11 +66,14 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache
 
 def run(args) -> str:
     opts = args.options
-    cfg = preset_config(args.preset, num_nextn_predict_layers=0)
+    n_mtp = (args.mtp_modules or args.speculative) if args.speculative else 0
+    cfg = preset_config(args.preset, num_nextn_predict_layers=n_mtp)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     n_params = sum(x.size for x in jax.tree.leaves(model.params))
     if args.scheme != "bf16":
         model = quantize_model(model, args.scheme)
+    if args.speculative:
+        return spec_step.table(model, args.preset, args.scheme, n_params, args, opts, header())
     cache_dtype = default_cache_dtype(model)
     rng = np.random.default_rng(0)
     torch_bw = torch_copy_bandwidth()
@@ -193,7 +201,9 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="v2-lite", choices=sorted(PRESETS))
     ap.add_argument("--scheme", default="bf16", choices=SCHEMES, help="quantise the random model first")
     ap.add_argument("--profile", action="store_true", help="also show where a decode step's GPU time goes")
-    ap.add_argument("--batches", default="1,32,128", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], help="default 1,32,128 (--speculative: 32)"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=4096, help="0: no prefill row")
@@ -217,7 +227,26 @@ def main(argv=None) -> None:
         help="w4a8 experts: the gate/up kernel quantises the down projection's input in 128-channel groups "
         "(Options.grouped_down_input)",
     )
+    spec = ap.add_argument_group("speculative step cost at forced acceptance (benchmark only)")
+    spec.add_argument("--speculative", type=int, default=0, metavar="K", help="time k = 0..K MTP drafts per step")
+    spec.add_argument(
+        "--forced-acceptance",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        metavar="A1,..,AK",
+        help="probability that draft depth i is accepted given depth i-1 was (the simulator's acceptance), e.g. "
+        "0.85,0.65,0.45",
+    )
+    spec.add_argument("--context", type=int, default=2048, help="tokens in every row's cache at the first step")
+    spec.add_argument("--mtp-modules", type=int, help="MTP modules of the random model (default K: one per depth)")
+    spec.add_argument("--spec-method", default="exact", choices=("exact", "rejection", "typical", "tuned"))
+    spec.add_argument("--steps", type=int, default=16, help="decode steps timed per k")
     args = ap.parse_args(argv)
+    if args.speculative:
+        if args.forced_acceptance is None or len(args.forced_acceptance) < args.speculative:
+            ap.error(f"--speculative {args.speculative} needs --forced-acceptance with {args.speculative} rates")
+        if args.profile:
+            ap.error("--profile covers plain decoding only")
+    args.batches = args.batches or ([32] if args.speculative else [1, 32, 128])
     flag = {"auto": "auto", "on": True, "off": False}
     changes = dict(two_rows=flag[args.two_rows], unroll_decode=flag[args.unroll_decode])
     if args.grouped_down_input != "default":
