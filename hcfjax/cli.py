@@ -20,9 +20,12 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
+from hcfjax.serving.startup import default_compile_cache
 
 
 def _generate(args) -> int:
@@ -101,8 +104,27 @@ def _generate_planned(model, prompts, plans, args, sampling):
 
 
 def _serve(args) -> int:
+    """Ctrl-C before the server is up (loading, compiling) ends the command quietly, exit status 130."""
+    started = time.monotonic()
+    try:
+        return _serve_until_signal(args, started)
+    except KeyboardInterrupt:
+        print("hcfjax serve: interrupted before it was ready", file=sys.stderr, flush=True)
+        if any(t.name.startswith("hcfjax-compile") for t in threading.enumerate()):
+            os._exit(130)  # a compile in flight cannot be interrupted: do not wait for it
+        return 130
+
+
+def _serve_until_signal(args, started: float) -> int:
+    from hcfjax.serving.startup import use_compile_cache
+
     if args.port is None and args.http_port is None:
         print("error: give --port (gRPC), --http-port (OpenAI-compatible HTTP) or both", file=sys.stderr)
+        return 2
+    try:
+        use_compile_cache(args.compile_cache)
+    except OSError as e:
+        print(f"error: --compile-cache {args.compile_cache}: {e}", file=sys.stderr)
         return 2
     if args.role != "colocated":
         return _serve_role(args)
@@ -126,7 +148,15 @@ def _serve(args) -> int:
         return 2
     try:
         if args.http_port is None:
-            serve(engine, args.host, args.port, metrics_port=args.metrics_port, grace=args.grace, warmup=args.warmup)
+            serve(
+                engine,
+                args.host,
+                args.port,
+                metrics_port=args.metrics_port,
+                grace=args.grace,
+                warmup=args.warmup,
+                started=started,
+            )
         else:
             serve_http(
                 engine,
@@ -139,6 +169,7 @@ def _serve(args) -> int:
                 model_name=args.served_model_name,
                 chat_template=template,
                 api_key=args.api_key,
+                started=started,
             )
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -264,6 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
     s.add_argument(
+        "--min-prefill-bucket",
+        type=int,
+        default=16,
+        help="the smallest prefill chunk shape (chunks pad to powers of two from here; larger: fewer to compile)",
+    )
+    s.add_argument(
+        "--compile-cache",
+        default=str(default_compile_cache()),
+        metavar="DIR|off",
+        help="jax's persistent compilation cache: a restart reads the compiled step shapes back (default: %(default)s)",
+    )
+    s.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",
@@ -278,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     pd.add_argument("--prefill-pages", type=int, default=1024, help="a prefill worker's scratch KV pages")
     pd.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill forward chunk")
-    pd.add_argument("--min-prefill-bucket", type=int, default=16, help="a prefill worker's smallest chunk shape")
     pd.add_argument("--layerwise-threshold", type=int, default=8192, help="prompts this long are sent layer by layer")
     pd.add_argument("--layer-group", type=int, default=1, help="layers per piece in layerwise mode")
     pd.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a prefill and its transfer may take")

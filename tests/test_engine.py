@@ -11,6 +11,7 @@ from hcfjax.engine.pages import OutOfPages, PageAllocator
 from hcfjax.engine.request import Request, Status
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.sampling import SamplingParams
+from tests.engine_helpers import xla_compiles
 
 PROMPTS = [
     "def fib(n):",
@@ -111,13 +112,8 @@ def test_live_eplb_under_the_decode_plan(model, plan_ref):
     reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:2]]  # one per rank; 4 slots: 2 mock rows
     engine.step()
     engine.step()  # prefill (both prompts) and the first decode step: both shapes compiled
-    compiles = []
-    listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with xla_compiles() as compiles:
         run_all(engine)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     outs = [collect(engine, r)[0] for r in reqs]
     assert outs == plan_ref.tokens[:2]
     assert eplb.rebalances >= 3 and not np.array_equal(eplb.placement[0], first_placement)
@@ -196,11 +192,11 @@ def test_speculative_engine_equals_plain_greedy(model):
 def test_after_warmup_serving_never_compiles(model):
     engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1))
     engine.warmup()
-    compiled = engine.snapshot()["compiles"]
-    assert compiled == 1 + 2 * 2  # decode alone; chunks {16, 24 (the budget)} with and without decode
-    reqs = [engine.submit(p, max_new_tokens=6) for p in PROMPTS]
-    run_all(engine)
-    assert engine.snapshot()["compiles"] == compiled
+    assert set(engine.runner.executables) == {None, (1, 16), (1, 24)}  # decode alone; chunks of 16 and 24 tokens
+    with xla_compiles() as compiles:
+        reqs = [engine.submit(p, max_new_tokens=6) for p in PROMPTS]
+        run_all(engine)
+    assert compiles == [] and engine.runner.compiles == []
     assert all(list(engine.stream(r, timeout=0))[-1].finish is not None for r in reqs)
 
 

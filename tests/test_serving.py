@@ -279,16 +279,17 @@ def read_lines(stream, lines: queue.Queue) -> None:
 
 def test_serve_shuts_down_gracefully_on_sigterm():
     small = ["--max-slots", "2", "--max-model-len", "256", "--token-budget", "16", "--max-prefill-rows", "1"]
-    cmd = CLI + ["serve", "--port", "0", *small, "--grace", "2", "--no-warmup"]  # compiles on the first request
+    cmd = CLI + ["serve", "--port", "0", *small, "--grace", "2", "--no-warmup", "--compile-cache", "off"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
     try:
         port, log = None, []
-        while port is None:
+        while not log or "ready in" not in log[-1]:
             log.append(lines.get(timeout=60))
             if "listening on" in log[-1]:
                 port = int(log[-1].rsplit(":", 1)[1])
+        assert f"gRPC 127.0.0.1:{port}" in log[-1]
         channel, stub = client.connect("127.0.0.1", port, ready_timeout=10)
         call = client.generate_stream(stub, "def f(x):", **LONG)
         chunks = [next(call), next(call)]  # decoding
@@ -302,6 +303,31 @@ def test_serve_shuts_down_gracefully_on_sigterm():
         err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2, timeout=5))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_during_warmup_exits_quietly(tmp_path):
+    """SIGINT while the step shapes compile: one line, exit status 130, no traceback, nothing left listening."""
+    cmd = CLI + ["serve", "--port", "0", "--max-slots", "2", "--compile-cache", str(tmp_path / "xla")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        log = [lines.get(timeout=60)]
+        while "compiling step shapes" not in log[-1]:
+            log.append(lines.get(timeout=60))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        time.sleep(0.2)  # the reader thread takes the last lines
+        while not lines.empty():
+            log.append(lines.get())
+        text = "".join(log)
+        assert "interrupted before it was ready" in text and "Traceback" not in text, text
+        assert not any("listening on" in line for line in log)
+        assert (tmp_path / "xla").is_dir()  # the cache directory is made before the first compile
     finally:
         if proc.poll() is None:
             proc.kill()

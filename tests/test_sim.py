@@ -123,7 +123,8 @@ def test_actual_and_engine_works():
     (e,) = shapes.works(plan)
     assert e.tokens == 32 + 256 and e.dec_kv == 32 * 4160  # every slot, the whole page table
     assert e.pre_pairs == 256 * 4160 and e.logits == 32 + 1
-    assert shapes.chunk_shape(65) == 128 and shapes.chunk_shape(10) == 64 and shapes.rows_shape(3) == 2
+    step = shapes.step_shapes
+    assert step.tokens(65) == 128 and step.tokens(10) == 64 and step.rows(3) == 2
 
 
 # -- the event logic, with constant step times -------------------------------------------------------------------------

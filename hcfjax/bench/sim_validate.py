@@ -40,33 +40,21 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from hcfjax.bench.sim_profile import fit, fitted, metrics, predicted, write_profile
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import Efficiency, gpu
 from hcfjax.sim.work import EngineShapes
 
 
-def _time_shape(runner, b: int, t: int, with_decode: bool, reps: int) -> float:
-    """Median seconds of one runner step of this shape, on the warm-up's inputs (which write nothing)."""
+def _time_shape(runner, shape: tuple[int, int] | None, reps: int) -> float:
+    """Median seconds of one runner step of this prefill shape (None: decode alone), on inputs that write nothing."""
     import jax
 
-    from hcfjax.sampling import SamplingBatch, SamplingParams
-    from hcfjax.step import DecodeInputs, PrefillInputs
-
-    s, m = runner.num_slots, runner.max_pages
-    sp = lambda n: jax.tree.map(runner._put, SamplingBatch.of([SamplingParams()] * n))
-    z = lambda *shape: runner._put(np.zeros(shape, np.int32))
-    dec = DecodeInputs(runner._put(np.zeros(s, bool)), z(s, m), sp(s), runner._put(np.zeros(s, np.uint32)))
-    pre = None
-    if b:
-        drop = runner._put(np.full(b, runner.slots_per_rank, np.int32))
-        pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp(b), runner._put(np.zeros(b, np.uint32)), z(b))
+    pre, dec = runner.idle_inputs(shape)
     times = []
     for i in range(reps + 1):
         t0 = time.perf_counter()
-        jax.block_until_ready((runner._call(pre, dec if with_decode else None), runner.state))
+        jax.block_until_ready((runner._call(pre, dec), runner.state))
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -78,20 +66,15 @@ def calibrate(engine, model, args, shapes: EngineShapes) -> list[tuple]:
     from hcfjax.quantize import default_cache_dtype
 
     c = engine.config
-    rows = sorted({min(1 << (n - 1).bit_length(), c.max_prefill_rows) for n in range(1, c.max_prefill_rows + 1)})
-    top = max(c.token_budget, c.min_prefill_bucket)
-    chunks = sorted({shapes.chunk_shape(1 << i) for i in range(top.bit_length()) if 1 << i <= top})
-    points = [(shapes, 0, 0, True, _time_shape(engine.runner, 0, 0, True, args.reps))]
-    for b in rows:
-        for t in chunks:
-            for d in (False, True):
-                points.append((shapes, b, t, d, _time_shape(engine.runner, b, t, d, args.reps)))
+    points = [(shapes, 0, 0, True, _time_shape(engine.runner, None, args.reps))]
+    for b, t in shapes.step_shapes.all():
+        points.append((shapes, b, t, True, _time_shape(engine.runner, (b, t), args.reps)))
     r = engine.runner
     for slots in args.calib_slots:
         pages = max(r.max_pages, slots * r.max_pages // 2)
         runner = ModelRunner(model, slots, pages, c.page_size, r.max_pages, default_cache_dtype(model, None))
         other = dataclasses.replace(shapes, slots=slots)
-        points.append((other, 0, 0, True, _time_shape(runner, 0, 0, True, args.reps)))
+        points.append((other, 0, 0, True, _time_shape(runner, None, args.reps)))
         del runner
     return points
 
@@ -299,12 +282,12 @@ def run(args, stage, workers, gpus) -> list[str]:
         engine_shapes=True,
         max_model_len=args.max_model_len,
     )
-    sim_cfg = dep.scheduler_config(pool, "colocated", dep.engine_limits(pool, cfg)[2])
+    shapes = dep.engine_shapes_for(pool, cfg)
+    sim_cfg = dep.scheduler_config(pool, "colocated", dep.engine_limits(pool, cfg)[2], shapes.step_shapes)
     if sim_cfg != engine.scheduler.cfg:
         raise SystemExit(
             f"the simulator's SchedulerConfig differs from the engine's:\n{sim_cfg}\n{engine.scheduler.cfg}"
         )
-    shapes = dep.engine_shapes_for(pool, cfg)
     limit = engine.max_model_len
     ins, outs, prompts, arrivals = workload(args.seed, args.requests, args.rate, args.scale, limit, cfg.vocab_size)
     wl = Workload(args.requests, args.rate, args.seed, args.scale, limit, cfg.vocab_size)

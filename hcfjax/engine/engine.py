@@ -25,6 +25,7 @@ from hcfjax import trace
 from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
+from hcfjax.engine.shapes import StepShapes
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
@@ -140,6 +141,9 @@ class Engine:
         # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
         max_pages = math.ceil((self.max_model_len + 2 * (2 * k + 1)) / c.page_size)
         num_pages = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
+        shapes = StepShapes(
+            c.token_budget, c.max_prefill_rows, c.min_prefill_bucket, spec is not None, max_pages * c.page_size
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 dp=c.dp,
@@ -155,6 +159,7 @@ class Engine:
                 max_wait_s=c.max_wait_s,
                 balance=c.balance,
                 remote_prefill=remote is not None,
+                shapes=shapes,
             )
         )
         dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
@@ -166,7 +171,7 @@ class Engine:
             max_pages,
             dtype,
             spec,
-            c.min_prefill_bucket,
+            shapes,
             decode_plan,
             _live_eplb(model, c, decode_plan),
             c.options,
@@ -289,7 +294,7 @@ class Engine:
             "total_pages": self.total_pages,
             "cache_used": 1 - free / self.total_pages,
             "steps": self.steps,
-            "compiles": len(self.runner.compiles),
+            "compiles": len(self.runner.executables),  # step shapes compiled (by warm-up or on first use)
             "preemptions": s.preemptions,
             "should_grow": s.should_grow,
             "expected_output": s.expected_output,
@@ -325,10 +330,11 @@ class Engine:
             self.step()
         self._abort_all()
 
-    def warmup(self) -> float:
-        """Compiles every step shape before serving (call before start()); returns the seconds it took."""
+    def warmup(self, progress=None) -> float:
+        """Compiles every step shape before serving (call before start()); returns the seconds it took.
+        progress(done, total) is told as each shape's compile ends."""
         t0 = time.perf_counter()
-        self.runner.warmup(self.config.max_prefill_rows, self.config.token_budget, prefill=self.remote is None)
+        self.runner.warmup(prefill=self.remote is None, progress=progress)
         if self.remote is not None:
             self.runner.warmup_install()
         return time.perf_counter() - t0
@@ -358,7 +364,7 @@ class Engine:
         current = None
         if not plan.empty:
             try:
-                current = self.runner.dispatch(plan, self.config.max_prefill_rows, self.config.token_budget)
+                current = self.runner.dispatch(plan)
                 self.steps += 1
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 log.exception("engine step failed")

@@ -1,17 +1,22 @@
 """The engine's device side: the paged cache and per-slot decode state, and one call of hcfjax.step per engine
 iteration (prefill chunks and decode rows together; under a decode plan, the plan's shard_map of it).
 
-Decode slots are fixed (dp x max_slots rows, rank major), prefill shapes are bucketed to powers of two, so steady
-state never recompiles; each new shape is logged as a compile event. The tokens a step samples stay on the device
+Decode slots are fixed (dp x max_slots rows, rank major) and every step runs them (rows without a request are
+inactive); prefill parts are padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the
+token budget. `warmup` compiles every shape ahead of time, several at once, so serving never stops to compile; a
+shape met without warm-up compiles on first use and is logged. The tokens a step samples stay on the device
 as the next step's input: the host only sends page tables and masks, and reads the sampled tokens back one step
 later (see engine.py).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +24,7 @@ import numpy as np
 
 from hcfjax import cache as kvcache
 from hcfjax.engine.scheduler import StepPlan
+from hcfjax.engine.shapes import StepShapes
 from hcfjax.generate import bucket
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
@@ -71,15 +77,17 @@ class ModelRunner:
         max_pages: int,
         cache_dtype,
         spec: SpeculativeConfig | None = None,
-        min_bucket: int = 16,
+        shapes: StepShapes | None = None,
         plan=None,
         eplb=None,
         options: Options = DEFAULT,
     ):
-        """plan (a sharding.plans decode plan): the dp ranks on the plan's devices, each with its share of the slots
+        """shapes: the prefill shapes steps pad to (default: 4 rows of up to 256 tokens). plan (a sharding.plans
+        decode plan): the dp ranks on the plan's devices, each with its share of the slots
         and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
         the routed load of every step. options: how the model runs (hcfjax.options)."""
-        self.model, self.cfg, self.spec, self.min_bucket, self.plan = model, model.cfg, spec, min_bucket, plan
+        self.model, self.cfg, self.spec, self.plan = model, model.cfg, spec, plan
+        self.shapes = shapes or StepShapes(256, 4, whole_prompts=spec is not None, max_len=max_pages * page_size)
         self.options = options
         # device ranks: slots and pages are rank major, each rank's share on its device under a decode plan
         self.ranks = 1 if plan is None else plan.ranks
@@ -102,38 +110,38 @@ class ModelRunner:
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
-        self.shapes: set = set()
-        self.compiles: list[tuple[tuple, float]] = []  # (shape key, seconds of the first call)
+        self.executables: dict = {}  # prefill shape (or None) -> the compiled step
+        self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
+        self._idle_decode: DecodeInputs | None = None
 
-    def dispatch(self, plan: StepPlan, max_prefill_rows: int, max_chunk: int) -> Dispatched:
-        pre, rows = self._prefill_inputs(plan, max_prefill_rows, max_chunk) if plan.chunks else (None, [])
-        dec = self._decode_inputs(plan) if plan.decode else None
-        first, nxt, load = self._call(pre, dec)
+    def dispatch(self, plan: StepPlan) -> Dispatched:
+        pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
+        first, nxt, load = self._call(pre, self._decode_inputs(plan))
         epochs = [c.req.epoch for c in plan.chunks]
         return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows, load)
 
-    def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
-        key = (None if pre is None else pre.tokens.shape, dec is not None)
-        t0 = time.perf_counter()
-        if self.plan is None:
-            self.state, first, nxt, load = jitted_step(
-                self.params, self.cfg, self.state, pre, dec, self.spec, self.options
-            )
-        else:
-            parts = (pre is not None, dec is not None)
-            if parts not in self._planned:
-                with_load = self.eplb is not None
-                self._planned[parts] = self.plan.wrap_step(
-                    self.cfg, self.params, self.state, *parts, with_load, self.spec, self.options
-                )
-            fn = self._planned[parts]
-            self.state, first, nxt, load = fn(self.params, self.state, pre, dec)
-        self.steps += 1
-        if key not in self.shapes:  # jit compiles synchronously inside the first call of a shape
-            self.shapes.add(key)
+    def _call(self, pre: PrefillInputs | None, dec: DecodeInputs):
+        key = None if pre is None else pre.tokens.shape
+        fn = self.executables.get(key)
+        if fn is None:  # not warmed up: compile now (a pause every request in flight feels)
+            t0 = time.perf_counter()
+            fn = self.executables[key] = self._compile(pre, dec)
             self.compiles.append((key, time.perf_counter() - t0))
-            log.info("compiled step for prefill %s, decode %s in %.1f s", key[0], key[1], self.compiles[-1][1])
+            log.info("compiled step for prefill shape %s in %.1f s", key, self.compiles[-1][1])
+        self.state, first, nxt, load = fn(self.params, self.state, pre, dec)
+        self.steps += 1
         return first, nxt, load
+
+    def _compile(self, pre: PrefillInputs | None, dec: DecodeInputs):
+        """The step for these inputs' shapes, compiled ahead of time: fn(params, state, pre, dec)."""
+        if self.plan is None:
+            return jitted_step.lower(self.params, self.cfg, self.state, pre, dec, self.spec, self.options).compile()
+        parts = pre is not None
+        if parts not in self._planned:
+            self._planned[parts] = self.plan.wrap_step(
+                self.cfg, self.params, self.state, parts, True, self.eplb is not None, self.spec, self.options
+            )
+        return self._planned[parts].lower(self.params, self.state, pre, dec).compile()
 
     def rebalance_experts(self, step: int) -> None:
         """Re-places the experts for the loads EPLB has seen (between steps; the compiled steps stay valid)."""
@@ -193,38 +201,44 @@ class ModelRunner:
             part = None if scale is None else scale[:, :n]
             self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
 
-    def warmup(self, max_rows: int, max_chunk: int, prefill: bool = True) -> None:
-        """Compiles every step shape the engine can produce (prefill rows x chunk buckets, with and without
-        decode, and decode alone; only decode without local prefill) on inputs that touch nothing, so serving
-        never stops to compile."""
-        s, m = self.num_slots, self.max_pages
-        rows = sorted({self._rows_shape(b, max_rows) for b in range(1, max_rows + 1)})
-        # every chunk length up to the longest (a whole prompt with speculation) maps to one of these shapes
-        top = self.max_pages * self.cache_page_size if self.spec is not None else max(max_chunk, self.min_bucket)
-        sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
-        chunks = sorted({self._chunk_shape(n, max_chunk) for n in sizes})
-        sp = lambda n: jax.tree.map(self._put, SamplingBatch.of([SamplingParams()] * n))
-        z = lambda *shape: self._put(np.zeros(shape, np.int32))
-        dec = DecodeInputs(self._put(np.zeros(s, bool)), z(s, m), sp(s), self._put(np.zeros(s, np.uint32)))
-        shapes = [(None, True)] + [((b * self.ranks, t), d) for b in rows for t in chunks for d in (False, True)]
-        for shape, with_decode in shapes if prefill else shapes[:1]:
-            pre = None
-            if shape is not None:
-                b, t = shape
-                drop = self._put(np.full(b, self.slots_per_rank, np.int32))
-                pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp(b), self._put(np.zeros(b, np.uint32)), z(b))
-            self._call(pre, dec if with_decode else None)
+    def warmup(self, prefill: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compiles the step for every shape it can take (decode alone and each prefill shape of `shapes` with
+        decode; only decode without local prefill), several at once. progress(done, total) is told as each
+        compile ends. -> the number of shapes."""
+        dec = self.idle_inputs(None)[1]
+        inputs = {None: None}
+        for b, t in self.shapes.all() if prefill else []:
+            pre = self.idle_inputs((b, t))[0]
+            inputs[pre.tokens.shape] = pre
+        todo = [k for k in inputs if k not in self.executables]
+        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
+        try:
+            futures = {pool.submit(self._compile, inputs[k], dec): k for k in todo}
+            if progress is not None:
+                progress(0, len(todo))
+            for i, done in enumerate(concurrent.futures.as_completed(futures)):
+                self.executables[futures[done]] = done.result()
+                if progress is not None:
+                    progress(i + 1, len(todo))
+        except BaseException:  # Ctrl-C or a failed compile: drop the compiles not started, wait for none
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return len(inputs)
 
-    @staticmethod
-    def _rows_shape(n: int, max_rows: int) -> int:
-        """Prefill rows per rank for n chunks: a power of two, at most max_rows."""
-        return min(bucket(n, 1), max_rows)
-
-    def _chunk_shape(self, n: int, max_chunk: int) -> int:
-        """Prefill tokens per row for a longest chunk of n: a power of two from min_bucket, capped at the chunk
-        budget (with speculation prompts come whole, so no cap)."""
-        t = bucket(n, self.min_bucket)
-        return t if self.spec is not None else min(t, max(max_chunk, self.min_bucket))
+    def idle_inputs(self, shape: tuple[int, int] | None) -> tuple[PrefillInputs | None, DecodeInputs]:
+        """Step inputs that write nothing: `shape` (rows per rank, tokens) prefill rows that end no prompt (None:
+        no prefill part) and inactive decode rows."""
+        pre = None
+        if shape is not None:
+            b, t = shape[0] * self.ranks, shape[1]
+            m, put = self.max_pages, self._put
+            z = lambda *dims: put(np.zeros(dims, np.int32))
+            sp = jax.tree.map(put, SamplingBatch.of([SamplingParams()] * b))
+            drop = put(np.full(b, self.slots_per_rank, np.int32))
+            pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp, put(np.zeros(b, np.uint32)), z(b))
+        return pre, self._decode_inputs(StepPlan([], []))
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -239,7 +253,7 @@ class ModelRunner:
         base = self._rank(req) * self.pages_per_rank
         return [p - base for p in req.pages]
 
-    def _prefill_inputs(self, plan: StepPlan, max_rows: int, max_chunk: int) -> tuple[PrefillInputs, list[int]]:
+    def _prefill_inputs(self, plan: StepPlan) -> tuple[PrefillInputs, list[int]]:
         """Rows rank major (rank r's chunks in rows r * b .. r * b + b - 1), slots and pages rank local."""
         chunks = plan.chunks
         per_rank, index = [0] * self.ranks, []
@@ -247,10 +261,10 @@ class ModelRunner:
             r = self._rank(c.req)
             index.append((r, per_rank[r]))
             per_rank[r] += 1
-        b_local = self._rows_shape(max(per_rank), max_rows)
+        b_local = self.shapes.rows(max(per_rank))
         rows = [r * b_local + i for r, i in index]
         b = b_local * self.ranks
-        t = self._chunk_shape(max(c.n for c in chunks), max_chunk)
+        t = self.shapes.tokens(max(c.n for c in chunks))
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         slot, seed, count = np.full(b, self.slots_per_rank, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
         sampling = [chunks[0].req.sampling] * b
@@ -280,14 +294,20 @@ class ModelRunner:
         return x if self.plan is None else jax.device_put(x, self.plan.rows())
 
     def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
+        """The decode rows: every slot, active where a request decodes this step."""
+        if not plan.decode and self._idle_decode is not None:
+            return self._idle_decode
         s = self.num_slots
         active, seed = np.zeros(s, bool), np.zeros(s, np.uint32)
         pages: list[list[int]] = [[] for _ in range(s)]
-        sampling = [plan.decode[0].sampling] * s
+        sampling = [plan.decode[0].sampling if plan.decode else SamplingParams()] * s
         for req in plan.decode:
             active[req.slot], seed[req.slot], sampling[req.slot] = True, req.seed, req.sampling
             pages[req.slot] = self._local_pages(req)
         put = self._put
-        return DecodeInputs(
+        dec = DecodeInputs(
             put(active), put(self._table(pages)), jax.tree.map(put, SamplingBatch.of(sampling)), put(seed)
         )
+        if not plan.decode:
+            self._idle_decode = dec
+        return dec

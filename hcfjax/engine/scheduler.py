@@ -11,6 +11,8 @@ a simulator's), so the same code runs live and simulated.
   there. The expected output is the mean of recent requests' output lengths (a sliding window), capped by its
   max_new_tokens; pages promised to running requests the same way are not counted as free. When the head of the
   queue cannot be admitted, `should_grow` says capacity is short.
+- Padded shapes (`shapes`, the engine's): a chunk joins a step only if the step's padded prefill shape (rows x
+  tokens, hcfjax.engine.shapes) stays within the token budget; a chunk is cut short to fit one.
 - Speculative decoding prefills each prompt whole (the MTP modules' caches need every anchor); a prompt longer
   than what is left of the budget waits for the next step unless it is the step's first chunk.
 - Preemption: when a decoding request needs a page and none is free, the most recently admitted request on that
@@ -29,6 +31,7 @@ import dataclasses
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.pages import PageAllocator
 from hcfjax.engine.request import FinishReason, Request, Status
+from hcfjax.engine.shapes import StepShapes
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class SchedulerConfig:
     balance: str = "round_robin"
     output_window: int = 64  # finished requests in the sliding mean of output lengths
     default_output_len: int = 128  # the mean before any request finished
+    shapes: StepShapes | None = None  # keep each step's padded prefill shape within the budget (None: no padding)
 
 
 class Scheduler:
@@ -137,24 +141,36 @@ class Scheduler:
         budget = cfg.token_budget - len(decode) * cfg.step_tokens
         chunks: list[Chunk] = []
         for req in [q for q in self.running if q.status == Status.PREFILLING]:
-            if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
+            n = self._room(chunks, budget, len(req.fill) - req.computed)
+            if n <= 0:
                 break
-            chunks.append(self._chunk(req, budget))
-            budget -= chunks[-1].n
+            chunks.append(self._chunk(req, n))
+            budget -= n
         self.should_grow = False
         if cfg.remote_prefill:
             return StepPlan(chunks, decode, self._admit_remote(now))
         for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
-            if budget <= 0 or len(chunks) >= cfg.max_prefill_rows:
-                break
-            if cfg.whole_prompts and chunks and len(req.prompt) + len(req.output) > budget:
+            n = self._room(chunks, budget, len(req.prompt) + len(req.output))
+            if n <= 0:
                 break
             if not self._admit(req):
                 self.should_grow = True
                 break
-            chunks.append(self._chunk(req, budget))
-            budget -= chunks[-1].n
+            chunks.append(self._chunk(req, n))
+            budget -= n
         return StepPlan(chunks, decode)
+
+    def _room(self, chunks: list[Chunk], budget: int, left: int) -> int:
+        """Tokens of a prompt with `left` tokens to prefill that join this step's `chunks` (0: it waits). With
+        whole prompts it is all of them or none, except that the step's first chunk always runs."""
+        if len(chunks) >= self.cfg.max_prefill_rows or budget <= 0:
+            return 0
+        room = budget
+        if self.cfg.shapes is not None:
+            room = min(room, self.cfg.shapes.room(len(chunks), max((c.n for c in chunks), default=0)))
+        if self.cfg.whole_prompts:
+            return left if not chunks or left <= room else 0
+        return min(left, room)
 
     def _admit_remote(self, now: float) -> list[Request]:
         admitted = []
@@ -215,9 +231,7 @@ class Scheduler:
         req.status = Status.PREFILLING
         return True
 
-    def _chunk(self, req: Request, budget: int) -> Chunk:
-        n = len(req.fill) - req.computed
-        n = n if self.cfg.whole_prompts else min(n, budget)
+    def _chunk(self, req: Request, n: int) -> Chunk:
         chunk = Chunk(req, req.computed, n, req.computed + n == len(req.fill))
         req.computed += n
         req.cached_bound = req.computed

@@ -53,6 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         balance=args.balance,
         speculative=speculative_config(args),
         cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        min_prefill_bucket=args.min_prefill_bucket,
         options=run_options(),
     )
 
@@ -116,6 +117,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         max_prefill_rows=config.max_prefill_rows,
         max_queue=config.max_queue,
         balance=config.balance,
+        min_prefill_bucket=config.min_prefill_bucket,
     )
     unset = EngineConfig(
         **flags, speculative=config.speculative, cache_dtype=config.cache_dtype, options=config.options

@@ -420,11 +420,14 @@ def serve(
     model_name: str | None = None,
     chat_template: ChatTemplate | None = None,
     api_key: str | None = None,
+    started: float | None = None,
     announce=lambda line: print(line, flush=True),
 ) -> None:
     """Runs the HTTP server, and the gRPC server too when grpc_port is given, over one engine until SIGINT or SIGTERM
-    (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version."""
+    (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version (its docstring says what
+    warmup, started and announce do)."""
     from hcfjax.serving.server import Server, until_signal
+    from hcfjax.serving.startup import ready_line, warm_up
 
     metrics = Metrics(engine)
     grpc_server = Server(engine, host, grpc_port, metrics=metrics) if grpc_port is not None else None
@@ -432,20 +435,23 @@ def serve(
         engine, host, http_port, model_name=model_name, chat_template=chat_template, metrics=metrics, api_key=api_key
     )
     if warmup:
-        announce("hcfjax serve: compiling the engine's step shapes")
-        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
+        warm_up(engine, announce)
     try:
         with until_signal(announce):
+            where = []
             if grpc_server is not None:
                 grpc_server.start()
                 announce(f"hcfjax serve: listening on {host}:{grpc_server.port}")
+                where.append(f"gRPC {host}:{grpc_server.port}")
             http.start()
             announce(
                 f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{http.port}/v1 "
                 f"(model {http.service.model_name!r})"
             )
+            where.append(f"HTTP http://{host}:{http.port}/v1")
             if metrics_port:
                 announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
+            announce(ready_line(started, where))
     finally:
         http.service.stopping = True  # refuse new HTTP requests while gRPC drains
         if grpc_server is not None:

@@ -29,6 +29,7 @@ from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving.metrics import Metrics
+from hcfjax.serving.startup import ready_line, warm_up
 
 log = logging.getLogger("hcfjax.serving")
 
@@ -227,22 +228,24 @@ def serve(
     metrics_port: int | None = None,
     grace: float = 3.0,
     warmup: bool = True,
+    started: float | None = None,
     announce=lambda line: print(line, flush=True),
 ) -> None:
     """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread).
 
     warmup: compile every engine step shape before listening, so no request waits for a compile.
-    announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them)."""
+    announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them),
+    then that it is ready (with the seconds since `started`, a time.monotonic() of the command's start)."""
     metrics = Metrics(engine)
     server = Server(engine, host, port, metrics=metrics)
     if warmup:
-        announce("hcfjax serve: compiling the engine's step shapes")
-        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
+        warm_up(engine, announce)
     try:
         with until_signal(announce):
             server.start()
             announce(f"hcfjax serve: listening on {host}:{server.port}")
             if metrics_port:
                 announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
+            announce(ready_line(started, [f"gRPC {host}:{server.port}"]))
     finally:
         server.shutdown(grace)

@@ -165,8 +165,9 @@ class Deployment:
         max_pages = math.ceil((max_len + 2 * (2 * k + 1)) / pool.page_size)
         return max_len, max_pages, pool.num_pages or max(max_pages, pool.max_slots * max_pages // 2)
 
-    def scheduler_config(self, pool: Pool, role: str, num_pages: int) -> SchedulerConfig:
-        """role: colocated | prefill | decode."""
+    def scheduler_config(self, pool: Pool, role: str, num_pages: int, shapes=None) -> SchedulerConfig:
+        """role: colocated | prefill | decode. shapes (hcfjax.engine.shapes.StepShapes, engine_shapes only): plan
+        within the runner's padded prefill shapes, as the engine does."""
         k = self.spec_k
         common = dict(page_size=pool.page_size, spf_window_s=pool.spf_window_s, max_wait_s=pool.max_wait_s)
         if role == "prefill":  # one rank; each prompt gets max_new_tokens 1
@@ -196,6 +197,7 @@ class Deployment:
             page_slack=k,
             whole_prompts=whole,
             balance=pool.balance,
+            shapes=shapes,
             **common,
             **extra,
         )

@@ -167,15 +167,16 @@ def simulate(dep: Deployment, wl: Workload, slo: SLO | None = None, trace=None) 
     if dep.mode == "colocated":
         pool = dep.colocated
         cost = dep.cost_model(pool, cfg)
+        step_shapes = None
         if dep.engine_shapes:
             shapes = dep.engine_shapes_for(pool, cfg)
             pages = dep.engine_limits(pool, cfg)[2]
-            works = shapes.works
+            works, step_shapes = shapes.works, shapes.step_shapes
         else:
             pages = dep.pages_per_rank(pool, cost)
             works = lambda plan: actual_works(plan, pool.dp, k)
         priced["colocated"] = _Priced(dep, pool, cost, works)
-        scfg = dep.scheduler_config(pool, "colocated", pages)
+        scfg = dep.scheduler_config(pool, "colocated", pages, step_shapes)
         for i in range(pool.instances):
             engines.append(
                 EngineInstance(clock, f"colocated{i}", scfg, priced["colocated"], _host(cost), acceptance(), on_finish)

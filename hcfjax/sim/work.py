@@ -16,11 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from hcfjax.engine.scheduler import StepPlan
+from hcfjax.engine.shapes import StepShapes
+from hcfjax.generate import bucket
 from hcfjax.sim.cost import Work
-
-
-def _bucket(n: int, lo: int) -> int:
-    return max(lo, 1 << (n - 1).bit_length())  # hcfjax.generate.bucket, without importing the model code
 
 
 def _chunk_work(start: int, n: int, final: bool, spec_k: int) -> Work:
@@ -66,12 +64,10 @@ class EngineShapes:
     min_bucket: int
     spec_k: int = 0
 
-    def rows_shape(self, n: int) -> int:
-        return min(_bucket(n, 1), self.max_rows)
-
-    def chunk_shape(self, n: int) -> int:
-        t = _bucket(n, self.min_bucket)
-        return t if self.spec_k else min(t, max(self.token_budget, self.min_bucket))
+    @property
+    def step_shapes(self) -> StepShapes:
+        """The prefill shapes the runner pads to (and the engine's scheduler plans within)."""
+        return StepShapes(self.token_budget, self.max_rows, self.min_bucket, bool(self.spec_k), self.keys)
 
     def works(self, plan: StepPlan) -> list[Work]:
         b = t = 0
@@ -79,9 +75,9 @@ class EngineShapes:
             per_rank = [0] * self.ranks
             for c in plan.chunks:
                 per_rank[c.req.rank if self.ranks > 1 else 0] += 1
-            b = self.rows_shape(max(per_rank))
-            t = self.chunk_shape(max(c.n for c in plan.chunks))
-        return self.shape_works(b, t, bool(plan.decode))
+            b = self.step_shapes.rows(max(per_rank))
+            t = self.step_shapes.tokens(max(c.n for c in plan.chunks))
+        return self.shape_works(b, t, True)  # the runner runs every decode row (inactive or not) in every step
 
     def shape_works(self, b: int, t: int, decode: bool) -> list[Work]:
         """The work of one compiled step shape: b prefill rows per rank of t tokens, with or without decode."""
@@ -121,9 +117,9 @@ class PrefillShapes:
 
     def shape(self, rows: int, longest: int) -> tuple[int, int, int, int]:
         """(rows, chunk, padded length, page-table width) of a batch of `rows` prompts, the longest `longest`."""
-        tc = min(_bucket(longest, self.min_bucket), self.chunk)
+        tc = min(bucket(longest, self.min_bucket), self.chunk)
         t = -(-longest // tc) * tc
-        return _bucket(rows, 1), tc, t, _bucket(-(-t // self.page_size), 1)
+        return bucket(rows, 1), tc, t, bucket(-(-t // self.page_size), 1)
 
     def works(self, plan: StepPlan) -> list[Work]:
         return self.shape_works(*self.shape(len(plan.chunks), max(c.n for c in plan.chunks)))

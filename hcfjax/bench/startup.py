@@ -1,0 +1,104 @@
+"""How long `hcfjax serve` takes to be ready: a cold start (an empty compilation cache), then a restart that reads
+the cache back. Each run starts the command, waits for its ready line, serves one request over gRPC, and stops it
+with SIGINT.
+
+    python -m hcfjax.bench.startup [--out FILE] -- --preset v2-lite --scheme w4a8c8 --max-slots 64 \\
+        --token-budget 4096 --max-model-len 16384
+
+Everything after `--` goes to `hcfjax serve` (its --port and --compile-cache are set here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _header() -> str:
+    """Date, GPU and jax version, without starting jax here (it would take the GPU's memory from the server)."""
+    import datetime
+    import importlib.metadata
+    import shutil
+
+    gpu = "cpu"
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        gpu = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else gpu
+    return f"date {datetime.date.today().isoformat()}, device {gpu}, jax {importlib.metadata.version('jax')}"
+
+
+def start_once(serve_args: list[str], cache: str, timeout: float) -> dict:
+    """One start: seconds to the ready line (as the server reports it and as seen from here), the shapes compiled,
+    the first request's seconds, and how the command exited."""
+    cmd = [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", "--compile-cache", cache, *serve_args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    row: dict = {}
+    try:
+        for line in proc.stdout:
+            print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)
+            if m := re.search(r"(\d+) step shapes compiled in ([\d.]+) s", line):
+                row["shapes"], row["compile_s"] = int(m[1]), float(m[2])
+            if m := re.search(r"listening on \S+:(\d+)", line):
+                row["port"] = int(m[1])
+            if m := re.search(r"ready in ([\d.]+) s", line):
+                row["ready_s"], row["seen_s"] = float(m[1]), time.monotonic() - t0
+                break
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"not ready after {timeout:.0f} s")
+        if "ready_s" not in row:
+            raise RuntimeError(f"hcfjax serve exited ({proc.wait()}) before it was ready")
+        row["first_request_s"] = _one_request(row["port"])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        row["exit"] = proc.wait(timeout=60)
+    return row
+
+
+def _one_request(port: int) -> float:
+    from hcfjax.serving.client import connect, generate
+
+    channel, stub = connect("127.0.0.1", port, ready_timeout=30)
+    t0 = time.perf_counter()
+    generate(stub, "def fibonacci(n):", max_new_tokens=8)
+    channel.close()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, serve_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", help="the compilation cache to use (default: a new temporary one)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds a start may take")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(ours)
+    print(_header(), flush=True)
+    print(f"hcfjax serve {' '.join(serve_args)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = args.cache_dir or str(Path(tmp) / "xla")
+        rows = []
+        for name in ("cold (empty cache)", "restart (cached)"):
+            print(f"{name}:", flush=True)
+            rows.append({"start": name, **start_once(serve_args, cache, args.timeout)})
+    print("\n| start | shapes | compile s | ready s | first request s | exit |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['start']} | {r.get('shapes', '-')} | {r.get('compile_s', 0):.1f} | {r['ready_s']:.1f} | "
+            f"{r['first_request_s']:.2f} | {r['exit']} |"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"serve_args": serve_args, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
