@@ -49,6 +49,22 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def make_tiling(spec):
+    """A test case's int4 MoE tiling: None (the default) or Tiling's fields (bm, bn, stages[, extra keywords])."""
+    from pallas_kernels.moe_int4_tiling import Tiling
+
+    return spec if spec is None else Tiling(*spec[:3], **spec[3] if len(spec) > 3 else {})
+
+
+@pytest.fixture
+def reset_interpreter():
+    """Clears Mosaic GPU's interpreter state after a test: a failed interpreted kernel leaves state behind."""
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    reset_gpu_interpret_mode_state()
+
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
