@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from hcfjax import trace
 from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
 from hcfjax.serving.startup import default_compile_cache
 
@@ -388,6 +389,8 @@ def _bench(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if trace_dir := os.environ.get(trace.DIR_VARIABLE):  # per-request marks (hcfjax.trace), e.g. of a PD worker
+        trace.enable(trace_dir)
     if getattr(args, "cpu_devices", None):
         import jax
 

@@ -1,9 +1,13 @@
 """Request timestamps across processes, for finding where latency goes (hcfjax.bench.sim_validate's PD breakdown).
 
-With HCFJAX_TRACE_DIR=DIR in its environment, each process appends one JSON line per `mark(event, key, ...)` to
-DIR/trace-PID.jsonl: {"ev": event, "key": key, "t": time.monotonic(), ...}. time.monotonic is one clock for every
-process of a host, so the marks of the client, the router and the workers line up. Without the variable, `mark`
-returns at once and nothing is written.
+After `enable(DIR)`, each process appends one JSON line per `mark(event, key, ...)` to DIR/trace-PID.jsonl:
+{"ev": event, "key": key, "t": time.monotonic(), ...}. time.monotonic is one clock for every process of a host, so
+the marks of the client, the router and the workers line up. Until then (or after `enable(None)`), `mark` returns at
+once and nothing is written.
+
+The entry points turn it on: the CLI (`hcfjax ...`, which every serving worker runs) and the serving benchmarks
+read the directory from the HCFJAX_TRACE_DIR environment variable (DIR_VARIABLE), which the processes they start
+inherit. Nothing else reads it.
 
 Keys: a request's id (the router's, which the decode worker keeps) for the serving path, and its transfer key
 (id#epoch, hcfjax.pd.decode.transfer_key) for the remote prefill.
@@ -17,28 +21,43 @@ import threading
 import time
 from pathlib import Path
 
+DIR_VARIABLE = "HCFJAX_TRACE_DIR"  # the environment variable the entry points read the directory from
+
 _lock = threading.Lock()
+_dir: Path | None = None
 _file = None
-_opened_for: str | None = None
+
+
+def enable(directory: str | Path | None) -> None:
+    """Marks from now on go to DIRECTORY/trace-PID.jsonl (created on the first mark); None: marks are dropped."""
+    global _dir, _file
+    with _lock:
+        if _file is not None:
+            _file.close()
+            _file = None
+        _dir = None if directory is None else Path(directory)
+
+
+def directory() -> Path | None:
+    """Where this process's marks go, or None when tracing is off."""
+    return _dir
 
 
 def enabled() -> bool:
-    return bool(os.environ.get("HCFJAX_TRACE_DIR"))
+    return _dir is not None
 
 
 def mark(event: str, key: str, **fields) -> None:
-    global _file, _opened_for
-    where = os.environ.get("HCFJAX_TRACE_DIR")
-    if not where:
+    global _file
+    if _dir is None:
         return
     line = json.dumps({"ev": event, "key": key, "t": time.monotonic(), **fields})
     with _lock:
-        if _opened_for != where:  # first mark here, or the variable changed (tests)
-            if _file is not None:
-                _file.close()
-            Path(where).mkdir(parents=True, exist_ok=True)
-            _file = open(Path(where) / f"trace-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - kept open
-            _opened_for = where
+        if _dir is None:  # turned off meanwhile
+            return
+        if _file is None:
+            _dir.mkdir(parents=True, exist_ok=True)
+            _file = open(_dir / f"trace-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - kept open
         _file.write(line + "\n")
 
 

@@ -252,7 +252,8 @@ def int4_ragged_dot_digits(x, q, scale, group_sizes, interpret: bool = False, ti
     and each row pair's products summed in the kernel's epilogue (Tiling.pairs; the output's odd rows dropped). The
     result differs from the bf16 product by the digits' residual, below 1 / 64,500 of each 128-channel group's
     largest value: closer to the exact product than the w4a16 kernel (bf16 weights) for values within 1/126 of their
-    group's largest, further for smaller ones, all well inside bf16's tolerance of the output (tests/test_quant.py)."""
+    group's largest, further for smaller ones, all well inside bf16's tolerance of the output
+    (tests/test_quant_kernel.py)."""
     return _run_digits(x, ((q, scale),), group_sizes, interpret, tiling)
 
 

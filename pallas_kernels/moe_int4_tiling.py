@@ -138,7 +138,7 @@ def _pipe_bytes(act: str, t: Tiling, g: int, nw: int, xgroups: bool = False, sta
 
 
 def smem_bytes(act: str, t: Tiling, g: int = 128, nw: int = 1, xgroups: bool = False, qout: bool = False) -> int:
-    """Shared memory of one CTA, an upper bound on what Mosaic allocates (tests/test_quant.py checks it): the
+    """Shared memory of one CTA, an upper bound on what Mosaic allocates (tests/test_quant_tiling.py checks it): the
     pipeline's buffers, which the output tile [bm, bn] bf16 reuses after the last step; w4a8's token scales [bm] f32
     (a buffer of its own, which Mosaic aligns to 1 KiB); without a_regs, the A tiles of one K chunk; barriers. The
     output tile is [bm, bn] bf16, or with split-K one [bm, bn] f32 per weight; with qout a bf16, an int8 and a

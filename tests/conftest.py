@@ -49,19 +49,36 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def make_tiling(spec):
+    """A test case's int4 MoE tiling: None (the default) or Tiling's fields (bm, bn, stages[, extra keywords])."""
+    from pallas_kernels.moe_int4_tiling import Tiling
+
+    return spec if spec is None else Tiling(*spec[:3], **spec[3] if len(spec) > 3 else {})
+
+
+@pytest.fixture
+def reset_interpreter():
+    """Clears Mosaic GPU's interpreter state after a test: a failed interpreted kernel leaves state behind."""
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    reset_gpu_interpret_mode_state()
+
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # `make test` runs the files on two workers (xdist --dist loadfile), which take files in collection order: the
 # longest files go first so the short ones fill in at the end, instead of one long file running alone while the
-# other worker idles. Measured seconds per file (2 cores, 2026-11-30); unlisted files are short and keep their order.
+# other worker idles. Measured seconds per file (2 cores); unlisted files are short and keep their order.
 FILE_SECONDS = {
     "test_engine": 215,
     "test_speculative": 210,
-    "test_quant": 200,
     "test_train_mtp": 160,
     "test_pd": 145,
+    "test_quant_tiling": 100,
     "test_mla_kernel": 90,
+    "test_quant_kernel": 60,
     "test_speculative_sampling": 60,
     "test_multihost": 45,
 }

@@ -27,12 +27,7 @@ from pallas_kernels.mla_schedule import DIRECT, PADDING
 C, R, PAGE = 128, 64, 64
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-    yield
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-
-    reset_gpu_interpret_mode_state()  # a failed interpreted kernel leaves state behind
+pytestmark = pytest.mark.usefixtures("reset_interpreter")
 
 
 def make(seed, lengths, t, h, max_pages, quant=False, zero_latent=False):

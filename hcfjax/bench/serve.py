@@ -20,6 +20,7 @@ bucket go through first.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -28,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hcfjax import trace
 from hcfjax.bench.common import header
 from hcfjax.sim.workload import SLO_TPOT_S, SLO_TTFT_S, workload
 
 
 def run_one(stub, prompt, max_new, t_arrival, record, request_id: str = ""):
-    from hcfjax import trace
     from hcfjax.serving import hcfjax_pb2 as pb
     from hcfjax.serving.client import generate_stream
 
@@ -166,8 +167,6 @@ def pd_gpus(spec: str | None) -> tuple[str, str] | None:
 
 def role_env(gpu: str | None = None, mem_fraction: float | None = None, **extra) -> dict:
     """A worker process's environment: on `gpu` only (CUDA_VISIBLE_DEVICES) with `mem_fraction` of its memory."""
-    import os
-
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -261,6 +260,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pd-gpus", metavar="P,D", help="with --pd: the prefill worker on GPU P, the decode worker on D")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if trace_dir := os.environ.get(trace.DIR_VARIABLE):  # the client's marks (hcfjax.trace); PD workers inherit it
+        trace.enable(trace_dir)
 
     import jax.numpy as jnp
 

@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from hcfjax import trace
 from hcfjax.bench.sim_profile import fit, fitted, metrics, predicted, write_profile
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import Efficiency, gpu
@@ -220,7 +221,9 @@ def main(argv=None) -> None:
         from hcfjax.bench.sim_validate_pd import Workers
 
         # every process marks where each request's time goes (hcfjax.trace): the PD breakdown table
-        os.environ.setdefault("HCFJAX_TRACE_DIR", tempfile.mkdtemp(prefix="hcfjax-trace-"))
+        # (this process's client marks too; the workers' CLI reads the directory from their environment)
+        os.environ.setdefault(trace.DIR_VARIABLE, tempfile.mkdtemp(prefix="hcfjax-trace-"))
+        trace.enable(os.environ[trace.DIR_VARIABLE])
         stage(f"starting the PD prefill worker{f' on GPU {gpus[0]}' if gpus else ''} (it compiles its batch shapes)")
         workers = Workers(args, pd_configs(args), gpus, worker_env)
     try:

@@ -16,7 +16,6 @@ mode, a prefill instance batching as hcfjax's PrefillWorker does).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hcfjax import trace
 from hcfjax.bench.serve import launch_role, launch_router, pd_role_args, role_env, run_clients, stop_pd, warm_pd
 from hcfjax.sim.deployment import Deployment, Pool
 
@@ -345,7 +345,7 @@ def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests
     tables += ["| prompt tokens | MB | measured ms | model ms |", "|---|---|---|---|"]
     for t, nbytes, s in link:
         tables.append(f"| {t} | {nbytes / 1e6:.1f} | {s * 1e3:.2f} | {dm.transfer_seconds(nbytes) * 1e3:.2f} |")
-    trace_dir = os.environ.get("HCFJAX_TRACE_DIR")
+    trace_dir = trace.directory()
     if trace_dir:
         from hcfjax.trace import read
 

@@ -92,20 +92,20 @@ def run_one(spec: str) -> None:
         jax.block_until_ready(mla_decode(qn, qp, kv, pt, lengths, 512**-0.5, scales=sc, qk8=qk8))
     elif kind == "moe":
         from hcfjax import quant
-        from pallas_kernels.bench.moe import _problem
+        from pallas_kernels.bench.moe_worker import problem
         from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_ragged_dot
         from pallas_kernels.moe_int4_tiling import default_tiling
 
         act, fused, shape, *opts = rest
         dims = tuple(map(int, shape.split("x")))
-        w, x, gs = _problem(*dims)  # the bench's weights, tokens and routing
+        w, x, gs = problem(*dims)  # the bench's weights, tokens and routing
         q4 = quant.quantize(w, 4, "bf16")
         a = {"w4a8": "int8", "w4a16": "bf16"}[act]
         e, m, k, n = dims
         nw = 2 if fused == "fused" else 1
         t = default_tiling(a, m, n, k // 128, e, nw, **tiling_overrides(opts[0])) if opts else None
         if nw == 2:  # up's weights differ from gate's (the same twice would be half read from L2)
-            u4 = quant.quantize(_problem(*dims, seed=1)[0], 4, "bf16")
+            u4 = quant.quantize(problem(*dims, seed=1)[0], 4, "bf16")
             y = int4_gated_ragged_dot(x, (q4.q, q4.scale), (u4.q, u4.scale), gs, act=a, tiling=t)
         else:
             y = int4_ragged_dot(x, q4.q, q4.scale, gs, act=a, tiling=t)

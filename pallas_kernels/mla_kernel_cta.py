@@ -1,0 +1,260 @@
+"""One CTA of the MLA decode kernel (mla_kernel.py): its refs and work unit, and the operations its warpgroups
+share: loading Q, issuing a cache block's TMAs, converting int8 parts, Q.K, masking, storing the output."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.int8_f16 import to_f16
+from pallas_kernels.int_sums import MAGIC, MAGIC_F
+from pallas_kernels.mla_kernel_spec import LOG2E, P_SCALE, ROPE_SHIFT, A, B, KernelSpec, R, scope
+from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT
+
+
+@dataclasses.dataclass(frozen=True)
+class Cta:
+    """One CTA's refs and work unit, shared by the warpgroups' code."""
+
+    spec: KernelSpec
+    ins: dict
+    out: tuple  # (out, lse) or None
+    part_out: tuple  # (partial out, partial lse) or None
+    q: tuple  # smem (latent [64, C], rope [64, R]): bf16, fp16 with f16, int8 with qk8
+    q_in: tuple  # where Q's TMAs land: q, or with f16 its bf16 view (the leader converts it in place: `load_q`)
+    qs: object  # qk8: smem [3, 64] f32, the heads' scales of Q's parts (A, B, rope); else None
+    o_smem: object  # [2, 64, C/2] output halves (aliases q)
+    parts: tuple  # per part: bf16 or fp16 (f16) [2, 64, w] (slot-major)
+    i8: tuple  # per part: int8 [2, 2, 64, w] twins overlaying the 16-bit parts (int8 caches), else None
+    rows: object  # [4, 64] f32 row vectors handed between warpgroups
+    scales: object  # [2, 2, 64] f32 int8 scales per slot, or None
+    bars: dict
+    b: object
+    t: object
+    h0: object
+    start: object
+    vis: object
+    n_steps: object
+    dest: object
+
+    def page(self, i, table):
+        """(page, offset in page) of the unit's block i."""
+        tok = self.start + i * BLOCK_KV
+        j = jnp.minimum(lax.div(tok, self.spec.page_size), self.spec.max_pages - 1)
+        return table[self.b, j], lax.rem(tok, self.spec.page_size)
+
+    def scores(self, slot: int | jax.Array, order):
+        """S = Q . K^T [64 heads, 64 tokens] of the block in `slot`, f32: one wgmma per part in `order`, each issued
+        once its part has landed."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def body(s_ref):
+            for p in order:
+                plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
+                col, w = self.spec.part(p)
+                q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col, w)]
+                plgpu.wgmma(s_ref, q, self.parts[p].at[slot].transpose((1, 0)))
+            return s_ref[...]
+
+        return pl.run_scoped(body, plgpu.ACC((BLOCK, BLOCK_KV)))
+
+    def scores_i8(self, slot, fast: bool, factor: float = 1.0):
+        """qk8: S [64 heads, 64 tokens] f32 of the block in `slot` from int8 Q and the landed int8 block, one int32
+        accumulator per part (a part's sum is at most 256 x 127 x 127 < 2^22, so it starts at MAGIC and its bits read
+        as an f32 without a conversion; A and B together could reach 2^23), then the per-token cache scales and the
+        per-head query scales (one per part): S = s_lat (sq_a a + sq_b b) + s_rope sq_r r, times `factor` (taken
+        on the per-token scales). Signals `qk` as soon as the MMAs are done, so the loader and WG1 may convert the
+        block's latent in place."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def body(*accs):
+            if fast:  # every accumulator starts before the first wgmma (ptxas serialises stores between in-flight
+                # wgmmas, docs/kernels.md); the interpreter cannot store to an accumulator: it adds MAGIC below
+                for acc in accs:
+                    acc[...] = plgpu.layout_cast(jnp.full((BLOCK, BLOCK_KV), MAGIC, jnp.int32), plgpu.Layout.WGMMA)
+            for p, acc in zip((A, B, R), accs, strict=True):
+                plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+                col, w = self.spec.part(p)
+                twin = self.i8[p].at[slot, 0]
+                for c0 in range(0, w, 64):
+                    q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col + c0, 64)]
+                    plgpu.wgmma(acc, q, twin.at[:, pl.ds(c0, 64)].transpose((1, 0)))
+            return tuple(acc[...] for acc in accs)
+
+        with scope("mma"):  # (the parts' waits and the accumulators' read-out included)
+            sums = pl.run_scoped(body, *[plgpu.ACC((BLOCK, BLOCK_KV), jnp.int32)] * 3)
+        plgpu.barrier_arrive(self.bars["qk"].at[slot])
+        with scope("scale"):
+            a, b_, r = (lax.bitcast_convert_type(v if fast else v + MAGIC, jnp.float32) - MAGIC_F for v in sums)
+            plgpu.barrier_wait(self.bars["sc"].at[slot])
+            col, row = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
+            s_lat, s_rope = (
+                lax.broadcast_in_dim(plgpu.load(self.scales.at[slot, i], layout=col) * factor, a.shape, [1])
+                for i in (0, 1)
+            )
+            sq_a, sq_b, sq_r = (
+                lax.broadcast_in_dim(plgpu.load(self.qs.at[i], layout=row), a.shape, [0]) for i in range(3)
+            )
+            return (a * sq_a + b_ * sq_b) * s_lat + r * sq_r * s_rope
+
+    def masked(self, s, i, scaled: bool = True):
+        """Scores of block i in the log2 domain (`scaled`; else as they are), -inf past the query's visible keys."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+        key = key + (self.start + i * BLOCK_KV)
+        return jnp.where(key < self.vis, s * (self.spec.sm_scale * LOG2E) if scaled else s, -jnp.inf)
+
+    def load_q(self, issue: bool):
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        q_bar = self.bars["q"]
+        if issue:
+            heads = pl.ds(self.h0, BLOCK)
+            plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q_in[0], q_bar.at[0])
+            plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q_in[1], q_bar.at[0])
+            if self.spec.qk8:
+                plgpu.copy_gmem_to_smem(self.ins["qs"].at[self.b, self.t, :, heads], self.qs, q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        if self.spec.f16:  # bf16 -> fp16 in place, a [64, 64] tile at a time (all of it read, then written)
+            for src, dst, shift in zip(self.q_in, self.q, (1.0, ROPE_SHIFT), strict=True):
+                for j in range(src.shape[1] // 64):
+                    x = src.at[:, pl.ds(64 * j, 64)][...]
+                    plgpu.commit_smem()
+                    dst.at[:, pl.ds(64 * j, 64)][...] = (x * shift if shift != 1 else x).astype(dst.dtype)
+            plgpu.commit_smem()
+
+    def store(self, acc, inv_l, w: int, lse=None):
+        """Writes output half w (acc / l, bf16) and, when given, the lse, to the output or the partial slot."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        half = self.spec.c // 2
+        heads, cols = pl.ds(self.h0, BLOCK), pl.ds(w * half, half)
+        o_half = self.o_smem.at[w]
+        o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
+        if lse is not None:
+            self.rows.at[3][...] = lse
+        plgpu.commit_smem()
+        targets = []
+        if self.out is not None:
+            targets.append((self.dest == DIRECT, self.out, self.b))
+        if self.part_out is not None:
+            targets.append((self.dest >= 0, self.part_out, jnp.maximum(self.dest, 0)))
+        for on, (o_ref, l_ref), idx in targets:
+
+            @pl.when(on)
+            def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
+                plgpu.copy_smem_to_gmem(o_half, o_ref.at[idx, self.t, heads, cols])
+                if lse is not None:
+                    plgpu.copy_smem_to_gmem(self.rows.at[3], l_ref.at[idx, self.t, heads])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def pages(self, i):
+        """Where block i lies: (page, offset) in the cache and, int8, in the scales' table. Global loads: the v3
+        loader reads them before it waits for the slot, so their latency overlaps the wait instead of following it
+        (ncu's dominant stall in this kernel was long_scoreboard, docs/kernels.md)."""
+        return self.page(i, self.ins["pt"]), self.page(i, self.ins["pts"]) if self.spec.quant else None
+
+    def issue(self, i, slot, p: int, scales: bool, where=None):
+        """Starts loading part p of the unit's block i into `slot`: a TMA into the part (bf16 caches) or into its int8
+        twin, plus, with `scales`, the block's int8 scales. `where`: the block's `pages(i)`, if already read."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        col, w = self.spec.part(p)
+        where = where or self.pages(i)
+        page, off = where[0]
+        src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
+        if not self.spec.quant:
+            dst, bar = self.parts[p].at[slot], self.bars["full"].at[slot * 3 + p]
+        else:
+            dst, bar = self.i8[p].at[slot, 0], self.bars["i8"].at[slot * 3 + p]
+        plgpu.copy_gmem_to_smem(src, dst, bar, collective_axes=self.spec.collective())
+        if scales and self.spec.quant:
+            page, off = where[1]
+            sc = self.ins["sc"].at[page, :, pl.ds(off, BLOCK_KV)]
+            plgpu.copy_gmem_to_smem(
+                sc, self.scales.at[slot], self.bars["sc"].at[slot], collective_axes=self.spec.collective()
+            )
+
+    def finish(self, slot, p: int, scales: bool):
+        """int8: converts the landed part p into bf16 or fp16 in place and marks it loaded (`convert_part`; a bf16
+        cache: nothing to do)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        if not self.spec.quant:
+            return
+        if scales:
+            plgpu.barrier_wait(self.bars["sc"].at[slot])
+        plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+        if p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
+            self.convert_part(slot, p)
+            return
+        token = plgpu.Layout.WGMMA.reduce(1)
+        # the rope relative to the latent scale, which multiplies all of S
+        scale = plgpu.load(self.scales.at[slot, 1], layout=token)
+        scale = scale / _nonzero(plgpu.load(self.scales.at[slot, 0], layout=token))
+        if self.spec.f16:  # (Q's rope part is ROPE_SHIFT times larger)
+            scale = scale * (1.0 / ROPE_SHIFT)
+        scale = lax.broadcast_in_dim(scale, (BLOCK_KV, 64), [0])
+        dtype = self.spec.compute_dtype()
+        self.convert_part(slot, p, lambda x: (x.astype(jnp.float32) * scale).astype(dtype))
+
+    def convert_part(self, slot, p: int, convert=None, mark: bool = True):
+        """Part p of `slot` from its landed int8 twin to bf16 or fp16 in place, then (`mark`) marked loaded. The whole
+        twin is read into registers before any 16-bit store, since the twin overlays the part's bytes. convert: int8
+        tile -> bf16 or fp16 (default: exact, the scales applied to S and P; integer and bf16x2 or fp16x2 ops, no I2F:
+        2.5 a value for bf16, 1.25 for fp16, int8_f16.py)."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        w = self.spec.part(p)[1]
+        twin, dst = self.i8[p].at[slot, 0], self.parts[p].at[slot]
+        tiles = [plgpu.load(twin.at[:, pl.ds(64 * j, 64)], layout=plgpu.Layout.WGMMA_8BIT) for j in range(w // 64)]
+        plgpu.commit_smem()  # also a warpgroup barrier: every thread has read the twin
+        for j, x in enumerate(tiles):
+            if convert is None:
+                y = to_f16(x, fast=not self.spec.interpret) if self.spec.f16 else x.astype(dst.dtype)
+            else:
+                y = convert(x)
+            dst.at[:, pl.ds(64 * j, 64)][...] = y
+        plgpu.commit_smem()
+        if mark:  # (False: the converting warpgroup is the part's only reader)
+            plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
+
+    def latent_scale(self, slot):
+        """int8: the block's latent scales as rows over S's key columns [64, 64]: (for P, times P_SCALE
+        with f16; for S, zero scales as 1)."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        col = plgpu.Layout.WGMMA.reduce(0)
+        sc = plgpu.load(self.scales.at[slot, 0], layout=col)
+        sc_v = sc * P_SCALE if self.spec.f16 else sc
+        return lax.broadcast_in_dim(sc_v, (BLOCK, BLOCK_KV), [1]), lax.broadcast_in_dim(
+            _nonzero(sc), (BLOCK, BLOCK_KV), [1]
+        )
+
+    def prefetch(self, i):
+        """int8: warms L2 with block i (its TMA cannot start before its slot is free)."""
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        if self.spec.quant:
+            page, off = self.page(i, self.ins["pt"])
+            for p in range(3):  # one per part: a TMA box is at most 256 wide
+                col, w = self.spec.part(p)
+                src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]
+                plgpu.async_prefetch(src, predicate=i < self.n_steps)
+
+
+def _nonzero(scale):
+    """Zero scales (all-zero latent rows) as 1: the latent is then 0 whatever scale multiplies it."""
+    return jnp.where(scale > 0, scale, 1.0)

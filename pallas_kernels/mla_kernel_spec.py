@@ -1,0 +1,183 @@
+"""The MLA decode kernel's static side (mla_kernel.py runs it): KernelSpec, the warpgroups' register split, the
+shared memory and barriers a CTA holds (smem_types), and the in-kernel profiler's compiler params."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV
+
+LOG2E = math.log2(math.e)
+# The v3 loops' named regions ("qk", "softmax", "pv", "convert", the barrier waits): no code unless the kernel is built
+# with Mosaic GPU's profiler (KernelSpec.profile, `profile_params`), which then records each region's start and
+# end clock per warpgroup (python -m pallas_kernels.bench.timeline).
+scope = jax.named_scope
+A, B, R = 0, 1, 2  # slot parts
+# Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
+# launch; asking for 512 left setmaxnreg waiting forever on the H200). An int8 converter holds a part in registers.
+# v3's splits are ptxas's (the SASS of the H=128 kernel, docs/kernels.md): at (232, 232, 40) the
+# leader spilled 14 values a block in its loop (bf16; 22 with int8), at (256, 208, 40) nothing spills in either
+# compute loop; int8 at (248, 176, 80) leaves 8 in the leader, 4 in the loader (was 22 and 6). qk8 (the third key:
+# int8 Q.K): at (248, 176, 80) ptxas waited after each of the leader's 26 wgmmas (serialised them) and spilled 264
+# bytes; at (256, 176, 72) it waits 5 times and spills 100 (WG1, which converts V's second half, reloads 3 values a
+# block). Timed on the H200 at 128 x 4096 (docs/kernels.md): 445 -> 375 us with the loader converting both halves, 350
+# with WG1 converting one; (256, 184, 64) spills less and ran 369. The int8 split was chosen before WG1 took over
+# the second latent half's conversion (WG1 holds an int8 tile beside its half of O, the loader converts less); it
+# has not been re-read or re-timed since.
+REGISTERS = {  # by (int8 cache, qk8)
+    (False, False): (256, 208, 40),
+    (True, False): (248, 176, 80),
+    (True, True): (256, 176, 72),
+}
+P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
+ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
+LAUNCH_REGISTERS = 168  # per thread at launch: 64 Ki registers over 3 x 128 threads, down to a multiple of 8
+
+
+def check_registers(split) -> tuple[int, int, int]:
+    """A (WG0, WG1, loader) split that setmaxnreg can make: multiples of 8 in [24, 256], the compute warpgroups
+    growing from the launch's 168, the loader shrinking, the three within the CTA's 504 x 128 registers."""
+    split = tuple(int(n) for n in split)
+    ok = len(split) == 3 and sum(split) <= 3 * LAUNCH_REGISTERS and all(n % 8 == 0 and 24 <= n <= 256 for n in split)
+    if not (ok and min(split[:2]) > LAUNCH_REGISTERS > split[2]):
+        raise ValueError(f"register split {split}: 3 multiples of 8 in [24, 256], WG0, WG1 > 168 > loader, sum <= 504")
+    return split
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    c: int  # kv_lora_rank
+    r: int  # rope dim
+    t: int  # query tokens per row
+    heads: int  # padded to a multiple of BLOCK
+    page_size: int
+    max_pages: int  # page table width
+    units: int  # work units in the grid, padding included
+    batch: int  # rows of the direct output (0: no unit writes it)
+    slots: int  # rows of the partial output (0: none)
+    quant: bool
+    sm_scale: float
+    interpret: bool
+    # Run the two head tiles of a query token as a cluster of two CTAs that multicast each cache block into both
+    # (each loads half): the cache crosses L2 -> SM once per 128 heads instead of once per 64. Needs an even number
+    # of head tiles; GPU interpret mode has no multicast copies.
+    pair: bool = False
+    registers: tuple[int, int, int] | None = None  # the warpgroups' register split (None: REGISTERS)
+    # int8 caches: Q.K on the int8 tensor cores straight from the landed int8 blocks, Q quantised per head
+    # and part (the latent's halves A and B, the rope: one scale each) by the wrapper; only the latent (V) is
+    # converted to bf16, after the block's Q.K, beside the leader's softmax (half by the loader, half by WG1).
+    # Opt-in (HCFJAX_MLA_QK8 in the model): the queries' rounding adds error, and it pays only on long rows
+    # (docs/results.md, "MLA decode kernel").
+    qk8: bool = False
+    # int8 caches without qk8 (the wrapper's default there): fp16 rather than bf16 for the converted
+    # cache, Q (converted in place by the leader) and P. fp16's mantissa holds a byte whole, so the latent's exact
+    # conversion is 1.25 operations a value instead of 2.5 (int8_f16.py). P goes to P.V as P x latent scale x
+    # P_SCALE (without it P would go subnormal for latent scales below ~1e-3), and 1/l takes P_SCALE out again. fp16's
+    # range (65504) bounds what is converted: the latent queries (|q| < 65504), the rope queries times ROPE_SHIFT
+    # (|q_pe| < 4094), the rope's int8 times s_rope / s_latent / ROPE_SHIFT (s_rope / s_latent < 8252 per token) and
+    # P x s_latent x P_SCALE (s_latent < 255, latent values below ~32,000). Not with qk8 (fp16 measured slower there).
+    # bf16 has no such bounds; RMS-normalised latents (DeepSeek's kv_a_layernorm) and rope keys sit far inside them.
+    f16: bool = False
+    # Mosaic GPU's in-kernel profiler: "DIR[:RANGES]" (`profile_params`), or "" for none (bench.timeline)
+    profile: str = ""
+
+    def __post_init__(self):
+        if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
+            raise ValueError(f"sm_scale must be positive, got {self.sm_scale}")
+        if self.qk8 and not self.quant:
+            raise ValueError("qk8 needs an int8 cache")
+        if self.qk8 and self.c // 2 > 256:  # an int8 part's sum must stay below 2^22 (MAGIC)
+            raise ValueError(f"qk8 takes a latent of at most 512 columns, got {self.c}")
+        if self.f16 and not self.quant:
+            raise ValueError("f16 needs an int8 cache")
+        if self.f16 and self.qk8:  # (qk8's queries are int8; its latent measured slower in fp16)
+            raise ValueError("f16 and qk8 do not go together")
+
+    def register_split(self) -> tuple[int, int, int]:
+        return self.registers or REGISTERS[(self.quant, self.qk8)]
+
+    def compute_dtype(self):
+        """The dtype of the converted cache parts (and of Q without qk8, and of P)."""
+        return jnp.float16 if self.f16 else jnp.bfloat16
+
+    def collective(self):
+        return "pair" if self.pair else None
+
+    def part(self, p: int) -> tuple[int, int]:
+        """(first column, width) of slot part p."""
+        return ((0, self.c // 2), (self.c // 2, self.c // 2), (self.c, self.r))[p]
+
+
+def smem_types(spec: KernelSpec):
+    """(scratch buffers, barriers) of the attention kernel."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bf16, cdt = jnp.bfloat16, spec.compute_dtype()
+    t128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    t64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+    if spec.qk8:  # int8 Q (64-byte rows per 64 columns, as the int8 blocks it meets in the wgmma)
+        q_parts = (tuple(plgpu.SMEM((BLOCK, w), jnp.int8, transforms=t64) for w in (spec.c, spec.r)),)
+    else:  # with f16: the bf16 Q as it lands, and the same bytes as fp16 once the leader has converted them
+        q_parts = tuple(
+            tuple(plgpu.SMEM((BLOCK, w), dt, transforms=t128) for w in (spec.c, spec.r))
+            for dt in ((bf16, cdt) if spec.f16 else (bf16,))
+        )
+    q = plgpu.RefUnion(  # Q, then (after the last Q.K) the two output halves
+        *q_parts,
+        plgpu.SMEM((2, BLOCK, spec.c // 2), bf16, transforms=t128),
+    )
+    parts = []
+    for p in (A, B, R):
+        w = spec.part(p)[1]
+        part = plgpu.SMEM((2, BLOCK_KV, w), cdt, transforms=t128)
+        if spec.quant:
+            # The int8 twin [slot, 0] starts where 16-bit slot `slot` starts ([slot, 1] is padding).
+            part = plgpu.RefUnion(part, plgpu.SMEM((2, 2, BLOCK_KV, w), jnp.int8, transforms=t64))
+        parts.append(part)
+    smem = (
+        q,
+        tuple(parts),
+        plgpu.SMEM((4, BLOCK), jnp.float32),  # row vectors: alpha per slot, 1/l, lse staging
+        plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
+        plgpu.SMEM((3, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head and part (A, B, rope)
+    )
+    consumed = plgpu.Barrier(num_arrivals=2, num_barriers=2)  # both warpgroups release the whole slot
+    if spec.pair:  # a slot is refilled (in both CTAs, by multicast) once both CTAs' readers have released it
+        consumed = plgpu.ClusterBarrier(
+            collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals
+        )
+    bars = [
+        plgpu.Barrier(num_arrivals=3 if spec.qk8 else 2, num_barriers=1),  # Q: latent and rope copies (qk8: scales)
+        plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
+        consumed,
+        plgpu.Barrier(num_barriers=3),  # P ready per slot, 1/l
+    ]
+    if spec.quant:
+        bars += [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2)]  # int8 part TMAs, scales per slot
+    if spec.qk8:
+        bars.append(plgpu.Barrier(num_barriers=2))  # a slot's Q.K done: its latent may be converted
+    return smem, tuple(bars)
+
+
+def profile_params(value: str) -> dict:
+    """CompilerParams for Mosaic GPU's in-kernel profiler from value = DIR[:RANGES] (KernelSpec.profile; "" for
+    none): each run then writes a Perfetto trace of every warpgroup's named regions into DIR, RANGES (default 100,
+    which fits beside every v3 kernel's buffers at H=128) regions per warpgroup and CTA, kept in shared memory
+    (4 x 4 bytes each; later ones are dropped)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not value:
+        return {}
+    path, _, ranges = value.partition(":")
+    if ranges and not ranges.isdigit():
+        raise ValueError(f"the kernel profile must be DIR or DIR:RANGES, got {value!r}")
+    return dict(
+        profile_dir=path,
+        profile_space=int(ranges or 100),
+        profile_bounds_check=True,
+        profile_trace_scope=plgpu.TraceScope.WARPGROUP,
+    )

@@ -1,0 +1,172 @@
+"""The benchmark tools' parsing and bookkeeping (pallas_kernels/bench/ptx.py, ncu.py; hcfjax/bench/common.py,
+hlo_names.py), on canned reports and tiny CPU programs."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+
+def test_ptx_report_parsing():
+    """bench.ptx's summary of a ptxas -v report and a SASS listing (the numbers the offline analysis rests on)."""
+    from pallas_kernels.bench.ptx import ptxas_report, sass_counts, tiling_overrides
+
+    text = """ptxas info    : (C7517) wgmma.wait_group is injected in around line 1220 by compiler
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 1300 by compiler
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 642 by compiler
+    112 bytes stack frame, 136 bytes spill stores, 156 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 112 bytes cumulative stack size, 1 bytes smem"""
+    assert ptxas_report(text) == dict(
+        registers=168, spill_stores=136, spill_loads=156, injected_waits=2, injected_arrives=1
+    )
+    assert ptxas_report("")["registers"] is None
+    sass = """/*3510*/ IGMMA.64x16x32.S8.S8 R72, R24, gdesc[UR44], R72 ;
+/*3550*/ IGMMA.64x16x32.S8.S8 R72, R28, gdesc[UR24], R72, gsb0 ;
+/*36b0*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+/*47d0*/ HGMMA.64x256x16.F32.BF16 R24, gdesc[UR56].tnspB, R24 ;
+/*47a0*/ WARPGROUP.ARRIVE ;"""
+    assert sass_counts(sass) == dict(wgmma=3, wgmma_waits=1)
+    assert tiling_overrides("wgs=1+bm=64") == dict(wgs=1, bm=64)  # a moe spec's fifth field
+    with pytest.raises(ValueError, match="override"):
+        tiling_overrides("stages=4")
+
+
+def test_ncu_raw_parsing():
+    """bench.ncu's summary of Nsight Compute's raw CSV page: units converted, short launches dropped, the largest
+    stall reasons first, metrics missing from the report left blank."""
+    from pallas_kernels.bench.ncu import parse_raw
+
+    names = [
+        "ID",
+        "Kernel Name",
+        "gpu__time_duration.sum",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active",
+    ]
+    text = "\n".join(
+        [
+            '"==PROF== Connected to process"',
+            ",".join(f'"{n}"' for n in names),
+            '"","","usecond","%","ratio","ratio","ratio","%","%","%"',
+            '"0","mosaic_gpu_kernel","84.20","71.5","0.50","3.25","1,250.00","0","61.25","72.50"',
+            '"1","convert_fusion","2.10","10.0","0","0","0","0","0","0"',
+        ]
+    )
+    (row,) = parse_raw(text, min_us=5.0, top=2)
+    assert row["kernel"] == "mosaic_gpu_kernel" and row["us"] == 84.2 and row["DRAM %"] == 71.5
+    assert row["tensor %"] == 72.5  # the busiest tensor sub-pipe (int8 wgmmas count as "imma" on the H200)
+    assert row["SM %"] == "" and row["top stalls (warps per issue)"] == "wait 1250.00, long_scoreboard 3.25"
+    assert parse_raw("no table here") == []
+    odd = text.replace('"usecond","%"', '"usecond","%"').replace(
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum.per_second"
+    )
+    odd = odd.replace('"","","usecond","%"', '"","","usecond","Kbyte/second"')
+    (row,) = parse_raw(odd, min_us=5.0)
+    assert row["DRAM TB/s"] == "? 71.5 Kbyte/second"  # a unit it does not know is shown, not scaled as TB/s
+
+
+def test_repeats_exactly_tells_a_changing_output():
+    """The benches' race check: outputs (any pytree) equal bit for bit over further runs, or not; a changed leaf of
+    one run, or a different tree, is a difference."""
+    from hcfjax.bench.common import repeats_exactly
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    same = lambda x: (x * 2, {"s": x.sum()})  # noqa: E731
+    assert repeats_exactly(same, (x,), same(x))
+    runs = iter(range(1, 10))
+    drifting = lambda x: (x * 2, {"s": x.sum() + (next(runs) == 2) * 1e-6})  # noqa: E731 - the second rerun differs
+    assert not repeats_exactly(drifting, (x,), same(x))
+    assert not repeats_exactly(lambda x: x * 2, (x,), same(x))
+    nan = lambda x: x.at[0, 0].set(jnp.nan)  # noqa: E731 - the same NaN every run is not a race
+    assert repeats_exactly(nan, (x,), nan(x))
+    assert not repeats_exactly(lambda x: -0.0 * x, (x,), 0.0 * x)  # -0 and 0 differ in their bits
+
+
+def test_kernel_seconds_from_trace_planes():
+    """bench.moe --kernel-time's reading of a profiler trace: the GPU plane's stream lines summed per kernel name and
+    call; the "XLA Ops" line (the same time under the ops' names), host planes, copies and memsets left out. And
+    kernel_times is empty on a backend without a GPU."""
+    from types import SimpleNamespace as NS
+
+    import jax.numpy as jnp
+
+    from hcfjax.bench.common import kernel_seconds, kernel_time, kernel_times
+
+    ev = lambda name, us: NS(name=name, duration_ns=us * 1e3)  # noqa: E731
+    gpu = NS(
+        name="/device:GPU:0",
+        lines=[
+            NS(name="Stream #14(Compute)", events=[ev("fused_gemm", 70), ev("fused_gemm", 74), ev("MemcpyD2D", 9)]),
+            NS(name="Stream #15(Compute)", events=[ev("quantize_fusion", 4), ev("memset32", 1)]),
+            NS(name="XLA Ops", events=[ev("custom-call.1", 144)]),
+        ],
+    )
+    host = NS(name="/host:CPU", lines=[NS(name="python", events=[ev("fused_gemm", 1000)])])
+    per = kernel_seconds([gpu, host], reps=2)
+    assert per == pytest.approx({"fused_gemm": 72e-6, "quantize_fusion": 2e-6})
+    # Another device's plane with less kernel time is not added in (one call's time is one device's); a plane
+    # without stream lines gives nothing (its other lines repeat kernel time under op names)
+    other = NS(name="/device:GPU:1", lines=[NS(name="Stream #3(Compute)", events=[ev("fused_gemm", 20)])])
+    assert kernel_seconds([other, gpu, host], reps=2) == pytest.approx(per)
+    bare = NS(
+        name="/device:GPU:0",
+        lines=[NS(name="XLA Modules", events=[ev("jit_f", 9)]), NS(name="Framework Ops", events=[ev("k", 3)])],
+    )
+    assert kernel_seconds([bare]) == {}
+    if jax.default_backend() == "cpu":
+        assert kernel_times(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2) == {}
+        with pytest.raises(RuntimeError, match="no GPU kernels"):
+            kernel_time(jax.jit(lambda x: x * 2), jnp.ones(8), reps=2)
+
+
+def test_hlo_names_finds_a_fusions_source(tmp_path):
+    """bench.hlo_names resolves a profile's kernel name (`loop_..._fusion_N`, HLO's `%..fusion.N`) in an XLA dump to the
+    jax op at its root, the source line that made it (through the module's stack-frame tables) and the ops inside."""
+    import subprocess
+    import sys
+
+    from hcfjax.bench.hlo_names import describe, fusion_sources
+
+    script = tmp_path / "make_fusion.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def scaled_max(x):\n"
+        "    return jnp.max(jnp.exp(x) * 2, axis=1) + 1\n"
+        "jax.jit(scaled_max)(jnp.ones((4, 8)))\n"
+    )
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path / 'dump'} --xla_dump_hlo_as_text", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
+    text = "\n".join(p.read_text() for p in (tmp_path / "dump").glob("*jit_scaled_max*after_optimizations.txt"))
+    (name,) = {m.replace(".", "_") for m in re.findall(r"%(\w*fusion[\w.]*) = ", text)}
+    (hit,) = fusion_sources(tmp_path / "dump", [name])[name]
+    assert hit.startswith("jit_scaled_max: f32[4]")
+    assert "make_fusion.py:3 (scaled_max)" in hit
+    assert "ops: add, exp, mul, reduce_max" in hit
+    assert describe(tmp_path / "dump", ["no_such_fusion"]) == [
+        "no_such_fusion:",
+        "  (not in any *after_optimizations.txt)",
+    ]
+
+
+def test_ncu_keeps_what_it_did_not_write(tmp_path):
+    """bench.ncu works in a fresh folder of its own under --out and removes only that: files already there stay
+    (an --out of the repository once would have been packed and deleted), and the archive holds its logs."""
+    import tarfile
+
+    from pallas_kernels.bench.ncu import main
+
+    (tmp_path / "keep.txt").write_text("mine")
+    main(["--out", str(tmp_path), "--ncu", "false", "--kernels", "mla:bf16"])  # an ncu that fails at once
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "ncu.tar.gz"]
+    with tarfile.open(tmp_path / "ncu.tar.gz") as tar:
+        assert tar.getnames() == ["ncu/mla_bf16.log"]
