@@ -14,8 +14,8 @@ call), `int8t` the proposed token-minor [P, 2, page] (no per-call pass).
 Bandwidth is cache bytes actually read (sum of lengths x (c_kv + k_pe), plus 8 bytes of scales per int8 token) over
 the time. Times are the mean of `reps` back-to-back calls with one sync at the end (device time plus launch gaps; a
 per-call sync would add the host round trip, tens of us, which swamped the batch-1 rows of the first run);
---device-time chains the calls in one jitted loop (about 18 us a call of that is the loop's own, measured
-2026-11-30; FlashInfer's CUDA events see its kernels plus their launch gaps); --kernel-time sums the kernel records
+--device-time chains the calls in one jitted loop (about 18 us a call of that is the loop's own;
+FlashInfer's CUDA events see its kernels plus their launch gaps); --kernel-time sums the kernel records
 of one jax.profiler trace (CUPTI records FlashInfer's torch kernels too; a torch profiler beside it would fail, CUPTI
 takes one subscriber per process), the GPU's kernels alone. The
 ceilings are measured in the same run: torch's device-to-device copy (read + write) and XLA's int8 and bf16 matmul
@@ -24,10 +24,9 @@ FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the s
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
 
---versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version since the
-seesaw v4 was dropped; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
+--versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
 a q suffix, int8 rows only, runs Q.K on int8 tensor cores, mla_decode's qk8; "@256/208/40" with that register split of
-WG0/WG1/loader, e.g. 3p,3p@232/232/40 against the split before 2026-11-30) on every case, one row each, so one run
+WG0/WG1/loader, e.g. 3p,3p@232/232/40 against another split) on every case, one row each, so one run
 compares them. A variant other than 3 and 3n is first run on three small shapes in a child process with a timeout: a
 kernel that hangs there is dropped from the run instead of hanging it. --rounds N times each case's kernel rows N
 times, interleaved, and keeps each row's best (the H200's times of one call vary between runs; side-by-side variants
@@ -35,8 +34,7 @@ should see the same spells). --min-blocks sets the smallest work unit in 64-toke
 when the batch has fewer than num_sms / 2 x min_blocks blocks in all, e.g. batch 1 x 4096). "kernel us" is the kernel
 given a plan built beforehand (what every layer costs: the model makes one plan per forward; FlashInfer's column
 excludes its plan() the same way, and "vs FlashInfer" is its time over ours); "call us" also makes the plan inside the
-call, and "plan us" is the plan alone. Before 2026-11-30 the tables' "kernel us" was the call with its plan, and "w/
-plan us" the kernel given its plan.
+call, and "plan us" is the plan alone.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     Then the default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each
     tile unpacked just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other
     choice of Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one
-    compute warpgroup per CTA, or two sharing each token tile). (Persistent CTAs, Tiling.persistent until 2026-12-01,
-    were slower in every regime timed and were removed: docs/kernels.md.)"""
+    compute warpgroup per CTA, or two sharing each token tile). (Persistent CTAs were slower in every regime timed; docs/kernels.md
+    says more.)"""
     import dataclasses
 
     from pallas_kernels.moe_int4_tiling import default_tiling
