@@ -24,17 +24,17 @@ FlashInfer (BatchMLAPagedAttentionWrapper, backend fa3, else auto) runs on the s
 random data when `import flashinfer` works; its plan() (host-side scheduling) is outside the timing. --check only
 compiles and checks small and full shapes.
 
---versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version; a p or n suffix runs it with or without paired head tiles, the multicast cluster;
-a q suffix, int8 rows only, runs Q.K on int8 tensor cores, mla_decode's qk8; "@256/208/40" with that register split of
-WG0/WG1/loader, e.g. 3p,3p@232/232/40 against another split) on every case, one row each, so one run
-compares them. A variant other than 3 and 3n is first run on three small shapes in a child process with a timeout: a
-kernel that hangs there is dropped from the run instead of hanging it. --rounds N times each case's kernel rows N
-times, interleaved, and keeps each row's best (the H200's times of one call vary between runs; side-by-side variants
-should see the same spells). --min-blocks sets the smallest work unit in 64-token blocks (it decides the split only
-when the batch has fewer than num_sms / 2 x min_blocks blocks in all, e.g. batch 1 x 4096). "kernel us" is the kernel
-given a plan built beforehand (what every layer costs: the model makes one plan per forward; FlashInfer's column
-excludes its plan() the same way, and "vs FlashInfer" is its time over ours); "call us" also makes the plan inside the
-call, and "plan us" is the plan alone.
+--versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version; a p or n suffix
+runs it with or without paired head tiles, the multicast cluster; a q suffix, int8 rows only, runs Q.K on int8 tensor
+cores, mla_decode's qk8; "@256/208/40" with that register split of WG0/WG1/loader, e.g. 3p,3p@232/232/40 against another
+split) on every case, one row each, so one run compares them. A variant other than 3 and 3n is first run on three small
+shapes in a child process with a timeout: a kernel that hangs there is dropped from the run instead of hanging it.
+--rounds N times each case's kernel rows N times, interleaved, and keeps each row's best (the H200's times of one call
+vary between runs; side-by-side variants should see the same spells). --min-blocks sets the smallest work unit in
+64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all, e.g.
+batch 1 x 4096). "kernel us" is the kernel given a plan built beforehand (what every layer costs: the model makes one
+plan per forward; FlashInfer's column excludes its plan() the same way, and "vs FlashInfer" is its time over ours);
+"call us" also makes the plan inside the call, and "plan us" is the plan alone.
 """
 
 from __future__ import annotations

@@ -78,9 +78,9 @@ def rel_err(out, ref) -> float:
 
 
 def parse_version(text):
-    """--versions token -> mla_decode's (pair, registers, qk8): "3" the kernel (the only version), "3p" / "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split
-    (WG0/WG1/loader), a q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), None the
-    defaults."""
+    """--versions token -> mla_decode's (pair, registers, qk8): "3" the kernel (the only version), "3p" / "3n" with /
+    without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), a q (e.g. "3q",
+    "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), None the defaults."""
     if text is None:
         return None, None, False
     base, _, regs = str(text).partition("@")
