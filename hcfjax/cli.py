@@ -22,7 +22,16 @@ import os
 import sys
 from pathlib import Path
 
+from hcfjax.frontdoor import MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
+
+REQUEST_LIMITS = (
+    "Requests are refused (INVALID_ARGUMENT, HTTP 400) before any work for: a text prompt longer than the context "
+    "could hold (checked on its characters, before tokenizing), text that is not valid UTF-8, a prompt or prompt + "
+    f"max tokens beyond --max-model-len, more than {MAX_STOP_STRINGS} stop strings or one over {MAX_STOP_CHARS} "
+    f"characters, more than {MAX_STOP_TOKEN_IDS} stop token ids, top_k beyond the vocabulary, a seed outside "
+    f"[0, 2^32), a request id over {MAX_REQUEST_ID_CHARS} characters (hcfjax/frontdoor.py)."
+)
 
 
 def _generate(args) -> int:
@@ -241,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API")
+    s = sub.add_parser(
+        "serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API", epilog=REQUEST_LIMITS
+    )
     s.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, help="gRPC port (0: a free one, printed at start)")
