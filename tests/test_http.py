@@ -70,10 +70,10 @@ def finished(server: HTTPServer, reason: str) -> float:
     return server.service.metrics.registry.get_sample_value("hcfjax_requests_total", {"finish_reason": reason}) or 0
 
 
-def post(server: HTTPServer, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{server.port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def post(server: HTTPServer, path: str, body: dict | str) -> tuple[int, dict]:
+    """POSTs a body (a dict as JSON, a str as it is); -> (status, the answer's JSON)."""
+    data = (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -204,7 +204,16 @@ def test_error_body_and_server_keeps_serving(served):
     assert status == 400
     assert body == {"error": {"message": "top_p must be in (0, 1], got 2.0", "type": "invalid_request_error",
                               "param": "top_p", "code": None}}  # fmt: skip
-    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"})[0] == 400
+    for body, param in [
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),  # types are not coerced
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": [True, False]}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ('{"prompt": "x", ', None),  # not JSON: no character offset as the param
+    ]:
+        status, answer = post(server, "/v1/completions", body)
+        assert (status, answer["error"]["param"]) == (400, param), answer
     assert server.service.metrics.registry.get_sample_value(
         "hcfjax_rejected_requests_total", {"code": "INVALID_ARGUMENT"}
     )

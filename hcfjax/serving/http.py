@@ -285,10 +285,12 @@ def create_app(service: OpenAIService) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
         service.count_refusal(400)
-        return JSONResponse(bad_request(f"{param or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
+        if err.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+            return JSONResponse(bad_request(f"the body is not valid JSON: {err.get('msg', '')}").body(), 400)
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None  # the top-level field; the message gives the full location
+        return JSONResponse(bad_request(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
 
     @app.exception_handler(HTTPException)
     async def _http(_, e: HTTPException):

@@ -31,13 +31,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Parameters of both endpoints. The last group are extensions (as vLLM names them)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: max_tokens "5" or true is refused
 
     model: str | None = None
     max_tokens: int | None = None
@@ -90,7 +92,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict] | None = None
