@@ -76,14 +76,17 @@ def test_bad_generation_arguments(v3_model):
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=1.5), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # beyond the batch's int32
+        (dict(temperature=1e-9), "temperature"),  # logits / temperature would overflow float32
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(min_p=1.0), "min_p"),
     ],
 )
 def test_invalid_sampling_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         SamplingParams(**kwargs)
+    assert e.value.param == match
 
 
 def test_sampling_filters_on_a_known_distribution():
