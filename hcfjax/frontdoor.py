@@ -72,11 +72,13 @@ def check_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, Sequence):
         raise InvalidRequest("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
     for s in stops:
+        if not isinstance(s, str):
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
         if not s:
             raise InvalidRequest("stop strings must not be empty", "stop")
         if len(s) > MAX_STOP_CHARS:
