@@ -178,13 +178,18 @@ class FrontDoor:
                 raise InvalidRequest(f"the {param} is empty", param)
             ids = self.encode(prompt, param)
         else:
+            if hasattr(prompt, "__len__") and len(prompt) > self.max_model_len - 1:  # before looking at each id
+                self._too_long(len(prompt), param)
             ids = self.token_ids(prompt, param, "token id")
             if not ids:
                 raise InvalidRequest(f"the {param} is empty", param)
         if len(ids) > self.max_model_len - 1:
-            raise InvalidRequest(f"the {param} has {len(ids)} tokens; the context is {self.max_model_len}",
-                                 param, CONTEXT_LENGTH_EXCEEDED)  # fmt: skip
+            self._too_long(len(ids), param)
         return ids
+
+    def _too_long(self, n: int, param: str):
+        raise InvalidRequest(f"the {param} has {n} tokens; the context is {self.max_model_len}", param,
+                             CONTEXT_LENGTH_EXCEEDED)  # fmt: skip
 
     def token_ids(self, ids, param: str, what: str, limit: int | None = None) -> list[int]:
         """A sequence of integers (numpy ones too), each in the vocabulary."""
