@@ -1,13 +1,13 @@
 """The `hcfjax` command line.
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
+                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
 hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
              down gracefully)
 hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill ADDR] [--decode ADDR] [...]
              (prefill/decode disaggregation, hcfjax/pd/: one process per role)
-hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
+hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S] [--stop TEXT]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
 hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8   (hcfjax/quantize.py)
@@ -25,8 +25,17 @@ import time
 from pathlib import Path
 
 from hcfjax import trace
+from hcfjax.frontdoor import MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
 from hcfjax.serving.startup import default_compile_cache
+
+REQUEST_LIMITS = (
+    "Requests are refused (INVALID_ARGUMENT, HTTP 400) before any work for: a text prompt longer than the context "
+    "could hold (checked on its characters, before tokenizing), text that is not valid UTF-8, a prompt or prompt + "
+    f"max tokens beyond --max-model-len, more than {MAX_STOP_STRINGS} stop strings or one over {MAX_STOP_CHARS} "
+    f"characters, more than {MAX_STOP_TOKEN_IDS} stop token ids, top_k beyond the vocabulary, a seed outside "
+    f"[0, 2^32), a request id over {MAX_REQUEST_ID_CHARS} characters (hcfjax/frontdoor.py)."
+)
 
 
 def _generate(args) -> int:
@@ -52,6 +61,7 @@ def _generate(args) -> int:
             max_new_tokens=args.max_new_tokens,
             sampling=sampling,
             seed=args.seed,
+            stop=args.stop,
             cache_dtype=jnp.int8 if args.kv_cache == "int8" else None,
             options=run_options(),
         )
@@ -206,11 +216,8 @@ def _client(args) -> int:
     from hcfjax.serving import client
     from hcfjax.serving import hcfjax_pb2 as pb
 
-    channel, stub = client.connect(args.host, args.port)
-    last = None
     try:
-        call = client.generate_stream(
-            stub,
+        request = client.make_request(
             args.prompt,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -218,9 +225,15 @@ def _client(args) -> int:
             top_p=args.top_p,
             min_p=args.min_p,
             seed=args.seed,
-            timeout=args.timeout,
+            stop=args.stop,
         )
-        for chunk in call:
+    except (ValueError, TypeError) as e:  # a value the request message cannot hold
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    channel, stub = client.connect(args.host, args.port)
+    last = None
+    try:
+        for chunk in stub.Generate(request, timeout=args.timeout):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             last = chunk
@@ -256,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", help="a string that ends a prompt's generation (repeatable)")
     g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     g.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
     g.add_argument("--stats", action="store_true", help="print timing statistics (JSON) to stderr")
@@ -268,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API")
+    s = sub.add_parser(
+        "serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API", epilog=REQUEST_LIMITS
+    )
     s.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, help="gRPC port (0: a free one, printed at start)")
@@ -338,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--min-p", type=float, default=0.0)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--stop", action="append", help="a string that ends the generation (repeatable)")
     c.add_argument("--timeout", type=float, help="deadline in seconds")
     c.add_argument("--usage", action="store_true", help="print the final usage (JSON) to stderr")
     c.set_defaults(func=_client)

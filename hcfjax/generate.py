@@ -16,6 +16,8 @@ import numpy as np
 
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
+from hcfjax.detokenize import cut_at_stop
+from hcfjax.frontdoor import FrontDoor, InvalidRequest, check_max_new_tokens, check_sampling, check_seed
 from hcfjax.model import Model, hidden_states, logits
 from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
@@ -26,40 +28,30 @@ from hcfjax.step import PAD, DecodeInputs, PrefillInputs, decode_steps, empty_st
 
 @dataclasses.dataclass
 class GenerationResult:
-    tokens: list[list[int]]  # generated tokens only, one list per prompt (a stop token, if hit, is the last one)
-    text: list[str] | None  # decoded generated text (None without a tokenizer)
+    """tokens: the generated tokens only, one list per prompt (the stop token, or the token that completed a stop
+    string, is the last one); text: their decoded text, cut before a stop string (None without a tokenizer);
+    stats: timings and counts of what the device generated."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
     stats: dict
 
 
-def prepare_prompts(model: Model, prompts, max_new_tokens: int) -> list[list[int]]:
-    """Strings or token lists (or one of either) -> validated token lists."""
+def prepare_prompts(door: FrontDoor, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Strings or token lists (or one of either) -> token lists, each checked by the front door."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of strings or token-id lists")
-    cfg = model.cfg
+        raise InvalidRequest("prompts must be a non-empty list of strings or token-id lists", "prompt")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if model.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer, and this model has none (pass token ids)")
-            ids = model.tokenizer.encode(p).ids
-            if cfg.bos_token_id is not None and (not ids or ids[0] != cfg.bos_token_id):
-                ids = [cfg.bos_token_id] + ids
-        else:
-            ids = [int(t) for t in np.asarray(p).reshape(-1)] if len(p) else []
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
-        if len(ids) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
-                f"the model's context of {cfg.max_position_embeddings}"
-            )
+        if not isinstance(p, str):
+            p = np.asarray(p).reshape(-1).tolist() if len(p) else []
+        try:
+            ids = door.prompt_ids(p)
+            door.fit(ids, max_new_tokens)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"prompt {i}: {e}", e.param, e.code) from None
         out.append(ids)
     return out
 
@@ -100,6 +92,7 @@ def generate(
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     page_size: int = 64,
+    stop: str | Sequence[str] | None = None,
     cache_dtype=None,
     max_prefill_tokens: int = 16384,
     speculative: SpeculativeConfig | None = None,
@@ -113,6 +106,8 @@ def generate(
     prompts: a string, a token list, or a list of either. sampling: one SamplingParams for all or one per prompt
     (default greedy). seed: each row draws from its own stream, seeded from this and its index.
     stop_token_ids: None stops at the checkpoint's eos tokens, [] never stops early.
+    stop: strings that end a row: the device runs on, and each row's tokens and text are cut afterwards at its first
+    stop string (as the engine does while streaming, hcfjax.detokenize).
     cache_dtype: the KV cache's dtype (default the model's, or int8 for a w4a8c8 checkpoint; jnp.int8 asks for it).
     max_prefill_tokens: prompts are prefilled in groups of rows holding at most this many (padded) tokens, which
     bounds prefill activation memory for large batches.
@@ -124,15 +119,18 @@ def generate(
     data parallel, experts over EP; ranks short of requests get mock rows, which step with the others but never
     write. prefill_plan (sharding.plans.prefill_plan): prefill under tensor parallelism, its cache then handed over.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    ids = prepare_prompts(model, prompts, max_new_tokens)
+    door = FrontDoor(model.cfg, model.tokenizer, model.cfg.max_position_embeddings)
+    check_max_new_tokens(max_new_tokens)
+    check_seed(seed)
+    stops, stop_strings = door.stop_ids(stop_token_ids), door.stop_strings(stop)
+    ids = prepare_prompts(door, prompts, max_new_tokens)
     cfg, b_real = model.cfg, len(ids)
     sampling = sampling or SamplingParams()
     per_req = sampling if isinstance(sampling, list) else [sampling] * b_real
-    if len(per_req) != b_real or not all(isinstance(s, SamplingParams) for s in per_req):
-        raise ValueError("sampling must be a SamplingParams or a list of one per prompt")
-    stops = list(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    if len(per_req) != b_real:
+        raise InvalidRequest("sampling must be a SamplingParams or a list of one per prompt", "sampling")
+    for sp in per_req:
+        check_sampling(sp, cfg.vocab_size)
     if speculative is not None and not model.params.get("mtp"):
         raise ValueError("speculative decoding needs MTP layers, and this model has none (loaded with mtp=False?)")
     k = speculative.num_draft_tokens if speculative else 0
@@ -152,7 +150,7 @@ def generate(
     state = empty_state(cfg, b, cache, speculative, model.dtype)
     sp = SamplingBatch.of(per_req)
     seeds = np.random.SeedSequence(seed).generate_state(b).astype(np.uint32)
-    stop_arr = jnp.asarray(np.array(stops or [PAD], np.int32))
+    stop_arr = jnp.asarray(np.array(sorted(stops) or [PAD], np.int32))
 
     t0 = time.perf_counter()
     params = model.params if prefill_plan is None else prefill_plan.place_params(model.params)
@@ -194,7 +192,10 @@ def generate(
     result = [[int(x) for x in row[:c]] for row, c in zip(out, counts["count"], strict=True)]
     n_new = sum(len(r) for r in result)
     text = None
-    if model.tokenizer is not None:
+    if stop_strings:
+        cut = [cut_at_stop(model.tokenizer, r, stops, stop_strings) for r in result]
+        result, text = [c[0] for c in cut], [c[1] for c in cut]
+    elif model.tokenizer is not None:
         text = [model.tokenizer.decode([x for x in r if x not in stops]) for r in result]
     n_prompt = int(lengths[:b_real].sum())
     stats = {

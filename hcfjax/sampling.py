@@ -10,9 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class InvalidSampling(ValueError):
+    """A sampling parameter out of its range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature can overflow float32
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 switch those filters off."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 switch those filters off. A batch holds them in
+    float32 and int32 arrays (SamplingBatch), so values must fit those."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -20,16 +32,18 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if not (
-            isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature >= 0
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p < 1):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        number = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
+        t = self.temperature
+        if not (number(t) and (t == 0 or MIN_TEMPERATURE <= t)):
+            raise InvalidSampling(
+                "temperature", f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}"
+            )
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and 0 <= self.top_k < 2**31):
+            raise InvalidSampling("top_k", f"top_k must be an integer in [0, 2^31) (0 = off), got {self.top_k!r}")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidSampling("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (number(self.min_p) and 0 <= self.min_p < 1):
+            raise InvalidSampling("min_p", f"min_p must be in [0, 1), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -29,3 +29,31 @@ def assert_idle(engine: Engine, timeout: float) -> None:
             return
         assert time.monotonic() < deadline, f"engine not idle: {s}"
         time.sleep(0.02)
+
+
+def stop_across_tokens(tokenizer, tokens: list[int]) -> tuple[str, int, str]:
+    """A stop string that spans a boundary between two of `tokens` (two characters of each side), the number of
+    tokens up to and including the one whose text completes it, and the text before it."""
+    chars = 2
+    texts = [tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    for i in range(2, len(tokens)):
+        before, this, after = texts[i - 1], texts[i], texts[i + 1]
+        if len(this) - len(before) >= chars and len(after) - len(this) >= chars and "\ufffd" not in after:
+            stop = after[len(this) - chars : len(this) + chars]
+            n = next(j for j, t in enumerate(texts) if stop in t)
+            return stop, n, texts[-1][: texts[-1].find(stop)]
+    raise ValueError(f"no two neighbouring tokens of {chars} or more characters")
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its encode calls (to check that a request was refused without tokenizing)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded = tokenizer, 0
+
+    def encode(self, text):
+        self.encoded += 1
+        return self.tokenizer.encode(text)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)

@@ -11,6 +11,7 @@ from hcfjax.engine.pages import OutOfPages, PageAllocator
 from hcfjax.engine.request import Request, Status
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.sampling import SamplingParams
+from tests import engine_helpers
 from tests.engine_helpers import xla_compiles
 
 PROMPTS = [
@@ -243,10 +244,15 @@ def test_bad_requests_are_refused(model):
         (dict(prompt=[]), "empty"),
         (dict(prompt=[1, model.cfg.vocab_size]), "outside the vocabulary"),
         (dict(prompt=[5] * 100), "the context is 64"),
+        (dict(prompt="x" * 100_000), "characters"),
+        (dict(prompt="\ud800abc", max_new_tokens=4), "UTF-8"),
         (dict(prompt="x", max_new_tokens=100), "exceed the context"),
         (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
         (dict(prompt="x", max_new_tokens=4, seed=-1), "seed"),
         (dict(prompt="x", max_new_tokens=4, stop_token_ids=[-3]), "stop token"),
+        (dict(prompt="x", max_new_tokens=4, stop=["s"] * 17), "stop strings"),
+        (dict(prompt="x", max_new_tokens=4, sampling=SamplingParams(top_k=2**31 - 1)), "top_k"),
+        (dict(prompt="x", max_new_tokens=4, request_id="r" * 257), "request_id"),
     ]:
         with pytest.raises(InvalidRequest, match=match):
             engine.submit(**kw)
@@ -255,6 +261,38 @@ def test_bad_requests_are_refused(model):
     with pytest.raises(QueueFull):
         engine.submit("c", max_new_tokens=2)
     run_all(engine)
+    assert_all_free(engine)
+
+
+def test_stop_strings_end_requests_with_exact_usage(model):
+    """A stop string across a token boundary ends the request: its text cut just before it, the token that
+    completed it the last one, counted in the usage; with speculation too (several tokens accepted per step, those
+    after the stop dropped). Its first character is held back until the next token shows the string."""
+    ref = hcfjax.generate(model, PROMPTS[:2], max_new_tokens=24, stop_token_ids=[])
+    cases = [engine_helpers.stop_across_tokens(model.tokenizer, toks) for toks in ref.tokens]
+    for spec in (None, hcfjax.SpeculativeConfig(2)):
+        engine = Engine(model, EngineConfig(max_slots=2, token_budget=32, speculative=spec))
+        reqs = [
+            engine.submit(p, max_new_tokens=24, stop_token_ids=[], stop=["@@never@@", stop])
+            for p, (stop, _, _) in zip(PROMPTS, cases, strict=False)
+        ]
+        run_all(engine)
+        for r, toks, (stop, n, text) in zip(reqs, ref.tokens, cases, strict=True):
+            outs = list(engine.stream(r, timeout=0))
+            assert [t for o in outs for t in o.token_ids] == toks[:n], (spec, stop)
+            assert "".join(o.text for o in outs) == text and stop not in text
+            assert outs[-1].finish == FinishReason.STOP and outs[-1].usage.output_tokens == n
+        assert_all_free(engine)
+
+
+def test_server_made_ids_do_not_collide_with_chosen_ones(model):
+    engine = Engine(model, EngineConfig(max_queue=64))
+    chosen = [engine.submit([5, 6], max_new_tokens=2, request_id=f"req-{i}").id for i in range(16)]
+    made = [engine.submit([5, 6], max_new_tokens=2).id for _ in range(16)]
+    assert len(set(chosen + made)) == 32
+    with pytest.raises(InvalidRequest, match="in use"):
+        engine.submit([5, 6], max_new_tokens=2, request_id="req-3")
+    engine.shutdown()
     assert_all_free(engine)
 
 

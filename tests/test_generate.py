@@ -7,8 +7,10 @@ import pytest
 
 import hcfjax
 from hcfjax import cli
+from hcfjax.frontdoor import InvalidRequest
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams, filtered_logprobs, sample
+from tests.engine_helpers import stop_across_tokens
 
 
 def test_ragged_batch_equals_each_prompt_alone(v3_model):
@@ -38,24 +40,33 @@ def test_stop_tokens_end_a_row(v3_model):
 @pytest.mark.parametrize(
     "bad,match",
     [
-        ([[]], "prompt 0 is empty"),
-        ([[1, 2, 10_000]], "token id 10000 outside"),
-        ([[-1]], "token id -1 outside"),
-        ([[1] * 600], "exceeds the model's context"),
-        ("text", "need a tokenizer"),
+        ([[]], "prompt 0: the prompt is empty"),
+        ([[1, 2], [1, 2, 10_000]], "prompt 1: token id 10000 is outside"),
+        ([[-1]], "token id -1 is outside"),
+        ([[1] * 600], "prompt 0: the prompt has 600 tokens; the context is 512"),
+        ([[1] * 500], r"prompt 0: the prompt \(500 tokens\) \+ max_new_tokens \(20\) exceed the context of 512"),
+        ([[True, False]], "integers"),
+        ("text", "no tokenizer"),
         ([], "non-empty"),
     ],
 )
 def test_bad_prompts_raise_clear_errors(v3_model, bad, match):
-    with pytest.raises(ValueError, match=match):
-        hcfjax.generate(v3_model, bad, max_new_tokens=4)
+    with pytest.raises(InvalidRequest, match=match):
+        hcfjax.generate(v3_model, bad, max_new_tokens=20)
 
 
 def test_bad_generation_arguments(v3_model):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        hcfjax.generate(v3_model, [[1, 2]], max_new_tokens=0)
-    with pytest.raises(ValueError, match="one per prompt"):
-        hcfjax.generate(v3_model, [[1, 2]], sampling=[SamplingParams(), SamplingParams()])
+    for kwargs, param in [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(sampling=[SamplingParams(), SamplingParams()]), "sampling"),
+        (dict(sampling=SamplingParams(top_k=2**31 - 1)), "top_k"),  # beyond the vocabulary
+        (dict(seed=2**32), "seed"),
+        (dict(stop_token_ids=[v3_model.cfg.vocab_size]), "stop_token_ids"),
+        (dict(stop=["x"]), "stop"),  # stop strings need a tokenizer
+    ]:
+        with pytest.raises(InvalidRequest) as e:
+            hcfjax.generate(v3_model, [[1, 2]], **kwargs)
+        assert e.value.param == param, (kwargs, str(e.value))
 
 
 @pytest.mark.parametrize(
@@ -65,14 +76,17 @@ def test_bad_generation_arguments(v3_model):
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=1.5), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # beyond the batch's int32
+        (dict(temperature=1e-9), "temperature"),  # logits / temperature would overflow float32
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(min_p=1.0), "min_p"),
     ],
 )
 def test_invalid_sampling_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         SamplingParams(**kwargs)
+    assert e.value.param == match
 
 
 def test_sampling_filters_on_a_known_distribution():
@@ -154,6 +168,20 @@ def test_string_prompts_use_the_tokenizer(random_ckpt):
     assert (
         out.tokens[0] == hcfjax.generate(m, [[m.cfg.bos_token_id] + ids], max_new_tokens=4, stop_token_ids=[]).tokens[0]
     )
+
+
+def test_stop_strings_cut_each_row():
+    """Each row's tokens end with the one that completed its first stop string (across a token boundary), its
+    text just before the string; a row without one is whole. The cut is the engine's (the same text stream)."""
+    m = hcfjax.load(dtype=jnp.float32)  # the embedded model: real text, multi-character tokens
+    prompts = ["def fibonacci(n):", "import os"]
+    free = hcfjax.generate(m, prompts, max_new_tokens=12, stop_token_ids=[])
+    stop, n, expected = stop_across_tokens(m.tokenizer, free.tokens[0])
+    out = hcfjax.generate(m, prompts, max_new_tokens=12, stop_token_ids=[], stop=[stop, "@@never@@"])
+    assert (out.tokens[0], out.text[0]) == (free.tokens[0][:n], expected)
+    if stop not in free.text[1]:
+        assert (out.tokens[1], out.text[1]) == (free.tokens[1], free.text[1])
+    assert out.stats["new_tokens"] == free.stats["new_tokens"]  # what the device generated
 
 
 @pytest.mark.parametrize(

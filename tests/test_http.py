@@ -2,6 +2,7 @@
 over the real Engine with the embedded model. Every test leaves the engine with all its pages free."""
 
 import functools
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -16,7 +17,6 @@ from hcfjax.engine import Engine, EngineConfig
 from hcfjax.serving.chat_template import ChatTemplate
 from hcfjax.serving.http import HTTPServer
 from hcfjax.serving.metrics import Metrics
-from hcfjax.serving.openai_protocol import StopStrings
 from tests import engine_helpers
 
 MAX_LEN = 256
@@ -70,10 +70,10 @@ def finished(server: HTTPServer, reason: str) -> float:
     return server.service.metrics.registry.get_sample_value("hcfjax_requests_total", {"finish_reason": reason}) or 0
 
 
-def post(server: HTTPServer, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{server.port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def post(server: HTTPServer, path: str, body: dict | str) -> tuple[int, dict]:
+    """POSTs a body (a dict as JSON, a str as it is); -> (status, the answer's JSON)."""
+    data = (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -130,29 +130,21 @@ def test_concurrent_completions_and_chats_equal_generate(served, ref, model):
     assert_idle(server.engine)
 
 
-def test_stop_strings_truncate_the_text(served, ref):
+def test_stop_strings_end_the_request_with_exact_usage(served, model):
+    """A stop string across a token boundary: the text ends just before it and the usage counts the tokens up to the
+    one that completed it, streamed or not. A stop string that never comes changes nothing."""
     server, client = served
-    text = ref.text[0]
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    expected = text[: text.find(stop)]
-    args = dict(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+    ref = hcfjax.generate(model, PROMPTS[0], max_new_tokens=N, stop_token_ids=[])
+    stop, n, expected = engine_helpers.stop_across_tokens(model.tokenizer, ref.tokens[0])
+    args = dict(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
     r = client.completions.create(stop=["@@never@@", stop], **args)
-    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
-    chunks = list(client.completions.create(stop=stop, stream=True, **args))
-    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
-    r = client.completions.create(stop="@@never@@", **args)  # a stop string that never comes changes nothing
-    assert r.choices[0].text == text
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (expected, "stop", n)
+    chunks = list(client.completions.create(stop=stop, stream=True, stream_options={"include_usage": True}, **args))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == n
+    r = client.completions.create(stop="@@never@@", **args)
+    assert (r.choices[0].text, r.usage.completion_tokens) == (ref.text[0], N)
     assert_idle(server.engine)
-
-
-def test_stop_strings_hold_back_partial_matches():
-    s = StopStrings(["</end>", "xyz"])
-    assert s.feed("abc</e") == ("abc", False)  # "</e" may start "</end>"
-    assert s.feed("nx") == ("</en", False)  # "x" may start "xyz"
-    assert s.feed("xy") == ("x", False)
-    assert s.feed("z tail") == ("", True)
-    s = StopStrings(["</end>"])
-    assert s.feed("a</") == ("a", False) and s.flush() == "</"
 
 
 BAD = [
@@ -171,12 +163,21 @@ BAD = [
     ("completion", dict(n=2), 400, "n", None),
     ("completion", dict(seed=-1), 400, "seed", None),
     ("completion", dict(stop=[""]), 400, "stop", None),
+    ("completion", dict(stop=["s"] * 17), 400, "stop", None),
+    ("completion", dict(stop="s" * 300), 400, "stop", None),
+    ("completion", dict(prompt="x" * 20_000), 400, "prompt", "context_length_exceeded"),
+    ("completion", dict(extra_body={"top_k": -1}), 400, "top_k", None),
+    ("completion", dict(extra_body={"top_k": 2**31}), 400, "top_k", None),
+    ("completion", dict(extra_body={"top_k": 5000}), 400, "top_k", None),  # beyond the vocabulary
+    ("completion", dict(seed=2**32), 400, "seed", None),
+    ("completion", dict(extra_body={"stop_token_ids": [-1]}), 400, "stop_token_ids", None),
     ("completion", dict(logprobs=2), 400, "logprobs", None),
     ("completion", dict(model="gpt-4"), 404, "model", "model_not_found"),
     ("chat", dict(messages=[]), 400, "messages", None),
     ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages", None),
     ("chat", dict(messages=[{"role": "user", "content": "hi " * 300}]), 400, "messages", "context_length_exceeded"),
     ("chat", dict(frequency_penalty=0.5), 400, "frequency_penalty", None),
+    ("chat", dict(max_completion_tokens=MAX_LEN), 400, "max_completion_tokens", "context_length_exceeded"),
     ("chat", dict(n=3), 400, "n", None),
 ]
 
@@ -203,13 +204,75 @@ def test_error_body_and_server_keeps_serving(served):
     assert status == 400
     assert body == {"error": {"message": "top_p must be in (0, 1], got 2.0", "type": "invalid_request_error",
                               "param": "top_p", "code": None}}  # fmt: skip
-    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"})[0] == 400
+    for body, param in [
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),  # types are not coerced
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": [True, False]}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ('{"prompt": "x", ', None),  # not JSON: no character offset as the param
+    ]:
+        status, answer = post(server, "/v1/completions", body)
+        assert (status, answer["error"]["param"]) == (400, param), answer
     assert server.service.metrics.registry.get_sample_value(
         "hcfjax_rejected_requests_total", {"code": "INVALID_ARGUMENT"}
     )
     r = client.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
     assert_idle(server.engine)
+
+
+def test_a_huge_top_k_fails_only_its_request(served, ref):
+    """top_k beyond int32 (or the vocabulary) is refused at the door: a request decoding beside it goes on."""
+    server, client = served
+    stream = client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0, stream=True)
+    chunks = iter(stream)
+    text = [next(chunks).choices[0].text]  # decoding now
+    for top_k in (2**31, 2**31 - 1):
+        status, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": top_k})
+        assert (status, body["error"]["param"]) == (400, "top_k"), body
+    rest = list(chunks)
+    assert "".join(text + [c.choices[0].text for c in rest]) == ref.text[0]
+    assert rest[-1].choices[0].finish_reason in ("stop", "length")
+    assert_idle(server.engine)
+
+
+def test_invalid_unicode_is_a_400_and_the_connection_serves_on(served):
+    """A lone surrogate (valid JSON, not valid text) in a prompt or a chat message: a JSON 400, and the same
+    keep-alive connection serves the next request."""
+    server, _ = served
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    try:
+        for path, body, param in [
+            ("/v1/completions", '{"prompt": "\\ud800abc", "max_tokens": 2}', "prompt"),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages"),
+            ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
+        ]:
+            conn.request("POST", path, body, headers)
+            r = conn.getresponse()
+            error = json.loads(r.read())["error"]
+            assert (r.status, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
+            assert "UTF-8" in error["message"]
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x = 1", "max_tokens": 2}), headers)
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
+    finally:
+        conn.close()
+    assert_idle(server.engine)
+
+
+def test_a_text_that_cannot_fit_is_not_tokenized(served):
+    server, _ = served
+    door = server.engine.door
+    counting = engine_helpers.CountingTokenizer(door.tokenizer)
+    door.tokenizer = counting
+    try:
+        status, body = post(server, "/v1/completions", {"prompt": "x" * (door.max_prompt_chars + 1)})
+    finally:
+        door.tokenizer = counting.tokenizer
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "context_length_exceeded")
+    assert counting.encoded == 0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(served):

@@ -279,3 +279,32 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_router_refuses_what_needs_no_model_before_placing():
+    """The router's own checks (request id, stop strings) answer INVALID_ARGUMENT before it looks for a worker:
+    here none is up, which a good request gets told."""
+    from hcfjax.pd.router import Router
+    from hcfjax.serving import client
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):
+            raise Aborted(code, details)
+
+        def time_remaining(self):
+            return None
+
+    router = Router(["127.0.0.1:1"], ["127.0.0.1:2"])
+    try:
+        for params, words in [(dict(request_id="r" * 257), "request_id"), (dict(stop=["s"] * 17), "stop strings")]:
+            with pytest.raises(Aborted) as e:
+                next(router.Generate(client.make_request("x", **params), Context()))
+            assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.args[1]
+        with pytest.raises(Aborted) as e:
+            next(router.Generate(client.make_request("x", request_id="req-15", stop=["\n"]), Context()))
+        assert e.value.args == (grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
+    finally:
+        router.stop()

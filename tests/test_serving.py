@@ -110,6 +110,11 @@ BAD = [
     (dict(prompt=[5, 99999]), "99999"),
     (dict(prompt=[5, -3]), "-3"),
     (dict(prompt="x", stop_token_ids=[10**6]), "stop token"),
+    (dict(prompt="x", top_k=2**31 - 1), "top_k"),  # fits the message's int32, beyond the vocabulary
+    (dict(prompt="x", stop=["s"] * 17), "stop strings"),
+    (dict(prompt="x", stop=[""]), "stop strings"),
+    (dict(prompt="x", request_id="r" * 257), "request_id"),
+    (dict(prompt="x" * 20_000), "characters"),
 ]
 
 
@@ -120,6 +125,28 @@ def test_bad_input_is_invalid_argument(served, params, words):
     assert words in err.details(), err.details()
     # The server keeps serving.
     assert client.generate(served.stub, "x = 1", max_new_tokens=2).finish_reason in ("stop", "length")
+    assert_idle(served.engine)
+
+
+def test_stop_strings_end_the_stream_with_exact_usage(served, model):
+    ref = hcfjax.generate(model, PROMPTS[0], max_new_tokens=24, stop_token_ids=[])
+    stop, n, expected = engine_helpers.stop_across_tokens(model.tokenizer, ref.tokens[0])
+    r = client.generate(served.stub, PROMPTS[0], max_new_tokens=24, ignore_eos=True, stop=["@@never@@", stop])
+    assert (r.text, r.finish_reason, r.usage.output_tokens, r.token_ids) == (expected, "stop", n, ref.tokens[0][:n])
+    assert_idle(served.engine)
+
+
+def test_cli_client_stop_and_a_seed_the_message_cannot_hold(served, model, capsys):
+    from hcfjax import cli
+
+    ref = hcfjax.generate(model, PROMPTS[0], max_new_tokens=24)
+    stop, _, expected = engine_helpers.stop_across_tokens(model.tokenizer, ref.tokens[0])
+    args = ["client", "--port", str(served.server.port), "--prompt", PROMPTS[0], "--max-new-tokens", "24"]
+    assert cli.main(args + ["--stop", stop]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    for seed in ("-5", str(2**70)):
+        assert cli.main(args + ["--seed", seed]) == 2
+        assert "error:" in capsys.readouterr().err
     assert_idle(served.engine)
 
 

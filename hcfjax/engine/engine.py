@@ -10,7 +10,6 @@ allow for.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import threading
@@ -22,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import trace
+from hcfjax.detokenize import TextStream
 from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.engine.shapes import StepShapes
+from hcfjax.frontdoor import FrontDoor, InvalidRequest, check_request_id, new_request_id
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
@@ -33,10 +34,6 @@ from hcfjax.sampling import SamplingParams
 from hcfjax.speculative import SpeculativeConfig
 
 log = logging.getLogger("hcfjax.engine")
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 class QueueFull(RuntimeError):
@@ -134,6 +131,7 @@ class Engine:
         if decode_plan is not None and decode_plan.mesh.shape["ep"] != c.dp:
             raise ValueError(f"config.dp={c.dp} but the decode plan has {decode_plan.mesh.shape['ep']} ranks")
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
+        self.door = FrontDoor(self.cfg, model.tokenizer, self.max_model_len)
         spec = c.speculative
         if spec is not None and not model.params.get("mtp"):
             raise ValueError("speculative decoding needs MTP layers, and this model has none")
@@ -184,7 +182,6 @@ class Engine:
         self._landed: list[tuple] = []  # (request id, epoch, first token, kv, scale) or (request id, epoch, error)
         self._idle = False  # the last step had nothing to run: wait for an event before the next
         self._lock = threading.Condition()
-        self._ids = itertools.count()
         self._pending: Dispatched | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -192,70 +189,48 @@ class Engine:
 
     # -- the caller's side (any thread) ----------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        if self.model.tokenizer is None:
-            raise InvalidRequest("this model has no tokenizer: send token ids")
-        ids = self.model.tokenizer.encode(text).ids
-        bos = self.cfg.bos_token_id
-        return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
+        """A text prompt's token ids as a request's would be (raises InvalidRequest for text that cannot fit)."""
+        return self.door.encode(text)
 
     def submit(
         self,
         prompt: str | list[int],
         *,
         sampling: SamplingParams | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = 64,
         stop_token_ids: list[int] | None = None,
+        stop: str | list[str] | None = None,
         seed: int = 0,
         request_id: str | None = None,
     ) -> Request:
-        """Queues a request (never blocks). Raises InvalidRequest, QueueFull or EngineStopped."""
-        ids = self._validate(prompt, sampling, max_new_tokens, stop_token_ids, seed)
-        stops = self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids
+        """Queues a request (never blocks). max_new_tokens None: up to the end of the context; stop_token_ids None:
+        the checkpoint's eos tokens; stop: strings that end the request (its text cut just before the first).
+        Raises InvalidRequest (hcfjax.frontdoor's checks), QueueFull or EngineStopped."""
+        rid = new_request_id() if request_id is None else check_request_id(request_id)
+        c = self.door.check(
+            prompt,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
+            seed=seed,
+        )
+        tok = self.model.tokenizer
+        text = TextStream(tok, c.stop_ids, c.stop) if tok is not None else None
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
             queued = len(self._inbox) + len(self.scheduler.waiting)
             if queued >= self.config.max_queue:
                 raise QueueFull(f"{queued} requests are waiting (max_queue={self.config.max_queue}); retry later")
-            rid = request_id or f"req-{next(self._ids)}"
             if rid in self._requests:
-                raise InvalidRequest(f"request id {rid!r} is in use")
-            req = Request(rid, ids, sampling or SamplingParams(), max_new_tokens, frozenset(stops), seed, self.clock())
+                raise InvalidRequest(f"request id {rid!r} is in use", "request_id")
+            req = Request(rid, c.prompt, c.sampling, c.max_new_tokens, c.stop_ids, c.seed, self.clock(), text=text)
             self._requests[rid] = req
             self._inbox.append(req)
-            trace.mark("arrive", rid, n=len(ids))
+            trace.mark("arrive", rid, n=len(c.prompt))
             self._lock.notify()
         return req
-
-    def _validate(self, prompt, sampling, max_new_tokens, stop_token_ids, seed) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            ids = self.tokenize(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise InvalidRequest("the prompt is empty")
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise InvalidRequest("sampling must be a SamplingParams")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if len(ids) > self.max_model_len - 1:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len}")
-        if len(ids) + max_new_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the context of "
-                f"{self.max_model_len}"
-            )
-        bad = [t for t in (stop_token_ids or []) if not 0 <= int(t) < self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary")
-        if not (isinstance(seed, int) and 0 <= seed < 2**32):
-            raise InvalidRequest(f"seed must be an integer in [0, 2^32), got {seed!r}")
-        return ids
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -443,13 +418,22 @@ class Engine:
             self.runner.rebalance_experts(self.steps)
 
     def _accept(self, req: Request, toks: list[int], now: float) -> bool:
-        """Appends new tokens up to the first stop, streams them, finishes the request at a stop or its length;
-        -> whether it goes on."""
-        kept, reason = [], None
+        """Appends new tokens up to the first stop (token or string), streams them and their text, finishes the
+        request at a stop or its length; -> whether it goes on."""
+        kept, text, reason = [], [], None
         for t in toks:
             kept.append(t)
-            if t in req.stop_ids or len(req.output) + len(kept) >= req.max_new_tokens:
-                reason = FinishReason.STOP if t in req.stop_ids else FinishReason.LENGTH
+            if req.text is not None:
+                piece, hit = req.text.add(t)
+                text.append(piece)
+                if hit:
+                    reason = FinishReason.STOP
+                    break
+            if t in req.stop_ids:
+                reason = FinishReason.STOP
+                break
+            if len(req.output) + len(kept) >= req.max_new_tokens:
+                reason = FinishReason.LENGTH
                 break
         req.output += kept
         if req.first_token_time is None:
@@ -457,28 +441,23 @@ class Engine:
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         if reason is not None:
-            self._finish(req, reason, emit_tokens=kept)
+            self._finish(req, reason, emit_tokens=kept, text="".join(text))
             return False
-        self._emit(req, kept, None)
+        req.events.put(Output(req.id, kept, "".join(text), None, req.usage()))
         return True
 
-    def _emit(self, req: Request, tokens: list[int], finish: FinishReason | None, error: str | None = None) -> None:
-        text = ""
-        tok = self.model.tokenizer
-        if tok is not None:
-            # Incremental detokenisation: decode only from prefix_offset (where the streamed text last ended on a
-            # whole character), and send what the tokens past read_offset add to it.
-            ids = [t for t in req.output if t not in req.stop_ids]
-            sent = tok.decode(ids[req.prefix_offset : req.read_offset])
-            full = tok.decode(ids[req.prefix_offset :])
-            if finish is not None or not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                text = full[len(sent) :]
-                req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        req.events.put(Output(req.id, tokens, text, finish, req.usage(), error))
-
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None, emit_tokens=()) -> None:
+    def _finish(
+        self, req: Request, reason: FinishReason, error: str | None = None, emit_tokens=(), text: str = ""
+    ) -> None:
+        """Ends the request with its last event: the tokens and text not streamed yet, and any text held back (a
+        partial character, the start of what might have been a stop string)."""
         if req.status == Status.TRANSFERRING and self.remote is not None:
             self.remote.cancel(req)  # stop its prefill and transfer; its pages here are freed below
+        if req.text is not None:  # after a stop string it has nothing left
+            rest, hit = req.text.finish()
+            text += rest
+            if hit and reason is FinishReason.LENGTH:  # the held-back text completed a stop string
+                reason = FinishReason.STOP
         self.scheduler.finish(req, reason)
         self._requests.pop(req.id, None)
-        self._emit(req, list(emit_tokens), reason, error)
+        req.events.put(Output(req.id, list(emit_tokens), text, reason, req.usage(), error))

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import queue
 
+from hcfjax.detokenize import TextStream
 from hcfjax.sampling import SamplingParams
 
 
@@ -19,7 +20,7 @@ class Status(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"  # a stop token was generated (it is the last output token)
+    STOP = "stop"  # a stop token or stop string was generated (the token that completed it is the last output)
     LENGTH = "length"  # max_new_tokens reached
     ABORT = "abort"  # cancelled by the caller, deadline passed, or the engine shut down
     ERROR = "error"  # the engine failed while running the request
@@ -70,8 +71,7 @@ class Request:
     finish: FinishReason | None = None
     drafts: int = 0
     accepted: int = 0
-    prefix_offset: int = 0  # output tokens before the window the streamed text is decoded from
-    read_offset: int = 0  # output tokens whose text has been streamed
+    text: TextStream | None = None  # the output's text and stop strings (None: no tokenizer, no text)
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
 
     def __post_init__(self):

@@ -15,7 +15,6 @@ deadline or the router's `request_timeout_s`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hcfjax import trace
 from hcfjax.engine.balance import Balancer, RankLoad
+from hcfjax.frontdoor import InvalidRequest, check_request_id, check_stop, new_request_id
 from hcfjax.pd.service import PREFILL_METADATA
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
@@ -72,7 +72,6 @@ class Router(pb_grpc.GenerationServicer):
         self.health_timeout_s = health_timeout_s  # a busy worker (compiling, a long step) may answer slowly
         self.request_timeout_s = request_timeout_s
         self._lock = threading.Lock()
-        self._ids = itertools.count()
         self._stop = threading.Event()
         self._health = threading.Thread(target=self._watch, name="hcfjax-router-health", daemon=True)
 
@@ -154,8 +153,15 @@ class Router(pb_grpc.GenerationServicer):
 
     # -- the service ---------------------------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        # The checks that need no model, before any worker is asked (the decode worker's engine runs the rest).
+        try:
+            if request.request_id:
+                check_request_id(request.request_id)
+            check_stop(list(request.stop))
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not request.request_id:
-            request.request_id = f"rt-{next(self._ids)}"
+            request.request_id = new_request_id("rt")
         trace.mark("route", request.request_id)
         which = request.WhichOneof("prompt")
         prompt_len = len(request.token_ids.ids) if which == "token_ids" else len(request.text) // 4 + 1

@@ -37,13 +37,16 @@ def make_request(
     min_p: float = 0.0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
+    stop: Sequence[str] | None = None,
     ignore_eos: bool = False,
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """A GenerateRequest: prompt is text or token ids; None leaves a field at the server's default."""
+    """A GenerateRequest: prompt is text or token ids; None leaves a field at the server's default. Raises
+    ValueError or TypeError for a value the message cannot hold (a seed outside uint32, top_k outside int32)."""
     req = pb.GenerateRequest(
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
         stop_token_ids=stop_token_ids or [],
+        stop=stop or [],
         ignore_eos=ignore_eos,
         seed=seed,
         request_id=request_id,

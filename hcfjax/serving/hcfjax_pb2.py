@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhcfjax/serving/hcfjax.proto\x12\thcfjax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x42\x08\n\x06_top_p\"\x80\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.hcfjax.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hcfjax.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\rB\t\n\x07_ttft_s\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.hcfjax.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hcfjax.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x98\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.hcfjax.v1.GenerateRequest\x1a\x1b.hcfjax.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.hcfjax.v1.TokenizeRequest\x1a\x1b.hcfjax.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhcfjax/serving/hcfjax.proto\x12\thcfjax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x42\x08\n\x06_top_p\"\x8e\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.hcfjax.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hcfjax.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0c\n\x04stop\x18\t \x03(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\rB\t\n\x07_ttft_s\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.hcfjax.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hcfjax.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x98\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.hcfjax.v1.GenerateRequest\x1a\x1b.hcfjax.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.hcfjax.v1.TokenizeRequest\x1a\x1b.hcfjax.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hcfjax.serving.hcfjax_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=793
-  _globals['_FINISHREASON']._serialized_end=913
+  _globals['_FINISHREASON']._serialized_start=807
+  _globals['_FINISHREASON']._serialized_end=927
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_SAMPLINGPARAMS']._serialized_start=67
   _globals['_SAMPLINGPARAMS']._serialized_end=164
   _globals['_GENERATEREQUEST']._serialized_start=167
-  _globals['_GENERATEREQUEST']._serialized_end=423
-  _globals['_USAGE']._serialized_start=426
-  _globals['_USAGE']._serialized_end=564
-  _globals['_GENERATERESPONSE']._serialized_start=567
-  _globals['_GENERATERESPONSE']._serialized_end=719
-  _globals['_TOKENIZEREQUEST']._serialized_start=721
-  _globals['_TOKENIZEREQUEST']._serialized_end=752
-  _globals['_TOKENIZERESPONSE']._serialized_start=754
-  _globals['_TOKENIZERESPONSE']._serialized_end=791
-  _globals['_GENERATION']._serialized_start=916
-  _globals['_GENERATION']._serialized_end=1068
+  _globals['_GENERATEREQUEST']._serialized_end=437
+  _globals['_USAGE']._serialized_start=440
+  _globals['_USAGE']._serialized_end=578
+  _globals['_GENERATERESPONSE']._serialized_start=581
+  _globals['_GENERATERESPONSE']._serialized_end=733
+  _globals['_TOKENIZEREQUEST']._serialized_start=735
+  _globals['_TOKENIZEREQUEST']._serialized_end=766
+  _globals['_TOKENIZERESPONSE']._serialized_start=768
+  _globals['_TOKENIZERESPONSE']._serialized_end=805
+  _globals['_GENERATION']._serialized_start=930
+  _globals['_GENERATION']._serialized_end=1082
 # @@protoc_insertion_point(module_scope)

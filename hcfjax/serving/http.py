@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import secrets
 import socket
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import uvicorn
@@ -38,14 +38,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
 from hcfjax.engine import Engine, EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Request, Usage
-from hcfjax.sampling import SamplingParams
+from hcfjax.frontdoor import SEEDS, new_request_id, sampling_params
 from hcfjax.serving.chat_template import ChatTemplate, TemplateError
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    StopStrings,
     bad_request,
     message_text,
     sse,
@@ -67,14 +66,14 @@ REJECTED = {
 
 
 class _Call:
-    """One request in flight: its engine request, stop strings, and the one metrics record of its end."""
+    """One request in flight: its engine request and the one metrics record of its end."""
 
-    def __init__(self, service: OpenAIService, req: Request, stops: list[str]):
-        self.service, self.req, self.stops = service, req, StopStrings(stops)
+    def __init__(self, service: OpenAIService, req: Request):
+        self.service, self.req = service, req
         self._recorded = threading.Lock()
 
     def end(self, finish: FinishReason, usage: Usage | None = None) -> None:
-        """Aborts the engine request if it still runs (client gone, stop string, error) and records how it ended."""
+        """Aborts the engine request if it still runs (client gone, error) and records how it ended."""
         if not self.req.done:
             self.service.engine.abort(self.req.id)
         metrics = self.service.metrics
@@ -83,8 +82,8 @@ class _Call:
             metrics.observe_finish(out, self.req)
 
     async def pieces(self, http: HTTPRequest | None):
-        """(text, finish, usage) as the engine streams: finish is None until the last piece. Text held back by the stop
-        strings comes later. `http`: poll this connection and abort when its client has gone (non-streamed)."""
+        """(text, finish, usage) as the engine streams: finish is None until the last piece. `http`: poll this
+        connection and abort when its client has gone (non-streamed)."""
         loop = asyncio.get_running_loop()
         check = loop.time() + POLL_S
         while True:
@@ -99,22 +98,16 @@ class _Call:
                     return
             if out is None:
                 continue
-            text, hit = self.stops.feed(out.text)
-            if hit:
-                usage = self.req.usage()
-                self.end(FinishReason.STOP, usage)
-                yield text, "stop", usage
-                return
             if out.finish is None:
-                if text:
-                    yield text, None, None
+                if out.text:
+                    yield out.text, None, None
                 continue
             self.end(out.finish, out.usage)
             if out.finish is FinishReason.ERROR:
                 raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")
             if out.finish is FinishReason.ABORT:
                 raise APIError(503, "the server is shutting down", "unavailable", code="shutting_down")
-            yield text + self.stops.flush(), FINISH[out.finish], out.usage
+            yield out.text, FINISH[out.finish], out.usage
             return
 
 
@@ -163,55 +156,34 @@ class OpenAIService:
                            "invalid_request_error", "model", "model_not_found")  # fmt: skip
         body.check_params()
 
-    def prompt_ids(self, prompt, param: str = "prompt") -> list[int]:
+    async def submit(self, body, prompt, max_tokens: int | None, request_id: str, names: dict[str, str]) -> _Call:
+        """Hands the request to the engine (its checks and the prompt's tokenization run on the pool, off the event
+        loop); names: the engine's parameter names that this endpoint spells differently."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) > 1:
-                raise bad_request("one prompt per request (batches of prompts are not supported)", param)
+                raise bad_request("one prompt per request (batches of prompts are not supported)", names["prompt"])
             prompt = prompt[0]
-        if not prompt:
-            raise bad_request("the prompt is empty", param)
         try:
-            ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        except InvalidRequest as e:
-            raise bad_request(str(e), param) from None
-        bad = [t for t in ids if not 0 <= t < self.engine.cfg.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.cfg.vocab_size})", param)
-        if len(ids) > self.engine.max_model_len - 1:
-            raise bad_request(f"the prompt has {len(ids)} tokens; the context is {self.engine.max_model_len}",
-                              param, "context_length_exceeded")  # fmt: skip
-        return ids
-
-    def submit(self, body, ids: list[int], max_tokens: int | None, request_id: str) -> _Call:
-        room = self.engine.max_model_len - len(ids)
-        if max_tokens is None:
-            max_tokens = room
-        if max_tokens < 1:
-            raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        if max_tokens > room:
-            raise bad_request(
-                f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context of "
-                f"{self.engine.max_model_len}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        stop_ids = [] if body.ignore_eos else list(self.engine.cfg.eos_token_ids)
-        try:
-            req = self.engine.submit(
-                ids,
-                sampling=SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p),
+            sampling = sampling_params(body.temperature, body.top_k, body.top_p, body.min_p)
+            eos = [] if body.ignore_eos else list(self.engine.cfg.eos_token_ids)
+            submit = functools.partial(
+                self.engine.submit,
+                prompt,
+                sampling=sampling,
                 max_new_tokens=max_tokens,
-                stop_token_ids=stop_ids + list(body.stop_token_ids or []),
-                seed=secrets.randbelow(2**32) if body.seed is None else body.seed,
+                stop_token_ids=eos + list(body.stop_token_ids or []),
+                stop=body.stop,
+                seed=secrets.randbelow(SEEDS) if body.seed is None else body.seed,
                 request_id=request_id,
             )
-        except (InvalidRequest, ValueError) as e:
-            raise bad_request(str(e)) from None
+            req = await asyncio.get_running_loop().run_in_executor(self.pool, submit)
+        except InvalidRequest as e:
+            raise bad_request(str(e), names.get(e.param, e.param), e.code) from None
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
         except EngineStopped as e:
             raise APIError(503, str(e), "unavailable", code="shutting_down") from None
-        return _Call(self, req, body.stops)
+        return _Call(self, req)
 
     @contextlib.contextmanager
     def refusals(self):
@@ -230,8 +202,8 @@ class OpenAIService:
     async def completions(self, body: CompletionRequest, http: HTTPRequest):
         with self.refusals():
             self.check(http, body)
-            ids = self.prompt_ids(body.prompt)
-            call = self.submit(body, ids, body.max_tokens, f"cmpl-{uuid.uuid4().hex}")
+            names = {"prompt": "prompt", "max_new_tokens": "max_tokens"}
+            call = await self.submit(body, body.prompt, body.max_tokens, new_request_id("cmpl"), names)
         return await self.respond(call, body, "text_completion", chat=False, http=http)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: HTTPRequest):
@@ -244,9 +216,10 @@ class OpenAIService:
                 prompt = self.chat_template.render(messages)
             except TemplateError as e:
                 raise bad_request(str(e), "messages") from None
-            ids = self.prompt_ids(prompt, "messages")
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            call = self.submit(body, ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}")
+            newer = body.max_completion_tokens is not None
+            names = {"prompt": "messages", "max_new_tokens": "max_completion_tokens" if newer else "max_tokens"}
+            max_tokens = body.max_completion_tokens if newer else body.max_tokens
+            call = await self.submit(body, prompt, max_tokens, new_request_id("chatcmpl"), names)
         return await self.respond(call, body, "chat.completion", chat=True, http=http)
 
     async def respond(self, call: _Call, body, obj: str, chat: bool, http: HTTPRequest):
@@ -312,10 +285,12 @@ def create_app(service: OpenAIService) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
         service.count_refusal(400)
-        return JSONResponse(bad_request(f"{param or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
+        if err.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+            return JSONResponse(bad_request(f"the body is not valid JSON: {err.get('msg', '')}").body(), 400)
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None  # the top-level field; the message gives the full location
+        return JSONResponse(bad_request(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
 
     @app.exception_handler(HTTPException)
     async def _http(_, e: HTTPException):

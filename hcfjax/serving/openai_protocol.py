@@ -1,5 +1,6 @@
-"""The OpenAI API's request bodies and their checks, the error object, usage, server-sent events and streamed stop
-strings, for hcfjax/serving/http.py.
+"""The OpenAI API's request bodies and the checks that belong to the API, the error object, usage and server-sent
+events, for hcfjax/serving/http.py. The checks of what a request asks of the model (prompt, context, sampling ranges,
+seed, stop strings) are the front door's (hcfjax.frontdoor), run by the engine.
 
 Only what the engine can do is accepted: n = 1, no logprobs, no penalties or logit bias, no tools; those are
 refused rather than ignored. Parameters the OpenAI API does not have are ignored (clients send many).
@@ -30,13 +31,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Parameters of both endpoints. The last group are extensions (as vLLM names them)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: max_tokens "5" or true is refused
 
     model: str | None = None
     max_tokens: int | None = None
@@ -58,28 +61,14 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
 
-    @property
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
     def check_params(self) -> None:
-        """The checks that need no engine; raises APIError (400) naming the parameter."""
+        """The API's own checks (the front door checks the rest); raises APIError (400) naming the parameter."""
         if self.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
         if unsupported := self.unsupported():
             raise bad_request(f"{unsupported[0]} is not supported by this server", unsupported[0])
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
             raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
-        if not 0 < self.top_p <= 1:
-            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < 0:
-            raise bad_request(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
-        if not 0 <= self.min_p < 1:
-            raise bad_request(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise bad_request(f"seed must be in [0, 2^32), got {self.seed}", "seed")
-        if any(not s for s in self.stops):
-            raise bad_request("stop strings must not be empty", "stop")
 
     def unsupported(self) -> list[str]:
         """Names of parameters set to something the engine cannot do."""
@@ -103,7 +92,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict] | None = None
@@ -153,34 +142,3 @@ def usage_json(u) -> dict:
 def sse(obj) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class StopStrings:
-    """Finds stop strings in streamed text. feed(delta) returns the text that may be sent now and whether a stop
-    string was found (the text then ends just before it); text that could be the start of a stop string is held
-    back until the next delta shows it is not, or until flush() at the end of the request."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        if not self.stops:
-            return delta, False
-        text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return text[: min(hits)], True
-        keep = 0  # the longest tail of text that is a proper prefix of a stop string
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:n]):
-                    keep = n
-                    break
-        self.pending = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text

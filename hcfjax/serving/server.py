@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hcfjax.engine import Engine, EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Request
+from hcfjax.frontdoor import sampling_params
 from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
@@ -60,10 +61,10 @@ def to_response(out: Output) -> pb.GenerateResponse:
 
 
 def sampling_of(request: pb.GenerateRequest) -> SamplingParams:
-    """Raises ValueError (from SamplingParams) on invalid values."""
+    """Raises InvalidRequest on invalid values."""
     s = request.sampling
     top_p = s.top_p if s.HasField("top_p") else 1.0
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p)
+    return sampling_params(s.temperature, s.top_k, top_p, s.min_p)
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -124,10 +125,11 @@ class GenerationService(pb_grpc.GenerationServicer):
                 sampling=sampling_of(request),
                 max_new_tokens=max_new,
                 stop_token_ids=stops,
+                stop=list(request.stop),
                 seed=request.seed,
                 request_id=request.request_id or None,
             )
-        except (InvalidRequest, ValueError) as e:  # ValueError: SamplingParams' checks
+        except InvalidRequest as e:
             code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except QueueFull as e:
             code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
