@@ -1,10 +1,12 @@
 """The `hcfjax` command line.
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
-hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--metrics-port M] [--max-slots N] [...]
+                [--min-p P] [--seed S] [--dtype bfloat16|float32] [--kv-cache auto|bf16|int8]
+hcfjax serve [--model PATH | --preset NAME] [--scheme S] [--host 127.0.0.1] [--port P] [--http-port H]
+             [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
-             down gracefully)
+             down gracefully; --preset: random weights of a real shape, labelled random wherever the server names
+             its model; --scheme: quantised in memory)
 hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill ADDR] [--decode ADDR] [...]
              (prefill/decode disaggregation, hcfjax/pd/: one process per role)
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S]
