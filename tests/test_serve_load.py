@@ -11,7 +11,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import urllib.request
 
 import jax.numpy as jnp
@@ -54,13 +53,13 @@ def test_serve_preset_runs_quantised_and_says_random(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(hcfjax.engine, "Engine", Recorded)
-    answers, failure = {}, []
+    answers, failure, returned = {}, [], threading.Event()
 
     def client():
-        try:
-            deadline = time.monotonic() + 120
-            while not any("HTTP on" in line for line in out.lines()) and time.monotonic() < deadline:
-                time.sleep(0.05)
+        while not any("HTTP on" in line for line in out.lines()):
+            if returned.wait(0.05):
+                return  # the command ended without listening: its return code tells
+        try:  # listening: the command's SIGINT handler is in place
             url = re.search(r"(http://\S+/v1)", next(line for line in out.lines() if "HTTP on" in line)).group(1)
             answers["models"] = http_json(f"{url}/models")
             body = {"prompt": "def f(x):", "max_tokens": 3, "ignore_eos": True}
@@ -70,8 +69,14 @@ def test_serve_preset_runs_quantised_and_says_random(monkeypatch):
         finally:
             os.kill(os.getpid(), signal.SIGINT)  # the server's handler ends it
 
-    threading.Thread(target=client, daemon=True).start()
-    assert cli.main([*SERVE, "--http-port", "0", "--no-warmup", "--grace", "0.5"]) == 0
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        code = cli.main([*SERVE, "--http-port", "0", "--no-warmup", "--grace", "0.5"])
+    finally:
+        returned.set()
+        thread.join()
+    assert code == 0
     assert not failure, failure
     said = [line for line in out.lines() if line.startswith("hcfjax serve")]
     assert said and all(line.startswith("hcfjax serve [random tiny-v3 weights, w4a8c8]:") for line in said)
@@ -107,7 +112,7 @@ def test_kv_cache_flag_overrides_the_scheme():
         load_model("some/dir", "tiny-v3")
 
 
-def test_bench_serve_sweep_and_search(tmp_path):
+def test_bench_serve_sweep_search_and_efficiency(tmp_path):
     from hcfjax.bench import serve as bench
 
     out, md = tmp_path / "serve.json", tmp_path / "serve.md"
@@ -115,7 +120,7 @@ def test_bench_serve_sweep_and_search(tmp_path):
         ["--preset", "tiny-v3", "--scheme", "w4a8c8", "--max-slots", "2", "--prefill-rows", "1", "--min-bucket", "16"]
         + [*SHAPE, "--requests", "3", "--input-scale", "0.004", "--output-scale", "0.003"]
         + ["--sweep", "4,8", "--search", "--search-range", "4,8", "--search-iters", "1"]
-        + ["--out", str(out), "--md", str(md)]
+        + ["--efficiency", "--out", str(out), "--md", str(md)]
     )
     got = json.loads(out.read_text())
     runs = got["rates"]
@@ -128,7 +133,10 @@ def test_bench_serve_sweep_and_search(tmp_path):
         assert keys <= set(r) and set(r["ttft_s"]) == set(r["tpot_s"]) == {"p50", "p90", "p99"}
         assert r["requests"] == 3 and r["lost"] == 0 and r["finished"] + r["errors"] == 3
         assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["decode_batch"] >= 1
-    assert got["saturation"]["output_tok_s"] == max(r["output_tok_s"] for r in runs)
+    sat, eff = got["saturation"], got["efficiency"]
+    assert sat["output_tok_s"] == max(r["output_tok_s"] for r in runs)
+    assert eff["batch"] == max(1, round(sat["decode_batch"])) and eff["offline_tok_s"] > 0
+    assert eff["ratio"] == pytest.approx(sat["output_tok_s"] / eff["offline_tok_s"])
     text = md.read_text()
     for column in ("QPM", "total tok/s", "TTFT p50 / p90 / p99", "goodput", "preemptions", "lost", "mean context"):
         assert column in text

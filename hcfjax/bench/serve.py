@@ -313,6 +313,48 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclasses.dataclass
+class Served:
+    """The server under test: a colocated engine behind gRPC in this process, or the three PD processes."""
+
+    port: int
+    cfg: object  # the model's ModelConfig
+    limit: int  # the context a request may fill
+    warm: float  # seconds of warm-up
+    summary: str  # how it serves, for the heading
+    model: object = None
+    engine: object = None
+    server: object = None
+    procs: list | None = None
+
+
+def start(args) -> Served:
+    import hcfjax
+    from hcfjax.engine import Engine
+    from hcfjax.kernels import engine_summary
+    from hcfjax.serving.config import load_model
+    from hcfjax.serving.server import Server
+
+    if args.pd:
+        from hcfjax.config import ModelConfig
+        from hcfjax.random_model import preset_config
+
+        path = Path(args.model or hcfjax.DEFAULT_MODEL)
+        cfg = preset_config(args.preset) if args.preset else ModelConfig.from_json(path / "config.json")
+        procs, port, warm = start_pd(args)
+        summary = f"PD: prefill, decode and router processes, KV over {args.pd}" + (
+            " (prefill on GPU {}, decode on GPU {})".format(*pd_gpus(args.pd_gpus)) if args.pd_gpus else ""
+        )
+        return Served(port, cfg, min(cfg.max_position_embeddings, args.max_model_len), warm, summary, procs=procs)
+    model = load_model(args.model, args.preset, args.scheme)
+    spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
+    engine = Engine(model, engine_config(args, spec))
+    warm = engine.warmup()
+    server = Server(engine).start()
+    summary = f"colocated; {engine_summary(engine)}"
+    return Served(server.port, model.cfg, engine.max_model_len, warm, summary, model, engine, server)
+
+
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.pd and args.efficiency:
@@ -321,62 +363,38 @@ def main(argv=None) -> None:
         raise SystemExit(f"--search-range takes LO,HI with LO < HI, got {args.search_range}")
     args.max_model_len = args.max_model_len or production_context(args.input_scale, args.output_scale)
 
-    import hcfjax
-    from hcfjax.bench.serve_load import StepStats, measure, saturation, search, table, wait_idle
-    from hcfjax.engine import Engine
-    from hcfjax.kernels import engine_summary
+    from hcfjax.bench.serve_load import StepStats, measure, offline_efficiency, saturation, search, table, wait_idle
     from hcfjax.serving.client import connect, generate
-    from hcfjax.serving.config import load_model, random_label
-    from hcfjax.serving.server import Server
     from hcfjax.sim.sweep import Search
     from hcfjax.sim.workload import SLO
 
-    model = engine = steps = None
-    if args.pd:
-        from hcfjax.config import ModelConfig
-        from hcfjax.random_model import preset_config
-
-        path = Path(args.model or hcfjax.DEFAULT_MODEL)
-        cfg = preset_config(args.preset) if args.preset else ModelConfig.from_json(path / "config.json")
-        procs, port, warm = start_pd(args)
-        limit = min(cfg.max_position_embeddings, args.max_model_len)
-        summary = f"PD: prefill, decode and router processes, KV over {args.pd}" + (
-            " (prefill on GPU {}, decode on GPU {})".format(*pd_gpus(args.pd_gpus)) if args.pd_gpus else ""
-        )
-    else:
-        model = load_model(args.model, args.preset, args.scheme)
-        cfg = model.cfg
-        spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
-        engine = Engine(model, engine_config(args, spec))
-        warm = engine.warmup()
-        server = Server(engine).start()
-        port = server.port
-        limit = engine.max_model_len
-        summary = f"colocated; {engine_summary(engine)}"
-    channel, stub = connect("127.0.0.1", port, ready_timeout=30)
-    slo = SLO()
+    served = start(args)
+    engine, limit, slo = served.engine, served.limit, SLO()
+    channel, stub = connect("127.0.0.1", served.port, ready_timeout=30)
 
     def requests(rate: float):
+        """The workload at this rate: the same lengths (and prompts) for every rate, arrivals scaled."""
         return workload(
             args.seed,
             args.requests,
             rate,
             args.input_scale,
             limit,
-            cfg.vocab_size,
+            served.cfg.vocab_size,
             output_scale=args.output_scale,
             max_input=limit - 1,
         )
 
-    ins, outs, _, _ = requests(1.0)  # every rate's lengths
+    ins, outs, _, _ = requests(1.0)
     generate(stub, [1, 2, 3], max_new_tokens=4, ignore_eos=True)  # the server answers
     if args.pd:
-        warm += warm_pd(stub, ins, limit, args.prefill_rows)
+        served.warm += warm_pd(stub, ins, limit, args.prefill_rows)
     compiles_warm = engine.snapshot()["compiles"] if engine else 0
     steps = StepStats(engine) if engine else None
     batches = iter(range(1 << 30))
 
     def run(rate: float, kind: str):
+        """One fresh batch at `rate`, after the previous one drained."""
         _, _, prompts, arrivals = requests(rate)
         before = engine.snapshot()["preemptions"] if engine else None
         if steps:
@@ -393,17 +411,16 @@ def main(argv=None) -> None:
     runs = [run(rate, "sweep") for rate in (args.sweep or ([] if args.search else [args.rate]))]
     found = None
     if args.search:
-        bounds = Search(*args.search_range, iters=args.search_iters)
-        best, probes, found = search(run, bounds)
+        _, probes, found = search(run, Search(*args.search_range, iters=args.search_iters))
         runs += probes
     channel.close()
     compiles_run = engine.snapshot()["compiles"] - compiles_warm if engine else "n/a"
     if engine is not None:
         options = engine.config.options  # the offline decode runs as the engine did
-        server.shutdown()
-        engine = server = None  # the cache's memory goes back before an offline decode
+        served.server.shutdown()
+        served.engine = served.server = engine = None  # the cache's memory goes back before an offline decode
     else:
-        stop_pd(procs)
+        stop_pd(served.procs)
 
     sat = saturation(runs)
     notes = []
@@ -415,27 +432,13 @@ def main(argv=None) -> None:
         )
     efficiency = None
     if args.efficiency and sat is not None and sat.decode_batch:
-        efficiency = offline_efficiency(model, sat, options, args.seed)
+        efficiency = offline_efficiency(served.model, sat, options, args.seed)
         notes.append(efficiency["said"])
     if found:
         notes.append(f"Search over {args.search_range[0]:g}-{args.search_range[1]:g} req/s: {found}.")
-
-    label = random_label(args.preset, args.scheme)
-    what = f"preset {args.preset} ({label})" if label else f"model {Path(args.model or hcfjax.DEFAULT_MODEL).name}"
-    if args.scheme and not label:
-        what += f", quantised to {args.scheme}"
-    heading = (
-        f"{header()}; {what}; {args.requests} requests per rate; lengths = reference x {args.input_scale:g} "
-        f"(input) and x {args.output_scale:g} (output): input mean {ins.mean():.0f}, max {ins.max()}; output mean "
-        f"{outs.mean():.0f}, max {outs.max()}; engine: {args.max_slots} slots, page {args.page_size}, token budget "
-        f"{args.token_budget}, context {limit}"
-        + (f", speculative k={args.speculative}" if args.speculative else "")
-        + f"; {summary}. Warm-up {warm:.0f} s ({compiles_warm} compiles); compiles during the runs: {compiles_run}. "
-        f"SLO: TTFT < {slo.ttft_s:g} s and TPOT < {slo.tpot_s * 1e3:g} ms for {slo.attainment:.0%} of the requests."
-    )
-    report = "\n".join(
-        [f"## `python -m hcfjax.bench.serve {shown_args(argv)}`", "", heading, "", table(runs), "", *notes]
-    )
+    heading = describe(args, served, ins, outs, slo, f"{compiles_warm} compiles", compiles_run)
+    command = f"python -m hcfjax.bench.serve {shown_args(argv)}"
+    report = "\n".join([f"## `{command}`", "", heading, "", table(runs), "", *notes])
     print("\n" + report)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
@@ -443,7 +446,7 @@ def main(argv=None) -> None:
             f.write(report + "\n\n")
     if args.out:
         out = {
-            "command": f"python -m hcfjax.bench.serve {shown_args(argv)}",
+            "command": command,
             "heading": heading,
             "slo": dataclasses.asdict(slo),
             "rates": [r.json() for r in runs],
@@ -458,25 +461,24 @@ def main(argv=None) -> None:
         raise SystemExit(f"{lost} requests got no terminal response")
 
 
-def offline_efficiency(model, sat, options, seed: int, most_new_tokens: int = 128) -> dict:
-    """The saturated run's output tokens/s over hcfjax.generate's offline decode tokens/s at its mean decode batch
-    and context (bench.generate.decode_rate: prompts of context - new_tokens / 2 tokens, new_tokens each, up to
-    most_new_tokens, fewer where the context is shorter)."""
-    from hcfjax.bench.generate import decode_rate
+def describe(args, served: Served, ins, outs, slo, compiled: str, compiles_run) -> str:
+    """The results' heading: where, what model, the workload's lengths, the engine, warm-up, the SLO."""
+    import hcfjax
+    from hcfjax.serving.config import random_label
 
-    batch = max(1, round(sat.decode_batch))
-    context = max(2, round(sat.mean_context))
-    new_tokens = max(2, min(most_new_tokens, 2 * (context - 1)))
-    prompt = max(1, context - new_tokens // 2)
-    stats, _ = decode_rate(model, batch, prompt, new_tokens, options, np.random.default_rng(seed))
-    offline = stats["decode_tokens_per_s"]
-    ratio = sat.result.output_tok_s / offline if offline else float("nan")
-    said = (
-        f"Engine efficiency: {sat.result.output_tok_s:,.0f} output tok/s served at saturation over {offline:,.0f} "
-        f"tok/s decoding offline at batch {batch} and context {prompt + new_tokens // 2:,} "
-        f"(hcfjax.bench.generate.decode_rate, {new_tokens} new tokens a prompt) = {ratio:.0%}."
+    label = random_label(args.preset, args.scheme)
+    what = f"preset {args.preset} ({label})" if label else f"model {Path(args.model or hcfjax.DEFAULT_MODEL).name}"
+    if args.scheme and not label:
+        what += f", quantised to {args.scheme}"
+    return (
+        f"{header()}; {what}; {args.requests} requests per rate; lengths = reference x {args.input_scale:g} "
+        f"(input) and x {args.output_scale:g} (output): input mean {ins.mean():.0f}, max {ins.max()}; output mean "
+        f"{outs.mean():.0f}, max {outs.max()}; engine: {args.max_slots} slots, page {args.page_size}, token budget "
+        f"{args.token_budget}, context {served.limit}"
+        + (f", speculative k={args.speculative}" if args.speculative else "")
+        + f"; {served.summary}. Warm-up {served.warm:.0f} s ({compiled}); compiles during the runs: {compiles_run}. "
+        f"SLO: TTFT < {slo.ttft_s:g} s and TPOT < {slo.tpot_s * 1e3:g} ms for {slo.attainment:.0%} of the requests."
     )
-    return {"batch": batch, "context": prompt + new_tokens // 2, "offline_tok_s": offline, "ratio": ratio, "said": said}
 
 
 if __name__ == "__main__":

@@ -192,3 +192,26 @@ def saturation(runs: list[RateRun]) -> RateRun | None:
 
 def table(runs: list[RateRun]) -> str:
     return "\n".join([RateRun.HEADER, *(r.row() for r in sorted(runs, key=lambda r: (r.kind != "sweep", r.rate)))])
+
+
+def offline_efficiency(model, sat: RateRun, options, seed: int, most_new_tokens: int = 128) -> dict:
+    """The saturated run's output tokens/s over hcfjax.generate's offline decode tokens/s at its mean decode batch
+    and context (bench.generate.decode_rate: prompts of context - new_tokens / 2 tokens, new_tokens each, up to
+    most_new_tokens, fewer where the context is shorter)."""
+    from hcfjax.bench.generate import decode_rate
+
+    batch = max(1, round(sat.decode_batch))
+    context = max(2, round(sat.mean_context))
+    new_tokens = max(2, min(most_new_tokens, 2 * (context - 1)))
+    prompt = max(1, context - new_tokens // 2)
+    stats, _ = decode_rate(model, batch, prompt, new_tokens, options, np.random.default_rng(seed))
+    offline = stats["decode_tokens_per_s"]
+    ratio = sat.result.output_tok_s / offline if offline else None
+    said = (
+        f"Engine efficiency: {sat.result.output_tok_s:,.0f} output tok/s served at saturation over {offline:,.0f} "
+        f"tok/s decoding offline at batch {batch} and context {prompt + new_tokens // 2:,} "
+        f"(hcfjax.bench.generate.decode_rate, {new_tokens} new tokens a prompt) = "
+        + ("n/a" if ratio is None else f"{ratio:.0%}")
+        + "."
+    )
+    return {"batch": batch, "context": prompt + new_tokens // 2, "offline_tok_s": offline, "ratio": ratio, "said": said}
