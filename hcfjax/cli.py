@@ -1,10 +1,12 @@
 """The `hcfjax` command line.
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32] [--kv-cache bf16|int8]
-hcfjax serve [--model PATH] [--host 127.0.0.1] [--port P] [--http-port H] [--metrics-port M] [--max-slots N] [...]
+                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32] [--kv-cache auto|bf16|int8]
+hcfjax serve [--model PATH | --preset NAME] [--scheme S] [--host 127.0.0.1] [--port P] [--http-port H]
+             [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
-             down gracefully)
+             down gracefully; --preset: random weights of a real shape, labelled random wherever the server names
+             its model; --scheme: quantised in memory)
 hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill ADDR] [--decode ADDR] [...]
              (prefill/decode disaggregation, hcfjax/pd/: one process per role)
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S] [--stop TEXT]
@@ -26,7 +28,17 @@ from pathlib import Path
 
 from hcfjax import trace
 from hcfjax.frontdoor import MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from hcfjax.serving.config import DTYPES, engine_config, prefill_config, run_options
+from hcfjax.serving.config import (
+    DTYPES,
+    KV_CACHE,
+    SCHEMES,
+    engine_config,
+    prefill_config,
+    random_label,
+    run_options,
+    served_model,
+    served_model_name,
+)
 from hcfjax.serving.startup import default_compile_cache
 
 REQUEST_LIMITS = (
@@ -42,6 +54,7 @@ def _generate(args) -> int:
     import jax.numpy as jnp
 
     import hcfjax
+    from hcfjax.quantize import cache_dtype_for
 
     path = Path(args.model or hcfjax.DEFAULT_MODEL)
     if not (path / "config.json").is_file():
@@ -62,7 +75,7 @@ def _generate(args) -> int:
             sampling=sampling,
             seed=args.seed,
             stop=args.stop,
-            cache_dtype=jnp.int8 if args.kv_cache == "int8" else None,
+            cache_dtype=cache_dtype_for(model, KV_CACHE[args.kv_cache]),
             options=run_options(),
         )
     except ValueError as e:
@@ -139,24 +152,21 @@ def _serve_until_signal(args, started: float) -> int:
         return 2
     if args.role != "colocated":
         return _serve_role(args)
-    import jax.numpy as jnp
-
-    import hcfjax
     from hcfjax.engine import Engine
+    from hcfjax.kernels import engine_summary
     from hcfjax.serving.chat_template import ChatTemplate
     from hcfjax.serving.http import serve as serve_http
     from hcfjax.serving.server import serve
 
-    path = Path(args.model or hcfjax.DEFAULT_MODEL)
-    if not (path / "config.json").is_file():
-        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
-        return 2
     try:
+        engine = Engine(served_model(args), engine_config(args))
+        path = engine.model.path
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
-        engine = Engine(hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype])), engine_config(args))
     except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    announce = announcer(random_label(args.preset, args.scheme))
+    announce(f"hcfjax serve: {engine_summary(engine)}")
     try:
         if args.http_port is None:
             serve(
@@ -167,6 +177,7 @@ def _serve_until_signal(args, started: float) -> int:
                 grace=args.grace,
                 warmup=args.warmup,
                 started=started,
+                announce=announce,
             )
         else:
             serve_http(
@@ -177,10 +188,11 @@ def _serve_until_signal(args, started: float) -> int:
                 metrics_port=args.metrics_port,
                 grace=args.grace,
                 warmup=args.warmup,
-                model_name=args.served_model_name,
+                model_name=served_model_name(args),
                 chat_template=template,
                 api_key=args.api_key,
                 started=started,
+                announce=announce,
             )
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -188,16 +200,28 @@ def _serve_until_signal(args, started: float) -> int:
     return 0
 
 
+def announcer(label: str | None):
+    """Prints a server's lines; with a label (a random model's, serving.config.random_label) every line carries it:
+    "hcfjax serve [random tiny-v3 weights, w4a8c8]: listening on ...". The address stays the line's last word."""
+    tag = "hcfjax serve:" if label is None else f"hcfjax serve [{label}]:"
+
+    def announce(line: str) -> None:
+        rest = line.removeprefix("hcfjax serve:")
+        print(f"{tag}{rest}" if rest != line else f"{tag} {line}", flush=True)
+
+    return announce
+
+
 def _serve_role(args) -> int:
     from hcfjax.pd import roles
 
-    announce = lambda line: print(line, flush=True)
+    announce = announcer(random_label(args.preset, args.scheme))
     try:
         plans = parse_meshes(args.mesh or [], need_decode=False)
         if args.role == "router":
             roles.run_router(args, announce)
             return 0
-        model = roles.load_model(args)
+        model = served_model(args)
         if args.role == "prefill":
             roles.run_prefill(model, args, plans, prefill_config(args), announce)
         else:
@@ -271,7 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="a string that ends a prompt's generation (repeatable)")
     g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    g.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
+    g.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=sorted(KV_CACHE),
+        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
+    )
     g.add_argument("--stats", action="store_true", help="print timing statistics (JSON) to stderr")
     g.add_argument(
         "--mesh",
@@ -286,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve the model over gRPC and/or an OpenAI-compatible HTTP API", epilog=REQUEST_LIMITS
     )
     s.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
+    s.add_argument(
+        "--preset",
+        help="serve a model with RANDOM weights of this shape instead (hcfjax.random_model.PRESETS: tiny-v3, v2-lite, "
+        "...; for benchmarks; its lines and HTTP model name say random)",
+    )
+    s.add_argument("--scheme", choices=SCHEMES, help="quantise the model in memory first, as `hcfjax quantize` does")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, help="gRPC port (0: a free one, printed at start)")
     s.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (0: a free one, printed at start)")
@@ -300,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-slots", type=int, default=8, help="decode slots per DP rank")
     s.add_argument("--dp", type=int, default=1, help="decode (attention-DP) ranks")
     s.add_argument("--num-pages", type=int, help="KV cache pages per rank (default: from --max-slots)")
-    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument(
+        "--page-size", type=int, default=64, help="KV cache page (the MLA decode kernel takes multiples of 64)"
+    )
     s.add_argument("--max-model-len", type=int, help="context length (default: min(the model's, 4096))")
     s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
     s.add_argument("--max-prefill-rows", type=int, default=4, help="prompts prefilled together in one step")
@@ -308,7 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--balance", default="round_robin", choices=["round_robin", "fewest_requests", "least_pages"])
     s.add_argument("--speculative", type=int, default=0, metavar="K", help="K MTP draft tokens per step (0: off)")
     s.add_argument("--spec-method", default="exact", choices=["exact", "rejection", "typical", "tuned"])
-    s.add_argument("--kv-cache", default="bf16", choices=["bf16", "int8"], help="latent KV cache precision")
+    s.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=sorted(KV_CACHE),
+        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
+    )
     s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
     s.add_argument(

@@ -50,6 +50,17 @@ def _copy_tree(tree):
     return tree
 
 
+CACHE_DTYPES = ("auto", "float", "int8")
+
+
+def cache_dtype_for(model: Model, name: str):
+    """The KV cache dtype a config's cache_dtype names: auto (the checkpoint's scheme's: int8 for w4a8c8, else the
+    model's dtype), float (the model's dtype, whatever the scheme) or int8."""
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {name!r}")
+    return default_cache_dtype(model, {"auto": None, "float": model.dtype, "int8": jnp.int8}[name])
+
+
 def default_cache_dtype(model: Model, requested=None):
     """The KV cache dtype to run `model` with: `requested` if given, int8 when the checkpoint's quantisation scheme
     says so (w4a8c8), else the model's dtype."""

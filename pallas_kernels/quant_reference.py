@@ -110,5 +110,7 @@ def _int8_act_ragged_dot(x, q, scale, bits: int, group_sizes, x_q=None) -> jax.A
             s = s * lax.dynamic_index_in_dim(xs, i, keepdims=False)[:m, None]
         return y + acc.astype(jnp.float32) * s
 
-    y = lax.fori_loop(0, k // g, group, jnp.zeros((m, n), jnp.float32))
+    # The first group starts the sum: a carry made from the inputs has their type inside shard_map (varying over
+    # the EP axis), where a zeros carry would not match the loop body's output.
+    y = lax.fori_loop(1, k // g, group, group(0, jnp.zeros((m, n), jnp.float32)))
     return (y if is_grouped else y * xs[:, None]).astype(x.dtype)

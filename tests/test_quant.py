@@ -98,6 +98,27 @@ def test_int8_activation_reference_is_exact(bits, k):
     assert not y[len(expert) :].any()
 
 
+def test_int8_activation_reference_inside_shard_map():
+    """Under a decode plan the experts run inside shard_map over the EP axis, each rank its own experts and rows;
+    the int8-activation reference's loop over K groups must type-check there (its carry varies over the axis) and
+    give each rank what it gives alone."""
+    from jax.sharding import PartitionSpec as P
+
+    k, n, ranks = 256, 64, 2  # two K groups: the loop runs
+    w = jax.random.normal(jax.random.key(0), (2 * ranks, k, n)) / np.sqrt(k)
+    x = jax.random.normal(jax.random.key(1), (8 * ranks, k)).astype(jnp.bfloat16)
+    qw = quant.quantize(w, 4, "int8")
+    gs = jnp.array([3, 5] * ranks, jnp.int32)
+    mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks])
+    one = lambda x, q, s, g: quant.ragged_dot_reference(x, quant.QWeight(q, s, 4, "int8"), g)
+    args = jax.device_put((x, qw.q, qw.scale, gs), jax.sharding.NamedSharding(mesh, P("ep")))
+    sharded = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(*args)
+    alone = [
+        one(x[8 * r : 8 * (r + 1)], qw.q[2 * r : 2 * (r + 1)], qw.scale[2 * r : 2 * (r + 1)], gs[:2]) for r in (0, 1)
+    ]
+    np.testing.assert_array_equal(np.asarray(sharded, np.float32), np.asarray(jnp.concatenate(alone), np.float32))
+
+
 @pytest.mark.parametrize("bits, act", [(4, "bf16"), (4, "int8"), (8, "int8")])
 def test_reference_lowers_for_gpu_without_batched_ragged_dots(bits, act):
     """The reference lowered for CUDA (on the CPU) uses only plain ragged dots, [M, K] x [E, K, N] with [E] group

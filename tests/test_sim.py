@@ -315,14 +315,15 @@ def test_validate_builds_the_workers_deployment():
     from hcfjax.serving.config import engine_config, prefill_config
 
     args = argparse.Namespace(
-        preset="v2-lite", model=None, pd="jax", page_size=64, max_model_len=4096, token_budget=256, prefill_rows=2,
-        min_bucket=64, max_slots=32, requests=48,
+        preset="v2-lite", scheme="w4a8c8", model=None, pd="jax", page_size=64, max_model_len=4096, token_budget=256,
+        prefill_rows=2, min_bucket=64, max_slots=32, requests=48,
     )  # fmt: skip
     pre, dec = pd_configs(args)
     pre_args, dec_args = pd_role_args(args, pre, dec)
     parse = lambda role_args: build_parser().parse_args(["serve", *role_args])
     assert prefill_config(parse(pre_args)) == pre and engine_config(parse(dec_args)) == dec
-    assert parse(pre_args).role == "prefill" and parse(dec_args).model == "preset:v2-lite"
+    assert parse(pre_args).role == "prefill" and parse(dec_args).model is None
+    assert {(parse(a).preset, parse(a).scheme) for a in (pre_args, dec_args)} == {("v2-lite", "w4a8c8")}
     assert (pre.token_budget, pre.max_rows, pre.chunk, pre.min_bucket, pre.page_size) == (4096, 2, 2048, 64, 64)
     assert (dec.max_slots, dec.page_size, dec.max_model_len, dec.token_budget) == (32, 64, 4096, 256)
     dep = deployment("v2-lite", "H200", pre, dec, {"prefill": "a.json", "decode": "b.json"})
@@ -343,6 +344,9 @@ def test_workload_is_the_benchmarks():
     wl = Workload(requests=16, rate=1.0, seed=3, scale=0.125, max_model_len=4096, vocab=1000)
     ins, outs, _, arrivals = workload(3, 16, 1.0, 0.125, 4096, 1000)
     assert wl.requests_list() == [(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
+    # outputs scaled apart from inputs: the same requests (draws and arrivals), longer outputs only
+    ins4, outs4, _, arrivals4 = workload(3, 16, 1.0, 0.125, 4096, 1000, output_scale=0.5, max_input=4000)
+    assert (ins4 == ins).all() and (arrivals4 == arrivals).all() and (outs4 >= 4 * outs - 2).all()
 
 
 def test_max_rate_and_candidates():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -33,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import hcfjax
-from hcfjax import cache as kvcache
-from hcfjax import quant
-from hcfjax.attention import decode_mode
 from hcfjax.bench import spec_step
 from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
+from hcfjax.kernels import kernels_in_use
 from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
@@ -64,6 +63,17 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache
     return total - lm_and_embed - expert + expert * touched + kv
 
 
+def decode_rate(model, batch: int, prompt_len: int, new_tokens: int, opts: Options, rng) -> tuple[dict, Callable]:
+    """Offline decoding of `batch` random prompts of `prompt_len` tokens for `new_tokens` each (no early stop; the mean
+    context is prompt_len + new_tokens / 2), through `hcfjax.generate`: the stats of the second of two identical
+    runs (decode_tokens_per_s, decode_s, ...; the first compiles), and the call that made them (gen(n))."""
+    prompts = [list(rng.integers(2, model.cfg.vocab_size, prompt_len)) for _ in range(batch)]
+    gen = lambda n: hcfjax.generate(model, prompts, max_new_tokens=n, stop_token_ids=[], options=opts)  # noqa: E731
+    for _ in range(2):
+        out = gen(new_tokens)
+    return out.stats, gen
+
+
 def run(args) -> str:
     opts = args.options
     n_mtp = (args.mtp_modules or args.speculative) if args.speculative else 0
@@ -83,13 +93,7 @@ def run(args) -> str:
 
     rows, profiles, names = [], [], []
     for b in args.batches:
-        prompts = [list(rng.integers(2, cfg.vocab_size, args.prompt_len)) for _ in range(b)]
-        gen = lambda n, prompts=prompts: hcfjax.generate(  # noqa: E731
-            model, prompts, max_new_tokens=n, stop_token_ids=[], options=opts
-        )
-        for _ in range(2):
-            out = gen(args.new_tokens)
-        s = out.stats
+        s, gen = decode_rate(model, b, args.prompt_len, args.new_tokens, opts, rng)
         step = s["decode_s"] / (args.new_tokens - 1)
         context = args.prompt_len + args.new_tokens // 2
         floor = decode_bytes(cfg, model.params, b, context, cache_dtype) / bw
@@ -115,13 +119,14 @@ def run(args) -> str:
             f"{s['prefill_s'] * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {floor / s['prefill_s']:.0%} |"
         )
 
+    kernels = kernels_in_use(cfg, model.params, cache_dtype, 64, opts)
     gb = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
     weights = "bf16" if args.scheme == "bf16" else f"{args.scheme} ({gb:.2f} GB)"
     lines = [
         f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
         "",
         f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
-        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels_in_use(cfg, model, cache_dtype, opts)}; "
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels}; "
         f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
         f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}.",
         "",
@@ -150,20 +155,6 @@ def run(args) -> str:
         lines += ["", f"Where those XLA fusions come from (`python -m hcfjax.bench.hlo_names {dump.group(1)} ...`):"]
         lines += ["", "```", *describe(Path(dump.group(1)), fusions), "```"]
     return "\n".join(lines)
-
-
-def kernels_in_use(cfg: ModelConfig, model, cache_dtype, opts: Options) -> str:
-    """What the decode runs on this backend, as the model selects it (opts.mode, where the kernels apply)."""
-    cache = kvcache.init_cache(cfg, 1, 64, cache_dtype, num_layers=1)
-    one = jnp.zeros((1, 1), jnp.int32)
-    mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
-    mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
-    w = next((seg["mlp"]["experts"]["gate"] for seg in model.params["segments"] if "experts" in seg["mlp"]), None)
-    if not isinstance(w, quant.QWeight) or w.bits != 4:
-        return f"{mla}, XLA ragged_dot experts"
-    x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)
-    moe = "Pallas int4 grouped GEMM" if quant._int4_mode(opts, x, w) != "reference" else "jnp int4 reference experts"
-    return f"{mla}, {moe}"
 
 
 def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:

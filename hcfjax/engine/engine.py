@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import trace
@@ -29,7 +28,7 @@ from hcfjax.engine.shapes import StepShapes
 from hcfjax.frontdoor import FrontDoor, InvalidRequest, check_request_id, new_request_id
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
-from hcfjax.quantize import default_cache_dtype
+from hcfjax.quantize import CACHE_DTYPES, cache_dtype_for
 from hcfjax.sampling import SamplingParams
 from hcfjax.speculative import SpeculativeConfig
 
@@ -50,9 +49,9 @@ class EngineConfig:
     per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
     prefill chunks); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
     the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
-    least_pages; cache_dtype: auto (the model's, int8 for a w4a8c8 checkpoint) or int8; min_prefill_bucket: the
-    smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
-    more padding).
+    least_pages; cache_dtype: auto (the checkpoint scheme's: int8 for w4a8c8, else the model's dtype), float (the
+    model's dtype) or int8; min_prefill_bucket: the smallest prefill chunk shape (chunks are padded to powers of two
+    from here: larger means fewer compiled shapes, more padding).
 
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last
@@ -94,8 +93,8 @@ class EngineConfig:
             raise ValueError(f"eplb_window must be an integer >= 1, got {self.eplb_window!r}")
         if not (isinstance(self.eplb_nodes, int) and self.eplb_nodes >= 1 and self.dp % self.eplb_nodes == 0):
             raise ValueError(f"eplb_nodes must be an integer >= 1 dividing dp={self.dp}, got {self.eplb_nodes!r}")
-        if self.cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"cache_dtype must be 'auto' or 'int8', got {self.cache_dtype!r}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.speculative is not None and self.speculative.forced_acceptance is not None:
             raise ValueError("forced_acceptance is for benchmarks only; a serving engine verifies drafts for real")
 
@@ -160,7 +159,7 @@ class Engine:
                 shapes=shapes,
             )
         )
-        dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
+        dtype = cache_dtype_for(model, c.cache_dtype)
         self.runner = ModelRunner(
             model,
             c.dp * c.max_slots,

@@ -45,7 +45,7 @@ from hcfjax.generate import bucket
 from hcfjax.model import Model, embed, final_hidden
 from hcfjax.options import DEFAULT, Options
 from hcfjax.pd.transport import Piece
-from hcfjax.quantize import default_cache_dtype
+from hcfjax.quantize import cache_dtype_for
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
 from hcfjax.step import PrefillInputs, finish_prefill, prefill_layer
@@ -77,7 +77,7 @@ class PrefillConfig:
     layerwise_threshold: int = 8192  # prompts of this many tokens or more are sent layer by layer
     layer_group: int = 1  # layers per piece in layerwise mode
     transfer_timeout_s: float = 30.0
-    cache_dtype: str = "auto"  # auto (the model's) or int8: must match the decode workers'
+    cache_dtype: str = "auto"  # auto (the scheme's), float or int8 (quantize.cache_dtype_for): as the decoders'
     speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
     options: Options = DEFAULT  # how the model runs (hcfjax.options)
 
@@ -118,7 +118,7 @@ class PrefillWorker:
             from sharding.plans import shard_params
 
             self.params = shard_params(model.params, plan)
-        dtype = default_cache_dtype(model, jnp.int8 if c.cache_dtype == "int8" else None)
+        dtype = cache_dtype_for(model, c.cache_dtype)
         self.spec = c.speculative
         if self.spec is not None and not model.params.get("mtp"):
             raise ValueError("speculative decoding needs MTP layers, and this model has none")

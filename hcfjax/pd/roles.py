@@ -9,8 +9,6 @@ Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from hcfjax.serving.server import until_signal
 
 
@@ -79,22 +77,3 @@ def run_router(args, announce) -> None:
         server = RouterServer(router, args.host, args.port).start()
         announce(f"hcfjax serve: router listening on {server.address}")
     server.stop(args.grace)
-
-
-def load_model(args):
-    """--model PATH, or --model preset:NAME for a random model of that preset (seed 0: every worker gets the same
-    weights without a checkpoint on disk; for benchmarks)."""
-    from pathlib import Path
-
-    import hcfjax
-    from hcfjax.serving.config import DTYPES
-
-    dtype = getattr(jnp, DTYPES[args.dtype])
-    if args.model and args.model.startswith("preset:"):
-        from hcfjax.random_model import preset_config, random_model
-
-        return random_model(preset_config(args.model.removeprefix("preset:")), seed=0, dtype=dtype)
-    path = Path(args.model or hcfjax.DEFAULT_MODEL)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint directory (no config.json)")
-    return hcfjax.load(path, dtype=dtype)

@@ -1,6 +1,6 @@
-"""`hcfjax serve`'s options as typed configs: the one place its parsed arguments become an EngineConfig or a
-PrefillConfig, and the way back, the flags that make a worker process build a given config (the PD benchmarks start
-their workers from configs they built).
+"""`hcfjax serve`'s options as typed configs: the one place its parsed arguments become the served model, an
+EngineConfig or a PrefillConfig, and the way back, the flags that make a worker process build a given config (the PD
+benchmarks start their workers from configs they built).
 
 The jax-heavy config classes are imported inside the functions, so that `hcfjax --help` stays quick.
 """
@@ -11,13 +11,73 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from hcfjax.config import QUANT_SCHEMES
+
 if TYPE_CHECKING:
     from hcfjax.engine import EngineConfig
+    from hcfjax.model import Model
     from hcfjax.options import Options
     from hcfjax.pd.prefill import PrefillConfig
     from hcfjax.speculative import SpeculativeConfig
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+SCHEMES = tuple(QUANT_SCHEMES)  # --scheme: quantise the served model in memory, as `hcfjax quantize` would
+# --kv-cache -> the configs' cache_dtype (hcfjax.quantize.cache_dtype_for): auto follows the checkpoint's scheme
+KV_CACHE = {"auto": "auto", "bf16": "float", "int8": "int8"}
+
+
+def load_model(
+    path: str | None, preset: str | None = None, scheme: str | None = None, dtype: str = "bfloat16"
+) -> Model:
+    """The model `hcfjax serve` serves: the checkpoint at `path` (None: the embedded model), or a random model of
+    `preset`'s shape (hcfjax.random_model.PRESETS; seed 0, so every worker of a PD deployment builds the same
+    weights), quantised to `scheme` in memory when given (as `hcfjax quantize` does). ValueError for a path that is
+    not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised already."""
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    import hcfjax
+
+    if path and preset:
+        raise ValueError("give --model or --preset, not both")
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"unknown quantisation scheme {scheme!r} (choose from {list(SCHEMES)})")
+    if preset:
+        from hcfjax.random_model import preset_config, random_model
+
+        model = random_model(preset_config(preset), seed=0, dtype=getattr(jnp, DTYPES[dtype]))
+    else:
+        where = Path(path or hcfjax.DEFAULT_MODEL)
+        if not (where / "config.json").is_file():
+            raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
+        model = hcfjax.load(where, dtype=getattr(jnp, DTYPES[dtype]))
+    if scheme is not None:
+        from hcfjax.quantize import quantize_model
+
+        model = quantize_model(model, scheme)
+    return model
+
+
+def served_model(args: argparse.Namespace) -> Model:
+    """--model PATH | --preset NAME, --scheme S, --dtype D: the model of `hcfjax serve` (every role)."""
+    return load_model(args.model, args.preset, args.scheme, args.dtype)
+
+
+def random_label(preset: str | None, scheme: str | None) -> str | None:
+    """What a server of a random model says wherever it names its model (None for a checkpoint): random weights
+    answer with noise, and a benchmark's reader must not mistake them for a trained model."""
+    if not preset:
+        return None
+    return f"random {preset} weights" + (f", {scheme}" if scheme else "")
+
+
+def served_model_name(args: argparse.Namespace) -> str | None:
+    """The HTTP API's model name: --served-model-name, else random-PRESET[-SCHEME] for a random model, else None
+    (the checkpoint directory's name)."""
+    if args.served_model_name or not args.preset:
+        return args.served_model_name
+    return f"random-{args.preset}" + (f"-{args.scheme}" if args.scheme else "")
 
 
 def run_options() -> Options:
@@ -52,7 +112,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queue=args.max_queue,
         balance=args.balance,
         speculative=speculative_config(args),
-        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        cache_dtype=KV_CACHE[args.kv_cache],
         min_prefill_bucket=args.min_prefill_bucket,
         options=run_options(),
     )
@@ -72,7 +132,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         layerwise_threshold=args.layerwise_threshold,
         layer_group=args.layer_group,
         transfer_timeout_s=args.transfer_timeout,
-        cache_dtype="int8" if args.kv_cache == "int8" else "auto",
+        cache_dtype=KV_CACHE[args.kv_cache],
         speculative=speculative_config(args),
         options=run_options(),
     )
@@ -97,9 +157,10 @@ def _speculative_flags(spec: SpeculativeConfig | None) -> dict:
 
 
 def _kv_cache_flag(cache_dtype: str) -> str:
-    if cache_dtype not in ("auto", "int8"):
+    flag = {v: k for k, v in KV_CACHE.items()}.get(cache_dtype)
+    if flag is None:
         raise ValueError(f"hcfjax serve has no --kv-cache for cache_dtype {cache_dtype!r}")
-    return "int8" if cache_dtype == "int8" else "bf16"
+    return flag
 
 
 def engine_flags(config: EngineConfig) -> list[str]:

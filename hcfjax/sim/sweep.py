@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 from hcfjax.sim.deployment import Deployment
 from hcfjax.sim.simulator import Result, simulate
@@ -25,6 +26,21 @@ class Point:
     result: Result
 
 
+def bisect_rate(meets: Callable[[float], bool], search: Search = Search()) -> float | None:
+    """The fastest rate of search's range found to meet an SLO (meets(rate)), by geometric bisection: search.hi when
+    the range's top meets it already, None when even search.lo misses it (the caller says which bound it hit).
+    Assumes attainment falls with load; meets runs once per rate tried, top first, then the bottom."""
+    if meets(search.hi):
+        return search.hi
+    if not meets(search.lo):
+        return None
+    lo, hi = search.lo, search.hi
+    for _ in range(search.iters):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
 def max_rate(dep: Deployment, wl: Workload, slo: SLO, search: Search = Search()) -> tuple[Point | None, list[Point]]:
     """(the fastest evaluated rate meeting the SLO, every point evaluated); assumes attainment falls with load."""
     points: list[Point] = []
@@ -33,18 +49,8 @@ def max_rate(dep: Deployment, wl: Workload, slo: SLO, search: Search = Search())
         points.append(Point(rate, simulate(dep, wl.replace(rate=rate), slo)))
         return points[-1].result.meets_slo
 
-    if run(search.hi):
-        return points[-1], points  # the range's top already meets it
-    if not run(search.lo):
-        return None, points
-    lo, hi, best = search.lo, search.hi, points[-1]
-    for _ in range(search.iters):
-        mid = math.sqrt(lo * hi)
-        if run(mid):
-            lo, best = mid, points[-1]
-        else:
-            hi = mid
-    return best, points
+    best = bisect_rate(run, search)
+    return next((p for p in points if p.rate == best), None), points
 
 
 def max_rate_on_lattice(

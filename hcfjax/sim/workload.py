@@ -23,16 +23,29 @@ def draw_lengths(rng, n: int, mean: float, cap: int, scale: float, lo: int = 1) 
     return np.maximum(np.round(x), lo).astype(int)
 
 
-def workload(seed: int, n: int, rate: float, scale: float, limit: int, vocab: int | None):
+def workload(
+    seed: int,
+    n: int,
+    rate: float,
+    scale: float,
+    limit: int,
+    vocab: int | None,
+    output_scale: float | None = None,
+    max_input: int | None = None,
+):
     """The requests for a seed: (input lengths, output lengths, prompts, arrival times in s).
 
-    Lengths follow REFERENCE scaled by `scale`, inputs clipped at limit // 2 and outputs to fit the context. With
-    vocab None the prompts are not drawn (None), which changes the arrival times; the simulator passes the model's
-    vocabulary to get exactly the serving benchmark's workload (hcfjax.bench.serve draws its prompts here)."""
+    Lengths follow REFERENCE, inputs scaled by `scale` and outputs by `output_scale` (default `scale`), inputs clipped
+    at `max_input` (default limit // 2) and outputs to fit the context of `limit` tokens. The scales change no draw,
+    so runs of one seed serve the same requests at other lengths. With vocab None the prompts are not drawn (None),
+    which changes the arrival times; the simulator passes the model's vocabulary to get exactly the serving
+    benchmark's workload (hcfjax.bench.serve draws its prompts here)."""
     rng = np.random.default_rng(seed)
     ins = draw_lengths(rng, n, REFERENCE["input_mean"], REFERENCE["input_max"], scale)
-    outs = draw_lengths(rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], scale)
-    ins = np.minimum(ins, limit // 2)
+    outs = draw_lengths(
+        rng, n, REFERENCE["output_mean"], REFERENCE["output_max"], scale if output_scale is None else output_scale
+    )
+    ins = np.minimum(ins, limit // 2 if max_input is None else max_input)
     outs = np.minimum(outs, limit - ins)
     prompts = None if vocab is None else [rng.integers(1, vocab, size=k) for k in ins]  # numpy arrays
     arrivals = np.cumsum(rng.exponential(1 / rate, n))

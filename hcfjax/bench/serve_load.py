@@ -1,0 +1,217 @@
+"""The serving benchmark's load runs: one batch of Poisson requests at a rate through a running server, measured as
+the simulator measures (hcfjax.sim.simulator.Result, judged by hcfjax.sim.workload.SLO); a sweep of rates and the
+search for the highest rate within the SLO (hcfjax.sim.sweep.bisect_rate) over one server; their table and JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hcfjax.sim.simulator import Result
+from hcfjax.sim.sweep import Search, bisect_rate
+from hcfjax.sim.workload import SLO
+
+PERCENTILES = (50, 90, 99)
+
+
+class StepStats:
+    """The decode rows and the context they attend, summed over the engine's steps: wraps engine.runner.dispatch
+    (the engine itself is unchanged; hcfjax.bench.sim_validate observes it the same way)."""
+
+    def __init__(self, engine):
+        self.reset()
+        dispatch = engine.runner.dispatch
+
+        def observed(plan, *args):
+            if plan.decode:
+                self.decode_steps += 1
+                self.decode_rows += len(plan.decode)
+                self.context_tokens += sum(req.length for req in plan.decode)
+            return dispatch(plan, *args)
+
+        engine.runner.dispatch = observed
+
+    def reset(self) -> None:
+        self.decode_steps = self.decode_rows = self.context_tokens = 0
+
+    @property
+    def decode_batch(self) -> float:
+        """Decode rows per step that decodes."""
+        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def mean_context(self) -> float:
+        """Tokens a decode row attends, averaged over rows."""
+        return self.context_tokens / self.decode_rows if self.decode_rows else 0.0
+
+
+@dataclasses.dataclass
+class RateRun:
+    """One batch of requests at a Poisson rate: the simulator's measures (result), plus what only a real server shows:
+    requests that ended in an error, requests that got no terminal response at all (lost: must be 0), and the
+    engine's mean decode batch and context (None when the engine runs in another process)."""
+
+    rate: float
+    kind: str  # "sweep" or "search"
+    result: Result
+    errors: int
+    lost: int
+    decode_batch: float | None = None
+    mean_context: float | None = None
+
+    @property
+    def goodput(self) -> float:
+        """Requests per second that met the SLO."""
+        r = self.result
+        return r.good / r.wall_s if r.wall_s else 0.0
+
+    def json(self) -> dict:
+        r = self.result
+        pcts = lambda d: {f"p{q}": _num(d[q]) for q in PERCENTILES}
+        return {
+            "rate": self.rate,
+            "kind": self.kind,
+            "requests": r.requests,
+            "finished": r.finished,
+            "errors": self.errors,
+            "lost": self.lost,
+            "wall_s": r.wall_s,
+            "qpm": r.qpm,
+            "output_tok_s": r.output_tok_s,
+            "total_tok_s": r.total_tok_s,
+            "ttft_s": pcts(r.ttft),
+            "tpot_s": pcts(r.tpot),
+            "goodput_req_s": self.goodput,
+            "slo_attainment": r.attainment,
+            "meets_slo": r.meets_slo,
+            "preemptions": r.preemptions,
+            "decode_batch": self.decode_batch,
+            "mean_context": self.mean_context,
+        }
+
+    def row(self) -> str:
+        r, t, p = self.result, self.result.ttft, self.result.tpot
+        opt = lambda x, f: "n/a" if x is None else format(x, f)
+        return (
+            f"| {self.rate:g}{'' if self.kind == 'sweep' else ' (search)'} | {r.qpm:.1f} | {r.output_tok_s:,.0f} | "
+            f"{r.total_tok_s:,.0f} | {t[50]:.2f} / {t[90]:.2f} / {t[99]:.2f} | "
+            f"{p[50] * 1e3:.1f} / {p[90] * 1e3:.1f} / {p[99] * 1e3:.1f} | {self.goodput:.2f} | "
+            f"{r.good}/{r.requests} ({'meets' if r.meets_slo else 'misses'}) | {opt(r.preemptions, 'd')} | "
+            f"{r.finished} / {self.errors} / {self.lost} | {opt(self.decode_batch, '.1f')} | "
+            f"{opt(self.mean_context, ',.0f')} |"
+        )
+
+    HEADER = (
+        "| rate (req/s) | QPM | output tok/s | total tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | "
+        "goodput (req/s in SLO) | in SLO | preemptions | finished / errors / lost | decode batch | mean context |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def _pct(xs: list[float]) -> dict[int, float]:
+    return {q: float(np.percentile(xs, q)) if xs else float("nan") for q in PERCENTILES}
+
+
+def measure(
+    rate: float, kind: str, record: list[dict], ins, wall: float, slo: SLO, preemptions: int | None, steps=None
+) -> RateRun:
+    """A batch's client records (hcfjax.bench.serve.run_one: ttft, tpot, out tokens, finish) -> its RateRun. A request
+    counts as finished when it ended at its length (every request ignores eos), lost when the client saw no terminal
+    response (no record, or a stream that ended without a finish reason)."""
+    n = len(ins)
+    ok = [r for r in record if r["finish"] == "length"]
+    lost = n - len(record) + sum(r["finish"] is None for r in record)
+    good = sum(1 for r in ok if r["ttft"] < slo.ttft_s and (r["tpot"] or 0) < slo.tpot_s)
+    result = Result(
+        requests=n,
+        finished=len(ok),
+        wall_s=wall,
+        output_tokens=sum(r["out"] for r in record),
+        input_tokens=int(np.sum(ins)),
+        ttft=_pct([r["ttft"] for r in ok]),
+        tpot=_pct([r["tpot"] for r in ok if r["tpot"] is not None]),
+        good=good,
+        preemptions=preemptions,
+        utilisation={},
+        parts={},
+        mean_decode_batch=steps.decode_batch if steps else 0.0,
+        slo=slo,
+    )
+    errors = len(record) - len(ok) - sum(r["finish"] is None for r in record)
+    batch, context = (steps.decode_batch, steps.mean_context) if steps else (None, None)
+    return RateRun(rate, kind, result, errors, lost, batch, context)
+
+
+def wait_idle(engine, timeout: float = 60.0) -> None:
+    """Until the engine holds no request (a batch's last ones retire a step after their streams end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = engine.snapshot()
+        if not (snap["running"] or snap["queued"]):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine still holds requests {timeout:.0f} s after a batch ended: {snap}")
+        time.sleep(0.05)
+
+
+def search(run: Callable[[float, str], RateRun], bounds: Search) -> tuple[RateRun | None, list[RateRun], str]:
+    """The highest rate within bounds at which the SLO holds (run(rate, "search") -> RateRun, a fresh batch each), by
+    geometric bisection: (its run or None, every run, a sentence saying what was found and whether a bound was
+    hit)."""
+    runs: list[RateRun] = []
+
+    def meets(rate: float) -> bool:
+        runs.append(run(rate, "search"))
+        return runs[-1].result.meets_slo
+
+    best = bisect_rate(meets, bounds)
+    top = next((r for r in runs if r.rate == best), None)
+    if best is None:
+        said = f"even {bounds.lo:g} req/s misses the SLO: the highest rate within it is below the search's lower bound"
+    elif best == bounds.hi:
+        said = f"{bounds.hi:g} req/s meets the SLO: the search's upper bound was hit (the highest rate is above it)"
+    else:
+        failed = min((r.rate for r in runs if not r.result.meets_slo), default=bounds.hi)
+        said = f"highest rate within the SLO: {best:.3g} req/s (the next rate tried, {failed:.3g} req/s, misses it)"
+    return top, runs, said
+
+
+def saturation(runs: list[RateRun]) -> RateRun | None:
+    """The run of the highest output tokens/s: where the engine's throughput tops out."""
+    return max(runs, key=lambda r: r.result.output_tok_s, default=None)
+
+
+def table(runs: list[RateRun]) -> str:
+    return "\n".join([RateRun.HEADER, *(r.row() for r in sorted(runs, key=lambda r: (r.kind != "sweep", r.rate)))])
+
+
+def offline_efficiency(model, sat: RateRun, options, seed: int, most_new_tokens: int = 128) -> dict:
+    """The saturated run's output tokens/s over hcfjax.generate's offline decode tokens/s at its mean decode batch
+    and context (bench.generate.decode_rate: prompts of context - new_tokens / 2 tokens, new_tokens each, up to
+    most_new_tokens, fewer where the context is shorter)."""
+    from hcfjax.bench.generate import decode_rate
+
+    batch = max(1, round(sat.decode_batch))
+    context = max(2, round(sat.mean_context))
+    new_tokens = max(2, min(most_new_tokens, 2 * (context - 1)))
+    prompt = max(1, context - new_tokens // 2)
+    stats, _ = decode_rate(model, batch, prompt, new_tokens, options, np.random.default_rng(seed))
+    offline = stats["decode_tokens_per_s"]
+    ratio = sat.result.output_tok_s / offline if offline else None
+    said = (
+        f"Engine efficiency: {sat.result.output_tok_s:,.0f} output tok/s served at saturation over {offline:,.0f} "
+        f"tok/s decoding offline at batch {batch} and context {prompt + new_tokens // 2:,} "
+        f"(hcfjax.bench.generate.decode_rate, {new_tokens} new tokens a prompt) = "
+        + ("n/a" if ratio is None else f"{ratio:.0%}")
+        + "."
+    )
+    return {"batch": batch, "context": prompt + new_tokens // 2, "offline_tok_s": offline, "ratio": ratio, "said": said}

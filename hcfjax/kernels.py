@@ -1,0 +1,40 @@
+"""What a decode step runs on this backend: the Pallas kernels or the jnp references, as the model selects them
+(Options.mode, where each kernel applies to the shapes at hand). The serving command prints it at start-up and the
+benchmarks put it in their headings, so that a run on the reference path is never mistaken for a kernel run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hcfjax import cache as kvcache
+from hcfjax import quant
+from hcfjax.attention import decode_mode
+from hcfjax.config import ModelConfig
+from hcfjax.options import Options
+
+
+def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, opts: Options) -> str:
+    """E.g. "Pallas MLA decode, Pallas int4 grouped GEMM": decode attention over a paged cache of `cache_dtype` in
+    pages of `page_size` tokens, and the routed experts of `params`."""
+    cache = kvcache.init_cache(cfg, 1, page_size, cache_dtype, num_layers=1)
+    one = jnp.zeros((1, 1), jnp.int32)
+    mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
+    mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
+    w = next((seg["mlp"]["experts"]["gate"] for seg in params["segments"] if "experts" in seg["mlp"]), None)
+    if not isinstance(w, quant.QWeight) or w.bits != 4:
+        return f"{mla}, XLA ragged_dot experts"
+    x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)
+    moe = "Pallas int4 grouped GEMM" if quant._int4_mode(opts, x, w) != "reference" else "jnp int4 reference experts"
+    return f"{mla}, {moe}"
+
+
+def engine_summary(engine) -> str:
+    """One line on what a serving engine (hcfjax.engine.Engine) serves and what its decode step runs: e.g. "w4a8c8
+    weights, int8 KV cache in pages of 64; decode runs Pallas MLA decode, Pallas int4 grouped GEMM"."""
+    m, c = engine.model, engine.config
+    q = m.cfg.quantization
+    cache = jnp.dtype(engine.runner.state.cache.kv.dtype).name
+    kernels = kernels_in_use(m.cfg, m.params, cache, c.page_size, c.options)
+    weights = f"{q.scheme} weights" if q is not None else f"{jnp.dtype(m.dtype).name} weights"
+    return f"{weights}, {cache} KV cache in pages of {c.page_size}; decode runs {kernels}"
