@@ -34,8 +34,9 @@ class Options:
         written by the fused gate/up kernel where that pays (DeepSeek-V3's activation grouping), instead of per row.
     ep_exchange: how the decode plan moves routed tokens between ranks: dense (fixed-capacity all_to_all, runs
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
-    unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps;
-        prefill keeps the loop, which compiles and runs faster there). auto: on GPUs.
+    unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
+        a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
+        of a V2-Lite step on the H200). auto: off (a server compiles every step shape before it is ready).
     two_rows: a one-token decode forward runs as the row and a copy of it that writes nothing: on GPUs XLA lowers a
         one-row product to a slow multiply-and-reduce, two rows to a GEMM. auto: on GPUs.
     """
@@ -76,7 +77,9 @@ class Options:
     def on(self, switch: str) -> bool:
         """unroll_decode / two_rows resolved for this backend."""
         value = getattr(self, switch)
-        return on_gpu() if value == "auto" else bool(value)
+        if value == "auto":
+            return switch == "two_rows" and on_gpu()
+        return bool(value)
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

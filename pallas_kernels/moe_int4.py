@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import lowering_cache
 from pallas_kernels.int8_quant import dequantize_int8_groups, quantize_int8, quantize_int8_groups
 from pallas_kernels.moe_int4_kernel import kernel_body, smem_transforms
 from pallas_kernels.moe_int4_tiling import (
@@ -150,8 +151,9 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         )
     grid, names = (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
     fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
-    kern = plgpu.kernel(
-        functools.partial(kernel_body, act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out),
+    body_args = (act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out)
+    kern = lambda: plgpu.kernel(  # noqa: E731
+        functools.partial(kernel_body, *body_args),
         out_type=out_type,
         grid=grid,
         grid_names=names,
@@ -161,9 +163,9 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     )
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
-            out = kern(*args)
+            out = kern()(*args)
     else:
-        out = kern(*args)
+        out = lowering_cache.launch(("moe_int4", body_args), kern, *args)
     if t.splits > 1:  # the K splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
         out = out.sum(0)
         out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)

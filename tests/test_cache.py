@@ -106,7 +106,8 @@ def test_padding_and_mock_rows_never_write(v3_model):
 
 def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
     """hidden_states runs a one-token cached forward as the row and a copy, its layers unrolled (Options.two_rows and
-    unroll_decode, on by default on GPUs): the same logits, cache and expert loads as one row over the layer loops."""
+    unroll_decode; two rows by default on GPUs): the same logits, cache and expert loads as one row over the layer
+    loops."""
     from hcfjax import model as model_mod
     from hcfjax.options import Options
 

@@ -1,6 +1,8 @@
 """The serving engine: outputs equal hcfjax.generate under continuous batching, chunking, DP ranks and preemption;
 pages always come back; the scheduler's policies do what they claim (fake clock)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -199,6 +201,29 @@ def test_after_warmup_serving_never_compiles(model):
         run_all(engine)
     assert compiles == [] and engine.runner.compiles == []
     assert all(list(engine.stream(r, timeout=0))[-1].finish is not None for r in reqs)
+
+
+def test_a_restart_loads_its_compiled_steps(tmp_path):
+    """Compiled steps kept under executable_cache: a second engine of the same config loads every shape, compiles
+    nothing, and serves the same tokens; a new shape makes a new entry. (bfloat16: XLA:CPU cannot serialize
+    the float32 sort of top-p sampling; a step it cannot store is compiled and used all the same.)"""
+    model = hcfjax.load()
+    config = EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1, executable_cache=str(tmp_path))
+    first = Engine(model, config)
+    first.warmup()
+    assert first.runner.disk.misses == 3 and len(list(tmp_path.glob("*.step"))) == 3
+    second = Engine(model, config)
+    with xla_compiles() as compiles:
+        second.warmup()
+        outs = []
+        for engine in (first, second):
+            req = engine.submit(PROMPTS[0], max_new_tokens=5, stop_token_ids=[])
+            run_all(engine)
+            outs.append(collect(engine, req)[0])
+    assert second.runner.disk.hits == 3 and second.runner.disk.misses == 0 and compiles == []
+    assert outs[0] == outs[1]
+    Engine(model, dataclasses.replace(config, token_budget=32)).warmup()
+    assert len(list(tmp_path.glob("*.step"))) == 4  # only (1, 32) is new: the other programs are the same
 
 
 @pytest.mark.parametrize("spec", [None, "rejection"])

@@ -209,7 +209,7 @@ def main(argv=None) -> None:
         "--unroll-decode",
         default="auto",
         choices=("auto", "on", "off"),
-        help="unroll the decode step's layer loops (Options.unroll_decode; auto: on GPUs)",
+        help="unroll the decode step's layer loops (Options.unroll_decode; auto: off)",
     )
     ap.add_argument(
         "--grouped-down-input",

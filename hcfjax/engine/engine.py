@@ -21,6 +21,7 @@ import numpy as np
 
 from hcfjax import trace
 from hcfjax.detokenize import TextStream
+from hcfjax.engine.executables import ExecutableCache
 from hcfjax.engine.request import FinishReason, Output, Request, Status
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,7 +61,8 @@ class EngineConfig:
     nodes the dp ranks span (it must divide dp; node i holds ranks i * dp / nodes ..): when it also divides the
     model's n_group, the placement is hierarchical as in DeepSeek's EPLB (expert groups packed onto nodes, every
     replica of an expert on its group's node, so routed tokens cross nodes no more than without EPLB), else
-    global. options: how the model runs (hcfjax.options.Options)."""
+    global. options: how the model runs (hcfjax.options.Options). executable_cache: a directory where compiled
+    steps are kept, so a restart loads them (hcfjax.engine.executables; None: compile every start)."""
 
     max_slots: int = 8
     dp: int = 1
@@ -81,6 +83,7 @@ class EngineConfig:
     eplb_window: int = 100
     eplb_nodes: int = 1
     options: Options = DEFAULT  # how the model runs: kernel or reference per op, the kernels' variants
+    executable_cache: str | None = None
 
     def __post_init__(self):
         for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
@@ -172,6 +175,7 @@ class Engine:
             decode_plan,
             _live_eplb(model, c, decode_plan),
             c.options,
+            None if c.executable_cache is None else ExecutableCache(c.executable_cache),
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
+from hcfjax.engine.executables import ExecutableCache, step_key
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.engine.shapes import StepShapes
 from hcfjax.generate import bucket
@@ -81,11 +82,13 @@ class ModelRunner:
         plan=None,
         eplb=None,
         options: Options = DEFAULT,
+        disk: ExecutableCache | None = None,
     ):
         """shapes: the prefill shapes steps pad to (default: 4 rows of up to 256 tokens). plan (a sharding.plans
         decode plan): the dp ranks on the plan's devices, each with its share of the slots
         and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
-        the routed load of every step. options: how the model runs (hcfjax.options)."""
+        the routed load of every step. options: how the model runs (hcfjax.options). disk: keep compiled steps there
+        (hcfjax.engine.executables; steps without a plan)."""
         self.model, self.cfg, self.spec, self.plan = model, model.cfg, spec, plan
         self.shapes = shapes or StepShapes(256, 4, whole_prompts=spec is not None, max_len=max_pages * page_size)
         self.options = options
@@ -111,6 +114,7 @@ class ModelRunner:
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         self.executables: dict = {}  # prefill shape (or None) -> the compiled step
+        self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
         self._idle_decode: DecodeInputs | None = None
 
@@ -135,7 +139,13 @@ class ModelRunner:
     def _compile(self, pre: PrefillInputs | None, dec: DecodeInputs):
         """The step for these inputs' shapes, compiled ahead of time: fn(params, state, pre, dec)."""
         if self.plan is None:
-            return jitted_step.lower(self.params, self.cfg, self.state, pre, dec, self.spec, self.options).compile()
+            compile_now = lambda: jitted_step.lower(  # noqa: E731
+                self.params, self.cfg, self.state, pre, dec, self.spec, self.options
+            ).compile()
+            if self.disk is None:
+                return compile_now()
+            key = step_key(("step", self.cfg, self.spec, self.options), (self.params, self.state, pre, dec))
+            return self.disk.get_or_compile(key, compile_now, self._landing.device_set)
         parts = pre is not None
         if parts not in self._planned:
             self._planned[parts] = self.plan.wrap_step(

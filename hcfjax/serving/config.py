@@ -115,7 +115,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_dtype=KV_CACHE[args.kv_cache],
         min_prefill_bucket=args.min_prefill_bucket,
         options=run_options(),
+        executable_cache=step_cache(args),
     )
+
+
+def step_cache(args: argparse.Namespace) -> str | None:
+    """Where compiled engine steps are kept: beside jax's cache under --compile-cache (None: off)."""
+    cache = getattr(args, "compile_cache", "off")
+    return None if cache in (None, "off") else os.path.join(os.path.expanduser(cache), "steps")
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
@@ -181,8 +188,12 @@ def engine_flags(config: EngineConfig) -> list[str]:
         min_prefill_bucket=config.min_prefill_bucket,
     )
     unset = EngineConfig(
-        **flags, speculative=config.speculative, cache_dtype=config.cache_dtype, options=config.options
-    )  # options travel in the workers' environment
+        **flags,
+        speculative=config.speculative,
+        cache_dtype=config.cache_dtype,
+        options=config.options,
+        executable_cache=config.executable_cache,
+    )  # options travel in the workers' environment; a worker keeps its steps under its own --compile-cache
     if unset != config:
         raise ValueError(f"hcfjax serve cannot set every field of {config} (it would build {unset})")
     named = {k.replace("_", "-"): v for k, v in flags.items()}

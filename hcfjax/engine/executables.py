@@ -1,0 +1,85 @@
+"""Compiled engine steps kept on disk, so a restarted server loads them instead of tracing and lowering again.
+
+jax's persistent compilation cache (hcfjax.serving.startup) saves XLA's compile, but its key is the lowered
+program: a restart still traces every step shape and lowers it (the Mosaic GPU kernels' lowering alone takes
+seconds). This cache keys a step by what determines it before tracing (the code of the packages it runs, jax's
+version, the device, the model config, every operand's shape, dtype and sharding, and the static arguments) and
+stores the compiled executable. The files are pickles: point it only at a directory you own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("hcfjax.engine")
+_PACKAGES = ("hcfjax", "pallas_kernels", "sharding")
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of every Python file of the packages a step runs: any code change makes new keys."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def step_key(static: tuple, operands) -> str:
+    """The key of a step compiled for `operands` (a pytree of arrays) and `static` (hashable, with reprs that say
+    what they are: configs, options)."""
+    dev = jax.devices()[0]
+    leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(operands)]
+    parts = (
+        source_digest(),
+        jax.__version__,
+        dev.platform,
+        dev.device_kind,
+        repr(static),
+        str(jax.tree.structure(operands)),
+        repr(leaves),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+class ExecutableCache:
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = 0
+
+    def get_or_compile(self, key: str, compile_fn: Callable[[], jax.stages.Compiled], devices) -> jax.stages.Compiled:
+        """The executable stored under `key`, else compile_fn()'s, stored for next time; `devices`: those it runs
+        on. A file that does not load (another jax, a torn write) is compiled anew and replaced."""
+        from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+        path = self.directory / f"{key}.step"
+        if path.is_file():
+            try:
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=list(devices))
+                self.hits += 1
+                return compiled
+            except Exception as e:  # noqa: BLE001 - a bad entry costs a compile, never a failure
+                log.warning("ignoring the cached step %s: %s", path.name, e)
+        compiled = compile_fn()
+        self.misses += 1
+        try:
+            blob = pickle.dumps(serialize(compiled))
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, suffix=".tmp") as f:
+                f.write(blob)
+            os.replace(f.name, path)
+        except Exception as e:  # noqa: BLE001 - an executable that cannot be stored is still used
+            log.warning("could not store the compiled step: %s", e)
+        return compiled
