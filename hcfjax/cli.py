@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--min-prefill-bucket",
         type=int,
-        default=16,
+        default=64,
         help="the smallest prefill chunk shape (chunks pad to powers of two from here; larger: fewer to compile)",
     )
     s.add_argument(
