@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -7,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses the tests start inherit it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+# Servers the tests start keep their compiled steps under $XDG_CACHE_HOME (hcfjax serve --compile-cache): a
+# directory of this run's own, not the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="hcfjax-tests-cache-")
 
 import jax  # noqa: E402
 

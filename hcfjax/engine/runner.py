@@ -1,12 +1,13 @@
-"""The engine's device side: the paged cache and per-slot decode state, and one call of hcfjax.step per engine
-iteration (prefill chunks and decode rows together; under a decode plan, the plan's shard_map of it).
+"""The engine's device side: the paged cache and per-slot decode state, and hcfjax.step for every engine iteration
+(its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
-Decode slots are fixed (dp x max_slots rows, rank major) and every step runs them (rows without a request are
-inactive); prefill parts are padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the
-token budget. `warmup` compiles every shape ahead of time, several at once, so serving never stops to compile; a
-shape met without warm-up compiles on first use and is logged. The tokens a step samples stay on the device
-as the next step's input: the host only sends page tables and masks, and reads the sampled tokens back one step
-later (see engine.py).
+Decode slots are fixed (dp x max_slots rows, rank major; rows without a request are inactive); prefill parts are
+padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the token budget. An iteration runs
+its prefill part and its decode part as two programs, so the decode part compiles once, not once per prefill shape.
+`warmup` compiles every program ahead of time, several at once, so serving never stops to compile; a shape met
+without warm-up compiles on first use and is logged. The tokens a step samples stay on the device as the next
+step's input: the host only sends page tables and masks, and reads the sampled tokens back one step later (see
+engine.py).
 """
 
 from __future__ import annotations
@@ -116,28 +117,41 @@ class ModelRunner:
         self.executables: dict = {}  # prefill shape (or None) -> the compiled step
         self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
-        self._idle_decode: DecodeInputs | None = None
 
     def dispatch(self, plan: StepPlan) -> Dispatched:
         pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
-        first, nxt, load = self._call(pre, self._decode_inputs(plan))
+        first, nxt, load = self._call(pre, self._decode_inputs(plan) if plan.decode else None)
         epochs = [c.req.epoch for c in plan.chunks]
         return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows, load)
 
-    def _call(self, pre: PrefillInputs | None, dec: DecodeInputs):
-        key = None if pre is None else pre.tokens.shape
+    def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
+        """One engine step: the prefill program, then the decode program (each part its own executable, so the
+        decode part compiles once, not once per prefill shape). -> (first, next, load)."""
+        first = nxt = None
+        loads = []
+        if pre is not None:
+            self.state, first, _, load = self._run(pre.tokens.shape, pre, None)
+            loads.append(load)
+        if dec is not None:
+            self.state, _, nxt, load = self._run(None, None, dec)
+            loads.append(load)
+        self.steps += 1
+        loads = [x for x in loads if x is not None]
+        return first, nxt, (sum(loads) if loads else None)
+
+    def _run(self, key, pre: PrefillInputs | None, dec: DecodeInputs | None):
         fn = self.executables.get(key)
         if fn is None:  # not warmed up: compile now (a pause every request in flight feels)
             t0 = time.perf_counter()
             fn = self.executables[key] = self._compile(pre, dec)
             self.compiles.append((key, time.perf_counter() - t0))
-            log.info("compiled step for prefill shape %s in %.1f s", key, self.compiles[-1][1])
-        self.state, first, nxt, load = fn(self.params, self.state, pre, dec)
-        self.steps += 1
-        return first, nxt, load
+            what = "decode" if key is None else f"{key} prefill"
+            log.info("compiled the %s step in %.1f s", what, self.compiles[-1][1])
+        return fn(self.params, self.state, pre, dec)
 
-    def _compile(self, pre: PrefillInputs | None, dec: DecodeInputs):
-        """The step for these inputs' shapes, compiled ahead of time: fn(params, state, pre, dec)."""
+    def _compile(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
+        """The step for these inputs' shapes (one part or the other), compiled ahead of time: fn(params, state, pre,
+        dec)."""
         if self.plan is None:
             compile_now = lambda: jitted_step.lower(  # noqa: E731
                 self.params, self.cfg, self.state, pre, dec, self.spec, self.options
@@ -146,10 +160,10 @@ class ModelRunner:
                 return compile_now()
             key = step_key(("step", self.cfg, self.spec, self.options), (self.params, self.state, pre, dec))
             return self.disk.get_or_compile(key, compile_now, self._landing.device_set)
-        parts = pre is not None
+        parts = (pre is not None, dec is not None)
         if parts not in self._planned:
             self._planned[parts] = self.plan.wrap_step(
-                self.cfg, self.params, self.state, parts, True, self.eplb is not None, self.spec, self.options
+                self.cfg, self.params, self.state, *parts, self.eplb is not None, self.spec, self.options
             )
         return self._planned[parts].lower(self.params, self.state, pre, dec).compile()
 
@@ -212,19 +226,18 @@ class ModelRunner:
             self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
 
     def warmup(self, prefill: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compiles the step for every shape it can take (decode alone and each prefill shape of `shapes` with
-        decode; only decode without local prefill), several at once. progress(done, total) is told as each
-        compile ends. -> the number of shapes."""
-        dec = self.idle_inputs(None)[1]
-        inputs = {None: None}
+        """Compiles the decode step and, unless only decoding here (a PD decode worker), the prefill step of every
+        shape in `shapes`, several at once. progress(done, total) is told as each compile ends. -> the number of
+        programs."""
+        inputs = {None: (None, self.idle_inputs(None)[1])}
         for b, t in self.shapes.all() if prefill else []:
             pre = self.idle_inputs((b, t))[0]
-            inputs[pre.tokens.shape] = pre
+            inputs[pre.tokens.shape] = (pre, None)
         todo = [k for k in inputs if k not in self.executables]
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
         try:
-            futures = {pool.submit(self._compile, inputs[k], dec): k for k in todo}
+            futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
             if progress is not None:
                 progress(0, len(todo))
             for i, done in enumerate(concurrent.futures.as_completed(futures)):
@@ -239,7 +252,7 @@ class ModelRunner:
 
     def idle_inputs(self, shape: tuple[int, int] | None) -> tuple[PrefillInputs | None, DecodeInputs]:
         """Step inputs that write nothing: `shape` (rows per rank, tokens) prefill rows that end no prompt (None:
-        no prefill part) and inactive decode rows."""
+        none) and inactive decode rows."""
         pre = None
         if shape is not None:
             b, t = shape[0] * self.ranks, shape[1]
@@ -305,8 +318,6 @@ class ModelRunner:
 
     def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
         """The decode rows: every slot, active where a request decodes this step."""
-        if not plan.decode and self._idle_decode is not None:
-            return self._idle_decode
         s = self.num_slots
         active, seed = np.zeros(s, bool), np.zeros(s, np.uint32)
         pages: list[list[int]] = [[] for _ in range(s)]
@@ -315,9 +326,6 @@ class ModelRunner:
             active[req.slot], seed[req.slot], sampling[req.slot] = True, req.seed, req.sampling
             pages[req.slot] = self._local_pages(req)
         put = self._put
-        dec = DecodeInputs(
+        return DecodeInputs(
             put(active), put(self._table(pages)), jax.tree.map(put, SamplingBatch.of(sampling)), put(seed)
         )
-        if not plan.decode:
-            self._idle_decode = dec
-        return dec

@@ -77,7 +77,7 @@ class EngineShapes:
                 per_rank[c.req.rank if self.ranks > 1 else 0] += 1
             b = self.step_shapes.rows(max(per_rank))
             t = self.step_shapes.tokens(max(c.n for c in plan.chunks))
-        return self.shape_works(b, t, True)  # the runner runs every decode row (inactive or not) in every step
+        return self.shape_works(b, t, bool(plan.decode))
 
     def shape_works(self, b: int, t: int, decode: bool) -> list[Work]:
         """The work of one compiled step shape: b prefill rows per rank of t tokens, with or without decode."""
