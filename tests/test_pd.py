@@ -154,7 +154,9 @@ def test_pd_speculative_decoding_across_the_split(model, colocated):
 # -- separate processes behind the router ----------------------------------------------------------------------------
 
 
-def start(args: list[str], name: str, env) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], name: str, env, until: str = "listening on") -> tuple[subprocess.Popen, str]:
+    """Starts `hcfjax serve` with args; returns it and its address once a line holds `until` (the router's
+    "ready" line comes after its "listening on" line)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", *args],
         stdout=subprocess.PIPE,
@@ -162,7 +164,7 @@ def start(args: list[str], name: str, env) -> tuple[subprocess.Popen, str]:
         text=True,
         env=env,
     )
-    lines = []
+    lines, address = [], None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -170,9 +172,10 @@ def start(args: list[str], name: str, env) -> tuple[subprocess.Popen, str]:
             break
         lines.append(line)
         m = re.search(r"listening on (\S+)", line)
-        if m:
+        address = m.group(1) if m else address
+        if address and until in line:
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
-            return proc, m.group(1)
+            return proc, address
     proc.kill()
     raise RuntimeError(f"{name} did not start:\n{''.join(lines)}")
 
@@ -217,7 +220,10 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
         dec, dec_addr = start(decode_args, "decode", env)
         procs.append(dec)
         router, addr = start(
-            ["--role", "router", "--prefill", pre_addr, "--decode", dec_addr, "--request-timeout", "60"], "router", env
+            ["--role", "router", "--prefill", pre_addr, "--decode", dec_addr, "--request-timeout", "60"],
+            "router",
+            env,
+            until=": ready",
         )
         procs.append(router)
 
@@ -308,3 +314,54 @@ def test_router_refuses_what_needs_no_model_before_placing():
         assert e.value.args == (grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
     finally:
         router.stop()
+
+
+def test_router_is_not_ready_until_a_worker_of_each_role_answers():
+    """The router's health says NOT_SERVING, and its start-up line waits, until a prefill and a decode worker both
+    answer their health checks (stand-in workers: a health service and Worker.Info, no model)."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from hcfjax.pd.router import Router, RouterServer
+    from hcfjax.serving import pd_pb2 as pdpb
+    from hcfjax.serving import pd_pb2_grpc as pd_grpc
+
+    class Info(pd_grpc.WorkerServicer):
+        def Info(self, request, context):
+            return pdpb.WorkerInfo(dp=1, max_slots=1)
+
+    def worker():
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        pd_grpc.add_WorkerServicer_to_server(Info(), server)
+        status = health.HealthServicer()
+        status.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(status, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        return server, f"127.0.0.1:{port}"
+
+    def router_health(address):
+        with grpc.insecure_channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+    (pre, pre_addr), (dec, dec_addr) = worker(), worker()
+    pre.start()  # the decode worker is not up yet
+    heard = []
+    router = Router([pre_addr], [dec_addr], health_interval_s=3600, health_timeout_s=2.0)
+    server = RouterServer(router, on_ready=lambda ready, address: heard.append((ready, address))).start()
+    try:
+        assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert heard == [(False, server.address)]
+        dec.start()
+        router.check_all()
+        assert router_health(server.address) == health_pb2.HealthCheckResponse.SERVING
+        assert heard[-1] == (True, server.address)
+        pre.stop(0).wait()
+        for _ in range(router.down_after):
+            router.check_all()
+        assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert heard[-1] == (False, server.address)
+    finally:
+        server.stop(0)
+        pre.stop(0)
+        dec.stop(0)

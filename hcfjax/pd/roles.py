@@ -4,7 +4,9 @@
     hcfjax serve --role decode  --port 0 --transport socket --mesh decode:dp=2 --cpu-devices 2 --max-slots 4
     hcfjax serve --role router  --port 50051 --prefill HOST:PORT --decode HOST:PORT
 
-Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks a free port).
+Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks a free port); the router then
+prints `hcfjax serve: ready (...)` once a prefill and a decode worker answer its health checks (its health says
+NOT_SERVING until then, and again while either role has no worker up).
 """
 
 from __future__ import annotations
@@ -72,8 +74,17 @@ def run_router(args, announce) -> None:
     _log_to_stderr()
     if not args.prefill or not args.decode:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
+    from hcfjax.serving.startup import ready_line
+
+    def on_ready(ready: bool, address: str) -> None:
+        if ready:
+            announce(ready_line(None, [f"router {address}"]))
+        else:
+            announce("hcfjax serve: router not ready: waiting for a prefill and a decode worker to answer")
+
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
     with until_signal(announce):
-        server = RouterServer(router, args.host, args.port).start()
+        server = RouterServer(router, args.host, args.port, on_ready=on_ready)
         announce(f"hcfjax serve: router listening on {server.address}")
+        server.start()
     server.stop(args.grace)

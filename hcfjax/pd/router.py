@@ -6,10 +6,12 @@ fewest prompt tokens waiting for their first token, then relays the decode worke
 reserves the request's pages before it asks the prefill worker for anything (hcfjax.pd.decode).
 
 Health: every worker's grpc.health.v1 is polled; one that fails `down_after` checks in a row is marked down (no
-new requests), one that answers again rejoins. A call that fails on a worker before any token was streamed is
-retried on another worker (up to `retries` times); after tokens were streamed it ends with UNAVAILABLE. Either
-way the upstream call is cancelled, which frees the request's pages on both sides. No call waits past its
-deadline or the router's `request_timeout_s`.
+new requests), one that answers again rejoins. The router itself is ready (its own health SERVING) only while at
+least one prefill and one decode worker are up: workers that are still compiling do not answer yet.
+
+A call that fails on a worker before any token was streamed is retried on another worker (up to `retries` times);
+after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled, which frees the
+request's pages on both sides. No call waits past its deadline or the router's `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -74,6 +77,8 @@ class Router(pb_grpc.GenerationServicer):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._health = threading.Thread(target=self._watch, name="hcfjax-router-health", daemon=True)
+        self.on_ready_change: list[Callable[[bool], None]] = []  # called with ready() whenever it flips
+        self._ready: bool | None = None
 
     # -- health --------------------------------------------------------------------------------------------------
     def start(self) -> Router:
@@ -93,6 +98,16 @@ class Router(pb_grpc.GenerationServicer):
     def check_all(self) -> None:
         for w in self.prefill + self.decode:
             self._check(w)
+        now = self.ready()
+        if now != self._ready:
+            self._ready = now
+            for call in self.on_ready_change:
+                call(now)
+
+    def ready(self) -> bool:
+        """Whether a request can be placed: some prefill and some decode worker answered their health checks."""
+        with self._lock:
+            return any(w.up for w in self.prefill) and any(w.up for w in self.decode)
 
     def _check(self, w: WorkerState) -> None:
         try:
@@ -229,10 +244,19 @@ class Router(pb_grpc.GenerationServicer):
 
 
 class RouterServer:
-    """The router's gRPC server: Generation, health (SERVING while some prefill and decode worker is up)."""
+    """The router's gRPC server: Generation, health (SERVING while some prefill and decode worker is up,
+    NOT_SERVING before and otherwise). on_ready(ready, address) hears each change of readiness."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0, max_workers: int = 256):
+    def __init__(
+        self,
+        router: Router,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 256,
+        on_ready: Callable[[bool, str], None] | None = None,
+    ):
         self.router = router
+        self.on_ready = on_ready
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-router"),
             maximum_concurrent_rpcs=max_workers,
@@ -244,11 +268,21 @@ class RouterServer:
         self.address = f"{host}:{self.port}"
 
     def start(self) -> RouterServer:
-        self.router.start()
+        self._set_serving(False)
+        self.router.on_ready_change.append(self._ready_changed)
         self._server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.router.start()
         return self
+
+    def _set_serving(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _ready_changed(self, ready: bool) -> None:
+        self._set_serving(ready)
+        if self.on_ready is not None:
+            self.on_ready(ready, self.address)
 
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
