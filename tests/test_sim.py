@@ -435,3 +435,21 @@ def test_cli_tiny_config(tmp_path, capsys):
     assert out.count("slots") >= 2 and png.stat().st_size > 0
     assert main(["sim", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert math.isfinite(load_config(CONFIGS / "tiny.yaml").slo.tpot_s)
+
+
+def test_cli_search_says_when_the_upper_bound_was_hit(tmp_path, capsys):
+    """A best rate equal to search.hi is the search's limit, not the deployment's: the output says so."""
+    from hcfjax.cli import main
+
+    text = (CONFIGS / "tiny.yaml").read_text()
+    assert main(["sim", "--config", str(CONFIGS / "tiny.yaml"), "--search"]) == 0
+    assert "upper bound (400.00 requests/s" in capsys.readouterr().out
+    below = tmp_path / "below.yaml"  # a TTFT SLO that a burst of arrivals misses: the search ends below its top
+    below.write_text(
+        text.replace(
+            "search: {lo: 10, hi: 400, iters: 2}", "search: {lo: 10, hi: 1000000.0, iters: 2}\nslo: {ttft_s: 0.01}"
+        )
+    )
+    assert main(["sim", "--config", str(below), "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "Best within the SLO" in out and "upper bound" not in out

@@ -32,6 +32,14 @@ def _parts(res) -> list[str]:
     return lines
 
 
+def bound_note(hi: float) -> str:
+    """What a best rate at the search's top means: the search stopped there, not at the SLO."""
+    return (
+        f"The search's upper bound ({hi:.2f} requests/s, the config's search.hi) met the SLO: the deployment may "
+        "sustain more; raise search.hi to find its limit."
+    )
+
+
 def run(args) -> int:
     from hcfjax.sim.config import load_config
     from hcfjax.sim.simulator import Result, simulate
@@ -69,13 +77,17 @@ def run(args) -> int:
                 "| layout | GPUs | rate (/s) | output tok/s | per GPU | TTFT p50 (s) | TPOT p50 (ms) |",
                 "|---|---|---|---|---|---|---|",
             ]
+            at_bound = [c for c in curves if c.best and c.best.rate >= cfg.search.hi]
             for c in curves:
                 r = c.best.result if c.best else None
+                mark = " *" if c in at_bound else ""
                 lines.append(
-                    f"| {c.label} | {c.dep.gpus} | {c.best.rate if c.best else 0:.2f} | {c.tok_s:,.0f} | "
+                    f"| {c.label} | {c.dep.gpus} | {c.best.rate if c.best else 0:.2f}{mark} | {c.tok_s:,.0f} | "
                     f"{c.tok_s / c.dep.gpus:,.0f} | {r.ttft[50] if r else float('nan'):.2f} | "
                     f"{r.tpot[50] * 1e3 if r else float('nan'):.1f} |"
                 )
+            if at_bound:
+                lines += ["", f"* {bound_note(cfg.search.hi)}"]
         elif args.search:
             best, points = max_rate(dep, wl, cfg.slo, cfg.search)
             curves = [Candidate(cfg.name, dep, best, points)]
@@ -86,7 +98,10 @@ def run(args) -> int:
             if best is None:
                 lines += ["", "No evaluated rate meets the SLO."]
             else:
-                lines += ["", f"Best within the SLO: {best.rate:.2f} requests/s:", ""] + _parts(best.result)
+                lines += ["", f"Best within the SLO: {best.rate:.2f} requests/s:", ""]
+                if best.rate >= cfg.search.hi:
+                    lines += [bound_note(cfg.search.hi), ""]
+                lines += _parts(best.result)
         else:
             res = simulate(dep, wl, cfg.slo)
             lines += [Result.HEADER, res.row(), ""] + _parts(res)
