@@ -3,6 +3,11 @@ PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.1
 VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= def fibonacci(n):
+# `make run` hands the prompt to the command through the environment, as typed: quotes and `$` survive, whether it
+# comes from the environment (PROMPT='...' make run) or the command line (make run PROMPT='...'; $(value) stops
+# make from expanding a `$` in it).
+override PROMPT := $(value PROMPT)
+export PROMPT
 
 .PHONY: run test install lint clean proto
 
@@ -15,13 +20,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Generation with the embedded model (hcfjax/assets/stdlib-v3), sampled, then greedy.
+# Generation with the embedded model (hcfjax/assets/stdlib-v3): $PROMPT and a second prompt in one batch, both
+# sampled (temperature 0.7, top-p 0.9); --stats times a second, compiled run.
 run: install
-	$(VENV)/bin/hcfjax generate --prompt "$(PROMPT)" --prompt "class LRUCache:" --max-new-tokens 96 \
+	$(VENV)/bin/hcfjax generate --prompt "$$PROMPT" --prompt "class LRUCache:" --max-new-tokens 96 \
 		--temperature 0.7 --top-p 0.9 --stats
 
+# -rs: every skipped test with its reason.
 test: install
-	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15 -rs
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
