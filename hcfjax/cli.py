@@ -410,8 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--usage", action="store_true", help="print the final usage (JSON) to stderr")
     c.set_defaults(func=_client)
 
-    b = sub.add_parser("bench", help="benchmarks (run on the GPU machine)")
-    b.add_argument("which", choices=["generate"])
+    bench_help = (
+        "benchmarks: they run on any backend; the copy and matmul ceilings, the floors derived from them and "
+        "--profile's kernel times need a GPU (n/a on a CPU)"
+    )
+    b = sub.add_parser(
+        "bench", help=bench_help, description=bench_help + ". `hcfjax bench generate --help` lists its options."
+    )
+    b.add_argument(
+        "which", choices=["generate"], help="generate: decode and prefill tokens/s (hcfjax/bench/generate.py)"
+    )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
 

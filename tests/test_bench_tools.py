@@ -170,3 +170,29 @@ def test_ncu_keeps_what_it_did_not_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "ncu.tar.gz"]
     with tarfile.open(tmp_path / "ncu.tar.gz") as tar:
         assert tar.getnames() == ["ncu/mla_bf16.log"]
+
+
+def test_bench_generate_formats_for_a_cpu():
+    """Parameter counts in a unit that shows them; without a GPU's ceilings the floors say n/a, not a number derived
+    from a CPU's (or a missing) copy rate."""
+    from hcfjax.bench.common import count
+    from hcfjax.bench.generate import ceilings_line, floor_cells
+
+    assert [count(n) for n in (12, 4_560, 2_340_000, 15_700_000_000)] == ["12", "4.56K", "2.34M", "15.7B"]
+    assert "n/a on CPU" in ceilings_line(None, None, None) and "TB/s" not in ceilings_line(None, None, None)
+    assert floor_cells(None, 0.01, ".2f") == "n/a | n/a"
+    assert floor_cells(0.005, 0.01, ".2f") == "5.00 ms | 50%"
+    gpu = ceilings_line(3.3e12, 3.0e12, 7.0e14)
+    assert "copy 3.30 TB/s (torch copy_" in gpu and "700 TFLOP/s" in gpu
+
+
+def test_bench_help_shows_defaults_and_where_it_runs(capsys):
+    from hcfjax.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "generate", "--help"])
+    assert "(default: v2-lite)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "run on any backend" in out and "need a GPU" in out

@@ -169,6 +169,14 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / timed(f, a, b)
 
 
+def count(n: int) -> str:
+    """A parameter count in the unit that shows it: 1.23B, 45.6M, 7.8K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def header() -> str:
     dev = jax.devices()[0]
     return f"date {datetime.date.today().isoformat()}, device {dev.device_kind} ({dev.platform}), jax {jax.__version__}"

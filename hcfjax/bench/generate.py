@@ -35,7 +35,7 @@ import numpy as np
 
 import hcfjax
 from hcfjax.bench import spec_step
-from hcfjax.bench.common import copy_bandwidth, header, kernel_times, matmul_flops, torch_copy_bandwidth
+from hcfjax.bench.common import copy_bandwidth, count, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
 from hcfjax.kernels import kernels_in_use
@@ -86,20 +86,40 @@ def run(args) -> str:
         return spec_step.table(model, args.preset, args.scheme, n_params, args, opts, header())
     cache_dtype = default_cache_dtype(model)
     rng = np.random.default_rng(0)
-    torch_bw = torch_copy_bandwidth()
-    xla_bw = copy_bandwidth()
+    on_gpu = jax.devices()[0].platform == "gpu"  # the ceilings are a GPU's: a CPU's would make meaningless floors
+    torch_bw = torch_copy_bandwidth() if on_gpu else None
+    xla_bw = copy_bandwidth() if on_gpu else None
     bw = torch_bw or xla_bw
-    flops = matmul_flops()
+    flops = matmul_flops() if on_gpu else None
+
+    kernels = kernels_in_use(cfg, model.params, cache_dtype, 64, opts)
+    gb = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
+    weights = "bf16" if args.scheme == "bf16" else f"{args.scheme} ({gb:.2f} GB)"
+    head = [
+        f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
+        "",
+        f"{header()}; model {args.preset} with random weights, {count(n_params)} parameters, {weights}, "
+        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; "
+        + (f"{kernels}; " if "Pallas" in kernels else "")
+        + f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
+        f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}.",
+        "",
+        ceilings_line(torch_bw, xla_bw, flops),
+        "",
+        "| phase | batch | tokens | tokens/s | time per step | floor | floor / time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(head), flush=True)
 
     rows, profiles, names = [], [], []
     for b in args.batches:
         s, gen = decode_rate(model, b, args.prompt_len, args.new_tokens, opts, rng)
         step = s["decode_s"] / (args.new_tokens - 1)
         context = args.prompt_len + args.new_tokens // 2
-        floor = decode_bytes(cfg, model.params, b, context, cache_dtype) / bw
+        floor = decode_bytes(cfg, model.params, b, context, cache_dtype) / bw if bw else None
         rows.append(
             f"| decode | {b} | {args.prompt_len} + {args.new_tokens} | {s['decode_tokens_per_s']:,.0f} | "
-            f"{step * 1e3:.2f} ms | {floor * 1e3:.2f} ms | {floor / step:.0%} |"
+            f"{step * 1e3:.2f} ms | {floor_cells(floor, step, '.2f')} |"
         )
         print(rows[-1], flush=True)
         if args.profile:
@@ -113,33 +133,19 @@ def run(args) -> str:
         s = out.stats
         active = 2 * args.prefill_len * _active_params(cfg)
         attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * args.prefill_len**2 * cfg.qk_head_dim / 2
-        floor = (active + attn) / flops
+        floor = (active + attn) / flops if flops else None
         rows.append(
             f"| prefill | 1 | {args.prefill_len} | {s['prefill_tokens_per_s']:,.0f} | "
-            f"{s['prefill_s'] * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {floor / s['prefill_s']:.0%} |"
+            f"{s['prefill_s'] * 1e3:.1f} ms | {floor_cells(floor, s['prefill_s'], '.1f')} |"
         )
+        print(rows[-1], flush=True)
 
-    kernels = kernels_in_use(cfg, model.params, cache_dtype, 64, opts)
-    gb = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
-    weights = "bf16" if args.scheme == "bf16" else f"{args.scheme} ({gb:.2f} GB)"
-    lines = [
-        f"## `python -m hcfjax.bench.generate --preset {args.preset} --scheme {args.scheme}`",
-        "",
-        f"{header()}; model {args.preset} with random weights, {n_params / 1e9:.2f}B parameters, {weights}, "
-        f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; {kernels}; "
-        f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
-        f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}.",
-        "",
-        f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
-        f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3).",
-        "",
-        "| phase | batch | tokens | tokens/s | time per step | floor | floor / time |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
+    tail = [
         "",
         "decode floor = bytes a step must read (weights, expected routed experts touched, KV cache) / copy "
         "bandwidth; prefill floor = matmul FLOPs of active parameters + causal attention / bf16 matmul rate.",
     ]
+    lines = tail
     if profiles:
         lines += [
             "",
@@ -154,7 +160,26 @@ def run(args) -> str:
     if profiles and dump and fusions:
         lines += ["", f"Where those XLA fusions come from (`python -m hcfjax.bench.hlo_names {dump.group(1)} ...`):"]
         lines += ["", "```", *describe(Path(dump.group(1)), fusions), "```"]
-    return "\n".join(lines)
+    print("\n".join(lines), flush=True)
+    return "\n".join(head + rows + lines)
+
+
+def ceilings_line(torch_bw: float | None, xla_bw: float | None, flops: float | None) -> str:
+    """The copy and matmul ceilings the floors divide by (bytes/s, FLOP/s), or why there are none."""
+    if xla_bw is None or flops is None:
+        return "Ceilings and floors: n/a on CPU (the copy bandwidth and matmul rate are measured on a GPU only)."
+    bw = torch_bw or xla_bw
+    return (
+        f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s ({'torch copy_' if torch_bw else 'XLA'}; "
+        f"XLA elementwise {xla_bw / 1e12:.2f} TB/s), bf16 matmul {flops / 1e12:.0f} TFLOP/s (XLA, 8192^3)."
+    )
+
+
+def floor_cells(floor: float | None, took: float, fmt: str) -> str:
+    """The table's "floor | floor / time" cells for a floor in seconds (None: no ceiling to derive it from)."""
+    if floor is None:
+        return "n/a | n/a"
+    return f"{floor * 1e3:{fmt}} ms | {floor / took:.0%}"
 
 
 def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:
@@ -188,15 +213,19 @@ def _active_params(cfg: ModelConfig) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m hcfjax.bench.generate", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="v2-lite", choices=sorted(PRESETS))
+    ap = argparse.ArgumentParser(
+        prog="python -m hcfjax.bench.generate",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--preset", default="v2-lite", choices=sorted(PRESETS), help="the random model's shape")
     ap.add_argument("--scheme", default="bf16", choices=SCHEMES, help="quantise the random model first")
     ap.add_argument("--profile", action="store_true", help="also show where a decode step's GPU time goes")
     ap.add_argument(
         "--batches", type=lambda s: [int(x) for x in s.split(",")], help="default 1,32,128 (--speculative: 32)"
     )
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=512, help="tokens of each decode row's prompt")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens each decode row generates")
     ap.add_argument("--prefill-len", type=int, default=4096, help="0: no prefill row")
     ap.add_argument("--out", help="append the table to this markdown file")
     ap.add_argument(
@@ -243,8 +272,9 @@ def main(argv=None) -> None:
     if args.grouped_down_input != "default":
         changes["grouped_down_input"] = flag[args.grouped_down_input]
     args.options = Options.from_env(os.environ, **changes)  # HCFJAX_MLA etc. (hcfjax.options)
-    table = run(args)
-    print(table)
+    table = run(args)  # plain decoding prints it as it goes: the header, each row as it is measured, the rest
+    if args.speculative:
+        print(table)
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)

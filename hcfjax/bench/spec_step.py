@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
+from hcfjax.bench.common import count
 from hcfjax.model import Model
 from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype
@@ -170,7 +171,7 @@ def table(model: Model, preset: str, scheme: str, n_params: int, args, opts: Opt
             f"## `python -m hcfjax.bench.generate --preset {preset} --scheme {scheme} --speculative "
             f"{args.speculative} --forced-acceptance {rates}`: MTP step cost, {LABEL}",
             "",
-            f"{header}; model {preset} with random weights ({n_params / 1e9:.2f}B parameters, {scheme}, "
+            f"{header}; model {preset} with random weights ({count(n_params)} parameters, {scheme}, "
             f"{n_mtp} MTP module{'s' if n_mtp > 1 else ''}{reuse if n_mtp < args.speculative else ''}"
             f"), {jnp.dtype(default_cache_dtype(model)).name} KV cache, page size 64, method {args.spec_method}, "
             f"greedy; decode layers unrolled: {opts.on('unroll_decode')}. The acceptance is FORCED: verification "
