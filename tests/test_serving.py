@@ -321,6 +321,36 @@ def test_api_key_guards_generation_but_not_health(served, monkeypatch, capsys):
     assert_idle(served.engine)
 
 
+def test_calls_past_the_concurrency_limit_are_refused_and_counted(served):
+    """Two long streams fill a server of two calls: a third is RESOURCE_EXHAUSTED and counted as rejected; health
+    still answers."""
+    exhausted = lambda: (
+        served.metrics.registry.get_sample_value(  # noqa: E731
+            "hcfjax_rejected_requests_total", {"code": "RESOURCE_EXHAUSTED"}
+        )
+        or 0
+    )
+    before = exhausted()
+    server = Server(served.engine, metrics=served.metrics, max_workers=2).start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    calls = []
+    try:
+        for i in range(2):
+            calls.append(client.generate_stream(stub, f"x = {i}", **LONG))
+            next(calls[-1])  # streaming: the call holds its thread
+        err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent calls" in err.details()
+        assert exhausted() == before + 1
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        server.shutdown(grace=1.0, stop_engine=False)
+    assert_idle(served.engine)
+
+
 def test_metrics_port_with_a_key():
     metrics = Metrics()
     port = metrics.serve(0, api_key="sesame")

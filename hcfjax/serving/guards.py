@@ -8,12 +8,18 @@ body is read. A body over max_body_bytes gets 413: at once when its Content-Leng
 bytes read pass the limit (a chunked body), so no more than the limit (plus one read) is ever held. gRPC: with a key,
 calls to the Generation service need the metadata `authorization: Bearer KEY` (UNAUTHENTICATED otherwise, before the
 request message is parsed); health and reflection stay open. Keys are compared in constant time.
+
+gRPC's own maximum_concurrent_rpcs refuses a call after the interceptors have run and tells nobody, so a refusal
+could not be counted; ConcurrencyLimit refuses Generation calls at the limit itself (and says so), reading how many
+calls hold a thread from a CountingPool, and leaves gRPC's limit a few calls higher as a backstop.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import threading
+from concurrent import futures
 
 import grpc
 from fastapi.exceptions import HTTPException
@@ -102,6 +108,46 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             return handler
         self.on_refusal(grpc.StatusCode.UNAUTHENTICATED.name)
         return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, REFUSED_KEY_GRPC)
+
+
+class CountingPool(futures.ThreadPoolExecutor):
+    """A thread pool that knows how many of its tasks have not finished: a gRPC server runs each call as one task."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = ""):
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self._lock = threading.Lock()
+        self.unfinished = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._lock:
+            self.unfinished += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _future) -> None:
+        with self._lock:
+            self.unfinished -= 1
+
+
+class ConcurrencyLimit(grpc.ServerInterceptor):
+    """Refuses a Generation call (RESOURCE_EXHAUSTED) while `limit` calls hold the pool's threads; other services
+    (health, reflection) pass, within the pool's spare threads. on_refusal(code_name) is told of each refusal."""
+
+    def __init__(self, pool: CountingPool, limit: int, on_refusal=lambda code: None):
+        self.pool, self.limit, self.on_refusal = pool, limit, on_refusal
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(GENERATION_PREFIX) or self.pool.unfinished < self.limit:
+            return handler
+        self.on_refusal(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        message = f"the server is at its limit of {self.limit} concurrent calls; try again later"
+        return refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

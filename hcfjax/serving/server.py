@@ -6,8 +6,9 @@
     server.shutdown()                                # NOT_SERVING, refuse new calls, abort in-flight, stop
 
 Each Generate call holds one thread of the pool while it streams, so the pool has a thread for every request the
-engine can hold (running slots plus its queue) and a few more; beyond that gRPC itself answers RESOURCE_EXHAUSTED
-rather than letting calls wait for a thread.
+engine can hold (running slots plus its queue) and a few more; beyond that the server answers RESOURCE_EXHAUSTED
+(counted in the rejected-requests metric) rather than letting calls wait for a thread. SPARE_THREADS more serve
+refusals, health and reflection.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import queue
 import signal
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +29,7 @@ from hcfjax.frontdoor import sampling_params
 from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
-from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, ApiKeyInterceptor
+from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, ApiKeyInterceptor, ConcurrencyLimit, CountingPool
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.startup import ready_line, warm_up
 
@@ -37,6 +37,7 @@ log = logging.getLogger("hcfjax.serving")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "hcfjax.v1.Generation"
 DEFAULT_MAX_NEW_TOKENS = 64
+SPARE_THREADS = 8  # beyond the Generate calls' limit: refusals, health and reflection
 POLL_S = 1.0  # how often a streaming call waiting on the engine checks that its client is still there
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -167,12 +168,14 @@ class Server:
         self.engine, self.metrics = engine, metrics
         c = engine.config
         workers = max_workers or c.dp * c.max_slots + c.max_queue + 8
+        pool = CountingPool(workers + SPARE_THREADS, thread_name_prefix="hcfjax-grpc")
         interceptors = [ApiKeyInterceptor(api_key, self._count_refusal)] if api_key is not None else []
+        interceptors.append(ConcurrencyLimit(pool, workers, self._count_refusal))
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-grpc"),
+            pool,
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", max_body_bytes)],
-            maximum_concurrent_rpcs=workers,
+            maximum_concurrent_rpcs=workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
         )
         pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, metrics), self._server)
         # Non-blocking Watch streams, so health watchers do not hold the pool's threads.
