@@ -74,6 +74,6 @@ def run_router(args, announce) -> None:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
     with until_signal(announce):
-        server = RouterServer(router, args.host, args.port).start()
+        server = RouterServer(router, args.host, args.port, api_key=args.api_key).start()
         announce(f"hcfjax serve: router listening on {server.address}")
     server.stop(args.grace)
