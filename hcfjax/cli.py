@@ -39,6 +39,7 @@ from hcfjax.serving.config import (
     served_model,
     served_model_name,
 )
+from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
 from hcfjax.serving.startup import default_compile_cache
 
 REQUEST_LIMITS = (
@@ -46,7 +47,12 @@ REQUEST_LIMITS = (
     "could hold (checked on its characters, before tokenizing), text that is not valid UTF-8, a prompt or prompt + "
     f"max tokens beyond --max-model-len, more than {MAX_STOP_STRINGS} stop strings or one over {MAX_STOP_CHARS} "
     f"characters, more than {MAX_STOP_TOKEN_IDS} stop token ids, top_k beyond the vocabulary, a seed outside "
-    f"[0, 2^32), a request id over {MAX_REQUEST_ID_CHARS} characters (hcfjax/frontdoor.py)."
+    f"[0, 2^32), a request id over {MAX_REQUEST_ID_CHARS} characters (hcfjax/frontdoor.py). A request body (HTTP) "
+    "or message (gRPC) over --max-body-bytes is refused (HTTP 413, RESOURCE_EXHAUSTED) before it is read whole. "
+    "With an API key, HTTP (all but /health), the gRPC Generation service (metadata authorization: Bearer KEY; "
+    "health and reflection stay open) and the --metrics-port scrape all need it: a client without it gets 401 / "
+    "UNAUTHENTICATED before its request is read. Pass the key as HCFJAX_API_KEY: a --api-key flag shows in the "
+    "process list."
 )
 
 
@@ -181,6 +187,8 @@ def _serve_until_signal(args, started: float) -> int:
                 metrics_port=args.metrics_port,
                 grace=args.grace,
                 warmup=args.warmup,
+                api_key=args.api_key,
+                max_body_bytes=args.max_body_bytes,
                 started=started,
                 announce=announce,
             )
@@ -196,6 +204,7 @@ def _serve_until_signal(args, started: float) -> int:
                 model_name=served_model_name(args),
                 chat_template=template,
                 api_key=args.api_key,
+                max_body_bytes=args.max_body_bytes,
                 started=started,
                 announce=announce,
             )
@@ -262,7 +271,7 @@ def _client(args) -> int:
     channel, stub = client.connect(args.host, args.port)
     last = None
     try:
-        for chunk in stub.Generate(request, timeout=args.timeout):
+        for chunk in stub.Generate(request, timeout=args.timeout, metadata=client.auth_metadata(args.api_key)):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             last = chunk
@@ -336,7 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=os.environ.get("HCFJAX_API_KEY"),
-        help="HTTP clients must send Authorization: Bearer KEY (default: $HCFJAX_API_KEY; unset: no auth)",
+        help="HTTP, gRPC and metrics clients must send Authorization: Bearer KEY (unset: no auth). Set "
+        "HCFJAX_API_KEY instead of passing this flag: a flag shows in the process list (default: $HCFJAX_API_KEY)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the largest HTTP request body / gRPC request message; larger ones get 413 / RESOURCE_EXHAUSTED before "
+        "they are read whole (default: %(default)s)",
     )
     s.add_argument("--served-model-name", help="the HTTP API's model name (default: the checkpoint directory's)")
     s.add_argument("--chat-template", help="a Jinja chat template file (default: the checkpoint's, else a plain one)")
@@ -408,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stop", action="append", help="a string that ends the generation (repeatable)")
     c.add_argument("--timeout", type=float, help="deadline in seconds")
     c.add_argument("--usage", action="store_true", help="print the final usage (JSON) to stderr")
+    c.add_argument(
+        "--api-key",
+        default=os.environ.get("HCFJAX_API_KEY"),
+        help="the server's API key (default: $HCFJAX_API_KEY, the way to pass it: a flag shows in the process list)",
+    )
     c.set_defaults(func=_client)
 
     bench_help = (

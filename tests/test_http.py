@@ -4,6 +4,7 @@ over the real Engine with the embedded model. Every test leaves the engine with 
 import functools
 import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -323,18 +324,77 @@ def test_models_and_health(served):
         assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
 
 
-def test_api_key_on_a_second_front_end_of_the_same_engine(served):
+def raw_post(port: int, head: str, body_parts: list[bytes]) -> tuple[int, dict]:
+    """Sends a request's head and the given body bytes, never the rest of the body, then reads the answer: one that
+    comes proves the server answered without reading the body whole (the socket's timeout fails the test)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        for part in body_parts:
+            sock.sendall(part)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < content_length(answer):
+            data = sock.recv(65536)
+            assert data, answer
+            answer += data
+    status = int(answer.split(b" ", 2)[1])
+    return status, json.loads(answer.partition(b"\r\n\r\n")[2])
+
+
+def content_length(answer: bytes) -> int:
+    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def rejected(server: HTTPServer, code: str) -> float:
+    return server.service.metrics.registry.get_sample_value("hcfjax_rejected_requests_total", {"code": code}) or 0
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(served):
+    """A 30 MB Content-Length is refused from its header; a chunked body as soon as it passes the limit. Neither
+    body is sent whole: an answer arriving at all shows the server did not wait for it."""
     server, _ = served
-    second = HTTPServer(server.engine, api_key="sesame").start()
+    before = rejected(server, "RESOURCE_EXHAUSTED")
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, body = raw_post(server.port, head + f"Content-Length: {30 << 20}\r\n\r\n", [b'{"prompt": "' + b"x" * 1000])
+    assert (status, body["error"]["code"], body["error"]["type"]) == (413, "body_too_large", "invalid_request_error")
+    small = HTTPServer(server.engine, metrics=server.service.metrics, max_body_bytes=1000).start()
+    try:
+        chunk = b"200\r\n" + b" " * 0x200 + b"\r\n"  # whitespace: valid JSON, were the body ever complete
+        status, body = raw_post(small.port, head + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 3)
+        assert (status, body["error"]["code"]) == (413, "body_too_large"), body
+        assert "1000 bytes" in body["error"]["message"]
+        status, body = post(small, "/v1/completions", {"prompt": "x = 1", "max_tokens": 2})  # under the limit
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    finally:
+        small.shutdown(stop_engine=False)
+    assert rejected(server, "RESOURCE_EXHAUSTED") == before + 2
+    assert_idle(server.engine)
+
+
+def test_api_key_on_a_second_front_end_of_the_same_engine(served):
+    """Without the key: 401 before the body is read (a 30 MB one that never comes) or checked (no detailed 400)."""
+    server, _ = served
+    second = HTTPServer(server.engine, metrics=server.service.metrics, api_key="sesame").start()
     url = f"http://127.0.0.1:{second.port}/v1"
+    before = rejected(server, "UNAUTHENTICATED")
     try:
         with pytest.raises(openai.AuthenticationError) as e:
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
         assert e.value.body["code"] == "invalid_api_key"
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n"
+        status, body = raw_post(second.port, head, [b'{"prompt": '])
+        assert (status, body["error"]["code"]) == (401, "invalid_api_key"), body
+        assert post(second, "/v1/completions", {"prompt": "x", "top_p": 2})[0] == 401
+        with urllib.request.urlopen(f"http://127.0.0.1:{second.port}/health", timeout=10) as r:
+            assert r.status == 200  # probes need no key
         good = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
         assert good.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2).usage.completion_tokens >= 1
     finally:
         second.shutdown(stop_engine=False)
+    assert rejected(server, "UNAUTHENTICATED") == before + 3
     assert server.engine.snapshot()["steps"] > 0 and server.service.stopping is False
     assert_idle(server.engine)
 

@@ -365,3 +365,21 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
         server.stop(0)
         pre.stop(0)
         dec.stop(0)
+
+
+def test_router_api_key():
+    """The router takes --api-key as a colocated server does: without it UNAUTHENTICATED, with it the call reaches
+    the router (here UNAVAILABLE: its workers' addresses have nothing listening)."""
+    from hcfjax.pd.router import Router, RouterServer
+    from hcfjax.serving import client
+
+    server = RouterServer(Router(["127.0.0.1:1"], ["127.0.0.1:2"]), api_key="sesame").start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    try:
+        for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("sesame", grpc.StatusCode.UNAVAILABLE)):
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(stub, "x", max_new_tokens=2, api_key=key, timeout=30)
+            assert e.value.code() == code, e.value.details()
+    finally:
+        channel.close()
+        server.stop(0)

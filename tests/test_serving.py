@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import types
+import urllib.error
 import urllib.request
 
 import grpc
@@ -281,6 +282,87 @@ def test_metrics(served):
     assert after["hcfjax_queue_length"] == after["hcfjax_running_requests"] == 0
     assert after["hcfjax_cache_usage_ratio"] == 0 and after["hcfjax_free_pages"] > 0
     assert after["hcfjax_engine_steps_total"] > 0 and math.isnan(after["hcfjax_draft_acceptance_rate"])
+
+
+def test_api_key_guards_generation_but_not_health(served, monkeypatch, capsys):
+    """A second server over the same engine with a key: Generation calls without it are UNAUTHENTICATED before
+    their request is checked; health and reflection stay open; the key in HCFJAX_API_KEY reaches `hcfjax client`."""
+    from hcfjax import cli
+
+    rejected = lambda: (
+        served.metrics.registry.get_sample_value(  # noqa: E731
+            "hcfjax_rejected_requests_total", {"code": "UNAUTHENTICATED"}
+        )
+        or 0
+    )
+    before = rejected()
+    server = Server(served.engine, metrics=served.metrics, api_key="sesame").start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    try:
+        for call in (
+            lambda: client.generate(stub, "x", max_new_tokens=2),
+            lambda: client.generate(stub, "x", top_p=0.0, api_key="wrong"),  # no INVALID_ARGUMENT without the key
+            lambda: client.tokenize(stub, "x"),
+        ):
+            err = rpc_error(call)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in err.details()
+        assert rejected() == before + 3
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert SERVICE_NAME in ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert client.generate(stub, "x = 1", max_new_tokens=2, api_key="sesame").finish_reason in ("stop", "length")
+        args = ["client", "--port", str(server.port), "--prompt", "x = 1", "--max-new-tokens", "2"]
+        assert cli.main(args) == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+        monkeypatch.setenv("HCFJAX_API_KEY", "sesame")
+        assert cli.main(args) == 0 and capsys.readouterr().out.endswith("\n")
+    finally:
+        channel.close()
+        server.shutdown(grace=1.0, stop_engine=False)
+    assert_idle(served.engine)
+
+
+def test_calls_past_the_concurrency_limit_are_refused_and_counted(served):
+    """Two long streams fill a server of two calls: a third is RESOURCE_EXHAUSTED and counted as rejected; health
+    still answers."""
+    exhausted = lambda: (
+        served.metrics.registry.get_sample_value(  # noqa: E731
+            "hcfjax_rejected_requests_total", {"code": "RESOURCE_EXHAUSTED"}
+        )
+        or 0
+    )
+    before = exhausted()
+    server = Server(served.engine, metrics=served.metrics, max_workers=2).start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    calls = []
+    try:
+        for i in range(2):
+            calls.append(client.generate_stream(stub, f"x = {i}", **LONG))
+            next(calls[-1])  # streaming: the call holds its thread
+        err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent calls" in err.details()
+        assert exhausted() == before + 1
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        server.shutdown(grace=1.0, stop_engine=False)
+    assert_idle(served.engine)
+
+
+def test_metrics_port_with_a_key():
+    metrics = Metrics()
+    port = metrics.serve(0, api_key="sesame")
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url, timeout=10)
+        assert e.value.code == 401
+        scraped = urllib.request.Request(url, headers={"Authorization": "Bearer sesame"})
+        assert b"hcfjax_rejected_requests" in urllib.request.urlopen(scraped, timeout=10).read()
+    finally:
+        metrics.close()
 
 
 def test_cli_client(served):

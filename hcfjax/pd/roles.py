@@ -84,7 +84,7 @@ def run_router(args, announce) -> None:
 
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
     with until_signal(announce):
-        server = RouterServer(router, args.host, args.port, on_ready=on_ready)
+        server = RouterServer(router, args.host, args.port, on_ready=on_ready, api_key=args.api_key)
         announce(f"hcfjax serve: router listening on {server.address}")
         server.start()
     server.stop(args.grace)

@@ -34,6 +34,7 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
+from hcfjax.serving.guards import ApiKeyInterceptor
 from hcfjax.serving.server import SERVICE_NAME
 
 log = logging.getLogger("hcfjax.pd")
@@ -245,7 +246,8 @@ class Router(pb_grpc.GenerationServicer):
 
 class RouterServer:
     """The router's gRPC server: Generation, health (SERVING while some prefill and decode worker is up,
-    NOT_SERVING before and otherwise). on_ready(ready, address) hears each change of readiness."""
+    NOT_SERVING before and otherwise). on_ready(ready, address) hears each change of readiness. api_key: Generation
+    calls need the metadata `authorization: Bearer KEY`, as on a colocated server."""
 
     def __init__(
         self,
@@ -254,11 +256,13 @@ class RouterServer:
         port: int = 0,
         max_workers: int = 256,
         on_ready: Callable[[bool, str], None] | None = None,
+        api_key: str | None = None,
     ):
         self.router = router
         self.on_ready = on_ready
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-router"),
+            interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else [],
             maximum_concurrent_rpcs=max_workers,
         )
         pb_grpc.add_GenerationServicer_to_server(router, self._server)

@@ -5,7 +5,8 @@
         print(chunk.text, end="")
     result = generate(stub, "class LRUCache:", max_new_tokens=32, temperature=0.7, seed=1)
 
-Errors arrive as grpc.RpcError (e.code(), e.details()) when the stream is read.
+Errors arrive as grpc.RpcError (e.code(), e.details()) when the stream is read. A server started with --api-key wants
+api_key=KEY on each call (sent as the metadata `authorization: Bearer KEY`).
 """
 
 from __future__ import annotations
@@ -59,10 +60,17 @@ def make_request(
     return req
 
 
-def generate_stream(stub, prompt: str | Sequence[int], *, timeout: float | None = None, **params):
+def auth_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
+    """The call metadata that carries an API key (None: none)."""
+    return None if api_key is None else [("authorization", f"Bearer {api_key}")]
+
+
+def generate_stream(
+    stub, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None, **params
+):
     """Starts a Generate call and returns it: an iterator of GenerateResponse chunks (the last has finish_reason
     set) that is also the grpc call, so `.cancel()` ends it. params: those of make_request."""
-    return stub.Generate(make_request(prompt, **params), timeout=timeout)
+    return stub.Generate(make_request(prompt, **params), timeout=timeout, metadata=auth_metadata(api_key))
 
 
 @dataclasses.dataclass
@@ -74,10 +82,12 @@ class Completion:
     chunks: int
 
 
-def generate(stub, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
+def generate(
+    stub, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None, **params
+) -> Completion:
     """Runs a Generate call to its end and joins the chunks."""
     text, ids, last, n = [], [], None, 0
-    for chunk in generate_stream(stub, prompt, timeout=timeout, **params):
+    for chunk in generate_stream(stub, prompt, timeout=timeout, api_key=api_key, **params):
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
         last, n = chunk, n + 1
@@ -85,5 +95,6 @@ def generate(stub, prompt: str | Sequence[int], *, timeout: float | None = None,
     return Completion("".join(text), ids, reason, last.usage, n)
 
 
-def tokenize(stub, text: str, *, timeout: float | None = None) -> list[int]:
-    return list(stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout).token_ids)
+def tokenize(stub, text: str, *, timeout: float | None = None, api_key: str | None = None) -> list[int]:
+    request = pb.TokenizeRequest(text=text)
+    return list(stub.Tokenize(request, timeout=timeout, metadata=auth_metadata(api_key)).token_ids)

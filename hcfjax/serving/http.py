@@ -10,11 +10,14 @@ Requests go to the same Engine as gRPC's (both can serve one engine, see serve()
 A client that disconnects has its request aborted, which frees its pages: a stream notices when its connection
 closes, a non-streamed request when it polls the connection (every POLL_S while it waits).
 
+Before a request is read, hcfjax.serving.guards checks its API key (with --api-key: 401 before the body is read) and
+its size (413 past max_body_bytes, from Content-Length or while a chunked body is read).
+
 Errors are OpenAI's error object {"error": {"message", "type", "param", "code"}}: 400 invalid_request_error for bad
 parameters (code context_length_exceeded for a prompt or max_tokens beyond the context), 401 without the
---api-key bearer token, 404 model_not_found, 429 rate_limit_error when the queue is full, 503 unavailable while
-shutting down, 500 server_error when the engine fails the request. Once a stream has started, an error arrives as
-one more event, `data: {"error": {...}}`.
+--api-key bearer token, 404 model_not_found, 413 body_too_large, 429 rate_limit_error when the queue is full, 503
+unavailable while shutting down, 500 server_error when the engine fails the request. Once a stream has started, an
+error arrives as one more event, `data: {"error": {...}}`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from starlette.requests import Request as HTTPRequest
 from hcfjax.engine import Engine, EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Request, Usage
 from hcfjax.frontdoor import SEEDS, new_request_id, sampling_params
 from hcfjax.serving.chat_template import ChatTemplate, TemplateError
+from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, HTTPGuard
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.openai_protocol import (
     APIError,
@@ -60,6 +64,7 @@ REJECTED = {
     400: "INVALID_ARGUMENT",
     401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",  # as gRPC answers a message over its size limit
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
 }
@@ -135,9 +140,8 @@ class OpenAIService:
         model_name: str,
         chat_template: ChatTemplate | None = None,
         metrics: Metrics | None = None,
-        api_key: str | None = None,
     ):
-        self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self.chat_template = chat_template or ChatTemplate()
         c = engine.config
         self.pool = futures.ThreadPoolExecutor(c.dp * c.max_slots + c.max_queue + 8, thread_name_prefix="hcfjax-http")
@@ -145,10 +149,8 @@ class OpenAIService:
         self.stopping = False
 
     # -- validation: request body -> engine.submit arguments -----------------------------------------------------
-    def check(self, http: HTTPRequest, body) -> None:
-        if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise APIError(401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_request_error",
-                           code="invalid_api_key")  # fmt: skip
+    def check(self, body) -> None:
+        """The API key and the body's size were checked before the body was read (guards.HTTPGuard)."""
         if self.stopping:
             raise APIError(503, "the server is shutting down", "unavailable", code="shutting_down")
         if body.model is not None and body.model != self.model_name:
@@ -201,14 +203,14 @@ class OpenAIService:
     # -- the endpoints ---------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: HTTPRequest):
         with self.refusals():
-            self.check(http, body)
+            self.check(body)
             names = {"prompt": "prompt", "max_new_tokens": "max_tokens"}
             call = await self.submit(body, body.prompt, body.max_tokens, new_request_id("cmpl"), names)
         return await self.respond(call, body, "text_completion", chat=False, http=http)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: HTTPRequest):
         with self.refusals():
-            self.check(http, body)
+            self.check(body)
             if not body.messages:
                 raise bad_request("messages is empty", "messages")
             messages = [{**m.model_dump(), "content": message_text(m, i)} for i, m in enumerate(body.messages)]
@@ -268,14 +270,13 @@ class OpenAIService:
         except APIError as e:
             yield sse(e.body())
 
-    def models(self, http: HTTPRequest) -> dict:
-        if self.api_key is not None and http.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise APIError(401, "a valid API key is needed", "invalid_request_error", code="invalid_api_key")
+    def models(self) -> dict:
         model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hcfjax"}
         return {"object": "list", "data": [model | {"max_model_len": self.engine.max_model_len}]}
 
 
-def create_app(service: OpenAIService) -> FastAPI:
+def create_app(service: OpenAIService, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """The FastAPI app behind its guards (API key, body size), an ASGI app."""
     app = FastAPI(title="hcfjax", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -295,6 +296,10 @@ def create_app(service: OpenAIService) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http(_, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        if e.status_code == 413:  # a chunked body passed the limit while it was read: the rest is not read
+            service.count_refusal(413)
+            body = APIError(413, str(e.detail), kind, code="body_too_large").body()
+            return JSONResponse(body, 413, headers={"Connection": "close"})
         return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
 
     @app.post("/v1/completions")
@@ -306,8 +311,8 @@ def create_app(service: OpenAIService) -> FastAPI:
         return await service.chat_completions(body, http)
 
     @app.get("/v1/models")
-    async def models(http: HTTPRequest):
-        return service.models(http)
+    async def models():
+        return service.models()
 
     @app.get("/health")
     async def health():
@@ -315,12 +320,14 @@ def create_app(service: OpenAIService) -> FastAPI:
             return JSONResponse({"status": "shutting_down"}, 503)
         return {"status": "ok"}
 
-    return app
+    return HTTPGuard(app, api_key=api_key, max_body_bytes=max_body_bytes, on_refusal=service.count_refusal)
 
 
 class HTTPServer:
     """uvicorn serving create_app() on a background thread, on host:port (0: a free one; `self.port` is the bound
-    port). model_name: what /v1/models lists and requests must name (default: the checkpoint directory's name)."""
+    port). model_name: what /v1/models lists and requests must name (default: the checkpoint directory's name).
+    api_key: what clients must send as `Authorization: Bearer KEY` (None: no auth); max_body_bytes: the largest
+    request body read (413 beyond)."""
 
     def __init__(
         self,
@@ -332,13 +339,14 @@ class HTTPServer:
         chat_template: ChatTemplate | None = None,
         metrics: Metrics | None = None,
         api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.engine = engine
         path = engine.model.path
         name = model_name or (path.rstrip("/").rsplit("/", 1)[-1] if path else "hcfjax")
         template = chat_template or ChatTemplate.for_checkpoint(path)
-        self.service = OpenAIService(engine, name, template, metrics, api_key)
-        self.app = create_app(self.service)
+        self.service = OpenAIService(engine, name, template, metrics)
+        self.app = create_app(self.service, api_key, max_body_bytes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -395,20 +403,20 @@ def serve(
     model_name: str | None = None,
     chat_template: ChatTemplate | None = None,
     api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     started: float | None = None,
     announce=lambda line: print(line, flush=True),
 ) -> None:
     """Runs the HTTP server, and the gRPC server too when grpc_port is given, over one engine until SIGINT or SIGTERM
     (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version (its docstring says what
-    warmup, started and announce do)."""
+    warmup, started and announce do). api_key guards HTTP, gRPC and the metrics port alike."""
     from hcfjax.serving.server import Server, until_signal
     from hcfjax.serving.startup import ready_line, warm_up
 
     metrics = Metrics(engine)
-    grpc_server = Server(engine, host, grpc_port, metrics=metrics) if grpc_port is not None else None
-    http = HTTPServer(
-        engine, host, http_port, model_name=model_name, chat_template=chat_template, metrics=metrics, api_key=api_key
-    )
+    limits = dict(metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    grpc_server = Server(engine, host, grpc_port, **limits) if grpc_port is not None else None
+    http = HTTPServer(engine, host, http_port, model_name=model_name, chat_template=chat_template, **limits)
     if warmup:
         warm_up(engine, announce)
     try:
@@ -425,7 +433,8 @@ def serve(
             )
             where.append(f"HTTP http://{host}:{http.port}/v1")
             if metrics_port:
-                announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
+                metrics_at = metrics.serve(metrics_port, host, api_key=api_key)
+                announce(f"hcfjax serve: metrics on http://{host}:{metrics_at}/metrics")
             announce(ready_line(started, where))
     finally:
         http.service.stopping = True  # refuse new HTTP requests while gRPC drains

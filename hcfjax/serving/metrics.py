@@ -6,7 +6,8 @@ from engine.snapshot() at scrape time, so they are never stale and need no threa
     hcfjax_time_to_first_token_seconds   histogram   arrival -> first token (the engine's clock)
     hcfjax_time_per_output_token_seconds histogram   (last token - first token) / (output tokens - 1)
     hcfjax_requests_total{finish_reason} counter     stop | length | abort | error
-    hcfjax_rejected_requests_total{code} counter     INVALID_ARGUMENT | RESOURCE_EXHAUSTED | UNAVAILABLE
+    hcfjax_rejected_requests_total{code} counter     INVALID_ARGUMENT | UNAUTHENTICATED | NOT_FOUND |
+                                                     RESOURCE_EXHAUSTED | UNAVAILABLE (HTTP: under gRPC's names)
     hcfjax_prompt_tokens_total, hcfjax_output_tokens_total
     hcfjax_draft_tokens_total, hcfjax_accepted_draft_tokens_total, hcfjax_draft_acceptance_rate
     hcfjax_queue_length, hcfjax_running_requests, hcfjax_cache_usage_ratio, hcfjax_free_pages,
@@ -17,10 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from hcfjax.serving.guards import key_matches
 
 log = logging.getLogger("hcfjax.serving")
 
@@ -79,9 +85,18 @@ class Metrics:
         if u.output_tokens > 1 and first_token_time is not None and finish_time is not None:
             self.tpot.observe((finish_time - first_token_time) / (u.output_tokens - 1))
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serves /metrics over HTTP on host:port (0: a free port); returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> int:
+        """Serves /metrics over HTTP on host:port (0: a free port) on a thread; returns the bound port. api_key:
+        scrapes must send `Authorization: Bearer KEY` (401 otherwise)."""
+        app = make_wsgi_app(self.registry)
+        if api_key is not None:
+            app = _needing_key(app, api_key)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._http = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="hcfjax-metrics", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:
@@ -89,6 +104,23 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass  # no line per scrape on stderr
+
+
+def _needing_key(app, api_key: str):
+    """The WSGI app behind a bearer-token check."""
+
+    def guarded(environ, start_response):
+        if key_matches(environ.get("HTTP_AUTHORIZATION"), api_key):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"a valid API key is needed (Authorization: Bearer KEY)\n"]
+
+    return guarded
 
 
 class _EngineCollector:

@@ -6,8 +6,9 @@
     server.shutdown()                                # NOT_SERVING, refuse new calls, abort in-flight, stop
 
 Each Generate call holds one thread of the pool while it streams, so the pool has a thread for every request the
-engine can hold (running slots plus its queue) and a few more; beyond that gRPC itself answers RESOURCE_EXHAUSTED
-rather than letting calls wait for a thread.
+engine can hold (running slots plus its queue) and a few more; beyond that the server answers RESOURCE_EXHAUSTED
+(counted in the rejected-requests metric) rather than letting calls wait for a thread. SPARE_THREADS more serve
+refusals, health and reflection.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import queue
 import signal
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +29,7 @@ from hcfjax.frontdoor import sampling_params
 from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
+from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, ApiKeyInterceptor, ConcurrencyLimit, CountingPool
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.startup import ready_line, warm_up
 
@@ -36,6 +37,7 @@ log = logging.getLogger("hcfjax.serving")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "hcfjax.v1.Generation"
 DEFAULT_MAX_NEW_TOKENS = 64
+SPARE_THREADS = 8  # beyond the Generate calls' limit: refusals, health and reflection
 POLL_S = 1.0  # how often a streaming call waiting on the engine checks that its client is still there
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -148,7 +150,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 class Server:
     """The gRPC server: the Generation service, grpc.health.v1.Health and server reflection, on host:port (port 0
-    picks a free one; `self.port` is the bound port)."""
+    picks a free one; `self.port` is the bound port). api_key: Generation calls need the metadata
+    `authorization: Bearer KEY` (UNAUTHENTICATED otherwise; health and reflection stay open); max_body_bytes: the
+    largest request message (gRPC answers RESOURCE_EXHAUSTED beyond)."""
 
     def __init__(
         self,
@@ -158,12 +162,20 @@ class Server:
         *,
         metrics: Metrics | None = None,
         max_workers: int | None = None,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.engine, self.metrics = engine, metrics
         c = engine.config
         workers = max_workers or c.dp * c.max_slots + c.max_queue + 8
+        pool = CountingPool(workers + SPARE_THREADS, thread_name_prefix="hcfjax-grpc")
+        interceptors = [ApiKeyInterceptor(api_key, self._count_refusal)] if api_key is not None else []
+        interceptors.append(ConcurrencyLimit(pool, workers, self._count_refusal))
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-grpc"), maximum_concurrent_rpcs=workers
+            pool,
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", max_body_bytes)],
+            maximum_concurrent_rpcs=workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
         )
         pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, metrics), self._server)
         # Non-blocking Watch streams, so health watchers do not hold the pool's threads.
@@ -178,6 +190,10 @@ class Server:
             raise OSError(f"cannot listen on {host}:{port}: {e}") from None
         self._stopped = threading.Event()
 
+    def _count_refusal(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code).inc()
+
     def start(self) -> Server:
         """Starts the engine's loop and the server; health says SERVING."""
         self.engine.start()
@@ -186,15 +202,17 @@ class Server:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
 
-    def shutdown(self, grace: float = 3.0) -> None:
+    def shutdown(self, grace: float = 3.0, stop_engine: bool = True) -> None:
         """Health goes NOT_SERVING and new calls are refused; the engine aborts what is in flight, so each open
-        stream gets its terminal response (finish ABORT); calls still open after `grace` seconds are cancelled."""
+        stream gets its terminal response (finish ABORT); calls still open after `grace` seconds are cancelled.
+        stop_engine=False leaves the engine running for its other front ends."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         done = self._server.stop(grace)
-        self.engine.shutdown(timeout=grace)
+        if stop_engine:
+            self.engine.shutdown(timeout=grace)
         done.wait(grace + 1.0)
         if self.metrics is not None:
             self.metrics.close()
@@ -230,16 +248,19 @@ def serve(
     metrics_port: int | None = None,
     grace: float = 3.0,
     warmup: bool = True,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     started: float | None = None,
     announce=lambda line: print(line, flush=True),
 ) -> None:
-    """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread).
+    """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread). api_key
+    guards the Generation service and the metrics port.
 
     warmup: compile every engine step shape before listening, so no request waits for a compile.
     announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them),
     then that it is ready (with the seconds since `started`, a time.monotonic() of the command's start)."""
     metrics = Metrics(engine)
-    server = Server(engine, host, port, metrics=metrics)
+    server = Server(engine, host, port, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     if warmup:
         warm_up(engine, announce)
     try:
@@ -247,7 +268,8 @@ def serve(
             server.start()
             announce(f"hcfjax serve: listening on {host}:{server.port}")
             if metrics_port:
-                announce(f"hcfjax serve: metrics on http://{host}:{metrics.serve(metrics_port, host)}/metrics")
+                metrics_at = metrics.serve(metrics_port, host, api_key=api_key)
+                announce(f"hcfjax serve: metrics on http://{host}:{metrics_at}/metrics")
             announce(ready_line(started, [f"gRPC {host}:{server.port}"]))
     finally:
         server.shutdown(grace)
