@@ -33,6 +33,8 @@ from hcfjax.serving.config import (
     KV_CACHE,
     SCHEMES,
     engine_config,
+    generate_plans,
+    parse_meshes,
     prefill_config,
     random_label,
     run_options,
@@ -71,6 +73,11 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        plans = generate_plans(parse_meshes(args.mesh or []))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model = hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype]))
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
@@ -82,6 +89,7 @@ def _generate(args) -> int:
         stop=args.stop,
         cache_dtype=cache_dtype_for(model, KV_CACHE[args.kv_cache]),
         options=run_options(),
+        **plans,
     )
     try:
         if args.stats:  # the timed run is the second of two identical ones: the first compiles
@@ -100,42 +108,6 @@ def _generate(args) -> int:
     if args.stats:
         print(json.dumps({**out.stats, "warmup_s": warmup_s}, indent=1), file=sys.stderr)
     return 0
-
-
-def parse_meshes(specs: list[str], need_decode: bool = True) -> dict[str, dict[str, int]]:
-    """["prefill:tp=4,ep=2", "decode:dp=4,ep=4"] -> {"prefill": {"tp": 4, "ep": 2}, "decode": {...}}."""
-    plans: dict[str, dict[str, int]] = {}
-    for spec in specs:
-        name, _, sizes = spec.partition(":")
-        if name not in ("prefill", "decode") or not sizes:
-            raise ValueError(f"bad --mesh {spec!r}: expected prefill:tp=N,ep=M or decode:dp=N,ep=N")
-        try:
-            plans[name] = {k: int(v) for k, v in (kv.split("=") for kv in sizes.split(","))}
-        except ValueError:
-            raise ValueError(f"bad --mesh {spec!r}: sizes are name=integer pairs") from None
-        allowed = {"prefill": {"tp", "ep"}, "decode": {"dp", "ep"}}[name]
-        if set(plans[name]) - allowed:
-            raise ValueError(f"bad --mesh {spec!r}: {name} takes {sorted(allowed)}")
-    if need_decode and plans and "decode" not in plans:
-        raise ValueError("--mesh needs a decode plan (decode:dp=N,ep=N)")
-    return plans
-
-
-def _generate_planned(model, prompts, plans, args, sampling):
-    from sharding.generate import generate_planned
-    from sharding.plans import decode_plan, prefill_plan
-
-    pre = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
-    return generate_planned(
-        model,
-        prompts,
-        decode_plan(**plans["decode"]),
-        pre,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        seed=args.seed,
-        options=run_options(),
-    )
 
 
 def _serve(args) -> int:

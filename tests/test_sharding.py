@@ -93,8 +93,10 @@ def test_generation_under_the_plans_matches_single_device(prefill, decode, copie
     assert got.stats["mock_rows"] == -len(prompts) % decode
 
 
-def test_cli_runs_under_plans(capsys):
+def test_cli_runs_under_plans(capsys, monkeypatch):
+    import hcfjax
     from hcfjax import cli
+    from hcfjax.serving.config import parse_meshes
 
     args = [
         "generate",
@@ -115,13 +117,18 @@ def test_cli_runs_under_plans(capsys):
         cli.main(args[:1] + ["--mesh"])  # argparse: missing value
     assert cli.main(args) == 2  # a string prompt needs a tokenizer, which this fixture lacks
     assert "tokenizer" in capsys.readouterr().err
-    assert cli.parse_meshes(["prefill:tp=4,ep=2", "decode:dp=4,ep=4"]) == {
+    seen = {}
+    fake = lambda *a, **kw: seen.update(kw) or hcfjax.GenerationResult([[1]], None, {})  # noqa: E731
+    monkeypatch.setattr(hcfjax, "generate", fake)
+    assert cli.main(args) == 0  # the plans reach hcfjax.generate
+    assert (seen["decode_plan"].ranks, dict(seen["prefill_plan"].mesh.shape)) == (4, {"tp": 2, "ep": 2})
+    assert parse_meshes(["prefill:tp=4,ep=2", "decode:dp=4,ep=4"]) == {
         "prefill": {"tp": 4, "ep": 2},
         "decode": {"dp": 4, "ep": 4},
     }
     for bad in (["decode:dp=x"], ["prefill:tp=2"], ["decode:tp=2"], ["middle:dp=2"]):
         with pytest.raises(ValueError):
-            cli.parse_meshes(bad)
+            parse_meshes(bad)
 
 
 def test_routing_through_eplb_replicas_gives_the_same_outputs():

@@ -217,3 +217,32 @@ def prefill_flags(config: PrefillConfig) -> list[str]:
         "kv-cache": _kv_cache_flag(config.cache_dtype),
     }
     return _flags(named | _speculative_flags(config.speculative))
+
+
+def parse_meshes(specs: list[str], need_decode: bool = True) -> dict[str, dict[str, int]]:
+    """["prefill:tp=4,ep=2", "decode:dp=4,ep=4"] -> {"prefill": {"tp": 4, "ep": 2}, "decode": {...}}."""
+    plans: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        name, _, sizes = spec.partition(":")
+        if name not in ("prefill", "decode") or not sizes:
+            raise ValueError(f"bad --mesh {spec!r}: expected prefill:tp=N,ep=M or decode:dp=N,ep=N")
+        try:
+            plans[name] = {k: int(v) for k, v in (kv.split("=") for kv in sizes.split(","))}
+        except ValueError:
+            raise ValueError(f"bad --mesh {spec!r}: sizes are name=integer pairs") from None
+        allowed = {"prefill": {"tp", "ep"}, "decode": {"dp", "ep"}}[name]
+        if set(plans[name]) - allowed:
+            raise ValueError(f"bad --mesh {spec!r}: {name} takes {sorted(allowed)}")
+    if need_decode and plans and "decode" not in plans:
+        raise ValueError("--mesh needs a decode plan (decode:dp=N,ep=N)")
+    return plans
+
+
+def generate_plans(meshes: dict[str, dict[str, int]]) -> dict:
+    """parse_meshes' result -> hcfjax.generate's decode_plan= / prefill_plan= (none without --mesh)."""
+    if not meshes:
+        return {}
+    from sharding.plans import decode_plan, prefill_plan
+
+    pre = prefill_plan(**meshes["prefill"]) if "prefill" in meshes else None
+    return {"decode_plan": decode_plan(**meshes["decode"]), "prefill_plan": pre}
