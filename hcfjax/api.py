@@ -5,12 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
 from tokenizers import Tokenizer
 
-from hcfjax.checkpoint import load_params, save_params
+from hcfjax.checkpoint import (
+    CheckpointError,
+    checkpoint_dtype,
+    checkpoint_headers,
+    load_params,
+    mtp_present,
+    save_params,
+)
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model
 
@@ -21,15 +29,39 @@ DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool = True) -> Model:
+def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
-    `mtp=False` skips the MTP layers."""
+
+    dtype: the model's dtype (a jnp dtype or its name), or "auto" for the checkpoint's own (config.json's
+    torch_dtype, else its stored embedding's).
+    mtp: None loads the MTP layers where the checkpoint has them, and warns where config.json names MTP layers that
+    the checkpoint lacks (transformers never saves them); True requires them; False skips them. The returned
+    config counts only the MTP layers loaded.
+    """
     path = Path(DEFAULT_MODEL if path is None else path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
-    params = load_params(path, cfg, dtype=dtype, mtp=mtp)
+    headers = checkpoint_headers(path)
+    if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):
+        if mtp:
+            raise CheckpointError(
+                f"checkpoint {path} has no MTP layer tensors (config.json says num_nextn_predict_layers="
+                f"{cfg.num_mtp_layers}); mtp=True requires them"
+            )
+        warnings.warn(
+            f"checkpoint {path} has no MTP layer tensors though config.json says num_nextn_predict_layers="
+            f"{cfg.num_mtp_layers}: loading the main model alone (speculative decoding needs MTP layers)",
+            stacklevel=2,
+        )
+        cfg = _without_mtp(cfg)
+    if mtp is False:
+        cfg = _without_mtp(cfg)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = checkpoint_dtype(path, headers)
+    # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
+    params = load_params(path, cfg, dtype=jnp.dtype(dtype), mtp=mtp is not False)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
     return Model(cfg, params, tokenizer, str(path))

@@ -222,6 +222,60 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_headers(path: Path) -> dict[str, dict]:
+    """name -> safetensors header entry (dtype, shape) of every tensor in the checkpoint, read from file headers."""
+    out = {}
+    for file in checkpoint_files(path):
+        header, _ = _read_header(file)
+        out.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def mtp_names(cfg: ModelConfig) -> list[str]:
+    """Checkpoint names of the MTP layers' tensors, in name-table order."""
+    main = {s.name for s in tensor_specs(cfg, mtp=False)}
+    return [s.name for s in tensor_specs(cfg, mtp=True) if s.name not in main]
+
+
+def mtp_present(cfg: ModelConfig, names, where: Path) -> bool:
+    """Whether a checkpoint holding `names` has its MTP layers: all of them (True) or none (False). Transformers
+    writes `num_nextn_predict_layers` but never saves the MTP layer, and re-uploads often drop it; a partly present
+    MTP layer is a broken checkpoint, named."""
+    want = mtp_names(cfg)
+    missing = [n for n in want if n not in names]
+    if len(missing) == len(want):
+        return False
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(
+            f"checkpoint {where} has part of its MTP layers: lacks {', '.join(repr(n) for n in missing[:3])}{more}"
+        )
+    return True
+
+
+# Model dtypes `dtype="auto"` may pick: config.json's torch_dtype names, and safetensors' names for them.
+AUTO_DTYPES = ("bfloat16", "float16", "float32")
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def checkpoint_dtype(path: Path, headers: dict[str, dict]) -> jnp.dtype:
+    """The checkpoint's own dtype: config.json's `torch_dtype` (`dtype` in newer transformers), else the
+    embedding's stored dtype (fp8 checkpoints keep it in bf16)."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("torch_dtype") or config.get("dtype")
+    source = "config.json's torch_dtype"
+    if name is None:
+        embed = headers.get("model.embed_tokens.weight", {})
+        name = _SAFETENSORS_DTYPES.get(embed.get("dtype"), embed.get("dtype"))
+        source = "its model.embed_tokens.weight"
+    name = str(name).removeprefix("torch.")
+    if name not in AUTO_DTYPES:
+        raise CheckpointError(
+            f'dtype="auto": checkpoint {path} has dtype {name!r} ({source}), not one of {AUTO_DTYPES}'
+        )
+    return jnp.dtype(name)
+
+
 def _read_header(file: Path) -> tuple[dict, int]:
     with open(file, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))

@@ -1,7 +1,7 @@
 """The `hcfjax` command line.
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32] [--kv-cache auto|bf16|int8]
+                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32|auto] [--kv-cache auto|bf16|int8]
 hcfjax serve [--model PATH | --preset NAME] [--scheme S] [--host 127.0.0.1] [--port P] [--http-port H]
              [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
@@ -78,7 +78,7 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = hcfjax.load(path, dtype=getattr(jnp, DTYPES[args.dtype]))
+    model = hcfjax.load(path, dtype="auto" if args.dtype == "auto" else getattr(jnp, DTYPES[args.dtype]))
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="a string that ends a prompt's generation (repeatable)")
-    g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    g.add_argument(
+        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
+    )
     g.add_argument(
         "--kv-cache",
         default="auto",

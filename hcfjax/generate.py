@@ -132,7 +132,10 @@ def generate(
     for sp in per_req:
         check_sampling(sp, cfg.vocab_size)
     if speculative is not None and not model.params.get("mtp"):
-        raise ValueError("speculative decoding needs MTP layers, and this model has none (loaded with mtp=False?)")
+        raise ValueError(
+            "speculative decoding needs MTP layers, and this model has none (its checkpoint lacks them, or it was"
+            " loaded with mtp=False)"
+        )
     k = speculative.num_draft_tokens if speculative else 0
     n_layers = cfg.num_hidden_layers + (len(model.params["mtp"]) if speculative else 0)
 

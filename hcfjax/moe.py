@@ -45,11 +45,18 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
         keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
 
-    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    k = cfg.num_experts_per_tok
+    _, ids = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+    normalise = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    if cfg.model_type == "deepseek_v2":
+        # DeepSeek-V2's gate normalises the top-k weights or scales them, never both (transformers' V2 router
+        # ignores norm_topk_prob and always scales).
+        weights = normalise if k > 1 and cfg.norm_topk_prob else weights * cfg.routed_scaling_factor
+    else:
+        # DeepSeek-V3's gate (and transformers'): normalised when asked, then always scaled.
+        weights = (normalise if cfg.norm_topk_prob else weights) * cfg.routed_scaling_factor
+    return weights, ids.astype(jnp.int32)
 
 
 def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT) -> jax.Array:

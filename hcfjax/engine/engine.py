@@ -136,7 +136,10 @@ class Engine:
         self.door = FrontDoor(self.cfg, model.tokenizer, self.max_model_len)
         spec = c.speculative
         if spec is not None and not model.params.get("mtp"):
-            raise ValueError("speculative decoding needs MTP layers, and this model has none")
+            raise ValueError(
+                "speculative decoding needs MTP layers, and this model has none (its checkpoint lacks them, or it was"
+                " loaded with mtp=False)"
+            )
         k = spec.num_draft_tokens if spec else 0
         # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
         max_pages = math.ceil((self.max_model_len + 2 * (2 * k + 1)) / c.page_size)
