@@ -34,6 +34,7 @@ from hcfjax.serving.config import (
     SCHEMES,
     engine_config,
     generate_plans,
+    load_dtype,
     parse_meshes,
     prefill_config,
     random_label,
@@ -59,7 +60,6 @@ REQUEST_LIMITS = (
 
 
 def _generate(args) -> int:
-    import jax.numpy as jnp
 
     import hcfjax
     from hcfjax.quantize import cache_dtype_for
@@ -78,7 +78,7 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = hcfjax.load(path, dtype="auto" if args.dtype == "auto" else getattr(jnp, DTYPES[args.dtype]))
+    model = hcfjax.load(path, dtype=load_dtype(args.dtype))
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
@@ -351,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(KV_CACHE),
         help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
     )
-    s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    s.add_argument(
+        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
+    )
     s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
     s.add_argument(
         "--min-prefill-bucket",

@@ -46,17 +46,24 @@ def load_model(
     if preset:
         from hcfjax.random_model import preset_config, random_model
 
-        model = random_model(preset_config(preset), seed=0, dtype=getattr(jnp, DTYPES[dtype]))
+        model = random_model(preset_config(preset), seed=0, dtype=getattr(jnp, DTYPES.get(dtype, "bfloat16")))
     else:
         where = Path(path or hcfjax.DEFAULT_MODEL)
         if not (where / "config.json").is_file():
             raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
-        model = hcfjax.load(where, dtype=getattr(jnp, DTYPES[dtype]))
+        model = hcfjax.load(where, dtype=load_dtype(dtype))
     if scheme is not None:
         from hcfjax.quantize import quantize_model
 
         model = quantize_model(model, scheme)
     return model
+
+
+def load_dtype(name: str):
+    """--dtype NAME -> hcfjax.load's dtype: "auto" (the checkpoint's) or a jnp dtype."""
+    import jax.numpy as jnp
+
+    return "auto" if name == "auto" else getattr(jnp, DTYPES[name])
 
 
 def served_model(args: argparse.Namespace) -> Model:
