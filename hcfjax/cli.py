@@ -8,7 +8,7 @@ hcfjax serve [--model PATH | --preset NAME] [--scheme S] [--host 127.0.0.1] [--p
              down gracefully; --preset: random weights of a real shape, labelled random wherever the server names
              its model; --scheme: quantised in memory)
 hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill ADDR] [--decode ADDR] [...]
-             (prefill/decode disaggregation, hcfjax/pd/: one process per role)
+             (prefill/decode disaggregation, hcfjax/pd/: one process per role; the router takes --http-port too)
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S] [--stop TEXT]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)

@@ -443,3 +443,33 @@ def test_serve_needs_a_port(capsys):
     assert "--http-port" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["serve", "--http-port", "0"])
     assert (args.http_port, args.port) == (0, None)
+
+
+def test_the_same_api_over_a_generation_service(served, ref):
+    """hcfjax.serving.remote (what `--role router --http-port` serves through): HTTP over the gRPC Generation service
+    of the same engine gives the same greedy text, refuses as the engine does (param and code), and a client that
+    disconnects mid-stream has its request cancelled upstream, which frees its pages."""
+    from hcfjax.serving.remote import RemoteEngine, load_front
+    from hcfjax.serving.server import Server
+
+    server, _ = served
+    grpc_server = Server(server.engine).start()
+    remote = RemoteEngine(f"127.0.0.1:{grpc_server.port}", load_front(), MAX_LEN)
+    http = HTTPServer(remote).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="none", max_retries=0, timeout=120)
+    try:
+        r = client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        assert r.choices[0].text == ref.text[0] and r.usage.completion_tokens == len(ref.tokens[0])
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=MAX_LEN)
+        assert (bad.value.code, bad.value.param) == ("context_length_exceeded", "max_tokens")
+        stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
+        chunks = iter(stream)
+        next(chunks), next(chunks)  # decoding now
+        assert server.engine.snapshot()["free_pages"] < server.engine.snapshot()["total_pages"]
+        stream.close()
+        assert_idle(server.engine, timeout=5)
+    finally:
+        client.close()
+        http.shutdown()
+        grpc_server.shutdown(stop_engine=False)

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: a prefill worker (prefill plan) and a decode worker (decode plan) give the same
 tokens as the colocated engine, with the cache sent whole or layer by layer over every transport; as separate
-processes behind the router too, where a decode worker killed mid-stream gives its client UNAVAILABLE and leaves
-no pages held on the prefill side."""
+processes behind the router too (over gRPC and its OpenAI HTTP API), where a decode worker killed mid-stream gives
+its client UNAVAILABLE and leaves no pages held on the prefill side."""
 
 import os
 import re
@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import jax
 import jax.numpy as jnp
+import openai
 import pytest
 
 import hcfjax
@@ -154,9 +155,9 @@ def test_pd_speculative_decoding_across_the_split(model, colocated):
 # -- separate processes behind the router ----------------------------------------------------------------------------
 
 
-def start(args: list[str], name: str, env, until: str = "listening on") -> tuple[subprocess.Popen, str]:
-    """Starts `hcfjax serve` with args; returns it and its address once a line holds `until` (the router's
-    "ready" line comes after its "listening on" line)."""
+def start(args: list[str], name: str, env, until: str = "listening on") -> tuple[subprocess.Popen, str, str]:
+    """Starts `hcfjax serve` with args; returns it, its address and what it printed once a line holds `until` (the
+    router's "ready" line comes after its "listening on" line)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", *args],
         stdout=subprocess.PIPE,
@@ -175,7 +176,7 @@ def start(args: list[str], name: str, env, until: str = "listening on") -> tuple
         address = m.group(1) if m else address
         if address and until in line:
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
-            return proc, address
+            return proc, address, "".join(lines)
     proc.kill()
     raise RuntimeError(f"{name} did not start:\n{''.join(lines)}")
 
@@ -205,22 +206,24 @@ def prefill_info(addr: str):
 def test_pd_processes_behind_the_router(model, colocated, tmp_path):
     """Router + prefill (TP=2 on 2 fake devices) + decode (DP=2 x EP=2) as processes over the socket transport:
     concurrent requests give the colocated tokens, and every process marked each request's way in order
-    (hcfjax.trace, what bench.sim_validate's PD breakdown reads); a bounded soak loses none; then the decode worker
-    is killed mid-stream: its client gets UNAVAILABLE within the timeout and the prefill worker holds no pages; a
-    decode worker restarted on the same address rejoins."""
+    (hcfjax.trace, what bench.sim_validate's PD breakdown reads); a bounded soak loses none; the router's OpenAI
+    HTTP API (--http-port) gives the colocated text and errors; then the decode worker is killed mid-stream: its
+    client gets UNAVAILABLE within the timeout and the prefill worker holds no pages (an HTTP client then gets 503);
+    a decode worker restarted on the same address rejoins."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "HCFJAX_TRACE_DIR": str(tmp_path)}
     common = ["--dtype", "float32", "--cpu-devices", "2", "--page-size", "16", "--no-warmup"]
     procs = []
     try:
-        pre, pre_addr = start(
+        pre, pre_addr, _ = start(
             ["--role", "prefill", "--mesh", "prefill:tp=2", "--layerwise-threshold", "64", *common], "prefill", env
         )
         procs.append(pre)
         decode_args = ["--role", "decode", "--mesh", "decode:dp=2", "--max-slots", "4", *common]
-        dec, dec_addr = start(decode_args, "decode", env)
+        dec, dec_addr, _ = start(decode_args, "decode", env)
         procs.append(dec)
-        router, addr = start(
-            ["--role", "router", "--prefill", pre_addr, "--decode", dec_addr, "--request-timeout", "60"],
+        router, addr, said = start(
+            ["--role", "router", "--prefill", pre_addr, "--decode", dec_addr, "--request-timeout", "60"]
+            + ["--http-port", "0"],
             "router",
             env,
             until=": ready",
@@ -246,6 +249,20 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
             lens = list(pool.map(lambda a: len(stream(addr, *a)), soak))
         assert all(0 < n <= m for n, (_, m) in zip(lens, soak, strict=True)), lens
 
+        # the OpenAI API through the router (--http-port): the colocated server's greedy text (test_http shows it is
+        # hcfjax.generate's), streamed or not; a request the front door refuses is the colocated server's 400
+        url = re.search(r"HTTP on (http://\S+/v1)", said).group(1)
+        web = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        ref = hcfjax.generate(model, PROMPTS[:2], max_new_tokens=N)
+        assert ref.tokens == colocated[:2]
+        whole = web.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        assert whole.choices[0].text == ref.text[0] and whole.usage.completion_tokens == len(colocated[0])
+        chunks = web.completions.create(model="stdlib-v3", prompt=PROMPTS[1], max_tokens=N, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == ref.text[1]
+        with pytest.raises(openai.BadRequestError) as bad:
+            web.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=10**6)
+        assert (bad.value.code, bad.value.param) == ("context_length_exceeded", "max_tokens")
+
         # kill the decode worker while a long generation streams
         started = threading.Event()
         fut = ThreadPoolExecutor(1).submit(stream, addr, PROMPTS[2], 400, 60, started.set)
@@ -264,9 +281,12 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
             time.sleep(1.5)
             stream(addr, PROMPTS[0], 4, timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(openai.APIStatusError) as down:  # over HTTP too: 503
+            web.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=4)
+        assert down.value.status_code == 503, down.value
 
         # a decode worker restarted on the same address rejoins (the router's health checks see it)
-        dec2, _ = start([*decode_args, "--port", dec_addr.rsplit(":", 1)[1]], "decode", env)
+        dec2, _, _ = start([*decode_args, "--port", dec_addr.rsplit(":", 1)[1]], "decode", env)
         procs.append(dec2)
         deadline = time.monotonic() + 30
         while True:

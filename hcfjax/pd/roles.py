@@ -2,11 +2,13 @@
 
     hcfjax serve --role prefill --port 0 --transport socket --mesh prefill:tp=2 --cpu-devices 2
     hcfjax serve --role decode  --port 0 --transport socket --mesh decode:dp=2 --cpu-devices 2 --max-slots 4
-    hcfjax serve --role router  --port 50051 --prefill HOST:PORT --decode HOST:PORT
+    hcfjax serve --role router  --port 50051 --prefill HOST:PORT --decode HOST:PORT [--http-port 8000]
 
 Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks a free port); the router then
 prints `hcfjax serve: ready (...)` once a prefill and a decode worker answer its health checks (its health says
-NOT_SERVING until then, and again while either role has no worker up).
+NOT_SERVING until then, and again while either role has no worker up). With --http-port the router serves the
+OpenAI-compatible HTTP API too (hcfjax.serving.http over hcfjax.serving.remote: its requests go through the router's
+gRPC service), checked against --model/--preset's config and tokenizer and --max-model-len, as the workers' are.
 """
 
 from __future__ import annotations
@@ -76,15 +78,52 @@ def run_router(args, announce) -> None:
         raise ValueError("the router needs --prefill ADDR and --decode ADDR (each repeatable)")
     from hcfjax.serving.startup import ready_line
 
+    start_http = router_http(args, announce) if args.http_port is not None else None
+    http, where = None, []
+
     def on_ready(ready: bool, address: str) -> None:
         if ready:
-            announce(ready_line(None, [f"router {address}"]))
+            announce(ready_line(None, [f"router {address}", *where]))
         else:
             announce("hcfjax serve: router not ready: waiting for a prefill and a decode worker to answer")
 
     router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
+    # without --port the gRPC service listens on loopback only, for the HTTP front end
+    host, port = (args.host, args.port) if args.port is not None else ("127.0.0.1", 0)
     with until_signal(announce):
-        server = RouterServer(router, args.host, args.port, on_ready=on_ready, api_key=args.api_key)
+        server = RouterServer(router, host, port, on_ready=on_ready, api_key=args.api_key)
         announce(f"hcfjax serve: router listening on {server.address}")
+        if start_http is not None:
+            http = start_http(server)
+            where.append(f"HTTP http://{args.host}:{http.port}/v1")
         server.start()
+    if http is not None:
+        http.shutdown(args.grace)
     server.stop(args.grace)
+
+
+def router_http(args, announce):
+    """--http-port: the OpenAI API through the router (hcfjax.serving.remote), checked against --model/--preset's
+    config and tokenizer (no weights) and --max-model-len, which should be the decode workers'. Loaded before the
+    router listens; returns a function that starts the HTTP server over a RouterServer."""
+    from hcfjax.serving.chat_template import ChatTemplate
+    from hcfjax.serving.config import served_model_name
+    from hcfjax.serving.http import HTTPServer
+    from hcfjax.serving.remote import RemoteEngine, load_front
+
+    front = load_front(args.model, args.preset)
+    template = ChatTemplate.for_checkpoint(front.path, args.chat_template)
+
+    def start(server):
+        dial = "127.0.0.1" if server.address.rsplit(":", 1)[0] in ("0.0.0.0", "[::]", "::") else None
+        address = f"{dial}:{server.port}" if dial else server.address
+        engine = RemoteEngine(address, front, args.max_model_len or 4096, api_key=args.api_key,
+                              timeout_s=args.request_timeout + 10)  # fmt: skip
+        http = HTTPServer(engine, args.host, args.http_port, model_name=served_model_name(args),
+                          chat_template=template, api_key=args.api_key, max_body_bytes=args.max_body_bytes)  # fmt: skip
+        http.start()
+        announce(f"hcfjax serve: OpenAI-compatible HTTP on http://{args.host}:{http.port}/v1 "
+                 f"(model {http.service.model_name!r}, through the router)")  # fmt: skip
+        return http
+
+    return start
