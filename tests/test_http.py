@@ -423,28 +423,6 @@ def test_chat_template_from_the_checkpoint(tmp_path):
     assert rendered == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
 
 
-def test_shutdown_ends_open_streams(served):
-    """Last: shuts the module's server down while a stream is open."""
-    server, client = served
-    stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
-    chunks = iter(stream)
-    next(chunks)
-    server.shutdown()
-    with pytest.raises(openai.APIError, match="shutting down"):
-        for _ in chunks:
-            pass
-    assert_idle(server.engine, timeout=0)
-
-
-def test_serve_needs_a_port(capsys):
-    from hcfjax import cli
-
-    assert cli.main(["serve"]) == 2
-    assert "--http-port" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["serve", "--http-port", "0"])
-    assert (args.http_port, args.port) == (0, None)
-
-
 def test_the_same_api_over_a_generation_service(served, ref):
     """hcfjax.serving.remote (what `--role router --http-port` serves through): HTTP over the gRPC Generation service
     of the same engine gives the same greedy text, refuses as the engine does (param and code), and a client that
@@ -473,3 +451,25 @@ def test_the_same_api_over_a_generation_service(served, ref):
         client.close()
         http.shutdown()
         grpc_server.shutdown(stop_engine=False)
+
+
+def test_shutdown_ends_open_streams(served):
+    """Last: shuts the module's server down while a stream is open."""
+    server, client = served
+    stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
+    chunks = iter(stream)
+    next(chunks)
+    server.shutdown()
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in chunks:
+            pass
+    assert_idle(server.engine, timeout=0)
+
+
+def test_serve_needs_a_port(capsys):
+    from hcfjax import cli
+
+    assert cli.main(["serve"]) == 2
+    assert "--http-port" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--http-port", "0"])
+    assert (args.http_port, args.port) == (0, None)

@@ -22,7 +22,7 @@ def test_shapes_stay_few_and_within_the_budget():
     assert (1, 1024) in spec.all() and (2, 256) not in spec.all()  # whole prompts: long ones alone, up to max_len
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     budget=st.integers(8, 600),
     max_rows=st.integers(1, 6),
@@ -43,7 +43,7 @@ def test_every_plan_pads_to_a_compiled_shape(budget, max_rows, min_bucket, whole
     reqs = [Request(f"r{i}", [1] * n, SamplingParams(), 4, frozenset(), 0, 0.0) for i, n in enumerate(prompts)]
     for r in reqs:
         s.add(r)
-    for step in range(400):
+    for step in range(2 * sum(prompts) + 100):  # a step prefills at least one token while any is left
         plan = s.schedule(now=float(step))
         if plan.chunks:
             rows, tokens = shapes.rows(len(plan.chunks)), shapes.tokens(max(c.n for c in plan.chunks))
