@@ -12,10 +12,15 @@ request message is parsed); health and reflection stay open. Keys are compared i
 gRPC's own maximum_concurrent_rpcs refuses a call after the interceptors have run and tells nobody, so a refusal
 could not be counted; ConcurrencyLimit refuses Generation calls at the limit itself (and says so), reading how many
 calls hold a thread from a CountingPool, and leaves gRPC's limit a few calls higher as a backstop.
+
+A request message that does not parse (a string field that is not UTF-8, a broken wire format) would end in gRPC's
+own INTERNAL "Exception deserializing request!"; add_generation_service parses it itself and answers
+INVALID_ARGUMENT, as for any other bad input.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import threading
@@ -23,6 +28,9 @@ from concurrent import futures
 
 import grpc
 from fastapi.exceptions import HTTPException
+from google.protobuf.message import DecodeError
+
+from hcfjax.serving import hcfjax_pb2 as pb
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB, gRPC's own default for a received message
 OPEN_PATHS = frozenset({"/health"})  # served without the key (load balancers' probes)
@@ -163,3 +171,56 @@ def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=handler.response_serializer)
     return grpc.stream_stream_rpc_method_handler(refuse, response_serializer=handler.response_serializer)
+
+
+class Unparsable:
+    """A request message that did not parse, with the parser's error."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def parse_or_keep_error(message_type):
+    """A request deserializer that returns Unparsable for bytes that are not a `message_type` (gRPC's own would end
+    the call with INTERNAL)."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return Unparsable(str(e))
+
+    return parse
+
+
+def refusing_unparsable(method, on_refusal):
+    """A servicer method that ends the call with INVALID_ARGUMENT when its request did not parse."""
+
+    @functools.wraps(method)
+    def handle(request, context):
+        if isinstance(request, Unparsable):
+            on_refusal(grpc.StatusCode.INVALID_ARGUMENT.name)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+        return method(request, context)
+
+    return handle
+
+
+def add_generation_service(servicer, server: grpc.Server, on_refusal=lambda code: None) -> None:
+    """pb_grpc.add_GenerationServicer_to_server, with request messages that do not parse refused as
+    INVALID_ARGUMENT (on_refusal is told of each)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            refusing_unparsable(servicer.Generate, on_refusal),
+            request_deserializer=parse_or_keep_error(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            refusing_unparsable(servicer.Tokenize, on_refusal),
+            request_deserializer=parse_or_keep_error(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

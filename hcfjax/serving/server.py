@@ -29,7 +29,13 @@ from hcfjax.frontdoor import sampling_params
 from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
-from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, ApiKeyInterceptor, ConcurrencyLimit, CountingPool
+from hcfjax.serving.guards import (
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyInterceptor,
+    ConcurrencyLimit,
+    CountingPool,
+    add_generation_service,
+)
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.startup import ready_line, warm_up
 
@@ -177,7 +183,7 @@ class Server:
             options=[("grpc.max_receive_message_length", max_body_bytes)],
             maximum_concurrent_rpcs=workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, metrics), self._server)
+        add_generation_service(GenerationService(engine, metrics), self._server, self._count_refusal)
         # Non-blocking Watch streams, so health watchers do not hold the pool's threads.
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
