@@ -426,16 +426,24 @@ def test_chat_template_from_the_checkpoint(tmp_path):
 def test_the_same_api_over_a_generation_service(served, ref):
     """hcfjax.serving.remote (what `--role router --http-port` serves through): HTTP over the gRPC Generation service
     of the same engine gives the same greedy text, refuses as the engine does (param and code), and a client that
-    disconnects mid-stream has its request cancelled upstream, which frees its pages."""
+    disconnects mid-stream has its request cancelled upstream, which frees its pages. /health follows the upstream's
+    readiness (a router's: some prefill and some decode worker up)."""
     from hcfjax.serving.remote import RemoteEngine, load_front
     from hcfjax.serving.server import Server
 
     server, _ = served
     grpc_server = Server(server.engine).start()
-    remote = RemoteEngine(f"127.0.0.1:{grpc_server.port}", load_front(), MAX_LEN)
+    upstream_ready = [False]
+    remote = RemoteEngine(f"127.0.0.1:{grpc_server.port}", load_front(), MAX_LEN, ready=lambda: upstream_ready[0])
     http = HTTPServer(remote).start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="none", max_retries=0, timeout=120)
     try:
+        with pytest.raises(urllib.error.HTTPError) as down:
+            urllib.request.urlopen(f"http://127.0.0.1:{http.port}/health", timeout=10)
+        assert (down.value.code, json.loads(down.value.read())) == (503, {"status": "not_ready"})
+        upstream_ready[0] = True
+        with urllib.request.urlopen(f"http://127.0.0.1:{http.port}/health", timeout=10) as up:
+            assert up.status == 200
         r = client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
         assert r.choices[0].text == ref.text[0] and r.usage.completion_tokens == len(ref.tokens[0])
         with pytest.raises(openai.BadRequestError) as bad:

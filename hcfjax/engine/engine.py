@@ -265,6 +265,10 @@ class Engine:
             if out.finish is not None:
                 return
 
+    def ready(self) -> bool:
+        """Whether requests are served: the loop runs and the engine is not shutting down."""
+        return self._thread is not None and not self._stopping
+
     def snapshot(self) -> dict:
         s = self.scheduler
         free = sum(a.num_free for a in s.alloc)

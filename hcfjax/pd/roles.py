@@ -118,7 +118,7 @@ def router_http(args, announce):
         dial = "127.0.0.1" if server.address.rsplit(":", 1)[0] in ("0.0.0.0", "[::]", "::") else None
         address = f"{dial}:{server.port}" if dial else server.address
         engine = RemoteEngine(address, front, args.max_model_len or 4096, api_key=args.api_key,
-                              timeout_s=args.request_timeout + 10)  # fmt: skip
+                              timeout_s=args.request_timeout + 10, ready=server.router.ready)  # fmt: skip
         http = HTTPServer(engine, args.host, args.http_port, model_name=served_model_name(args),
                           chat_template=template, api_key=args.api_key, max_body_bytes=args.max_body_bytes)  # fmt: skip
         http.start()

@@ -34,7 +34,7 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from hcfjax.serving.guards import ApiKeyInterceptor
+from hcfjax.serving.guards import ApiKeyInterceptor, add_generation_service
 from hcfjax.serving.server import SERVICE_NAME
 
 log = logging.getLogger("hcfjax.pd")
@@ -265,7 +265,7 @@ class RouterServer:
             interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else [],
             maximum_concurrent_rpcs=max_workers,
         )
-        pb_grpc.add_GenerationServicer_to_server(router, self._server)
+        add_generation_service(router, self._server)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")

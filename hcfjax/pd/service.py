@@ -19,9 +19,9 @@ from hcfjax.pd.decode import RemotePrefill
 from hcfjax.pd.prefill import PrefillJob, PrefillWorker
 from hcfjax.pd.transport import TransferError
 from hcfjax.serving import hcfjax_pb2 as pb
-from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
+from hcfjax.serving.guards import add_generation_service
 from hcfjax.serving.server import GenerationService, sampling_of
 
 log = logging.getLogger("hcfjax.pd")
@@ -202,7 +202,7 @@ def decode_server(engine, remote: RemotePrefill, transport: str, host="127.0.0.1
     workers = c.dp * c.max_slots + c.max_queue + 8
 
     def register(server):
-        pb_grpc.add_GenerationServicer_to_server(svc, server)
+        add_generation_service(svc, server)
         pd_grpc.add_WorkerServicer_to_server(svc, server)
 
     return WorkerServer(register, host, port, max_workers=workers)

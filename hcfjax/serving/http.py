@@ -318,6 +318,8 @@ def create_app(service: OpenAIService, api_key: str | None = None, max_body_byte
     async def health():
         if service.stopping:
             return JSONResponse({"status": "shutting_down"}, 503)
+        if not service.engine.ready():  # e.g. a PD router with no prefill or no decode worker up
+            return JSONResponse({"status": "not_ready"}, 503)
         return {"status": "ok"}
 
     return HTTPGuard(app, api_key=api_key, max_body_bytes=max_body_bytes, on_refusal=service.count_refusal)

@@ -146,6 +146,7 @@ class RemoteEngine:
         api_key: str | None = None,
         timeout_s: float | None = None,
         limits: RemoteLimits = RemoteLimits(),
+        ready=lambda: True,
     ):
         self.model, self.cfg, self.config = front, front.cfg, limits
         self.max_model_len = min(front.cfg.max_position_embeddings, max_model_len)
@@ -156,6 +157,12 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._requests: dict[str, RemoteRequest] = {}
         self._stopping = False
+        self._ready = ready
+
+    def ready(self) -> bool:
+        """Whether a request can be served end to end (`ready`, e.g. the router's: some prefill and some decode
+        worker up)."""
+        return self._ready() and not self._stopping
 
     def start(self) -> None:
         """Nothing to start: each request's thread starts with it."""
