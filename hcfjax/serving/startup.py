@@ -67,7 +67,9 @@ class CompileProgress:
 def warm_up(engine, announce) -> float:
     """Compiles every step shape of `engine` with a progress display; -> seconds."""
     seconds = engine.warmup(progress=CompileProgress())
-    announce(f"hcfjax serve: {len(engine.runner.executables)} step shapes compiled in {seconds:.1f} s")
+    disk = engine.runner.disk
+    loaded = f" ({disk.hits} loaded from the step cache)" if disk is not None and disk.hits else ""
+    announce(f"hcfjax serve: {len(engine.runner.executables)} step shapes compiled in {seconds:.1f} s{loaded}")
     return seconds
 
 
