@@ -26,7 +26,7 @@ from tests import engine_helpers
 
 # one prefill row and one chunk bucket: three step shapes, all compiled before the soak starts
 CONFIG = EngineConfig(
-    max_slots=4, max_queue=16, max_model_len=256, token_budget=64, max_prefill_rows=1, min_prefill_bucket=64
+    max_slots=4, max_queue=8, max_model_len=256, token_budget=64, max_prefill_rows=1, min_prefill_bucket=64
 )
 REQUESTS = 300
 CLIENTS = 8  # threads sending at once
