@@ -24,7 +24,7 @@ from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.server import Server
 from tests import engine_helpers
 
-# one prefill row and one chunk bucket: three step shapes, all compiled before the soak starts
+# one prefill row and one chunk bucket: few step shapes, all compiled by the warm-up before the soak starts
 CONFIG = EngineConfig(
     max_slots=4, max_queue=8, max_model_len=256, token_budget=64, max_prefill_rows=1, min_prefill_bucket=64
 )
