@@ -150,35 +150,27 @@ def _serve_until_signal(args, started: float) -> int:
         return 2
     announce = announcer(random_label(args.preset, args.scheme))
     announce(f"hcfjax serve: {engine_summary(engine)}")
+    common = dict(
+        metrics_port=args.metrics_port,
+        grace=args.grace,
+        warmup=args.warmup,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        started=started,
+        announce=announce,
+    )
     try:
         if args.http_port is None:
-            serve(
-                engine,
-                args.host,
-                args.port,
-                metrics_port=args.metrics_port,
-                grace=args.grace,
-                warmup=args.warmup,
-                api_key=args.api_key,
-                max_body_bytes=args.max_body_bytes,
-                started=started,
-                announce=announce,
-            )
+            serve(engine, args.host, args.port, **common)
         else:
             serve_http(
                 engine,
                 args.host,
                 args.http_port,
                 args.port,
-                metrics_port=args.metrics_port,
-                grace=args.grace,
-                warmup=args.warmup,
                 model_name=served_model_name(args),
                 chat_template=template,
-                api_key=args.api_key,
-                max_body_bytes=args.max_body_bytes,
-                started=started,
-                announce=announce,
+                **common,
             )
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -266,6 +258,19 @@ def _client(args) -> int:
     return 0
 
 
+def _precision_flags(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --kv-cache, alike for `generate` and `serve`."""
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=sorted(KV_CACHE),
+        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -280,15 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="a string that ends a prompt's generation (repeatable)")
-    g.add_argument(
-        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
-    )
-    g.add_argument(
-        "--kv-cache",
-        default="auto",
-        choices=sorted(KV_CACHE),
-        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
-    )
+    _precision_flags(g)
     g.add_argument(
         "--stats",
         action="store_true",
@@ -345,15 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--balance", default="round_robin", choices=["round_robin", "fewest_requests", "least_pages"])
     s.add_argument("--speculative", type=int, default=0, metavar="K", help="K MTP draft tokens per step (0: off)")
     s.add_argument("--spec-method", default="exact", choices=["exact", "rejection", "typical", "tuned"])
-    s.add_argument(
-        "--kv-cache",
-        default="auto",
-        choices=sorted(KV_CACHE),
-        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
-    )
-    s.add_argument(
-        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
-    )
+    _precision_flags(s)
     s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
     s.add_argument(
         "--min-prefill-bucket",

@@ -51,7 +51,7 @@ def _time_shape(runner, shape: tuple[int, int] | None, reps: int) -> float:
     """Median seconds of one runner step of this prefill shape (None: decode alone), on inputs that write nothing."""
     import jax
 
-    pre, dec = runner.idle_inputs(shape)
+    pre, dec = (None if shape is None else runner.idle_prefill(shape)), runner.idle_decode()
     times = []
     for i in range(reps + 1):
         t0 = time.perf_counter()

@@ -229,9 +229,9 @@ class ModelRunner:
         """Compiles the decode step and, unless only decoding here (a PD decode worker), the prefill step of every
         shape in `shapes`, several at once. progress(done, total) is told as each compile ends. -> the number of
         programs."""
-        inputs = {None: (None, self.idle_inputs(None)[1])}
+        inputs = {None: (None, self.idle_decode())}
         for b, t in self.shapes.all() if prefill else []:
-            pre = self.idle_inputs((b, t))[0]
+            pre = self.idle_prefill((b, t))
             inputs[pre.tokens.shape] = (pre, None)
         todo = [k for k in inputs if k not in self.executables]
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
@@ -250,18 +250,18 @@ class ModelRunner:
         pool.shutdown()
         return len(inputs)
 
-    def idle_inputs(self, shape: tuple[int, int] | None) -> tuple[PrefillInputs | None, DecodeInputs]:
-        """Step inputs that write nothing: `shape` (rows per rank, tokens) prefill rows that end no prompt (None:
-        none) and inactive decode rows."""
-        pre = None
-        if shape is not None:
-            b, t = shape[0] * self.ranks, shape[1]
-            m, put = self.max_pages, self._put
-            z = lambda *dims: put(np.zeros(dims, np.int32))
-            sp = jax.tree.map(put, SamplingBatch.of([SamplingParams()] * b))
-            drop = put(np.full(b, self.slots_per_rank, np.int32))
-            pre = PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp, put(np.zeros(b, np.uint32)), z(b))
-        return pre, self._decode_inputs(StepPlan([], []))
+    def idle_prefill(self, shape: tuple[int, int]) -> PrefillInputs:
+        """A prefill part that writes nothing: `shape` (rows per rank, tokens) rows that end no prompt."""
+        b, t = shape[0] * self.ranks, shape[1]
+        m, put = self.max_pages, self._put
+        z = lambda *dims: put(np.zeros(dims, np.int32))
+        sp = jax.tree.map(put, SamplingBatch.of([SamplingParams()] * b))
+        drop = put(np.full(b, self.slots_per_rank, np.int32))
+        return PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp, put(np.zeros(b, np.uint32)), z(b))
+
+    def idle_decode(self) -> DecodeInputs:
+        """A decode part that writes nothing: every row inactive."""
+        return self._decode_inputs(StepPlan([], []))
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
