@@ -13,16 +13,21 @@ import jax
 
 
 @contextlib.contextmanager
-def hopper_arch():
-    """Within: Mosaic GPU lowers for sm_90 (H100/H200) whatever the host has."""
+def target_arch(arch: tuple[int, int]):
+    """Within: Mosaic GPU lowers for compute capability `arch` (major, minor) whatever the host has."""
     from jax.experimental.mosaic.gpu import utils
 
     saved = utils._infer_arch
-    utils._infer_arch = lambda: (9, 0)
+    utils._infer_arch = lambda: arch
     try:
         yield
     finally:
         utils._infer_arch = saved
+
+
+def hopper_arch():
+    """Within: Mosaic GPU lowers for sm_90 (H100/H200)."""
+    return target_arch((9, 0))
 
 
 def lower_for_hopper(fn, *args) -> str:

@@ -323,9 +323,8 @@ def _kernel(spec: KernelSpec, *refs):
     _v3(ctx, wg, dest != PADDING)
 
 
-def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=None):
-    """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
-    (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
+def _launch_kernel(spec: KernelSpec):
+    """The kernel of one launch, from its spec alone (lowering_cache may build it in another process)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     out_type = []
@@ -335,7 +334,7 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=Non
                 jax.ShapeDtypeStruct((rows, spec.t, spec.heads, spec.c), jnp.bfloat16),
                 jax.ShapeDtypeStruct((rows, spec.t, spec.heads), jnp.float32),
             ]
-    kern = lambda: plgpu.kernel(  # noqa: E731
+    return plgpu.kernel(
         functools.partial(_kernel, spec),
         out_type=tuple(out_type),
         scratch_types=smem_types(spec),
@@ -347,6 +346,14 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=Non
         compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params(spec.profile)),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # in profiles: "mla_decode_bf16_mosaic..."
     )
+
+
+def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=None):
+    """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
+    (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    kern = functools.partial(_launch_kernel, spec)
     args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
     if spec.interpret:
         # Enough simulated TMA engines for every copy the kernel keeps in flight.

@@ -110,6 +110,27 @@ def _check(x, q, scale, group_sizes, act):
         raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
 
 
+def _kernel(body_args, out_type, grid):
+    """The kernel of one launch, from static arguments only (lowering_cache may build it in another process)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    act, g, _, nw, _, _, t, _, xgroups, _ = body_args
+    a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
+    a_smem = plgpu.SMEM(
+        (a_tiles(t, g, nw), BN, KC), a_dtype, transforms=smem_transforms(KC, jnp.dtype(a_dtype).itemsize)
+    )
+    fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
+    return plgpu.kernel(
+        functools.partial(kernel_body, *body_args),
+        out_type=out_type,
+        grid=grid,
+        grid_names=("n", "m", "k"),
+        scratch_types=(*fixed, *([] if t.a_regs else [a_smem])),
+        **(dict(num_threads=t.wgs + 1, thread_name="wg") if t.wgs > 1 else {}),
+        kernel_name=f"moe_{'w4a8' if act == 'int8' else 'w4a16'}{'_gated' if nw == 2 else ''}",  # in profiles, ncu
+    )
+
+
 def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=False):
     """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16, or with quant_out
     (int8 [M, N], scales [N/128, M'] with M' >= M + HS_PAD)."""
@@ -134,10 +155,6 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         t = dataclasses.replace(t, a_regs=False, inline=False)
     check_tiling(t, act, n, k // g, g, nw, interpret, xgroups, quant_out)
     args = kernel_operands(x, weights, group_sizes, act, t.bm, x_q)
-    a_dtype = jnp.bfloat16 if act == "bf16" else jnp.int8
-    a_smem = plgpu.SMEM(
-        (a_tiles(t, g, nw), BN, KC), a_dtype, transforms=smem_transforms(KC, jnp.dtype(a_dtype).itemsize)
-    )
     rows = max(m, t.bm)
     out_type = (
         jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
@@ -149,18 +166,8 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
             jax.ShapeDtypeStruct((rows, n), jnp.int8),
             jax.ShapeDtypeStruct((n // QGROUP, _hs_rows(m)), jnp.float32),
         )
-    grid, names = (n // t.bn, num_blocks(m, e, t.bm), t.splits), ("n", "m", "k")
-    fixed = [plgpu.SMEM((t.bm,), jnp.float32), plgpu.Barrier()] if act == "int8" and not xgroups else []
     body_args = (act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out)
-    kern = lambda: plgpu.kernel(  # noqa: E731
-        functools.partial(kernel_body, *body_args),
-        out_type=out_type,
-        grid=grid,
-        grid_names=names,
-        scratch_types=(*fixed, *([] if t.a_regs else [a_smem])),
-        **(dict(num_threads=t.wgs + 1, thread_name="wg") if t.wgs > 1 else {}),
-        kernel_name=f"moe_{'w4a8' if act == 'int8' else 'w4a16'}{'_gated' if nw == 2 else ''}",  # in profiles, ncu
-    )
+    kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
             out = kern()(*args)

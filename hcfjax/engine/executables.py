@@ -66,6 +66,7 @@ class ExecutableCache:
 
         path = self.directory / f"{key}.step"
         if path.is_file():
+            _mosaic_gpu_runtime(devices)
             try:
                 payload, in_tree, out_tree = pickle.loads(path.read_bytes())
                 compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=list(devices))
@@ -83,3 +84,11 @@ class ExecutableCache:
         except Exception as e:  # noqa: BLE001 - an executable that cannot be stored is still used
             log.warning("could not store the compiled step: %s", e)
         return compiled
+
+
+def _mosaic_gpu_runtime(devices) -> None:
+    """Makes Mosaic GPU's runtime library findable before a step holding its kernels is loaded: importing Mosaic GPU
+    says where the library is, and a step loaded before that fails to resolve the kernels' host symbols (and is
+    compiled again)."""
+    if any(d.platform == "gpu" for d in devices):
+        import jax.experimental.mosaic.gpu  # noqa: F401

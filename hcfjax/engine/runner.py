@@ -13,6 +13,7 @@ engine.py).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,6 +34,7 @@ from hcfjax.options import DEFAULT, Options
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
 from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, jitted_step
+from pallas_kernels import lowering_cache
 
 log = logging.getLogger("hcfjax.engine")
 
@@ -233,21 +235,26 @@ class ModelRunner:
         for b, t in self.shapes.all() if prefill else []:
             pre = self.idle_prefill((b, t))
             inputs[pre.tokens.shape] = (pre, None)
-        todo = [k for k in inputs if k not in self.executables]
+        # the largest shapes first: their kernels take longest to lower and their programs to compile
+        todo = sorted((k for k in inputs if k not in self.executables), key=lambda k: -np.prod(k or (1 << 30,)))
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
-        try:
-            futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
-            if progress is not None:
-                progress(0, len(todo))
-            for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                self.executables[futures[done]] = done.result()
+        on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
+        # kernels lowered in processes of their own, so the shapes' traces do not take turns lowering them
+        lowering = lowering_cache.lowering_processes(workers) if on_gpu else contextlib.nullcontext()
+        with lowering:
+            try:
+                futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
                 if progress is not None:
-                    progress(i + 1, len(todo))
-        except BaseException:  # Ctrl-C or a failed compile: drop the compiles not started, wait for none
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
+                    progress(0, len(todo))
+                for i, done in enumerate(concurrent.futures.as_completed(futures)):
+                    self.executables[futures[done]] = done.result()
+                    if progress is not None:
+                        progress(i + 1, len(todo))
+            except BaseException:  # Ctrl-C or a failed compile: drop the compiles not started, wait for none
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
         return len(inputs)
 
     def idle_prefill(self, shape: tuple[int, int]) -> PrefillInputs:
