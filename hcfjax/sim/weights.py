@@ -17,8 +17,8 @@ Each weight has a kind, which says how hcfjax stores it (hcfjax/quantize.py) and
     router   routers and noaux_tc's score-correction bias     float32                    replicated
 
 DeepSeek's fp8 checkpoints (V3, R1) store every decoder-layer linear but the router as fp8 e4m3 with one float32
-scale per 128 x 128 block, and the rest (embeddings, LM heads, routers, norms, the MTP's eh_proj) as shipped in
-bf16 (the correction bias in float32).
+scale per 128 x 128 block (`weight_scale_inv`), and the rest (embeddings, LM heads, routers, norms, the MTP's
+eh_proj) in bf16 (the correction bias in float32).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from hcfjax.config import QUANT_SCHEMES, ModelConfig
 
 INT4_BYTES = 0.5 + 2 / 128  # int4 values + one bf16 scale per group of 128
 WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES}
-FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)  # e4m3 values + one float32 scale per 128 x 128 block
 SPLIT_TP = ("mlp", "heads", "lm_head")  # kinds the prefill plan splits over tp; experts go over every GPU
 
 
@@ -140,9 +139,11 @@ def total_bytes(weights: list[Weights], quant: str | None) -> float:
     return sum(w.params * kind_bytes(w.kind, quant) for w in weights)
 
 
-def fp8_bytes(weights: list[Weights]) -> float:
-    """Bytes of the weights as DeepSeek's fp8 checkpoints store them."""
-    return sum(w.params * (FP8_BLOCK_BYTES if w.fp8 else 4.0 if w.f32 else 2.0) for w in weights)
+def fp8_bytes(weights: list[Weights], block: tuple[int, int] = (128, 128)) -> float:
+    """Bytes of the weights as DeepSeek's fp8 checkpoints store them: e4m3 values with one float32 scale per block
+    (`quantization_config.weight_block_size`)."""
+    fp8 = 1 + 4 / (block[0] * block[1])
+    return sum(w.params * (fp8 if w.fp8 else 4.0 if w.f32 else 2.0) for w in weights)
 
 
 def bytes_per_gpu(weights: list[Weights], quant: str | None, tp: int, gpus: int) -> float:
