@@ -137,6 +137,7 @@ def report(
     context: int,
     spec_k: int,
 ) -> str:
+    """The printed tables: the model, its parameters, its weights' bytes per format, then each plan's fit."""
     main, mtp = main_weights(cfg), mtp_weights(cfg)
     c = cfg
     n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
@@ -161,15 +162,14 @@ def report(
         lines.append(f"{mtp_label:<22}{_n(count(mtp)):>12}{_n(count(mtp, True)):>12}")
         lines.append("  (MTP: its decoder layer, combiner, norms and own LM head; the embedding is shared)")
     lines += ["", f"{'weights':<22}{'main':>12}" + (f"{'MTP':>12}" if mtp else "")]
-    fp8 = "fp8 (as shipped)" if shipped else "fp8 (DeepSeek's)"
-    rows = [(fp8, fp8_bytes(main, block), fp8_bytes(mtp, block))]
-    rows += [
-        (s, total_bytes(main, None if s == "bf16" else s), total_bytes(mtp, None if s == "bf16" else s))
-        for s in SCHEMES
-    ]
-    rows.insert(0, rows.pop(1))  # bf16 first
-    for name, m, t in rows:
-        lines.append(f"{'  ' + name:<22}{_gb(m):>12}" + (f"{_gb(t):>12}" if mtp else ""))
+
+    def row(name, size):  # size: a list of Weights -> bytes
+        lines.append(f"{'  ' + name:<22}{_gb(size(main)):>12}" + (f"{_gb(size(mtp)):>12}" if mtp else ""))
+
+    row("bf16", lambda w: total_bytes(w, None))
+    row("fp8 (as shipped)" if shipped else "fp8 (DeepSeek's format)", lambda w: fp8_bytes(w, block))
+    for scheme_name in QUANT_SCHEMES:
+        row(scheme_name, lambda w, s=scheme_name: total_bytes(w, s))
     g = gpu(gpu_name)
     drafts = f"{spec_k} MTP drafts (MTP weights and {spec_k} cache layers counted)" if spec_k else "no MTP drafts"
     for f in fits:
