@@ -14,6 +14,7 @@ hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperat
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
 hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8   (hcfjax/quantize.py)
 hcfjax sim --config deployment.yaml [--search | --sweep] [--plot PNG]   (the capacity simulator, hcfjax/sim/)
+hcfjax info [MODEL | --preset NAME] [--scheme S] [--mesh PLAN ...] [--gpu G] [--context N]   (hcfjax/info.py)
 """
 
 from __future__ import annotations
@@ -422,7 +423,22 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("sim", help="simulate a deployment's throughput and latency (hcfjax/sim/)")
     sim_arguments(m)
     m.set_defaults(func=_sim)
+
+    from hcfjax.info import DESCRIPTION as INFO_DESCRIPTION
+    from hcfjax.info import add_arguments as info_arguments
+
+    i = sub.add_parser(
+        "info", help="parameters, weight bytes and what fits per GPU (hcfjax/info.py)", description=INFO_DESCRIPTION
+    )
+    info_arguments(i)
+    i.set_defaults(func=_info)
     return ap
+
+
+def _info(args) -> int:
+    from hcfjax.info import run
+
+    return run(args)
 
 
 def _sim(args) -> int:

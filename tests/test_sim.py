@@ -105,6 +105,30 @@ def test_weights_fit_and_pages_follow_hbm():
         dep.pages_per_rank(Pool(tp=2, ep=2), dep.cost_model(Pool(tp=2, ep=2)))
 
 
+def test_weight_bytes_per_gpu_are_what_the_plans_place_on_a_device():
+    """bf16 tiny-v3 with its MTP layer, placed by the real plans on 8 CPU devices: the bytes device 0 holds equal the
+    cost model's weights per GPU (prefill TP2 x EP4 is a pool of tp=2, dp=4; decode is dp=8, ep=8), and the
+    parameter count equals the checkpoint name table's."""
+    import jax
+    import jax.numpy as jnp
+
+    from hcfjax.checkpoint import tensor_specs
+    from hcfjax.model import init_params
+    from hcfjax.sim.weights import count, main_weights, mtp_weights
+    from sharding.plans import decode_plan, prefill_plan
+
+    cfg = model_config("tiny-v3")
+    assert count(main_weights(cfg) + mtp_weights(cfg)) == sum(math.prod(s.shape) for s in tensor_specs(cfg))
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    device = jax.devices()[0]
+    for plan, pool in ((prefill_plan(tp=2, ep=4), dict(tp=2, dp=4, ep=4)), (decode_plan(dp=8), dict(dp=8, ep=8))):
+        placed = plan.place_params(params)
+        held = sum(s.data.nbytes for x in jax.tree.leaves(placed) for s in x.addressable_shards if s.device == device)
+        cost = CostModel(cfg, gpu("H200"), IDEAL, spec_k=1, **pool)
+        assert cost.weight_bytes_per_gpu() == held, plan.name
+    assert CostModel(cfg, gpu("H200"), IDEAL, dp=8, ep=8).weight_bytes_per_gpu() < held  # no MTP without drafts
+
+
 # -- what a plan computes ---------------------------------------------------------------------------------------------
 def _plan(chunks_reqs, decode_reqs):
     from hcfjax.engine.scheduler import Chunk, StepPlan
