@@ -29,7 +29,7 @@ DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None) -> Model:
+def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, plan=None) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
 
@@ -38,6 +38,11 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     mtp: None loads the MTP layers where the checkpoint has them, and warns where config.json names MTP layers that
     the checkpoint lacks (transformers never saves them); True requires them; False skips them. The returned
     config counts only the MTP layers loaded.
+    plan: a sharding plan (sharding.plans) to place the weights for: each device receives only its slices of each
+    param, and each process reads only the tensors its own devices hold. None: the default device.
+
+    Loading streams: the checkpoint is checked whole first (a bad one fails naming file and tensor, with nothing
+    placed), then read tensor by tensor straight onto the devices, so host memory holds a few tensors, not the model.
     """
     path = Path(DEFAULT_MODEL if path is None else path)
     if not path.is_dir():
@@ -61,7 +66,8 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     if isinstance(dtype, str) and dtype == "auto":
         dtype = checkpoint_dtype(path, headers)
     # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
-    params = load_params(path, cfg, dtype=jnp.dtype(dtype), mtp=mtp is not False)
+    sharding = None if plan is None else plan.param_sharding
+    params = load_params(path, cfg, jnp.dtype(dtype), mtp is not False, sharding, headers)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
     return Model(cfg, params, tokenizer, str(path))
