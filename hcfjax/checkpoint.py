@@ -267,7 +267,8 @@ def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _ignored(cfg: ModelConfig, name: str) -> bool:
+def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one the model derives or shares, and so is skipped."""
     if name.endswith(_IGNORED_SUFFIXES):
         return True
     # DeepSeek-V3 ships a copy of the embedding inside each MTP layer; the model shares the main one.
@@ -357,7 +358,7 @@ def load_params(
     path = Path(path)
     specs = tensor_specs(cfg, mtp=mtp)
     index = read_index(path) if index is None else index
-    sources = match_sources(path, index, specs, lambda n: _ignored(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
+    sources = match_sources(path, index, specs, lambda n: ignored_tensor(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
     np_dtype = np.dtype(jnp.dtype(dtype))
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
     stacked = {

@@ -435,11 +435,11 @@ def _quantize(args) -> int:
     from hcfjax.quantize import quantize_checkpoint
 
     try:
-        model = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
+        cfg = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.scheme} checkpoint to {args.out} ({model.cfg.quantization})")
+    print(f"wrote {args.scheme} checkpoint to {args.out} ({cfg.quantization})")
     return 0
 
 
