@@ -89,7 +89,9 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
         if end - begin != want:
             raise CheckpointError(f"{where} spans {end - begin} bytes; {dtype} {list(shape)} needs {want}")
         if 8 + n + end > size:
-            raise CheckpointError(f"{file} is truncated: {where} ends at byte {8 + n + end}, the file has {size}")
+            raise CheckpointError(
+                f"{file} is truncated: tensor {name!r} ends at byte {8 + n + end}, the file has {size}"
+            )
         entries[name] = TensorEntry(name, file, dtype, shape, 8 + n + begin, 8 + n + end)
     return entries
 
