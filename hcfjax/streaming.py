@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, Sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +45,10 @@ class Stacked:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """How a param's stacking dims fall on its sharding: `local` positions per device block, `blocks` per dim."""
+    """How a param's stacking dims fall on its sharding: `local` positions per device block, `blocks` per dim.
+    sharding None: the default device, with arrays left uncommitted (as jnp.asarray leaves them)."""
 
-    sharding: Sharding
+    sharding: Sharding | None
     shape: tuple[int, ...]
     lead: int
     local: tuple[int, ...]
@@ -55,12 +56,20 @@ class _Layout:
     local_blocks: tuple[tuple[int, ...], ...]  # the blocks this process's devices hold
 
     @classmethod
-    def of(cls, sharding: Sharding, shape: tuple[int, ...], lead: int) -> _Layout:
+    def of(cls, sharding: Sharding | None, shape: tuple[int, ...], lead: int) -> _Layout:
+        if sharding is None:
+            return cls(None, shape, lead, shape[:lead], (1,) * lead, ((0,) * lead,))
         local = sharding.shard_shape(shape)[:lead]
         blocks = tuple(s // n for s, n in zip(shape[:lead], local, strict=True))
         held = sharding.addressable_devices_indices_map(blocks + shape[lead:]).values()
         local_blocks = sorted({tuple(sl.start or 0 for sl in index[:lead]) for index in held})
         return cls(sharding, shape, lead, local, blocks, tuple(local_blocks))
+
+    def place(self, shape: tuple[int, ...], data: Callable[[tuple], np.ndarray]) -> jax.Array:
+        """An array of `shape` under the sharding, each local device's part being data(its index)."""
+        if self.sharding is None:
+            return jnp.asarray(data((slice(None),) * len(shape)))
+        return jax.make_array_from_callback(shape, self.sharding, data)
 
     def position(self, block: tuple[int, ...], at: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(b * n + a for b, n, a in zip(block, self.local, at, strict=True))
@@ -75,21 +84,18 @@ def fill_params(
 ) -> dict[tuple, jax.Array]:
     """path -> device array of each param, filled with read(item) ([*shape[lead:]] of the param's dtype) at every
     stacking position its local devices hold. sharding(path, shape) places a param (None: the default device);
-    order(item) sorts the reads (a step reading several items sorts by its first); params of at most `stage_bytes`
-    are assembled on the host and placed whole."""
+    order(item) sorts the steps, each by the item of its position in the first block, so that every process runs
+    the same programs in the same order; params of at most `stage_bytes` are assembled on the host and placed
+    whole."""
     arrays, steps = {}, []
     for path, p in params.items():
-        where = _default_sharding() if sharding is None else sharding(path, p.shape)
-        layout = _Layout.of(where, p.shape, p.lead)
-        positions = [[layout.position(b, at) for b in layout.local_blocks] for at in np.ndindex(*layout.local)]
+        layout = _Layout.of(None if sharding is None else sharding(path, p.shape), p.shape, p.lead)
         if math.prod(p.shape) * p.dtype.itemsize <= stage_bytes:
-            items = [p.items[pos] for group in positions for pos in group]
-            steps.append((min(map(order, items)) if order else (), path, layout, None))
+            steps.append((order(p.items[(0,) * p.lead]) if order else (), path, layout, None))
             continue
-        arrays[path] = jnp.zeros(p.shape, p.dtype, device=where)
-        for at, group in zip(np.ndindex(*layout.local), positions, strict=True):
-            key = min(order(p.items[pos]) for pos in group) if order else ()
-            steps.append((key, path, layout, at))
+        arrays[path] = jnp.zeros(p.shape, p.dtype, device=layout.sharding)
+        for at in np.ndindex(*layout.local):
+            steps.append((order(p.items[at]) if order else (), path, layout, at))
     steps.sort(key=lambda s: s[0])
     for _, path, layout, at in steps:
         if at is None:
@@ -97,12 +103,6 @@ def fill_params(
         else:
             arrays[path] = _write_position(arrays[path], layout, params[path], at, read)
     return arrays
-
-
-def _default_sharding() -> Sharding:
-    """Where jnp puts a new array: jax.default_device when set, else the first local device."""
-    d = jax.config.jax_default_device
-    return SingleDeviceSharding(jax.local_devices(backend=d)[0] if isinstance(d, str) else d or jax.local_devices()[0])
 
 
 def _checked(p: Stacked, pos: tuple[int, ...], t: np.ndarray) -> np.ndarray:
@@ -118,7 +118,7 @@ def _place_whole(p: Stacked, layout: _Layout, read) -> jax.Array:
         for block in layout.local_blocks:
             pos = layout.position(block, at)
             host[pos] = _checked(p, pos, read(p.items[pos]))
-    return jax.make_array_from_callback(p.shape, layout.sharding, lambda index: host[index])
+    return layout.place(p.shape, lambda index: host[index])
 
 
 def _write_position(buf: jax.Array, layout: _Layout, p: Stacked, at: tuple[int, ...], read) -> jax.Array:
@@ -131,7 +131,7 @@ def _write_position(buf: jax.Array, layout: _Layout, p: Stacked, at: tuple[int, 
             host[pos] = _checked(p, pos, read(p.items[pos]))
         return host[pos][index[layout.lead :]][(None,) * layout.lead]
 
-    u = jax.make_array_from_callback(layout.blocks + tail, layout.sharding, device_slice)
+    u = layout.place(layout.blocks + tail, device_slice)
     named = layout.sharding if isinstance(layout.sharding, NamedSharding) else None
     out = _write_slot(buf, u, at, blocks=layout.blocks, sharding=named)
     # One position in flight: the host tensors (which a CPU device may alias) are released before the next read.
