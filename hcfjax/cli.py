@@ -78,7 +78,8 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = hcfjax.load(path, dtype=load_dtype(args.dtype))
+    # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
+    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"))
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
