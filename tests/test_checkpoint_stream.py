@@ -1,5 +1,6 @@
 """Streaming load and quantise: peak host memory stays a few tensors on a generated multi-shard checkpoint (bf16
-and DeepSeek's fp8 with block scales), and a sharding plan gets each device exactly its slices."""
+and DeepSeek's fp8 with block scales), a sharding plan gets each device exactly its slices, and quantising an fp8
+checkpoint tensor by tensor gives what quantising the loaded model gives."""
 
 import json
 import math
@@ -19,9 +20,11 @@ from safetensors.numpy import save_file
 import hcfjax
 from hcfjax.checkpoint import FP8_BLOCK, dequantize_fp8, quantized_specs, tensor_specs
 from hcfjax.config import ModelConfig, QuantConfig
+from hcfjax.quantize import quantize_checkpoint, quantize_model
 from hcfjax.random_model import PRESETS
 from hcfjax.safetensors_files import read_index, read_tensor
 from tests.conftest import FIXTURES
+from tests.test_checkpoint import fp8_copy
 
 # Small vocabulary, wide layers, many experts: 250 MB in bf16, cheap to make. Its largest tensor is the dense MLP's
 # [1024, 1024]; its largest stacked param (a MoE segment's expert gates, 3 x 48 x [256, 1024]) is 18x that. fp8
@@ -194,3 +197,21 @@ def test_plan_load_places_each_device_its_slices(plan_args):
         for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
             assert sa.device == sb.device and sa.index == sb.index, path
             np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data), err_msg=str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory):
+    return fp8_copy(tmp_path_factory.mktemp("fp8"))[0]
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a8", "w4a8c8", "w8a8"])
+def test_quantize_from_fp8_equals_quantising_the_loaded_model(tiny_fp8, tmp_path, scheme):
+    """Streaming an fp8 checkpoint through `quantize_checkpoint` gives what quantising the model loaded in bf16
+    gives, for every scheme (small shards: several files)."""
+    cfg = quantize_checkpoint(tiny_fp8, tmp_path / scheme, scheme, shard_bytes=64 << 10)
+    assert cfg.quantization.scheme == scheme and len(list((tmp_path / scheme).glob("*.safetensors"))) > 2
+    got = hcfjax.load(tmp_path / scheme)
+    want = quantize_model(hcfjax.load(tiny_fp8), scheme)
+    assert got.cfg == want.cfg
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
