@@ -145,24 +145,45 @@ def decode_plan(dp: int, ep: int | None = None, devices=None) -> Plan:
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """A params path as the rules see it: dict keys, list indices and dataclass fields (a quantised weight's parts)
+    joined by '/'."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def spec_for(plan: Plan, path: str, ndim: int) -> P:
+QUANT_PARTS = ("q", "scale")  # the parts of a hcfjax.quant.QWeight: q [..., N, K'], scale [..., K/G, N]
+
+
+def spec_for(plan: Plan, path: str, shape: tuple[int, ...]) -> P:
+    """The spec of the param at `path` of `shape`. A quantised weight's parts follow the rule of the weight
+    W [..., K, N] they stand for: q is stored output-major (its last two dims swapped), and per-channel scales
+    ([..., 1, N]) have nothing to split along K. (MLA's attn/q is a plain weight: attention projections per head
+    stay unquantised.)"""
+    parent, _, part = path.rpartition("/")
+    if part not in QUANT_PARTS or parent.endswith("attn"):
+        return P(*_tail(plan, path, len(shape)))
+    tail = _tail(plan, parent, len(shape))
+    if not tail:
+        return P()
+    if part == "q":
+        return P(*tail[:-2], tail[-1], tail[-2])
+    return P(*tail[:-2], None if shape[-2] == 1 else tail[-2], tail[-1])
+
+
+def _tail(plan: Plan, path: str, ndim: int) -> tuple:
     for pattern, tail in plan.rules:
         if re.search(pattern, path):
             tail = tuple(a if a in plan.mesh.axis_names else None for a in tail)
-            return P(*((None,) * (ndim - len(tail)) + tail))
-    return P()
+            return (None,) * (ndim - len(tail)) + tail
+    return ()  # replicated
 
 
 def param_specs(params: dict, plan: Plan) -> dict:
     """The PartitionSpec of every leaf of a params pytree under the plan."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.ndim), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.shape), params)
 
 
 def _param_sharding(plan: Plan, path: str, shape: tuple[int, ...]) -> NamedSharding:
-    spec = spec_for(plan, path, len(shape))
+    spec = spec_for(plan, path, shape)
     for dim, axis in zip(shape, spec, strict=False):
         if axis is not None and dim % plan.mesh.shape[axis]:
             raise ValueError(
