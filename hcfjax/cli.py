@@ -79,7 +79,8 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = hcfjax.load(path, dtype=load_dtype(args.dtype))
+    # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
+    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"))
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
@@ -451,11 +452,11 @@ def _quantize(args) -> int:
     from hcfjax.quantize import quantize_checkpoint
 
     try:
-        model = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
+        cfg = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.scheme} checkpoint to {args.out} ({model.cfg.quantization})")
+    print(f"wrote {args.scheme} checkpoint to {args.out} ({cfg.quantization})")
     return 0
 
 

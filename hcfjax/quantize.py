@@ -14,14 +14,25 @@ in attention.py; its absorbed decode folds kv_b into the query and the output).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
-from hcfjax.checkpoint import get_path, quantized_specs, tensor_specs
-from hcfjax.config import QuantConfig
+from hcfjax.checkpoint import (
+    SHARD_BYTES,
+    get_path,
+    ignored_tensor,
+    match_sources,
+    quantized_specs,
+    read_weight,
+    tensor_specs,
+)
+from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
 from hcfjax.quant import quantize
+from hcfjax.safetensors_files import Planned, write_shards
 
 
 def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
@@ -70,11 +81,49 @@ def default_cache_dtype(model: Model, requested=None):
     return jnp.int8 if q is not None and q.kv_cache_dtype == "int8" else model.dtype
 
 
-def quantize_checkpoint(src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128) -> Model:
-    """Loads `src` (a checkpoint directory; None: the embedded model), quantises it and writes it to `out` as
-    safetensors with `quantization_config` in config.json, which `hcfjax.load` reads back."""
-    from hcfjax.api import load, save
+def quantize_checkpoint(
+    src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128, shard_bytes: int = SHARD_BYTES
+) -> ModelConfig:
+    """Writes `src` (a checkpoint directory, bf16/f32 or fp8 block-scaled; None: the embedded model) quantised per
+    `scheme` to `out`, with `quantization_config` in its config.json, which `hcfjax.load` reads back. -> its config.
 
-    model = quantize_model(load(src, dtype=jnp.bfloat16), scheme, group_size)
-    save(model, out)
-    return model
+    Streams: the source is checked whole first (as `load` checks it), then each output tensor is read (fp8
+    dequantised), cast to bf16, quantised where the scheme says, and written into shards of up to `shard_bytes` at
+    once, so host memory holds a few tensors, never the model. The values are those of `quantize_model` on the
+    model loaded in bf16, saved with `save`."""
+    from hcfjax.api import DEFAULT_MODEL, TOKENIZER_FILES, read_config, write_config
+
+    src, out = Path(DEFAULT_MODEL if src is None else src), Path(out)
+    cfg, index = read_config(src)
+    if cfg.quantization is not None:
+        raise ValueError(f"the model is already quantised ({cfg.quantization.scheme})")
+    qcfg = QuantConfig.for_scheme(scheme, group_size)
+    specs = tensor_specs(cfg)
+    sources = match_sources(src, index, specs, lambda n: ignored_tensor(cfg, n))
+    bf16 = np.dtype(jnp.bfloat16)
+    qspecs = {s.name: s for s in quantized_specs(specs, qcfg)}
+    planned = [
+        Planned(s.name, np.dtype(s.dtype) if s.dtype else np.dtype(np.float32) if s.fp32 else bf16, s.shape)
+        for s in qspecs.values()
+    ]
+    scales = {}  # a quantised weight's scales, written right after its values (quantized_specs' order)
+
+    def values(t: Planned) -> np.ndarray:
+        s = qspecs[t.name]
+        if s.quant:
+            w = read_weight(sources[s.name]).T.astype(bf16)  # [K, N], as `load` makes it
+            qw = quantize(jnp.asarray(w), *s.quant, group_size)
+            scales[s.path[:-1] + ("scale",)] = qw.scale
+            return np.asarray(qw.q)
+        if s.path in scales:
+            return np.asarray(scales.pop(s.path)).T  # [K/G, N] -> the checkpoint's [N, K/G]
+        return read_weight(sources[s.name]).astype(t.dtype)
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_shards(out, planned, values, shard_bytes)
+    qcfg = dataclasses.replace(cfg, quantization=qcfg)
+    write_config(qcfg, out, jnp.bfloat16)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
+            shutil.copy(src / name, out / name)
+    return qcfg

@@ -61,6 +61,11 @@ class Plan:
     def place_params(self, params: dict) -> dict:
         return shard_params(params, self)
 
+    def param_sharding(self, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        """The sharding of the param at params path `path` (its keys, as hcfjax.load's streaming placement names
+        it) of full shape `shape`: what place_params gives that leaf."""
+        return _param_sharding(self, "/".join(map(str, path)), shape)
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
@@ -140,36 +145,59 @@ def decode_plan(dp: int, ep: int | None = None, devices=None) -> Plan:
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """A params path as the rules see it: dict keys, list indices and dataclass fields (a quantised weight's parts)
+    joined by '/'."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def spec_for(plan: Plan, path: str, ndim: int) -> P:
+QUANT_PARTS = ("q", "scale")  # the parts of a hcfjax.quant.QWeight: q [..., N, K'], scale [..., K/G, N]
+
+
+def spec_for(plan: Plan, path: str, shape: tuple[int, ...]) -> P:
+    """The spec of the param at `path` of `shape`. A quantised weight's parts follow the rule of the weight
+    W [..., K, N] they stand for: q is stored output-major (its last two dims swapped), and per-channel scales
+    ([..., 1, N]) have nothing to split along K. (MLA's attn/q is a plain weight: attention projections per head
+    stay unquantised.)"""
+    parent, _, part = path.rpartition("/")
+    if part not in QUANT_PARTS or parent.endswith("attn"):
+        return P(*_tail(plan, path, len(shape)))
+    tail = _tail(plan, parent, len(shape))
+    if not tail:
+        return P()
+    if part == "q":
+        return P(*tail[:-2], tail[-1], tail[-2])
+    return P(*tail[:-2], None if shape[-2] == 1 else tail[-2], tail[-1])
+
+
+def _tail(plan: Plan, path: str, ndim: int) -> tuple:
     for pattern, tail in plan.rules:
         if re.search(pattern, path):
             tail = tuple(a if a in plan.mesh.axis_names else None for a in tail)
-            return P(*((None,) * (ndim - len(tail)) + tail))
-    return P()
+            return (None,) * (ndim - len(tail)) + tail
+    return ()  # replicated
 
 
 def param_specs(params: dict, plan: Plan) -> dict:
     """The PartitionSpec of every leaf of a params pytree under the plan."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.ndim), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.shape), params)
+
+
+def _param_sharding(plan: Plan, path: str, shape: tuple[int, ...]) -> NamedSharding:
+    spec = spec_for(plan, path, shape)
+    for dim, axis in zip(shape, spec, strict=False):
+        if axis is not None and dim % plan.mesh.shape[axis]:
+            raise ValueError(
+                f"{path} has {dim} along a dim split over {axis}={plan.mesh.shape[axis]} ({plan.name} plan): "
+                "not divisible"
+            )
+    return NamedSharding(plan.mesh, spec)
 
 
 def shard_params(params: dict, plan: Plan) -> dict:
     """Places params on the plan's mesh (each device gets its slices)."""
-
-    def place(path, x):
-        spec = spec_for(plan, path_str(path), x.ndim)
-        for dim, axis in zip(x.shape, spec, strict=False):
-            if axis is not None and dim % plan.mesh.shape[axis]:
-                raise ValueError(
-                    f"{path_str(path)} has {dim} along a dim split over {axis}="
-                    f"{plan.mesh.shape[axis]} ({plan.name} plan): not divisible"
-                )
-        return jax.device_put(x, NamedSharding(plan.mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, _param_sharding(plan, path_str(path), x.shape)), params
+    )
 
 
 def _rows_sp():
