@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hcfjax import trace
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.frontdoor import InvalidRequest, check_request_id, check_stop, new_request_id
-from hcfjax.pd.service import PREFILL_METADATA
+from hcfjax.pd.service import PREFILL_METADATA, worker_channel
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
@@ -68,7 +68,7 @@ class Router(pb_grpc.GenerationServicer):
     ):
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode worker")
-        mk = lambda a, role: WorkerState(a, role, grpc.insecure_channel(a))
+        mk = lambda a, role: WorkerState(a, role, worker_channel(a))
         self.prefill = [mk(a, "prefill") for a in prefill]
         self.decode = [mk(a, "decode") for a in decode]
         self.balancer = Balancer(balance, len(decode))
