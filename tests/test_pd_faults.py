@@ -3,7 +3,7 @@ concurrent requests streams through the router while a worker is SIGKILLed (the 
 worker), with requests queued, prefilling, moving their KV and decoding. Every request ends (its finish reason or an
 error status, none at its deadline), the router's health says NOT_SERVING while the role has no worker up, the
 surviving worker holds no pages, and once a worker restarted on the same port rejoins (the router SERVING again)
-the next requests all finish."""
+the next requests all finish. And the router's retry of a failed prefill, with stand-in workers."""
 
 import collections
 import os
@@ -132,3 +132,50 @@ def test_pd_workers_killed_mid_transfer_and_restarted():
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_router_retries_a_failed_prefill_on_another_prefill_worker():
+    """A request whose prefill failed on one prefill worker is retried on another, through the same decode worker
+    when it is the only one (stand-in workers in this process: health and Worker.Info; the decode worker's
+    Generate fails as the real one does when the prefill worker it was told to use is gone)."""
+    from grpc_health.v1 import health
+
+    from hcfjax.pd.router import Router, RouterServer
+    from hcfjax.pd.service import PREFILL_METADATA
+
+    class Worker(pd_grpc.WorkerServicer, pb_grpc.GenerationServicer):
+        def __init__(self, dead_prefill: str = ""):
+            self.dead_prefill, self.asked = dead_prefill, []
+
+        def Info(self, request, context):
+            return pdpb.WorkerInfo(dp=1, max_slots=4)
+
+        def Generate(self, request, context):
+            prefill = dict(context.invocation_metadata())[PREFILL_METADATA]
+            self.asked.append(prefill)
+            if prefill == self.dead_prefill:
+                context.abort(grpc.StatusCode.INTERNAL, "the engine failed on this request: prefill failed: gone")
+            yield pb.GenerateResponse(token_ids=[7], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    def serve(servicer) -> tuple[grpc.Server, str]:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        pd_grpc.add_WorkerServicer_to_server(servicer, server)
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        status = health.HealthServicer()
+        status.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(status, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, f"127.0.0.1:{port}"
+
+    (pre_a, a), (pre_b, b) = serve(Worker()), serve(Worker())
+    decode = Worker(dead_prefill=a)
+    dec, dec_addr = serve(decode)
+    router = RouterServer(Router([a, b], [dec_addr], health_interval_s=3600)).start()
+    try:
+        assert request(router.address, "x") == "length"
+        assert decode.asked == [a, b]  # the first prefill worker the router picks is the one that fails
+    finally:
+        router.stop(0)
+        for s in (pre_a, pre_b, dec):
+            s.stop(0)

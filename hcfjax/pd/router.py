@@ -9,9 +9,10 @@ Health: every worker's grpc.health.v1 is polled; one that fails `down_after` che
 new requests), one that answers again rejoins. The router itself is ready (its own health SERVING) only while at
 least one prefill and one decode worker are up: workers that are still compiling do not answer yet.
 
-A call that fails on a worker before any token was streamed is retried on another worker (up to `retries` times);
-after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled, which frees the
-request's pages on both sides. No call waits past its deadline or the router's `request_timeout_s`.
+A call that fails on a worker before any token was streamed is retried (up to `retries` times) without that worker:
+a failed prefill (the decode worker's error says so) on another prefill worker, any other failure on another
+decode worker; after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled,
+which frees the request's pages on both sides. No call waits past its deadline or the router's `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class Router(pb_grpc.GenerationServicer):
                             grpc.StatusCode.UNAVAILABLE, f"decode worker {d.address} failed: {code.name}: {detail}"
                         )
                     context.abort(code, detail or code.name)
-                tried |= {d.address, p.address} if "prefill failed" in (detail or "") else {d.address}
+                tried.add(p.address if "prefill failed" in (detail or "") else d.address)
                 request.request_id = f"{request.request_id}.r{attempt + 1}"
             finally:
                 call.cancel()
