@@ -1,6 +1,7 @@
 """PD under faults, as processes on loopback (router, prefill and decode workers with the embedded model): a burst of
 concurrent requests streams through the router while a worker is SIGKILLed (the decode worker, then the prefill
-worker), with requests queued, prefilling, moving their KV and decoding. Every request ends (its finish reason or an
+worker) as soon as the first request streams tokens, while the rest wait for decode slots, queue for prefill, or
+are being prefilled and their KV sent (the long prompt layer by layer). Every request ends (its finish reason or an
 error status, none at its deadline), the router's health says NOT_SERVING while the role has no worker up, the
 surviving worker holds no pages, and once a worker restarted on the same port rejoins (the router SERVING again)
 the next requests all finish. And the router's retry of a failed prefill, with stand-in workers."""
@@ -22,15 +23,15 @@ from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
 from tests.pd_procs import start
 
-# short prompts whole, the long one (>= 64 tokens) layer by layer; each bucket a shape to compile, so few of them
+# short prompts sent whole, the long one (47 tokens) layer by layer; few lengths: each one's bucket is a compile
 PROMPTS = ["def fib(n):", "import os\n", "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 3]
 BURST = 12  # requests in flight when a worker dies: more than the decode worker's slots, so some wait their turn
 NEW_TOKENS = 16
 CALL_TIMEOUT_S = 60.0  # any one request; one that reaches it counts as hung
 WAIT_S = 60.0  # health to flip, pages to come back: far above what they take; only a fault reaches it
 COMMON = ["--dtype", "float32", "--page-size", "16", "--no-warmup", "--transfer-timeout", "20"]
-PREFILL = ["--role", "prefill", "--max-prefill-rows", "1", "--layerwise-threshold", "64", *COMMON]
-DECODE = ["--role", "decode", "--max-slots", "4", "--min-prefill-bucket", "16", *COMMON]
+PREFILL = ["--role", "prefill", "--max-prefill-rows", "1", "--layerwise-threshold", "32", *COMMON]
+DECODE = ["--role", "decode", "--max-slots", "4", *COMMON]
 
 
 def request(addr: str, prompt: str, streaming: threading.Event | None = None) -> str:
