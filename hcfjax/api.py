@@ -11,14 +11,8 @@ from pathlib import Path
 import jax.numpy as jnp
 from tokenizers import Tokenizer
 
-from hcfjax.checkpoint import (
-    CheckpointError,
-    checkpoint_dtype,
-    checkpoint_headers,
-    load_params,
-    mtp_present,
-    save_params,
-)
+from hcfjax.checkpoint import CheckpointError, load_params, mtp_present, save_params
+from hcfjax.checkpoint_files import check_counts, checkpoint_dtype, checkpoint_headers
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model
 
@@ -44,6 +38,7 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
     headers = checkpoint_headers(path)
+    check_counts(cfg, headers, path)
     if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):
         if mtp:
             raise CheckpointError(

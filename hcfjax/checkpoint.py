@@ -4,6 +4,7 @@ Every tensor a checkpoint may hold is described by a `TensorSpec` made from the 
 checkpoint name, where it goes in the params pytree, and its shape. Linear weights are [out, in] in checkpoints and
 [in, out] (reshaped per head where useful) in params, so einsums read left to right.  Layers of one kind are stacked
 along a leading axis per run of layers (`ModelConfig.layer_segments`) so that the forward pass is a `lax.scan`.
+Reading the files (index, headers, tensors) and their checks: hcfjax/checkpoint_files.py.
 """
 
 from __future__ import annotations
@@ -11,25 +12,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hcfjax.config import ModelConfig, QuantConfig
+from hcfjax.checkpoint_files import (
+    CheckpointError,
+    check_counts,
+    checkpoint_files,
+    checkpoint_headers,
+    dequantize_fp8,
+    iter_tensors,
+)
+from hcfjax.config import ConfigError, ModelConfig, QuantConfig
 from hcfjax.quant import QWeight, group_size
-
-FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: missing, unexpected or misshapen tensors, named."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +151,10 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
         bits, act = _SCHEME_BITS[scheme]
         n, k = s.shape
         qshape = (n, k // 2 if bits == 4 else k)
-        sshape = (n, k // group_size(k, bits, q.group_size))
+        try:
+            sshape = (n, k // group_size(k, bits, q.group_size))
+        except ValueError as e:
+            raise ConfigError(f"quantization_config group_size={q.group_size} does not fit {s.name}: {e}") from None
         scale_name = s.name[: -len("weight")] + "weight_scale"
         out.append(
             TensorSpec(s.name, s.path + ("q",), s.index, qshape, qshape, False, dtype=_QDTYPE[bits], quant=(bits, act))
@@ -207,30 +209,6 @@ def to_pytree(flat: dict[tuple, object]) -> dict:
 # ---- reading ---------------------------------------------------------------------------------------------------
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    missing = [f for f in files if not f.is_file()]
-    if missing or not files:
-        raise CheckpointError(
-            f"no safetensors weights at {path}" + (f" (missing {missing[0].name})" if missing else "")
-        )
-    return files
-
-
-def checkpoint_headers(path: Path) -> dict[str, dict]:
-    """name -> safetensors header entry (dtype, shape) of every tensor in the checkpoint, read from file headers."""
-    out = {}
-    for file in checkpoint_files(path):
-        header, _ = _read_header(file)
-        out.update({k: v for k, v in header.items() if k != "__metadata__"})
-    return out
-
-
 def mtp_names(cfg: ModelConfig) -> list[str]:
     """Checkpoint names of the MTP layers' tensors, in name-table order."""
     main = {s.name for s in tensor_specs(cfg, mtp=False)}
@@ -241,6 +219,8 @@ def mtp_present(cfg: ModelConfig, names, where: Path) -> bool:
     """Whether a checkpoint holding `names` has its MTP layers: all of them (True) or none (False). Transformers
     writes `num_nextn_predict_layers` but never saves the MTP layer, and re-uploads often drop it; a partly present
     MTP layer is a broken checkpoint, named."""
+    if not any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names):
+        return False  # (before the name table: its size follows the config's MTP layer count)
     want = mtp_names(cfg)
     missing = [n for n in want if n not in names]
     if len(missing) == len(want):
@@ -251,68 +231,6 @@ def mtp_present(cfg: ModelConfig, names, where: Path) -> bool:
             f"checkpoint {where} has part of its MTP layers: lacks {', '.join(repr(n) for n in missing[:3])}{more}"
         )
     return True
-
-
-# Model dtypes `dtype="auto"` may pick: config.json's torch_dtype names, and safetensors' names for them.
-AUTO_DTYPES = ("bfloat16", "float16", "float32")
-_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def checkpoint_dtype(path: Path, headers: dict[str, dict]) -> jnp.dtype:
-    """The checkpoint's own dtype: config.json's `torch_dtype` (`dtype` in newer transformers), else the
-    embedding's stored dtype (fp8 checkpoints keep it in bf16)."""
-    config = json.loads((path / "config.json").read_text())
-    name = config.get("torch_dtype") or config.get("dtype")
-    source = "config.json's torch_dtype"
-    if name is None:
-        embed = headers.get("model.embed_tokens.weight", {})
-        name = _SAFETENSORS_DTYPES.get(embed.get("dtype"), embed.get("dtype"))
-        source = "its model.embed_tokens.weight"
-    name = str(name).removeprefix("torch.")
-    if name not in AUTO_DTYPES:
-        raise CheckpointError(
-            f'dtype="auto": checkpoint {path} has dtype {name!r} ({source}), not one of {AUTO_DTYPES}'
-        )
-    return jnp.dtype(name)
-
-
-def _read_header(file: Path) -> tuple[dict, int]:
-    with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n)), 8 + n
-
-
-def _read_fp8(file: Path, name: str) -> np.ndarray:
-    """safetensors' numpy reader has no float8 type: map the tensor's bytes and view them as e4m3."""
-    header, start = _read_header(file)
-    info = header[name]
-    begin, end = info["data_offsets"]
-    raw = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-    return np.asarray(raw).view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
-
-
-def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
-    """DeepSeek fp8 e4m3 weight [out, in] with one scale per 128 x 128 block -> float32."""
-    rows, cols = w.shape
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
-    return w.astype(np.float32) * s
-
-
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, callable, callable]]:
-    """(name, load(), load_scale_inv() or None) for every tensor in the files, one at a time."""
-    for file in files:
-        with safe_open(str(file), "numpy") as f:
-            names = set(f.keys())
-            for name in sorted(names):
-                if name.endswith(".weight_scale_inv"):
-                    continue
-                fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
-                load = (lambda n=name, file=file: _read_fp8(file, n)) if fp8 else (lambda n=name, f=f: f.get_tensor(n))
-                scale_name = name[: -len("weight")] + "weight_scale_inv"
-                scale = (lambda n=scale_name, f=f: f.get_tensor(n)) if scale_name in names else None
-                if fp8 and scale is None:
-                    raise CheckpointError(f"fp8 tensor {name} has no {scale_name} beside it in {file.name}")
-                yield name, load, scale
 
 
 # Tensors that real checkpoints carry but this project derives or shares.
@@ -332,11 +250,19 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: boo
     """Reads a checkpoint tensor by tensor into the params pytree (device arrays of `dtype`; router in f32).
 
     fp8 e4m3 weights with `weight_scale_inv` are dequantised as they are read. Host memory holds one copy of the
-    weights (the stacked buffers) plus the tensor being read.
+    weights (the stacked buffers) plus the tensor being read. The files' headers are checked against the config
+    (counts, then every tensor's shape) before anything is allocated.
     """
     path = Path(path)
+    headers = checkpoint_headers(path)
+    check_counts(cfg, headers, path)
     specs = tensor_specs(cfg, mtp=mtp)
     by_name = {s.name: s for s in specs}
+    for name, spec in by_name.items():
+        if name in headers and tuple(headers[name]["shape"]) != spec.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(headers[name]['shape'])}, config expects {spec.shape}"
+            )
     np_dtype = np.dtype(jnp.dtype(dtype))
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
     buffers = {

@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hcfjax
-from hcfjax.checkpoint import FP8_BLOCK, CheckpointError, dequantize_fp8, get_path, tensor_specs
+from hcfjax.checkpoint import CheckpointError, get_path, tensor_specs
+from hcfjax.checkpoint_files import FP8_BLOCK, dequantize_fp8
 from hcfjax.config import ConfigError, ModelConfig
 from tests.conftest import FIXTURES, rel_err
 
@@ -150,7 +151,7 @@ BASE = json.loads((FIXTURES / "tiny_v3" / "config.json").read_text())
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         ("model_type", "llama", "model_type='llama'"),
         ("n_group", 3, "not divisible by n_group=3"),
-        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling.type='dynamic'"),
         ("kv_lora_rank", None, "kv_lora_rank"),
     ],
 )
