@@ -6,6 +6,7 @@ the tiny_v3 fixture; and the numeric options of the `hcfjax` commands, parsed on
 A bad file gives ConfigError or CheckpointError (ValueErrors) whose message names the field or the file, a bad
 option argparse's message and exit code 2; never another exception. A config that loads has fields of its types."""
 
+import argparse
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hcfjax
+from hcfjax import cli
 from hcfjax.checkpoint import CheckpointError
 from hcfjax.config import ConfigError, ModelConfig
 
@@ -203,3 +205,86 @@ def test_index_json(checkpoint):
         shutil.copy(TINY / "model.safetensors.index.json", checkpoint / "model.safetensors.index.json")
         (checkpoint / "extra.safetensors").unlink()
         (checkpoint / "copy.safetensors").unlink()
+
+
+# -- the commands' numeric options, parsed only ----------------------------------------------------------------------
+REQUIRED = {  # what each command needs besides the option drawn (a later option of the same name wins)
+    "generate": ["--prompt", "x"],
+    "serve": [],
+    "client": ["--port", "1", "--prompt", "x"],
+    "quantize": ["--out", "o", "--scheme", "w4a16"],
+    "sim": ["--config", "c.yaml"],
+}
+
+
+def numeric_options(command: str) -> dict[str, argparse.Action]:
+    """The command's options that take a number: every one whose type is not a plain string."""
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return {a.option_strings[0]: a for a in sub.choices[command]._actions if a.type is not None and a.option_strings}
+
+
+def built(command: str, args: argparse.Namespace) -> None:
+    """What the command makes of its numbers, from options that parsed: each must take them."""
+    from hcfjax.frontdoor import check_max_new_tokens, check_seed
+    from hcfjax.sampling import SamplingParams
+    from hcfjax.serving import client
+    from hcfjax.serving.config import engine_config, prefill_config
+
+    positive = lambda v: v is None or (math.isfinite(v) and v > 0)  # noqa: E731
+    if command == "generate":
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+        check_seed(args.seed)
+    if command in ("generate", "client"):
+        check_max_new_tokens(args.max_new_tokens)
+        client.make_request("x", max_new_tokens=args.max_new_tokens)
+    if command == "client":  # (its sampling values and seed go to the server as they are: test_fuzz sends them)
+        assert 1 <= args.port <= 65535 and positive(args.timeout)
+    if command == "serve":
+        engine_config(args)
+        prefill_config(args)
+        assert all(p is None or 0 <= p <= 65535 for p in (args.port, args.http_port, args.metrics_port))
+        assert positive(args.request_timeout) and args.grace >= 0 and math.isfinite(args.grace)
+        assert args.max_body_bytes >= 1
+    if command in ("generate", "serve"):
+        assert args.cpu_devices is None or args.cpu_devices >= 1
+    if command == "quantize":
+        assert args.group_size >= 1
+    if command == "sim":
+        assert (args.requests is None or args.requests >= 1) and positive(args.rate)
+        assert args.attainment is None or 0 < args.attainment <= 1
+
+
+option_values = st.one_of(
+    st.integers(-3, 70000).map(str),
+    st.sampled_from([2**31, 2**32, 2**63, -(2**63), 10**30]).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["", "1e400", "1.5", "0.5", "1e-6", "0x10", "1_0", " 7", "五", "--"]),
+)
+
+
+def test_numeric_options(capsys):
+    """Every numeric option of generate, serve, client, quantize and sim, with fuzzed values: the command line
+    either parses to values the command's configs take, or ends in argparse's error naming the option (exit 2)."""
+    options = {command: numeric_options(command) for command in REQUIRED}
+    for command, actions in options.items():  # the defaults are in range
+        args = cli.build_parser().parse_args([command, *REQUIRED[command]])
+        built(command, args)
+        assert actions, command
+
+    @FUZZ
+    @given(st.sampled_from(sorted(REQUIRED)).flatmap(
+        lambda c: st.tuples(st.just(c), st.dictionaries(st.sampled_from(sorted(options[c])), option_values,
+                                                        min_size=1, max_size=3))))  # fmt: skip
+    def run(case):
+        command, values = case
+        argv = [command, *REQUIRED[command], *(f"{k}={v}" for k, v in values.items())]
+        try:
+            args = cli.build_parser().parse_args(argv)
+        except SystemExit as e:
+            err = capsys.readouterr().err
+            assert e.code == 2 and "error: argument " in err, (argv, e.code, err)
+            assert any(f"argument {k}" in err for k in values), (argv, err)
+        else:
+            built(command, args)
+
+    run()
