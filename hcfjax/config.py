@@ -328,7 +328,7 @@ class _Keys:
     def _get(self, key: str, default):
         v = self.d.get(key)
         if v is None and default is _REQUIRED:
-            raise ConfigError(f"config.json lacks required key {self.prefix + key!r}")
+            raise ConfigError(f"the required key {self.prefix + key!r} is missing")
         return v
 
     def check_int(self, key: str, v, lo: int, hi: int | None = None) -> int:
