@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from hcfjax.checkpoint import (
     CheckpointError,
+    check_counts,
     checkpoint_dtype,
     checkpoint_headers,
     load_params,
@@ -64,6 +65,7 @@ def read_config(path: Path, mtp: bool | None = None, stacklevel: int = 3) -> tup
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
     headers = checkpoint_headers(path)
+    check_counts(cfg, headers, path)
     if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):
         if mtp:
             raise CheckpointError(

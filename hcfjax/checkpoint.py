@@ -210,6 +210,37 @@ def checkpoint_headers(path: Path) -> dict[str, TensorEntry]:
     return read_index(path)
 
 
+def layer_counts(names) -> tuple[int, int]:
+    """(decoder layers, main and MTP; routed experts per layer) that tensor names hold, from their numbers."""
+    layers = experts = 0
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit():
+            layers = max(layers, int(parts[2]) + 1)
+            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+                experts = max(experts, int(parts[5]) + 1)
+    return layers, experts
+
+
+def check_counts(cfg: ModelConfig, names, where: Path) -> None:
+    """The config's layer and expert counts, which set the size of its name table (tensor_specs), against the
+    tensors the checkpoint holds, before that table is built: a config naming more than the checkpoint has is
+    refused (CheckpointError naming both); fewer is found as unexpected tensors when the weights are read."""
+    layers, experts = layer_counts(names)
+    main, mtp = cfg.num_hidden_layers, cfg.num_mtp_layers
+    if main > layers:
+        raise CheckpointError(f"config.json has num_hidden_layers={main}, checkpoint {where} has {layers} layers")
+    if mtp and main < layers < main + mtp:  # (none at all: the MTP layers are absent, which load() allows)
+        raise CheckpointError(
+            f"config.json has num_nextn_predict_layers={mtp}, checkpoint {where} has {layers - main} MTP layers"
+        )
+    moe = any(cfg.is_moe_layer(i) for i in range(min(main + mtp, layers)))
+    if moe and cfg.n_routed_experts > experts:
+        raise CheckpointError(
+            f"config.json has n_routed_experts={cfg.n_routed_experts}, checkpoint {where} has {experts} experts"
+        )
+
+
 def mtp_names(cfg: ModelConfig) -> list[str]:
     """Checkpoint names of the MTP layers' tensors, in name-table order."""
     main = {s.name for s in tensor_specs(cfg, mtp=False)}
@@ -356,8 +387,9 @@ def load_params(
     read_index, when the caller has it.
     """
     path = Path(path)
-    specs = tensor_specs(cfg, mtp=mtp)
     index = read_index(path) if index is None else index
+    check_counts(cfg, index, path)  # before the name table, whose size the counts set
+    specs = tensor_specs(cfg, mtp=mtp)
     sources = match_sources(path, index, specs, lambda n: ignored_tensor(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
     np_dtype = np.dtype(jnp.dtype(dtype))
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
