@@ -185,8 +185,12 @@ def test_quantised_weights_split_like_the_weights_they_stand_for(scheme):
     assert held[1] == gate.q.shape[1] // 4  # each rank holds its own experts
     # (int8 activations: float noise from other batch shapes can flip a rounding, so not the float plans' 1e-4)
     assert rel_err(decode_plan_logits(plan, params, model.cfg, ref["ids"]), single) < 3e-3
-    if scheme == "w8a8":
-        return  # its prefill under tp differs from one device by 7% whatever the placement: an open bug
     plan = prefill_plan(2, 4)
     lg = prefill_logits(plan, shard_params(model.params, plan), model.cfg, ref["ids"])
-    assert rel_err(lg, single) < 3e-3
+    # w8a8 quantises the dense layers' activations before the routers: a rounding that flips moves a token's
+    # experts, so this random model's logits move as much under a 1e-6 relative change of its input on one device
+    # (about 7%); the plan must stay within that floor
+    embed = model.params["embed"]
+    noisy = dict(model.params, embed=embed * (1 + 1e-6 * jax.random.normal(jax.random.key(3), embed.shape)))
+    floor = rel_err(prefill_logits(prefill_plan(1, 1), noisy, model.cfg, ref["ids"]), single)
+    assert rel_err(lg, single) < max(3e-3, 2 * floor), floor
