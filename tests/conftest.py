@@ -36,6 +36,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 PARITY = ["tiny_v3", "tiny_v2_lite", "tiny_v2_grouped"]
 
 
+@pytest.fixture(autouse=True)
+def persistent_cache_stays_off():
+    """A test that runs `hcfjax serve` in this process (cli.main) turns jax's persistent compilation cache on for the
+    whole process; the tests after it would write every executable there (and XLA:CPU crashes serializing some).
+    Off again after each test."""
+    yield
+    if jax.config.jax_compilation_cache_dir is not None:
+        from jax._src import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="session", params=PARITY)
 def parity_case(request):
     """(model in float32, transformers reference arrays) for each fixture checkpoint."""
