@@ -29,7 +29,10 @@ DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None) -> Model:
+FP8_MODES = ("native", "dequantize")
+
+
+def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, fp8: str = "native") -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
 
@@ -38,11 +41,19 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     mtp: None loads the MTP layers where the checkpoint has them, and warns where config.json names MTP layers that
     the checkpoint lacks (transformers never saves them); True requires them; False skips them. The returned
     config counts only the MTP layers loaded.
+    fp8: for checkpoints whose config.json carries DeepSeek's fp8 `quantization_config` (V3, R1): "native" keeps
+    the weights fp8 with their block scales and runs them as w8a8 fp8 linears and experts (hcfjax/fp8.py);
+    "dequantize" turns them into `dtype` as they are read (the config then says no quantisation). fp8 tensors in a
+    checkpoint without that block are always dequantised.
     """
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
     path = Path(DEFAULT_MODEL if path is None else path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
+    if fp8 == "dequantize" and cfg.quantization is not None and cfg.quantization.fp8 is not None:
+        cfg = dataclasses.replace(cfg, quantization=None)
     headers = checkpoint_headers(path)
     if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):
         if mtp:

@@ -22,10 +22,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from hcfjax import fp8
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quant import QWeight, group_size
 
-FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
+FP8_BLOCK = fp8.BLOCK  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
 
 
 class CheckpointError(ValueError):
@@ -143,6 +144,8 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
     """The name table of a quantised checkpoint: each quantised linear `X.weight` [N, K] becomes `X.weight` (int4
     packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]; [K/G, N] in params), at params paths
     (..., 'q') and (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
+    if q.fp8 is not None:
+        return fp8_specs(specs)
     out = []
     for s in specs:
         scheme = q.experts if "experts" in s.path else q.linear
@@ -164,6 +167,40 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
 
 _QDTYPE = {4: "uint8", 8: "int8"}
 
+# The linears DeepSeek ships in fp8 that stay fp8 on the device: MLA's projections and every MLP (dense, shared,
+# routed experts). kv_b is fp8 on disk too but is dequantised on load: attention.py slices it per head into the
+# absorbed query and output (DeepSeek's own inference code dequantises it there). Embeddings, norms, routers, LM
+# heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
+FP8_LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
+FP8_QUANT = (8, "fp8")  # TensorSpec.quant of an Fp8Weight's `q`
+
+
+def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The name table of a DeepSeek fp8 checkpoint loaded as fp8: each FP8_LINEARS `X.weight` [N, K] is e4m3 and
+    `X.weight_scale_inv` f32 [N/128, K/128], both kept as stored at params paths (..., 'q') and (..., 'scale') of
+    one Fp8Weight (hcfjax/fp8.py)."""
+    out = []
+    for s in specs:
+        if not (s.linear and s.path[-1] in FP8_LINEARS):
+            out.append(s)
+            continue
+        n, k = s.shape
+        sshape = fp8.scale_shape(n, k)
+        out.append(
+            TensorSpec(s.name, s.path + ("q",), s.index, s.shape, s.shape, False, False, "float8_e4m3fn", FP8_QUANT)
+        )
+        out.append(
+            TensorSpec(f"{s.name}_scale_inv", s.path + ("scale",), s.index, sshape, sshape, False, dtype="float32")
+        )
+    return out
+
+
+def quantized_weight(q, scale, quant: tuple[int, str], cfg: ModelConfig):
+    """The pytree type of a quantised weight's parts (spec.quant says which)."""
+    if quant == FP8_QUANT:
+        return fp8.Fp8Weight(q, scale, cfg.quantization.fp8.scale_fmt)
+    return QWeight(q, scale, *quant)
+
 
 def stacked_shapes(specs: list[TensorSpec]) -> dict[tuple, tuple[tuple[int, ...], bool]]:
     """params path -> (full stacked shape, fp32): the leading dims are one past the largest index seen."""
@@ -184,7 +221,7 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 def get_path(tree, path: tuple):
     for key in path:
-        tree = getattr(tree, key) if isinstance(tree, QWeight) else tree[key]
+        tree = getattr(tree, key) if isinstance(tree, (QWeight, fp8.Fp8Weight)) else tree[key]
     return tree
 
 
@@ -291,6 +328,31 @@ def _read_fp8(file: Path, name: str) -> np.ndarray:
     return np.asarray(raw).view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
 
 
+def fp8_parts(spec: TensorSpec, t: np.ndarray, load_scale, by_name: dict[str, TensorSpec]) -> list:
+    """(spec, array) pairs that checkpoint tensor `t` of `spec` fills: itself; an fp8 weight (load_scale reads its
+    weight_scale_inv) dequantised where its spec is a float linear, or kept with its scale where its spec is an
+    Fp8Weight's `q`. The scale's shape is checked either way."""
+    keep = spec.quant == FP8_QUANT
+    if load_scale is None:
+        if keep:
+            raise CheckpointError(
+                f"tensor {spec.name!r} is stored as {t.dtype} without a weight_scale_inv, but config.json's "
+                f"quantization_config says fp8 (hcfjax.load(..., fp8='dequantize') loads it as it is)"
+            )
+        return [(spec, t)]
+    scale = load_scale()
+    scale_name = spec.name + "_scale_inv"
+    want = fp8.scale_shape(*t.shape)
+    if tuple(scale.shape) != want:
+        raise CheckpointError(
+            f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected {want}: one scale per "
+            f"{FP8_BLOCK} x {FP8_BLOCK} block of {spec.name!r} {tuple(t.shape)}"
+        )
+    if keep:
+        return [(spec, t), (by_name[scale_name], scale)]
+    return [(spec, dequantize_fp8(t, scale))]
+
+
 def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     """DeepSeek fp8 e4m3 weight [out, in] with one scale per 128 x 128 block -> float32."""
     rows, cols = w.shape
@@ -331,7 +393,8 @@ def _ignored(cfg: ModelConfig, name: str) -> bool:
 def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True) -> dict:
     """Reads a checkpoint tensor by tensor into the params pytree (device arrays of `dtype`; router in f32).
 
-    fp8 e4m3 weights with `weight_scale_inv` are dequantised as they are read. Host memory holds one copy of the
+    fp8 e4m3 weights with `weight_scale_inv` stay fp8 where the config's quantization_config is DeepSeek's fp8 block
+    (fp8_specs), and are dequantised as they are read otherwise. Host memory holds one copy of the
     weights (the stacked buffers) plus the tensor being read.
     """
     path = Path(path)
@@ -353,11 +416,10 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: boo
         t = load()
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {spec.shape}")
-        if load_scale is not None:
-            t = dequantize_fp8(t, load_scale())
-        t = t.T.reshape(spec.pshape) if spec.linear else t
-        buffers[spec.path][spec.index] = t.astype(buffers[spec.path].dtype)
-        seen.add(name)
+        for part, value in fp8_parts(spec, t, load_scale, by_name):
+            value = value.T.reshape(part.pshape) if part.linear else value
+            buffers[part.path][part.index] = value.astype(buffers[part.path].dtype)
+            seen.add(part.name)
     missing = [s.name for s in specs if s.name not in seen]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -368,7 +430,7 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: boo
     for s in specs:
         if s.quant and s.path in params:
             w = s.path[:-1]
-            params[w] = QWeight(params.pop(s.path), params.pop(w + ("scale",)), *s.quant)
+            params[w] = quantized_weight(params.pop(s.path), params.pop(w + ("scale",)), s.quant, cfg)
     return to_pytree(params)
 
 

@@ -1,4 +1,4 @@
-"""`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8).
+"""`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8, fp8).
 
 What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the linears):
   w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
@@ -7,8 +7,12 @@ What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the li
           the MTP combiner) int8 per output channel with int8 activations; the int8 latent KV cache
           (`quantization_config.kv_cache_dtype`, see `default_cache_dtype`).
   w8a8    every `x @ W` linear, experts included, int8 per output channel with int8 activations.
-Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head q_b/kv_b/o (einsums
-in attention.py; its absorbed decode folds kv_b into the query and the output).
+  fp8     DeepSeek-V3's own format (hcfjax/fp8.py; checkpoint.FP8_LINEARS): MLA's projections but kv_b, and every
+          MLP, experts included, e4m3 with one scale per 128 x 128 block; e4m3 activations per token and 128
+          channels. The checkpoint is DeepSeek's layout (`weight_scale_inv`, quant_method "fp8").
+Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head kv_b (its absorbed
+decode folds kv_b into the query and the output); by the int schemes also q_b and o (per-head einsums in
+attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from hcfjax.checkpoint import get_path, quantized_specs, tensor_specs
+from hcfjax import fp8
+from hcfjax.checkpoint import FP8_QUANT, get_path, quantized_specs, tensor_specs
 from hcfjax.config import QuantConfig
 from hcfjax.model import Model
 from hcfjax.quant import quantize
@@ -37,9 +42,17 @@ def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
         if s.quant and s.path not in done:
             done.add(s.path)
             w = s.path[:-1]
-            bits, act = s.quant
-            get_path(params, w[:-1])[w[-1]] = quantize(get_path(model.params, w), bits, act, group_size)
+            get_path(params, w[:-1])[w[-1]] = _quantize_weight(get_path(model.params, w), s, group_size)
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, quantization=qcfg), params=params)
+
+
+def _quantize_weight(w, spec, group_size: int):
+    """The stacked weight w [..., K, N...] (the params' shape: per-head outputs split) quantised as spec.quant says."""
+    if spec.quant == FP8_QUANT:
+        n, k = spec.shape  # the checkpoint's [out, in]
+        return fp8.quantize(w.reshape(*w.shape[: len(spec.index)], k, n))
+    bits, act = spec.quant
+    return quantize(w, bits, act, group_size)
 
 
 def _copy_tree(tree):
@@ -72,9 +85,18 @@ def default_cache_dtype(model: Model, requested=None):
 
 def quantize_checkpoint(src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128) -> Model:
     """Loads `src` (a checkpoint directory; None: the embedded model), quantises it and writes it to `out` as
-    safetensors with `quantization_config` in config.json, which `hcfjax.load` reads back."""
+    safetensors with `quantization_config` in config.json, which `hcfjax.load` reads back. An fp8 checkpoint is
+    dequantised to bf16 first, except for the fp8 scheme, which writes its weights as they are."""
     from hcfjax.api import load, save
 
-    model = quantize_model(load(src, dtype=jnp.bfloat16), scheme, group_size)
+    model = load(src, dtype=jnp.bfloat16, fp8="native" if scheme == "fp8" else "dequantize")
+    if not is_scheme(model, scheme):
+        model = quantize_model(model, scheme, group_size)
     save(model, out)
     return model
+
+
+def is_scheme(model: Model, scheme: str) -> bool:
+    """Whether the model's weights are quantised per `scheme` already (e.g. an fp8 checkpoint loaded as fp8)."""
+    q = model.cfg.quantization
+    return q is not None and q.scheme == scheme
