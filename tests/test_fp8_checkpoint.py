@@ -268,3 +268,16 @@ def test_trained_model_in_fp8_keeps_its_predictions(embedded_fp8):
     prompt = [tokens[:128]]
     got = hcfjax.generate(native, prompt, max_new_tokens=8).tokens
     assert got == hcfjax.generate(plain, prompt, max_new_tokens=8).tokens
+
+
+def test_cli_generate_runs_fp8_or_dequantised(random_fp8, capsys, monkeypatch):
+    from hcfjax import cli
+
+    loaded = []
+    load = hcfjax.load
+    monkeypatch.setattr(hcfjax, "load", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    for mode in ("native", "dequantize"):
+        args = ["generate", "--model", str(random_fp8[0]), "--prompt", "def f(x):", "--max-new-tokens", "2"]
+        assert cli.main([*args, "--fp8", mode]) == 0
+        assert capsys.readouterr().out.startswith("def f(x):")
+    assert [m.cfg.quantization and m.cfg.quantization.scheme for m in loaded] == ["fp8", None]
