@@ -31,7 +31,6 @@ from jax import lax
 BLOCK = 128  # DeepSeek's weight blocks (128 x 128) and activation groups (1 x 128)
 E4M3_MAX = 448.0
 DTYPE = jnp.float8_e4m3fn
-SCALE_FMTS = (None, "ue8m0")
 
 
 @jax.tree_util.register_dataclass

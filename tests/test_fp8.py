@@ -175,22 +175,3 @@ def test_v3_quantization_config_is_read():
 def test_unsupported_fp8_formats_are_named(key, value):
     with pytest.raises(ConfigError, match=rf"{key}=.*quant_method='fp8'"):
         ModelConfig.from_dict({**PRESETS["deepseek-v3"], "quantization_config": {**V3_FP8_BLOCK, key: value}})
-
-
-def test_simulator_holds_fp8_weights_in_a_byte():
-    """The capacity simulator's fp8 scheme: experts and linears (q_b and o too) at one byte plus a float32 scale per
-    128 x 128 block, at the int8/fp8 tensor-core rate; kv_b, routers and embeddings stay bf16."""
-    from hcfjax.sim.cost import CostModel, Work
-    from hcfjax.sim.deployment import model_config
-    from hcfjax.sim.gpus import Efficiency, gpu
-
-    v3, ideal = model_config("deepseek-v3"), Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)
-    bf16, f8 = CostModel(v3, gpu("H200"), ideal), CostModel(v3, gpu("H200"), ideal, quant="fp8")
-    work = [Work(tokens=1, logits=1)]
-    per_weight = 1 + 4 / 128**2
-    assert f8.step(work).parts["moe_routed"] / bf16.step(work).parts["moe_routed"] == pytest.approx(per_weight / 2)
-    c = v3
-    fp8_weights = c.num_hidden_layers * (f8.p_down + f8.p_head) + f8.n_dense * f8.p_dense
-    fp8_weights += f8.n_moe * (f8.p_shared + c.n_routed_experts * f8.p_expert)
-    saved = fp8_weights * (2 - per_weight)
-    assert f8.weight_bytes_per_gpu() == pytest.approx(bf16.weight_bytes_per_gpu() - saved)

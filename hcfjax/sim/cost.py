@@ -29,8 +29,7 @@ from hcfjax.config import QUANT_SCHEMES, ModelConfig
 from hcfjax.sim.gpus import GPU, Efficiency
 
 INT4_BYTES = 0.5 + 2 / 128  # int4 values + one bf16 scale per group of 128
-# fp8: one byte per weight and a float32 scale per 128 x 128 block.
-WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES, "fp8": 1.0 + 4 / 128**2}
+WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES}
 
 
 @dataclasses.dataclass
@@ -105,7 +104,7 @@ class CostModel:
         q_out = h * c.qk_head_dim
         if c.q_lora_rank:
             self.p_down = d * c.q_lora_rank + d * cr  # q_a, kv_a (w8a8 under w4a8c8)
-            self.p_head = c.q_lora_rank * q_out + h * c.v_head_dim * d  # q_b, o (bf16; fp8 under fp8)
+            self.p_head = c.q_lora_rank * q_out + h * c.v_head_dim * d  # q_b, o (bf16)
         else:
             self.p_down = d * cr
             self.p_head = d * q_out + h * c.v_head_dim * d
@@ -116,8 +115,7 @@ class CostModel:
         self.p_router = d * c.n_routed_experts
         self.p_lm = d * c.vocab_size
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
-        self.w_head = self.w_lin if linear == "fp8" else 2.0  # fp8 keeps q_b and o as DeepSeek ships them
-        self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
+        self.lin_int8, self.exp_int8 = linear == "w8a8", experts in ("w4a8", "w8a8")
         self.kv_bytes_token_layer = cr * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
         self.n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
         self.n_dense = c.num_hidden_layers - self.n_moe
@@ -136,7 +134,7 @@ class CostModel:
         c = self.cfg
         layers = c.num_hidden_layers + (c.num_mtp_layers if self.spec_k else 0)
         moe_layers = self.n_moe + (c.num_mtp_layers if self.spec_k and self.mtp_moe else 0)
-        attn = layers * (self.p_down * self.w_lin + self.p_head * self.w_head + self.p_kvb * 2)
+        attn = layers * (self.p_down * self.w_lin + (self.p_head + self.p_kvb) * 2)
         mlp = self.n_dense * self.p_dense * self.w_lin + moe_layers * (self.p_shared * self.w_lin + self.p_router * 2)
         embed = 2 * self.p_lm * 2
         routed = moe_layers * c.n_routed_experts * self.p_expert * self.w_exp
@@ -202,7 +200,7 @@ class CostModel:
             return 0.0, 0.0, {}, {}
         attn_lin = roof(2 * t * self.p_down / tp, self.p_down * self.w_lin / tp, lin_peak, hbm, gc, gm) + roof(
             2 * (t * self.p_head + (dec_tokens + w.pre_expand) * self.p_kvb) / tp,
-            (self.p_head * self.w_head + self.p_kvb * 2) / tp,
+            (self.p_head + self.p_kvb) * 2 / tp,
             bf16,
             hbm,
             gc,
