@@ -32,7 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 FP8_MODES = ("native", "dequantize")
 
 
-def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, fp8: str = "native") -> Model:
+def load(
+    path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, plan=None, fp8: str = "native"
+) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
 
@@ -41,14 +43,37 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     mtp: None loads the MTP layers where the checkpoint has them, and warns where config.json names MTP layers that
     the checkpoint lacks (transformers never saves them); True requires them; False skips them. The returned
     config counts only the MTP layers loaded.
+    plan: a sharding plan (sharding.plans) to place the weights for: each device receives only its slices of each
+    param, and each process reads only the tensors its own devices hold. None: the default device.
     fp8: for checkpoints whose config.json carries DeepSeek's fp8 `quantization_config` (V3, R1): "native" keeps
     the weights fp8 with their block scales and runs them as w8a8 fp8 linears and experts (hcfjax/fp8.py);
     "dequantize" turns them into `dtype` as they are read (the config then says no quantisation). fp8 tensors in a
     checkpoint without that block are always dequantised.
+
+    Loading streams: the checkpoint is checked whole first (a bad one fails naming file and tensor, with nothing
+    placed), then read tensor by tensor straight onto the devices, so host memory holds a few tensors, not the model.
     """
+    path = Path(DEFAULT_MODEL if path is None else path)
+    cfg, headers = read_config(path, mtp, fp8)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = checkpoint_dtype(path, headers)
+    # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
+    sharding = None if plan is None else plan.param_sharding
+    params = load_params(path, cfg, jnp.dtype(dtype), mtp is not False, sharding, headers)
+    tok_file = path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+    return Model(cfg, params, tokenizer, str(path))
+
+
+def read_config(
+    path: Path, mtp: bool | None = None, fp8: str = "native", stacklevel: int = 3
+) -> tuple[ModelConfig, dict]:
+    """config.json's ModelConfig counting the MTP layers that `load(path, mtp=mtp)` loads, and saying no
+    quantisation where `fp8="dequantize"` reads DeepSeek's fp8 weights as floats; and the checkpoint's tensor index
+    (checkpoint_headers). Warns (at `stacklevel`) where config.json names MTP layers the checkpoint lacks and mtp is
+    None."""
     if fp8 not in FP8_MODES:
         raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
-    path = Path(DEFAULT_MODEL if path is None else path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
@@ -64,18 +89,17 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
         warnings.warn(
             f"checkpoint {path} has no MTP layer tensors though config.json says num_nextn_predict_layers="
             f"{cfg.num_mtp_layers}: loading the main model alone (speculative decoding needs MTP layers)",
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
         cfg = _without_mtp(cfg)
-    if mtp is False:
-        cfg = _without_mtp(cfg)
-    if isinstance(dtype, str) and dtype == "auto":
-        dtype = checkpoint_dtype(path, headers)
-    # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
-    params = load_params(path, cfg, dtype=jnp.dtype(dtype), mtp=mtp is not False)
-    tok_file = path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
-    return Model(cfg, params, tokenizer, str(path))
+    return (_without_mtp(cfg) if mtp is False else cfg), headers
+
+
+def write_config(cfg: ModelConfig, path: Path, dtype) -> None:
+    """config.json for `cfg` with `dtype` as its torch_dtype."""
+    d = cfg.to_dict()
+    d["torch_dtype"] = str(jnp.dtype(dtype))
+    (path / "config.json").write_text(json.dumps(d, indent=1))
 
 
 def save(model: Model, path: str | Path, dtype=None) -> None:
@@ -85,9 +109,7 @@ def save(model: Model, path: str | Path, dtype=None) -> None:
     cfg = model.cfg
     if "mtp" not in model.params and cfg.num_mtp_layers:
         cfg = _without_mtp(cfg)
-    d = cfg.to_dict()
-    d["torch_dtype"] = str(jnp.dtype(dtype or model.dtype))
-    (path / "config.json").write_text(json.dumps(d, indent=1))
+    write_config(cfg, path, dtype or model.dtype)
     save_params(model.params, cfg, path, dtype=dtype)
     if model.tokenizer is not None:
         model.tokenizer.save(str(path / "tokenizer.json"))

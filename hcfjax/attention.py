@@ -125,6 +125,55 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Ar
     return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
 
 
+KEY_BLOCK = 512  # keys per step of attend_expanded_paged (rounded to whole pages)
+
+
+def attend_expanded_paged(
+    p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions, key_block: int = KEY_BLOCK
+) -> jax.Array:
+    """attend_expanded over the paged cache, a block of pages at a time with an online softmax (flash attention's
+    recurrence), for as many blocks as the batch's longest kv_len needs: a prefill chunk reads, up-projects and
+    scores only the context its rows have, never the whole page table, and never holds more than one block's
+    scores. A query at positions [B, T] sees keys at positions <= its own and < kv_len. -> [B, T, H, V]"""
+    cache = ctx.cache
+    per_block = max(1, key_block // cache.page_size)
+    keys = per_block * cache.page_size
+    blocks = -(-ctx.page_table.shape[1] // per_block)
+    table = jnp.pad(ctx.page_table, ((0, 0), (0, blocks * per_block - ctx.page_table.shape[1])))
+    used = (jnp.max(ctx.kv_len) + keys - 1) // keys  # blocks any row needs (a dynamic trip count)
+    scale = cfg.softmax_scale
+
+    def block(i, top=None):
+        """Block i's scores' row max (at least `top`), exp(scores - max) where visible (else 0), and its values."""
+        pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
+        ckv, kpe = kvcache.read(cache, layer, pages, cfg.kv_lora_rank, q_nope.dtype)
+        kv = jnp.einsum("BSC,CHK->BSHK", ckv, p["kv_b"])
+        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+        scores = jnp.einsum("BTHN,BSHN->BHTS", q_nope, k_nope, preferred_element_type=jnp.float32)
+        scores = (scores + jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)) * scale
+        key_pos = i * keys + jnp.arange(keys)[None, None, :]  # [1, 1, S]
+        mask = ((key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None]))[:, None]  # [B,1,T,S]
+        # a finite floor: a row with no visible key yet (padding, mock rows) keeps weights of exactly 0
+        new_top = jnp.max(jnp.where(mask, scores, -1e30), axis=-1)
+        new_top = new_top if top is None else jnp.maximum(top, new_top)
+        return new_top, jnp.where(mask, jnp.exp(scores - new_top[..., None]), 0.0), v
+
+    def weighted(probs, v):
+        return jnp.einsum("BHTS,BSHV->BTHV", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    def step(i, carry):
+        top, total, acc = carry  # running max and sum of exp [B, H, T], output [B, T, H, V] f32
+        new_top, probs, v = block(i, top)
+        fade = jnp.exp(top - new_top)  # the earlier blocks' weight under the new max
+        return new_top, total * fade + probs.sum(-1), acc * fade.transpose(0, 2, 1)[..., None] + weighted(probs, v)
+
+    # block 0 outside the loop: its results carry the inputs' sharding types (under shard_map), as the loop needs
+    top, probs, v = block(0)
+    _, total, acc = jax.lax.fori_loop(1, used, step, (top, probs.sum(-1), weighted(probs, v)))
+    total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny).transpose(0, 2, 1)[..., None]
+    return (acc / total).astype(q_nope.dtype)
+
+
 def attend_absorbed_paged(
     p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions, opts: Options = DEFAULT
 ) -> jax.Array:
@@ -174,9 +223,8 @@ def mla(
         if absorbed:
             out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
             return out_proj(out, p["o"], cfg), ctx
-        ckv, kpe = kvcache.read(cache, layer, ctx.page_table, cfg.kv_lora_rank, x.dtype)
-        key_pos = jnp.arange(ckv.shape[1])[None, None, :]  # [1, 1, S]
-        mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
+        out = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
+        return out_proj(out, p["o"], cfg), ctx
     attend = attend_absorbed if absorbed else attend_expanded
     out = attend(p, cfg, q_nope, q_pe, ckv, kpe, mask)  # [B, T, H, V]
     return out_proj(out, p["o"], cfg), ctx

@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hcfjax import fp8
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quant import QWeight, group_size
+from hcfjax.safetensors_files import DTYPE_NAMES, CheckpointError, TensorEntry, read_index, read_tensor
+from hcfjax.streaming import Stacked, fill_params
+
+_log = logging.getLogger(__name__)
 
 FP8_BLOCK = fp8.BLOCK  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: missing, unexpected or misshapen tensors, named."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +170,7 @@ _QDTYPE = {4: "uint8", 8: "int8"}
 # heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
 FP8_LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
 FP8_QUANT = (8, "fp8")  # TensorSpec.quant of an Fp8Weight's `q`
+FP8_AS_FLOAT_HINT = " (config.json's quantization_config says fp8; hcfjax.load(..., fp8='dequantize') reads floats)"
 
 
 def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
@@ -244,32 +242,16 @@ def to_pytree(flat: dict[tuple, object]) -> dict:
 # ---- reading ---------------------------------------------------------------------------------------------------
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    missing = [f for f in files if not f.is_file()]
-    if missing or not files:
-        raise CheckpointError(
-            f"no safetensors weights at {path}" + (f" (missing {missing[0].name})" if missing else "")
-        )
-    return files
-
-
-def checkpoint_headers(path: Path) -> dict[str, dict]:
-    """name -> safetensors header entry (dtype, shape) of every tensor in the checkpoint, read from file headers."""
-    out = {}
-    for file in checkpoint_files(path):
-        header, _ = _read_header(file)
-        out.update({k: v for k, v in header.items() if k != "__metadata__"})
-    return out
+def checkpoint_headers(path: Path) -> dict[str, TensorEntry]:
+    """name -> TensorEntry (file, dtype, shape) of every tensor in the checkpoint, read and checked from the file
+    headers and the index (safetensors_files.read_index)."""
+    return read_index(path)
 
 
 def mtp_names(cfg: ModelConfig) -> list[str]:
-    """Checkpoint names of the MTP layers' tensors, in name-table order."""
+    """Checkpoint names of the MTP layers' weights, in name-table order (quantised weights by their values' names:
+    match_sources checks their scales and dtypes)."""
+    cfg = dataclasses.replace(cfg, quantization=None)
     main = {s.name for s in tensor_specs(cfg, mtp=False)}
     return [s.name for s in tensor_specs(cfg, mtp=True) if s.name not in main]
 
@@ -295,15 +277,16 @@ AUTO_DTYPES = ("bfloat16", "float16", "float32")
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def checkpoint_dtype(path: Path, headers: dict[str, dict]) -> jnp.dtype:
+def checkpoint_dtype(path: Path, headers: dict[str, TensorEntry]) -> jnp.dtype:
     """The checkpoint's own dtype: config.json's `torch_dtype` (`dtype` in newer transformers), else the
     embedding's stored dtype (fp8 checkpoints keep it in bf16)."""
     config = json.loads((path / "config.json").read_text())
     name = config.get("torch_dtype") or config.get("dtype")
     source = "config.json's torch_dtype"
     if name is None:
-        embed = headers.get("model.embed_tokens.weight", {})
-        name = _SAFETENSORS_DTYPES.get(embed.get("dtype"), embed.get("dtype"))
+        embed = headers.get("model.embed_tokens.weight")
+        stored = embed.dtype if embed else None
+        name = _SAFETENSORS_DTYPES.get(stored, stored)
         source = "its model.embed_tokens.weight"
     name = str(name).removeprefix("torch.")
     if name not in AUTO_DTYPES:
@@ -313,46 +296,6 @@ def checkpoint_dtype(path: Path, headers: dict[str, dict]) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _read_header(file: Path) -> tuple[dict, int]:
-    with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n)), 8 + n
-
-
-def _read_fp8(file: Path, name: str) -> np.ndarray:
-    """safetensors' numpy reader has no float8 type: map the tensor's bytes and view them as e4m3."""
-    header, start = _read_header(file)
-    info = header[name]
-    begin, end = info["data_offsets"]
-    raw = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-    return np.asarray(raw).view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
-
-
-def fp8_parts(spec: TensorSpec, t: np.ndarray, load_scale, by_name: dict[str, TensorSpec]) -> list:
-    """(spec, array) pairs that checkpoint tensor `t` of `spec` fills: itself; an fp8 weight (load_scale reads its
-    weight_scale_inv) dequantised where its spec is a float linear, or kept with its scale where its spec is an
-    Fp8Weight's `q`. The scale's shape is checked either way."""
-    keep = spec.quant == FP8_QUANT
-    if load_scale is None:
-        if keep:
-            raise CheckpointError(
-                f"tensor {spec.name!r} is stored as {t.dtype} without a weight_scale_inv, but config.json's "
-                f"quantization_config says fp8 (hcfjax.load(..., fp8='dequantize') loads it as it is)"
-            )
-        return [(spec, t)]
-    scale = load_scale()
-    scale_name = spec.name + "_scale_inv"
-    want = fp8.scale_shape(*t.shape)
-    if tuple(scale.shape) != want:
-        raise CheckpointError(
-            f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected {want}: one scale per "
-            f"{FP8_BLOCK} x {FP8_BLOCK} block of {spec.name!r} {tuple(t.shape)}"
-        )
-    if keep:
-        return [(spec, t), (by_name[scale_name], scale)]
-    return [(spec, dequantize_fp8(t, scale))]
-
-
 def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     """DeepSeek fp8 e4m3 weight [out, in] with one scale per 128 x 128 block -> float32."""
     rows, cols = w.shape
@@ -360,28 +303,12 @@ def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     return w.astype(np.float32) * s
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, callable, callable]]:
-    """(name, load(), load_scale_inv() or None) for every tensor in the files, one at a time."""
-    for file in files:
-        with safe_open(str(file), "numpy") as f:
-            names = set(f.keys())
-            for name in sorted(names):
-                if name.endswith(".weight_scale_inv"):
-                    continue
-                fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
-                load = (lambda n=name, file=file: _read_fp8(file, n)) if fp8 else (lambda n=name, f=f: f.get_tensor(n))
-                scale_name = name[: -len("weight")] + "weight_scale_inv"
-                scale = (lambda n=scale_name, f=f: f.get_tensor(n)) if scale_name in names else None
-                if fp8 and scale is None:
-                    raise CheckpointError(f"fp8 tensor {name} has no {scale_name} beside it in {file.name}")
-                yield name, load, scale
-
-
 # Tensors that real checkpoints carry but this project derives or shares.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _ignored(cfg: ModelConfig, name: str) -> bool:
+def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one the model derives or shares, and so is skipped."""
     if name.endswith(_IGNORED_SUFFIXES):
         return True
     # DeepSeek-V3 ships a copy of the embedding inside each MTP layer; the model shares the main one.
@@ -390,43 +317,120 @@ def _ignored(cfg: ModelConfig, name: str) -> bool:
     return False
 
 
-def load_params(path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True) -> dict:
-    """Reads a checkpoint tensor by tensor into the params pytree (device arrays of `dtype`; router in f32).
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a name-table tensor lies in the checkpoint, with its fp8 block scales when it is fp8."""
 
-    fp8 e4m3 weights with `weight_scale_inv` stay fp8 where the config's quantization_config is DeepSeek's fp8 block
-    (fp8_specs), and are dequantised as they are read otherwise. Host memory holds one copy of the
-    weights (the stacked buffers) plus the tensor being read.
-    """
-    path = Path(path)
-    specs = tensor_specs(cfg, mtp=mtp)
+    entry: TensorEntry
+    scale_inv: TensorEntry | None = None
+
+
+_FLOATS = ("BF16", "F16", "F32", "F64")
+_FP8 = "F8_E4M3"
+_SCALE_INV = ".weight_scale_inv"
+
+
+def match_sources(path: Path, index: dict[str, TensorEntry], specs: list[TensorSpec], skip) -> dict[str, Source]:
+    """name -> Source for every spec, after checking the whole checkpoint against the name table: no unexpected
+    tensor (unless skip(name)), none missing, every shape as the config says, every dtype one the spec can take.
+    Quantised parts take their exact dtype: an Fp8Weight's `q` e4m3, its `scale` the f32 weight_scale_inv beside
+    it, each a source of its own (fp8_specs). A float spec takes a float, or (a linear) fp8 e4m3 beside a
+    weight_scale_inv of one scale per 128 x 128 block, which read_weight dequantises. Errors name the tensor and
+    its file; nothing has been read or placed when they are raised."""
     by_name = {s.name: s for s in specs}
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
-    buffers = {
-        p: np.empty(shape, fixed.get(p, np.float32 if fp32 else np_dtype))
-        for p, (shape, fp32) in stacked_shapes(specs).items()
-    }
-    seen: set[str] = set()
-    for name, load, load_scale in iter_tensors(checkpoint_files(path)):
-        spec = by_name.get(name)
+    sources = {}
+    for name, e in index.items():
+        spec, weight = by_name.get(name), name.removesuffix("_scale_inv")
+        if spec is None and name.endswith(_SCALE_INV) and weight in by_name:  # the scales of a weight read as floats
+            w = index.get(weight)
+            if w is not None and w.dtype != _FP8:
+                raise CheckpointError(f"tensor {e.where} scales {w.where}, which is {w.dtype}, not fp8 ({_FP8})")
+            continue
         if spec is None:
-            if _ignored(cfg, name) or (not mtp and _is_mtp_name(cfg, name)):
+            if skip(weight):
                 continue
-            raise CheckpointError(f"unexpected tensor {name!r} in {path} (not in the name table for this config)")
-        t = load()
-        if tuple(t.shape) != spec.shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {spec.shape}")
-        for part, value in fp8_parts(spec, t, load_scale, by_name):
-            value = value.T.reshape(part.pshape) if part.linear else value
-            buffers[part.path][part.index] = value.astype(buffers[part.path].dtype)
-            seen.add(part.name)
-    missing = [s.name for s in specs if s.name not in seen]
+            raise CheckpointError(f"unexpected tensor {e.where} at {path} (not in the name table for this config)")
+        if e.shape != spec.shape:
+            raise CheckpointError(f"tensor {e.where} has shape {e.shape}, config expects {spec.shape}")
+        scale = index.get(name + "_scale_inv") if name.endswith(".weight") else None
+        if spec.dtype is not None:
+            want = DTYPE_NAMES[np.dtype(spec.dtype)]
+            if e.dtype != want:
+                hint = FP8_AS_FLOAT_HINT if spec.quant == FP8_QUANT and e.dtype in _FLOATS else ""
+                raise CheckpointError(
+                    f"tensor {e.where} has dtype {e.dtype}; this quantised checkpoint needs {want}{hint}"
+                )
+        elif e.dtype == _FP8 and spec.linear:
+            if scale is None:
+                raise CheckpointError(f"fp8 tensor {e.where} has no {name}_scale_inv beside it")
+            blocks = fp8.scale_shape(*e.shape)
+            if scale.shape != blocks or scale.dtype not in _FLOATS:
+                raise CheckpointError(
+                    f"tensor {scale.where} is {scale.dtype} {scale.shape}; fp8 {name!r} {e.shape} needs one float "
+                    f"scale per {FP8_BLOCK} x {FP8_BLOCK} block: {blocks}"
+                )
+        elif e.dtype not in _FLOATS:
+            fp8_too = f", or {_FP8} with a weight_scale_inv" if spec.linear else ""
+            raise CheckpointError(
+                f"tensor {e.where} has dtype {e.dtype}; expected one of {', '.join(_FLOATS)}{fp8_too}"
+            )
+        sources[name] = Source(e, scale if spec.dtype is None and e.dtype == _FP8 else None)
+    missing = [s.name for s in specs if s.name not in sources]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]!r}{more}")
-    params = {}
-    for p in list(buffers):
-        params[p] = jnp.asarray(buffers.pop(p))
+    return sources
+
+
+def read_weight(source: Source) -> np.ndarray:
+    """A checkpoint tensor as stored (fp8 with block scales: dequantised to float32)."""
+    t = read_tensor(source.entry)
+    return t if source.scale_inv is None else dequantize_fp8(t, read_tensor(source.scale_inv))
+
+
+def load_params(
+    path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True, sharding=None, index=None
+) -> dict:
+    """Streams a checkpoint into the params pytree on its devices (arrays of `dtype`; router in f32; quantised
+    parts as stored).
+
+    The whole checkpoint is checked against the name table first (match_sources), so a bad one fails, naming file
+    and tensor, before anything is read or placed. Then each param is filled on its devices one checkpoint tensor at
+    a time (hcfjax/streaming.py), in the files' order. fp8 e4m3 weights with `weight_scale_inv` stay fp8, with their
+    scales, where the config's quantization_config is DeepSeek's fp8 block (fp8_specs), and are dequantised as they
+    are read otherwise. sharding(path, shape) -> jax.sharding.Sharding places each param (a plan's `param_sharding`;
+    None: the default device): each device receives only its slices, and a process reads only the tensors its own
+    devices hold. Host memory holds a few checkpoint tensors at a time, never the model. index: the checkpoint's
+    read_index, when the caller has it.
+    """
+    path = Path(path)
+    specs = tensor_specs(cfg, mtp=mtp)
+    index = read_index(path) if index is None else index
+    sources = match_sources(path, index, specs, lambda n: ignored_tensor(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
+    stacked = {
+        p: Stacked(shape, np.dtype(fixed.get(p, np.float32 if fp32 else np_dtype)), {})
+        for p, (shape, fp32) in stacked_shapes(specs).items()
+    }
+    for s in specs:
+        stacked[s.path].items[s.index] = s
+    read = {"tensors": 0, "bytes": 0}
+
+    def params_layout(spec: TensorSpec) -> np.ndarray:
+        t = read_weight(sources[spec.name])
+        read["tensors"] += 1
+        read["bytes"] += sources[spec.name].entry.end - sources[spec.name].entry.begin
+        t = t.T if spec.linear else t
+        return t.astype(stacked[spec.path].dtype, order="C").reshape(spec.pshape)
+
+    def file_order(spec: TensorSpec) -> tuple:
+        e = sources[spec.name].entry
+        return e.file.name, e.begin
+
+    largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
+    params = fill_params(stacked, params_layout, sharding, file_order, stage_bytes=largest)
+    _log.info("read %d of %d tensors (%.3g GB) from %s", read["tensors"], len(specs), read["bytes"] / 1e9, path)
     for s in specs:
         if s.quant and s.path in params:
             w = s.path[:-1]

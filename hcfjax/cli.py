@@ -15,6 +15,7 @@ hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperat
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
 hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8|fp8   (hcfjax/quantize.py)
 hcfjax sim --config deployment.yaml [--search | --sweep] [--plot PNG]   (the capacity simulator, hcfjax/sim/)
+hcfjax info [MODEL | --preset NAME] [--scheme S] [--mesh PLAN ...] [--gpu G] [--context N]   (hcfjax/info.py)
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = hcfjax.load(path, dtype=load_dtype(args.dtype), fp8=args.fp8)
+    # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
+    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"), fp8=args.fp8)
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
@@ -429,7 +431,22 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("sim", help="simulate a deployment's throughput and latency (hcfjax/sim/)")
     sim_arguments(m)
     m.set_defaults(func=_sim)
+
+    from hcfjax.info import DESCRIPTION as INFO_DESCRIPTION
+    from hcfjax.info import add_arguments as info_arguments
+
+    i = sub.add_parser(
+        "info", help="parameters, weight bytes and what fits per GPU (hcfjax/info.py)", description=INFO_DESCRIPTION
+    )
+    info_arguments(i)
+    i.set_defaults(func=_info)
     return ap
+
+
+def _info(args) -> int:
+    from hcfjax.info import run
+
+    return run(args)
 
 
 def _sim(args) -> int:
@@ -442,11 +459,11 @@ def _quantize(args) -> int:
     from hcfjax.quantize import quantize_checkpoint
 
     try:
-        model = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
+        cfg = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.scheme} checkpoint to {args.out} ({model.cfg.quantization})")
+    print(f"wrote {args.scheme} checkpoint to {args.out} ({cfg.quantization})")
     return 0
 
 

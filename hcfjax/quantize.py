@@ -18,15 +18,27 @@ attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
 from hcfjax import fp8
-from hcfjax.checkpoint import FP8_QUANT, get_path, quantized_specs, tensor_specs
-from hcfjax.config import QuantConfig
+from hcfjax.checkpoint import (
+    FP8_QUANT,
+    SHARD_BYTES,
+    get_path,
+    ignored_tensor,
+    match_sources,
+    quantized_specs,
+    read_weight,
+    tensor_specs,
+)
+from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
 from hcfjax.quant import quantize
+from hcfjax.safetensors_files import Planned, write_shards
 
 
 def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
@@ -83,17 +95,56 @@ def default_cache_dtype(model: Model, requested=None):
     return jnp.int8 if q is not None and q.kv_cache_dtype == "int8" else model.dtype
 
 
-def quantize_checkpoint(src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128) -> Model:
-    """Loads `src` (a checkpoint directory; None: the embedded model), quantises it and writes it to `out` as
-    safetensors with `quantization_config` in config.json, which `hcfjax.load` reads back. An fp8 checkpoint is
-    dequantised to bf16 first, except for the fp8 scheme, which writes its weights as they are."""
-    from hcfjax.api import load, save
+def quantize_checkpoint(
+    src: str | Path | None, out: str | Path, scheme: str, group_size: int = 128, shard_bytes: int = SHARD_BYTES
+) -> ModelConfig:
+    """Writes `src` (a checkpoint directory, bf16/f32 or fp8 block-scaled; None: the embedded model) quantised per
+    `scheme` to `out`, with `quantization_config` in its config.json, which `hcfjax.load` reads back. -> its config.
 
-    model = load(src, dtype=jnp.bfloat16, fp8="native" if scheme == "fp8" else "dequantize")
-    if not is_scheme(model, scheme):
-        model = quantize_model(model, scheme, group_size)
-    save(model, out)
-    return model
+    Streams: the source is checked whole first (as `load` checks it), then each output tensor is read (fp8
+    dequantised), cast to bf16, quantised where the scheme says, and written into shards of up to `shard_bytes` at
+    once, so host memory holds a few tensors, never the model. The values are those of `quantize_model` on the
+    model loaded in bf16, saved with `save`. A DeepSeek fp8 checkpoint (its fp8 `quantization_config`) is read
+    dequantised for the int schemes; for the fp8 scheme its fp8 weights and scales are copied as they are (what
+    `save` writes for it loaded natively)."""
+    from hcfjax.api import DEFAULT_MODEL, TOKENIZER_FILES, read_config, write_config
+
+    src, out = Path(DEFAULT_MODEL if src is None else src), Path(out)
+    cfg, index = read_config(src, fp8="native" if scheme == "fp8" else "dequantize")
+    copy = cfg.quantization is not None and cfg.quantization.scheme == scheme == "fp8"
+    if cfg.quantization is not None and not copy:
+        raise ValueError(f"the model is already quantised ({cfg.quantization.scheme})")
+    qcfg = cfg.quantization if copy else QuantConfig.for_scheme(scheme, group_size)
+    specs = tensor_specs(cfg)  # as stored: an fp8 checkpoint's fp8 parts when it is copied
+    sources = match_sources(src, index, specs, lambda n: ignored_tensor(cfg, n))
+    bf16 = np.dtype(jnp.bfloat16)
+    qspecs = {s.name: s for s in (specs if copy else quantized_specs(specs, qcfg))}
+    planned = [
+        Planned(s.name, np.dtype(s.dtype) if s.dtype else np.dtype(np.float32) if s.fp32 else bf16, s.shape)
+        for s in qspecs.values()
+    ]
+    scales = {}  # a quantised weight's scales, written right after its values (quantized_specs' order)
+
+    def values(t: Planned) -> np.ndarray:
+        s = qspecs[t.name]
+        if s.quant and not copy:
+            w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
+            qw = fp8.quantize(w) if s.quant == FP8_QUANT else quantize(w, *s.quant, group_size)
+            scales[s.path[:-1] + ("scale",)] = qw.scale
+            return np.asarray(qw.q)
+        if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
+            scale = np.asarray(scales.pop(s.path))
+            return scale.T if s.linear else scale
+        return read_weight(sources[s.name]).astype(t.dtype)
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_shards(out, planned, values, shard_bytes)
+    qcfg = dataclasses.replace(cfg, quantization=qcfg)
+    write_config(qcfg, out, jnp.bfloat16)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
+            shutil.copy(src / name, out / name)
+    return qcfg
 
 
 def is_scheme(model: Model, scheme: str) -> bool:

@@ -4,13 +4,17 @@
 
 initialises jax.distributed (gloo collectives on CPU), builds the decode plan over every process's devices, and
 checks against the single-device model computed locally: one decode-plan forward (relative error of the logits)
-and a greedy generation whose decode loop runs across the processes (tokens identical). Used by the 2-process
-test; on GPU hosts the same calls run over NCCL.
+and a greedy generation whose decode loop runs across the processes (tokens identical). It also loads the model
+under the plan, which logs how many tensors this process read (its own experts only), and compares every local
+shard with the plan's placement of the whole model. Used by the 2-process test; on GPU hosts the same calls run
+over NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, cpu_devices: int | None = None) -> None:
@@ -52,6 +56,15 @@ def main(argv=None) -> None:
     with jax.default_device(jax.local_devices()[0]):
         want = np.asarray(_forward(jax.device_put(model.params, jax.local_devices()[0]), model.cfg, jnp.asarray(ids)))
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    logging.getLogger("hcfjax.checkpoint").setLevel(logging.INFO)
+    logging.getLogger("hcfjax.checkpoint").addHandler(logging.StreamHandler(sys.stdout))
+    streamed = hcfjax.load(args.model, dtype=jnp.float32, plan=plan).params
+    shards = [
+        (a, b)
+        for x, y in zip(jax.tree.leaves(streamed), jax.tree.leaves(shard_params(model.params, plan)), strict=True)
+        for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True)
+    ]
+    same_shards = all(a.index == b.index and np.array_equal(a.data, b.data) for a, b in shards)
     prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
     planned = generate_planned(model, prompts, plan, max_new_tokens=6, stop_token_ids=[]).tokens
     with jax.default_device(jax.local_devices()[0]):
@@ -59,7 +72,7 @@ def main(argv=None) -> None:
         same = planned == hcfjax.generate(local, prompts, max_new_tokens=6, stop_token_ids=[]).tokens
     print(
         f"process {jax.process_index()} of {jax.process_count()}: {jax.device_count()} devices, "
-        f"rel err {err:.2e}, greedy tokens identical: {same}"
+        f"rel err {err:.2e}, greedy tokens identical: {same}, streamed shards identical: {same_shards}"
     )
 
 

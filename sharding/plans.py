@@ -61,6 +61,11 @@ class Plan:
     def place_params(self, params: dict) -> dict:
         return shard_params(params, self)
 
+    def param_sharding(self, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        """The sharding of the param at params path `path` (its keys, as hcfjax.load's streaming placement names
+        it) of full shape `shape`: what place_params gives that leaf."""
+        return _param_sharding(self, "/".join(map(str, path)), shape)
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
@@ -156,20 +161,22 @@ def param_specs(params: dict, plan: Plan) -> dict:
     return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.ndim), params)
 
 
+def _param_sharding(plan: Plan, path: str, shape: tuple[int, ...]) -> NamedSharding:
+    spec = spec_for(plan, path, len(shape))
+    for dim, axis in zip(shape, spec, strict=False):
+        if axis is not None and dim % plan.mesh.shape[axis]:
+            raise ValueError(
+                f"{path} has {dim} along a dim split over {axis}={plan.mesh.shape[axis]} ({plan.name} plan): "
+                "not divisible"
+            )
+    return NamedSharding(plan.mesh, spec)
+
+
 def shard_params(params: dict, plan: Plan) -> dict:
     """Places params on the plan's mesh (each device gets its slices)."""
-
-    def place(path, x):
-        spec = spec_for(plan, path_str(path), x.ndim)
-        for dim, axis in zip(x.shape, spec, strict=False):
-            if axis is not None and dim % plan.mesh.shape[axis]:
-                raise ValueError(
-                    f"{path_str(path)} has {dim} along a dim split over {axis}="
-                    f"{plan.mesh.shape[axis]} ({plan.name} plan): not divisible"
-                )
-        return jax.device_put(x, NamedSharding(plan.mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, _param_sharding(plan, path_str(path), x.shape)), params
+    )
 
 
 def _rows_sp():

@@ -78,10 +78,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # other worker idles. Measured seconds per file (2 cores); unlisted files are short and keep their order.
 FILE_SECONDS = {
     "test_engine": 215,
-    "test_speculative": 210,
+    "test_speculative": 170,
     "test_train_mtp": 160,
     "test_pd": 145,
     "test_quant_tiling": 100,
+    "test_speculative_depths": 90,
     "test_mla_kernel": 90,
     "test_quant_kernel": 60,
     "test_speculative_sampling": 60,

@@ -130,3 +130,35 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
     np.testing.assert_allclose(np.asarray(c2.kv), np.asarray(c1.kv), rtol=1e-4, atol=1e-5)
     assert bool(jnp.all(l1 == l2)) and int(l2.sum()) == cfg.num_experts_per_tok * l2.shape[0]  # one token counted
     assert x2.page_table.shape == (1, 4) and x2.kv_len.shape == (1,)  # the caller's view comes back
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
+def test_blockwise_prefill_attention_equals_dense(v3_model, cache_dtype):
+    """A prefill chunk attends over the paged cache block by block (attend_expanded_paged, an online softmax over
+    as many blocks as the longest row needs) as attention over the whole gathered page table at once does: rows
+    of different lengths spanning several blocks, chunks that continue a prompt, pages out of order."""
+    from hcfjax.attention import attend_expanded, attend_expanded_paged
+
+    cfg = v3_model.cfg
+    p = jax.tree.map(lambda a: a[0], v3_model.params["segments"][0]["attn"])
+    page_size, max_pages, t = 4, 12, 6
+    lens = np.array([37, 12, 6])  # keys per row after this chunk; the chunk is each row's last t positions
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.permutation(3 * max_pages).reshape(3, max_pages))
+    cache = kvcache.init_cache(cfg, 3 * max_pages, page_size, cache_dtype)
+    all_pos = jnp.broadcast_to(jnp.arange(max_pages * page_size), (3, max_pages * page_size))
+    key = jax.random.split(jax.random.key(0), 4)
+    ckv = jax.random.normal(key[0], (*all_pos.shape, cfg.kv_lora_rank))
+    kpe = jax.random.normal(key[1], (*all_pos.shape, cfg.qk_rope_head_dim))
+    cache = kvcache.write(cache, 0, ckv, kpe, all_pos, all_pos < lens[:, None], table)
+    h = cfg.num_attention_heads
+    q_nope = jax.random.normal(key[2], (3, t, h, cfg.qk_nope_head_dim))
+    q_pe = jax.random.normal(key[3], (3, t, h, cfg.qk_rope_head_dim))
+    positions = jnp.asarray(lens[:, None] - t + np.arange(t))
+    ctx = CacheContext(cache, table, jnp.asarray(lens), jnp.ones((3, t), bool))
+    got = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, 0, positions, key_block=8)  # 2 pages a block: 5 blocks
+    keys, kpes = kvcache.read(cache, 0, table, cfg.kv_lora_rank, jnp.float32)
+    key_pos = jnp.arange(keys.shape[1])[None, None, :]
+    mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
+    want = attend_expanded(p, cfg, q_nope, q_pe, keys, kpes, mask)
+    assert rel_err(got, want) < 1e-5

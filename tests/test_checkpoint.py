@@ -67,15 +67,16 @@ def test_fp8_block_dequantisation():
     assert np.allclose(back[256:, 128:], q[256:, 128:].astype(np.float32) * s[2, 1])
 
 
-def test_fp8_checkpoint_loads_dequantised(tmp_path):
-    """Rewrite the fixture's 2-D weights as fp8 + weight_scale_inv, as DeepSeek ships V3; loading dequantises."""
+def fp8_copy(tmp_path) -> tuple:
+    """tiny_v3 with its projections rewritten as fp8 + weight_scale_inv, as DeepSeek ships V3 -> (path, name ->
+    the dequantised weight)."""
     dst = copy_fixture(tmp_path)
     expected = {}
     for f in dst.glob("*.safetensors"):
         tensors = load_file(f)
         out = {}
         for name, t in tensors.items():
-            if t.ndim == 2 and name.endswith("proj.weight"):
+            if t.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
                 q, s = quantize_fp8_blocks(t.astype(np.float32))
                 out[name], out[name + "_scale_inv"] = q, s
                 expected[name] = dequantize_fp8(q, s)
@@ -86,7 +87,12 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
     for name in expected:
         index["weight_map"][name + "_scale_inv"] = index["weight_map"][name]
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst, expected
 
+
+def test_fp8_checkpoint_loads_dequantised(tmp_path):
+    """Loading an fp8 checkpoint dequantises each weight with its block scales."""
+    dst, expected = fp8_copy(tmp_path)
     fp8 = hcfjax.load(dst, dtype=jnp.float32)
     specs = {s.name: s for s in tensor_specs(fp8.cfg)}
     assert len(expected) > 100  # attention, dense, expert and MTP projections

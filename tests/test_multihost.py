@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from hcfjax.checkpoint import tensor_specs
+from hcfjax.config import ModelConfig
 from tests.conftest import FIXTURES
 
 
@@ -16,6 +18,8 @@ def free_port() -> int:
 
 
 def test_two_processes_run_the_decode_plan():
+    specs = tensor_specs(ModelConfig.from_json(FIXTURES / "tiny_v3"))
+    experts = sum("experts" in s.path for s in specs)
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [
@@ -51,6 +55,13 @@ def test_two_processes_run_the_decode_plan():
             p.kill()
     for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, out[-2000:]
-        m = re.search(rf"process {i} of 2: 8 devices, rel err ([0-9.e+-]+), greedy tokens identical: (\w+)", out)
+        m = re.search(
+            rf"process {i} of 2: 8 devices, rel err ([0-9.e+-]+), greedy tokens identical: (\w+), "
+            r"streamed shards identical: (\w+)",
+            out,
+        )
         assert m, out[-2000:]
-        assert float(m.group(1)) < 1e-4 and m.group(2) == "True"
+        assert float(m.group(1)) < 1e-4 and m.group(2) == "True" and m.group(3) == "True"
+        # Loading under the plan, each process read every tensor but the other process's experts.
+        read = re.search(r"read (\d+) of (\d+) tensors", out)
+        assert read and (int(read.group(1)), int(read.group(2))) == (len(specs) - experts // 2, len(specs)), out

@@ -118,10 +118,14 @@ def test_cli_runs_under_plans(capsys, monkeypatch):
     assert cli.main(args) == 2  # a string prompt needs a tokenizer, which this fixture lacks
     assert "tokenizer" in capsys.readouterr().err
     seen = {}
-    fake = lambda *a, **kw: seen.update(kw) or hcfjax.GenerationResult([[1]], None, {})  # noqa: E731
+    fake = lambda model, *a, **kw: seen.update(kw, model=model) or hcfjax.GenerationResult([[1]], None, {})  # noqa: E731
     monkeypatch.setattr(hcfjax, "generate", fake)
     assert cli.main(args) == 0  # the plans reach hcfjax.generate
     assert (seen["decode_plan"].ranks, dict(seen["prefill_plan"].mesh.shape)) == (4, {"tp": 2, "ep": 2})
+    experts = seen["model"].params["segments"][1]["mlp"]["experts"]["gate"]  # loaded onto the decode plan
+    assert experts.sharding == seen["decode_plan"].param_sharding(
+        ("segments", 1, "mlp", "experts", "gate"), experts.shape
+    )
     assert parse_meshes(["prefill:tp=4,ep=2", "decode:dp=4,ep=4"]) == {
         "prefill": {"tp": 4, "ep": 2},
         "decode": {"dp": 4, "ep": 4},

@@ -64,8 +64,22 @@ def test_int4_experts_read_a_quarter_of_bf16_bytes_plus_scales():
     bf16 = CostModel(V3, gpu("H20"), IDEAL)
     w4 = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8")
     w = [Work(tokens=1, logits=1)]
-    assert w4.step(w).parts["moe_routed"] / bf16.step(w).parts["moe_routed"] == pytest.approx((0.5 + 2 / 128) / 2)
+    assert w4.step(w).parts["moe_routed"] / bf16.step(w).parts["moe_routed"] == pytest.approx((0.5 + 4 / 128) / 2)  # float32 group scales
     assert w4.kv_bytes(1, layers=1) == 576 + 8 and bf16.kv_bytes(1, layers=1) == 576 * 2
+
+
+def test_fp8_is_priced_as_deepseek_stores_it_at_the_int8_rate():
+    """fp8 experts: one byte and a float32 scale per 128 x 128 block, so one token's decode reads FP8_BYTES / 2 of
+    bf16's expert bytes; a prefill chunk is compute-bound and runs at the int8 rate, as w8a8's does."""
+    from hcfjax.sim.weights import FP8_BYTES
+
+    bf16, fp8, w8a8 = (CostModel(V3, gpu("H20"), IDEAL, quant=q) for q in (None, "fp8", "w8a8"))
+    one = [Work(tokens=1, logits=1)]
+    assert fp8.step(one).parts["moe_routed"] / bf16.step(one).parts["moe_routed"] == pytest.approx(FP8_BYTES / 2)
+    chunk = [Work(tokens=8192, pre_tokens=8192)]
+    for part in ("moe_routed", "attn_proj"):
+        got = fp8.step(chunk).parts[part]
+        assert got == pytest.approx(w8a8.step(chunk).parts[part]) and got < bf16.step(chunk).parts[part], part
 
 
 def test_all_to_all_matches_deepep_low_latency_at_ep16():
@@ -103,6 +117,30 @@ def test_weights_fit_and_pages_follow_hbm():
     assert pages == int((96e9 * 0.9 - cost.weight_bytes_per_gpu() - 4e9) // cost.kv_bytes(64))
     with pytest.raises(ValueError, match="does not fit"):
         dep.pages_per_rank(Pool(tp=2, ep=2), dep.cost_model(Pool(tp=2, ep=2)))
+
+
+def test_weight_bytes_per_gpu_are_what_the_plans_place_on_a_device():
+    """bf16 tiny-v3 with its MTP layer, placed by the real plans on 8 CPU devices: the bytes device 0 holds equal the
+    cost model's weights per GPU (prefill TP2 x EP4 is a pool of tp=2, dp=4; decode is dp=8, ep=8), and the
+    parameter count equals the checkpoint name table's."""
+    import jax
+    import jax.numpy as jnp
+
+    from hcfjax.checkpoint import tensor_specs
+    from hcfjax.model import init_params
+    from hcfjax.sim.weights import count, main_weights, mtp_weights
+    from sharding.plans import decode_plan, prefill_plan
+
+    cfg = model_config("tiny-v3")
+    assert count(main_weights(cfg) + mtp_weights(cfg)) == sum(math.prod(s.shape) for s in tensor_specs(cfg))
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    device = jax.devices()[0]
+    for plan, pool in ((prefill_plan(tp=2, ep=4), dict(tp=2, dp=4, ep=4)), (decode_plan(dp=8), dict(dp=8, ep=8))):
+        placed = plan.place_params(params)
+        held = sum(s.data.nbytes for x in jax.tree.leaves(placed) for s in x.addressable_shards if s.device == device)
+        cost = CostModel(cfg, gpu("H200"), IDEAL, spec_k=1, **pool)
+        assert cost.weight_bytes_per_gpu() == held, plan.name
+    assert CostModel(cfg, gpu("H200"), IDEAL, dp=8, ep=8).weight_bytes_per_gpu() < held  # no MTP without drafts
 
 
 # -- what a plan computes ---------------------------------------------------------------------------------------------

@@ -8,9 +8,8 @@ import pytest
 import hcfjax
 from hcfjax import cache as kvcache
 from hcfjax.generate import bucket
-from hcfjax.random_model import preset_config, random_model
 from hcfjax.sampling import SamplingBatch, SamplingParams
-from hcfjax.speculative import SpeculativeConfig, mtp_extend, spec_step
+from hcfjax.speculative import SpeculativeConfig, mtp_extend
 from hcfjax.step import DecodeInputs, PrefillInputs, decode_steps, empty_state, jitted_step
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
@@ -19,14 +18,6 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self,
 @pytest.fixture(scope="module")
 def embedded():
     return hcfjax.load(dtype=jnp.float32)
-
-
-@pytest.fixture(scope="module")
-def three_heads():
-    """A random V3 model with three independent MTP modules (depth i uses module i)."""
-    return random_model(
-        preset_config("tiny-v3", num_hidden_layers=2, num_nextn_predict_layers=3), seed=5, dtype=jnp.float32
-    )
 
 
 def prefilled(model, prompt, cache, table, sp: SamplingParams, spec=None, seed=0):
@@ -47,7 +38,9 @@ def prefilled(model, prompt, cache, table, sp: SamplingParams, spec=None, seed=0
     return jitted_step(model.params, model.cfg, state, pre, None, spec)[0]
 
 
-@pytest.mark.parametrize("k", [1, 4, 5])  # k = 2 runs in the engine and PD tests, k = 3 with independent modules below
+@pytest.mark.parametrize(
+    "k", [1, 4, 5]
+)  # k = 2 runs in the engine and PD tests; independent modules: test_speculative_depths
 def test_greedy_exact_equals_plain_greedy(embedded, k):
     plain = hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[])
     spec = hcfjax.generate(
@@ -71,26 +64,6 @@ def test_mtp_head_norm_flag_changes_drafts_not_outputs(embedded):
     bare = hcfjax.generate(embedded, PROMPTS, **kw, speculative=SpeculativeConfig(2, mtp_head_norm=False))
     assert bare.tokens == plain.tokens
     assert bare.stats["acceptance_per_depth"] != normed.stats["acceptance_per_depth"]
-
-
-@pytest.mark.parametrize("k", [3])
-def test_greedy_exact_with_independent_modules_and_stops(three_heads, k):
-    prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
-    plain = hcfjax.generate(three_heads, prompts, max_new_tokens=20, stop_token_ids=[])
-    spec = hcfjax.generate(
-        three_heads, prompts, max_new_tokens=20, stop_token_ids=[], speculative=SpeculativeConfig(num_draft_tokens=k)
-    )
-    assert spec.tokens == plain.tokens
-    stop = plain.tokens[1][6]
-    plain_s = hcfjax.generate(three_heads, prompts, max_new_tokens=20, stop_token_ids=[stop])
-    spec_s = hcfjax.generate(
-        three_heads,
-        prompts,
-        max_new_tokens=20,
-        stop_token_ids=[stop],
-        speculative=SpeculativeConfig(num_draft_tokens=k),
-    )
-    assert spec_s.tokens == plain_s.tokens and spec_s.tokens[1][-1] == stop
 
 
 @pytest.mark.parametrize(
@@ -162,42 +135,6 @@ def test_mtp_over_the_paged_cache_equals_the_training_view(embedded):
     anchors = jnp.arange(t)[None]
     _, got, _ = mtp_extend(params, cfg, cache, table, h, tokens[:, 1:], anchors, anchors >= 0, jnp.asarray([t]), 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-4)
-
-
-def test_independent_drafts_equal_the_training_view(three_heads):
-    """With independent modules, depth i's draft at anchor A is module i's teacher-forced prediction over the whole
-    sequence (train_mtp's chain, the drafts taken as the tokens after A): its cache must hold entries for every
-    position up to A, including A+2-i..A-1, whose tokens are earlier drafts. Checked after the prefill's drafts and
-    after a step's, over a cache that starts as garbage (a slot read before it is written fails the comparison)."""
-    from train_mtp.heads import base_hidden, chain_logits
-
-    m, cfg, k = three_heads, three_heads.cfg, 3
-    prompt = [5, 9, 2, 33, 7, 41, 8, 8, 19, 60, 3]
-    page = 8
-    table = jnp.arange(6)[None]
-    cache = kvcache.init_cache(cfg, 6, page, jnp.float32, num_layers=cfg.num_hidden_layers + 3)
-    cache = kvcache.KVCache(jax.random.normal(jax.random.key(2), cache.kv.shape, cache.kv.dtype), cache.scale)
-    sp, live = SamplingParams(temperature=1.0), jnp.array([True])
-    spec = SpeculativeConfig(num_draft_tokens=k, method="rejection")  # drafts sampled from q = softmax(logits)
-    state = prefilled(m, prompt, cache, table, sp, spec, seed=1)
-    d, cache, sp = state.drafts, state.cache, SamplingBatch.of([sp])
-
-    @jax.jit
-    def training_view(params, full):  # softmax of depths 1..k's logits at anchor A, tokens full [1, A + k + 2]
-        a = full.shape[1] - k - 2
-        h0 = base_hidden(params, cfg, full, a + 1)
-        return jnp.stack([jax.nn.softmax(lg[0, a]) for lg in chain_logits(params["mtp"], params, cfg, h0, full, k)])
-
-    def check(seq, d):  # seq: the verified tokens, the newest at position A + 1
-        full = jnp.asarray([seq + [int(x) for x in d.drafts[0]]])
-        np.testing.assert_allclose(np.asarray(d.q[0]), np.asarray(training_view(m.params, full)), rtol=1e-3, atol=1e-6)
-
-    seq = prompt + [int(d.last[0])]
-    check(seq, d)
-    stops = lambda emitted, n_emit: (n_emit, jnp.zeros_like(live))  # noqa: E731
-    step = jax.jit(spec_step, static_argnums=(1, 2, 8))
-    d, cache, emitted, n_emit, _, _ = step(m.params, cfg, spec, d, cache, table, sp, live, stops, jax.random.key(3))
-    check(seq + [int(x) for x in emitted[0, : int(n_emit[0])]], d)
 
 
 def test_bad_speculative_configs(embedded):

@@ -14,7 +14,8 @@ overlap. A step sums its layers, the LM head, the MTP draft passes and fixed ove
   E (1 - (1 - k/E)^T) of E for T tokens); their FLOPs scale with T x k. int4 weights are 0.5 byte + a bf16 scale per
   group of 128; a8 schemes run at the int8 rate, a16 at bf16.
 - Quantisation follows hcfjax/quantize.py: w8a8 linears are MLA's down projections, dense and shared MLPs and the
-  MTP combiner; q_b / kv_b / o, routers and LM heads stay bf16.
+  MTP combiner; q_b / kv_b / o, routers and LM heads stay bf16. fp8 prices the same linears and the experts as w8a8
+  does, at 1 byte plus a float32 scale per 128 x 128 block (its q_b / o, fp8 too, are priced in bf16).
 - EP all-to-all: a token goes to each rank holding one of its k experts (probability 1 - (1 - 1/ep)^k per rank),
   NVLink inside a node, RDMA across; dispatch in 1 byte per value with a8 experts, combine in bf16; each call pays
   a fixed latency. TP all-reduce: a ring over NVLink, twice per layer.
@@ -27,9 +28,7 @@ import dataclasses
 
 from hcfjax.config import QUANT_SCHEMES, ModelConfig
 from hcfjax.sim.gpus import GPU, Efficiency
-
-INT4_BYTES = 0.5 + 2 / 128  # int4 values + one bf16 scale per group of 128
-WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES}
+from hcfjax.sim.weights import WEIGHT_BYTES, LayerParams, bytes_per_gpu, main_weights, mtp_weights
 
 
 @dataclasses.dataclass
@@ -100,23 +99,15 @@ class CostModel:
         experts, linear, kv = QUANT_SCHEMES[quant] if quant else (None, None, None)
         self.kv_int8 = (kv == "int8") if kv_int8 is None else kv_int8
         c = cfg
-        d, h, cr = c.hidden_size, c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim
-        q_out = h * c.qk_head_dim
-        if c.q_lora_rank:
-            self.p_down = d * c.q_lora_rank + d * cr  # q_a, kv_a (w8a8 under w4a8c8)
-            self.p_head = c.q_lora_rank * q_out + h * c.v_head_dim * d  # q_b, o (bf16)
-        else:
-            self.p_down = d * cr
-            self.p_head = d * q_out + h * c.v_head_dim * d
-        self.p_kvb = c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim)
-        self.p_dense = 3 * d * c.intermediate_size
-        self.p_expert = 3 * d * c.moe_intermediate_size
-        self.p_shared = c.n_shared_experts * self.p_expert
-        self.p_router = d * c.n_routed_experts
-        self.p_lm = d * c.vocab_size
+        p = LayerParams.of(c)
+        self.p_down, self.p_head, self.p_kvb = p.down, p.heads, p.kv_b  # q_a/kv_a (w8a8 under w4a8c8); q_b + o; kv_b
+        self.p_dense, self.p_expert, self.p_shared = p.dense, p.expert, p.shared
+        self.p_router, self.p_lm = p.router, p.lm
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
-        self.lin_int8, self.exp_int8 = linear == "w8a8", experts in ("w4a8", "w8a8")
-        self.kv_bytes_token_layer = cr * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
+        # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
+        self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
+        # per token and layer: c_kv and k_pe, int8 with two float32 scales (hcfjax/cache.py) or bf16
+        self.kv_bytes_token_layer = c.kv_dim * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
         self.n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
         self.n_dense = c.num_hidden_layers - self.n_moe
         self.mtp_moe = c.n_routed_experts > 0  # DeepSeek's MTP layers follow the MoE rule (index >= first_k_dense)
@@ -129,16 +120,10 @@ class CostModel:
         return tokens * layers * self.kv_bytes_token_layer
 
     def weight_bytes_per_gpu(self) -> float:
-        """Weights one GPU holds: everything but the routed experts split over tp (replicated over dp), the routed
-        experts over all GPUs; MTP layers counted when speculating."""
-        c = self.cfg
-        layers = c.num_hidden_layers + (c.num_mtp_layers if self.spec_k else 0)
-        moe_layers = self.n_moe + (c.num_mtp_layers if self.spec_k and self.mtp_moe else 0)
-        attn = layers * (self.p_down * self.w_lin + (self.p_head + self.p_kvb) * 2)
-        mlp = self.n_dense * self.p_dense * self.w_lin + moe_layers * (self.p_shared * self.w_lin + self.p_router * 2)
-        embed = 2 * self.p_lm * 2
-        routed = moe_layers * c.n_routed_experts * self.p_expert * self.w_exp
-        return (attn + mlp + embed) / self.tp + routed / self.gpus
+        """Weights one GPU holds, split as the sharding plans split them (weights.py); MTP modules counted when
+        speculating."""
+        weights = main_weights(self.cfg) + (mtp_weights(self.cfg) if self.spec_k else [])
+        return bytes_per_gpu(weights, self.quant, self.tp, self.gpus)
 
     # -- time ---------------------------------------------------------------------------------------------------------
     def step(self, works: list[Work]) -> StepCost:

@@ -143,14 +143,18 @@ class Deployment:
             attn_int8=self.attn_int8,
         )
 
+    def kv_budget(self, cost: CostModel) -> float:
+        """Bytes of one GPU left for the KV cache: mem_fraction of its HBM, less the weights it holds and the
+        activation reserve (negative when the weights do not fit)."""
+        hbm = gpu(self.gpu).hbm_gb * 1e9
+        return hbm * self.mem_fraction - cost.weight_bytes_per_gpu() - self.activation_reserve_gb * 1e9
+
     def pages_per_rank(self, pool: Pool, cost: CostModel) -> int:
         """KV pages one DP rank holds: what the card's HBM leaves after weights (the latent cache is replicated
         over TP ranks, so a rank holds as much as one of its GPUs)."""
         if pool.num_pages:
             return pool.num_pages
-        g = gpu(self.gpu)
-        free = g.hbm_gb * 1e9 * self.mem_fraction - cost.weight_bytes_per_gpu() - self.activation_reserve_gb * 1e9
-        pages = int(free // cost.kv_bytes(pool.page_size))
+        pages = int(self.kv_budget(cost) // cost.kv_bytes(pool.page_size))
         if pages < 1:
             raise ValueError(
                 f"{self.model} ({self.quant or 'bf16'}) does not fit: {cost.weight_bytes_per_gpu() / 1e9:.0f} GB of "
