@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from hcfjax.checkpoint import (
     CheckpointError,
+    check_counts,
     checkpoint_dtype,
     checkpoint_headers,
     load_params,
@@ -80,6 +81,7 @@ def read_config(
     if fp8 == "dequantize" and cfg.quantization is not None and cfg.quantization.fp8 is not None:
         cfg = dataclasses.replace(cfg, quantization=None)
     headers = checkpoint_headers(path)
+    check_counts(cfg, headers, path)
     if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):
         if mtp:
             raise CheckpointError(

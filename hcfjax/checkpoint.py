@@ -175,8 +175,8 @@ FP8_AS_FLOAT_HINT = " (config.json's quantization_config says fp8; hcfjax.load(.
 
 def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     """The name table of a DeepSeek fp8 checkpoint loaded as fp8: each FP8_LINEARS `X.weight` [N, K] is e4m3 and
-    `X.weight_scale_inv` f32 [N/128, K/128], both kept as stored at params paths (..., 'q') and (..., 'scale') of
-    one Fp8Weight (hcfjax/fp8.py)."""
+    `X.weight_scale_inv` f32 [N/128, K/128], both kept as stored at params paths (..., 'q') and (..., 'scale_inv')
+    of one Fp8Weight (hcfjax/fp8.py)."""
     out = []
     for s in specs:
         if not (s.linear and s.path[-1] in FP8_LINEARS):
@@ -188,13 +188,19 @@ def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
             TensorSpec(s.name, s.path + ("q",), s.index, s.shape, s.shape, False, False, "float8_e4m3fn", FP8_QUANT)
         )
         out.append(
-            TensorSpec(f"{s.name}_scale_inv", s.path + ("scale",), s.index, sshape, sshape, False, dtype="float32")
+            TensorSpec(f"{s.name}_scale_inv", s.path + ("scale_inv",), s.index, sshape, sshape, False, dtype="float32")
         )
     return out
 
 
-def quantized_weight(q, scale, quant: tuple[int, str], cfg: ModelConfig):
-    """The pytree type of a quantised weight's parts (spec.quant says which)."""
+def scale_part(quant: tuple[int, str]) -> str:
+    """The field of a quantised weight that holds its scales: an Fp8Weight's `scale_inv`, a QWeight's `scale`."""
+    return "scale_inv" if quant == FP8_QUANT else "scale"
+
+
+def quantized_weight(flat: dict[tuple, object], w: tuple, quant: tuple[int, str], cfg: ModelConfig):
+    """Quantised weight `w`'s parts, popped from the {path: leaf} `flat`, as its pytree type (quant says which)."""
+    q, scale = flat.pop(w + ("q",)), flat.pop(w + (scale_part(quant),))
     if quant == FP8_QUANT:
         return fp8.Fp8Weight(q, scale, cfg.quantization.fp8.scale_fmt)
     return QWeight(q, scale, *quant)
@@ -246,6 +252,37 @@ def checkpoint_headers(path: Path) -> dict[str, TensorEntry]:
     """name -> TensorEntry (file, dtype, shape) of every tensor in the checkpoint, read and checked from the file
     headers and the index (safetensors_files.read_index)."""
     return read_index(path)
+
+
+def layer_counts(names) -> tuple[int, int]:
+    """(decoder layers, main and MTP; routed experts per layer) that tensor names hold, from their numbers."""
+    layers = experts = 0
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit():
+            layers = max(layers, int(parts[2]) + 1)
+            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+                experts = max(experts, int(parts[5]) + 1)
+    return layers, experts
+
+
+def check_counts(cfg: ModelConfig, names, where: Path) -> None:
+    """The config's layer and expert counts, which set the size of its name table (tensor_specs), against the
+    tensors the checkpoint holds, before that table is built: a config naming more than the checkpoint has is
+    refused (CheckpointError naming both); fewer is found as unexpected tensors when the weights are read."""
+    layers, experts = layer_counts(names)
+    main, mtp = cfg.num_hidden_layers, cfg.num_mtp_layers
+    if main > layers:
+        raise CheckpointError(f"config.json has num_hidden_layers={main}, checkpoint {where} has {layers} layers")
+    if mtp and main < layers < main + mtp:  # (none at all: the MTP layers are absent, which load() allows)
+        raise CheckpointError(
+            f"config.json has num_nextn_predict_layers={mtp}, checkpoint {where} has {layers - main} MTP layers"
+        )
+    moe = any(cfg.is_moe_layer(i) for i in range(min(main + mtp, layers)))
+    if moe and cfg.n_routed_experts > experts:
+        raise CheckpointError(
+            f"config.json has n_routed_experts={cfg.n_routed_experts}, checkpoint {where} has {experts} experts"
+        )
 
 
 def mtp_names(cfg: ModelConfig) -> list[str]:
@@ -333,7 +370,7 @@ _SCALE_INV = ".weight_scale_inv"
 def match_sources(path: Path, index: dict[str, TensorEntry], specs: list[TensorSpec], skip) -> dict[str, Source]:
     """name -> Source for every spec, after checking the whole checkpoint against the name table: no unexpected
     tensor (unless skip(name)), none missing, every shape as the config says, every dtype one the spec can take.
-    Quantised parts take their exact dtype: an Fp8Weight's `q` e4m3, its `scale` the f32 weight_scale_inv beside
+    Quantised parts take their exact dtype: an Fp8Weight's `q` e4m3, its `scale_inv` the f32 weight_scale_inv beside
     it, each a source of its own (fp8_specs). A float spec takes a float, or (a linear) fp8 e4m3 beside a
     weight_scale_inv of one scale per 128 x 128 block, which read_weight dequantises. Errors name the tensor and
     its file; nothing has been read or placed when they are raised."""
@@ -404,8 +441,9 @@ def load_params(
     read_index, when the caller has it.
     """
     path = Path(path)
-    specs = tensor_specs(cfg, mtp=mtp)
     index = read_index(path) if index is None else index
+    check_counts(cfg, index, path)  # before the name table, whose size the counts set
+    specs = tensor_specs(cfg, mtp=mtp)
     sources = match_sources(path, index, specs, lambda n: ignored_tensor(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
     np_dtype = np.dtype(jnp.dtype(dtype))
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
@@ -434,7 +472,7 @@ def load_params(
     for s in specs:
         if s.quant and s.path in params:
             w = s.path[:-1]
-            params[w] = quantized_weight(params.pop(s.path), params.pop(w + ("scale",)), s.quant, cfg)
+            params[w] = quantized_weight(params, w, s.quant, cfg)
     return to_pytree(params)
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from hcfjax import trace
+from hcfjax import argtypes, trace
 from hcfjax.frontdoor import MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hcfjax.serving.config import (
     DTYPES,
@@ -280,19 +280,28 @@ def _precision_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _sampling_flags(parser: argparse.ArgumentParser, checked: bool) -> None:
+    """--max-new-tokens and the sampling parameters, alike for `generate` and `client`; checked as the engine checks
+    them, or (unchecked, the client's) left to the server, whose refusal is then the answer."""
+    sampling = argtypes.sampling_field if checked else lambda name, kind: kind
+    parser.add_argument("--max-new-tokens", type=argtypes.max_new_tokens, default=64)
+    parser.add_argument("--temperature", type=sampling("temperature", float), default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=sampling("top_k", int), default=0)
+    parser.add_argument("--top-p", type=sampling("top_p", float), default=1.0)
+    parser.add_argument("--min-p", type=sampling("min_p", float), default=0.0)
+    parser.add_argument("--seed", type=argtypes.seed if checked else int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
+    """Every numeric option's type checks its range (hcfjax.argtypes): a value out of it is argparse's error."""
+    engine, prefill, within = argtypes.engine_field, argtypes.prefill_field, argtypes.within
+    ap = argtypes.Parser(prog="hcfjax", description="DeepSeek-V3/R1-class inference in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from one or more prompts")
     g.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    _sampling_flags(g, checked=True)
     g.add_argument("--stop", action="append", help="a string that ends a prompt's generation (repeatable)")
     _precision_flags(g)
     g.add_argument(
@@ -306,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PLAN",
         help="run under sharding plans, e.g. --mesh prefill:tp=4,ep=2 --mesh decode:dp=4,ep=4",
     )
-    g.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
+    g.add_argument("--cpu-devices", type=within(int, 1), help="fake this many CPU devices (to try plans without GPUs)")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser(
@@ -320,8 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--scheme", choices=SCHEMES, help="quantise the model in memory first, as `hcfjax quantize` does")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    s.add_argument("--port", type=int, help="gRPC port (0: a free one, printed at start)")
-    s.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (0: a free one, printed at start)")
+    s.add_argument("--port", type=argtypes.PORT, help="gRPC port (0: a free one, printed at start)")
+    s.add_argument(
+        "--http-port", type=argtypes.PORT, help="OpenAI-compatible HTTP port (0: a free one, printed at start)"
+    )
     s.add_argument(
         "--api-key",
         default=os.environ.get("HCFJAX_API_KEY"),
@@ -330,32 +341,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=within(int, 1),
         default=DEFAULT_MAX_BODY_BYTES,
         help="the largest HTTP request body / gRPC request message; larger ones get 413 / RESOURCE_EXHAUSTED before "
         "they are read whole (default: %(default)s)",
     )
     s.add_argument("--served-model-name", help="the HTTP API's model name (default: the checkpoint directory's)")
     s.add_argument("--chat-template", help="a Jinja chat template file (default: the checkpoint's, else a plain one)")
-    s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    s.add_argument("--max-slots", type=int, default=8, help="decode slots per DP rank")
-    s.add_argument("--dp", type=int, default=1, help="decode (attention-DP) ranks")
-    s.add_argument("--num-pages", type=int, help="KV cache pages per rank (default: from --max-slots)")
+    s.add_argument("--metrics-port", type=argtypes.PORT, default=0, help="Prometheus /metrics port (0: off)")
+    s.add_argument("--max-slots", type=engine("max_slots"), default=8, help="decode slots per DP rank")
+    s.add_argument("--dp", type=engine("dp"), default=1, help="decode (attention-DP) ranks")
+    s.add_argument("--num-pages", type=engine("num_pages"), help="KV cache pages per rank (default: from --max-slots)")
     s.add_argument(
-        "--page-size", type=int, default=64, help="KV cache page (the MLA decode kernel takes multiples of 64)"
+        "--page-size",
+        type=engine("page_size"),
+        default=64,
+        help="KV cache page (the MLA decode kernel takes multiples of 64)",
     )
-    s.add_argument("--max-model-len", type=int, help="context length (default: min(the model's, 4096))")
-    s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
-    s.add_argument("--max-prefill-rows", type=int, default=4, help="prompts prefilled together in one step")
-    s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+    s.add_argument(
+        "--max-model-len", type=engine("max_model_len"), help="context length (default: min(the model's, 4096))"
+    )
+    s.add_argument("--token-budget", type=engine("token_budget"), default=256, help="tokens per engine step")
+    s.add_argument(
+        "--max-prefill-rows", type=engine("max_prefill_rows"), default=4, help="prompts prefilled together in one step"
+    )
+    s.add_argument(
+        "--max-queue", type=engine("max_queue"), default=256, help="waiting requests beyond this get RESOURCE_EXHAUSTED"
+    )
     s.add_argument("--balance", default="round_robin", choices=["round_robin", "fewest_requests", "least_pages"])
-    s.add_argument("--speculative", type=int, default=0, metavar="K", help="K MTP draft tokens per step (0: off)")
+    s.add_argument(
+        "--speculative", type=argtypes.draft_tokens, default=0, metavar="K", help="K MTP draft tokens per step (0: off)"
+    )
     s.add_argument("--spec-method", default="exact", choices=["exact", "rejection", "typical", "tuned"])
     _precision_flags(s)
-    s.add_argument("--grace", type=float, default=3.0, help="seconds open streams get at shutdown")
+    s.add_argument("--grace", type=within(float, 0), default=3.0, help="seconds open streams get at shutdown")
     s.add_argument(
         "--min-prefill-bucket",
-        type=int,
+        type=engine("min_prefill_bucket"),
         default=64,
         help="the smallest prefill chunk shape (chunks pad to powers of two from here; larger: fewer to compile)",
     )
@@ -377,27 +399,36 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--prefill", action="append", metavar="ADDR", help="prefill worker host:port (repeatable)")
     pd.add_argument("--decode", action="append", metavar="ADDR", help="decode worker host:port (router; repeatable)")
     pd.add_argument("--mesh", action="append", help="prefill:tp=N,ep=M (prefill role) or decode:dp=N,ep=N (decode)")
-    pd.add_argument("--cpu-devices", type=int, help="fake this many CPU devices (to try plans without GPUs)")
-    pd.add_argument("--prefill-pages", type=int, default=1024, help="a prefill worker's scratch KV pages")
-    pd.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill forward chunk")
-    pd.add_argument("--layerwise-threshold", type=int, default=8192, help="prompts this long are sent layer by layer")
-    pd.add_argument("--layer-group", type=int, default=1, help="layers per piece in layerwise mode")
-    pd.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a prefill and its transfer may take")
-    pd.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds a request may take")
+    pd.add_argument("--cpu-devices", type=within(int, 1), help="fake this many CPU devices (to try plans without GPUs)")
+    pd.add_argument(
+        "--prefill-pages", type=prefill("num_pages"), default=1024, help="a prefill worker's scratch KV pages"
+    )
+    pd.add_argument("--prefill-chunk", type=prefill("chunk"), default=2048, help="tokens per prefill forward chunk")
+    pd.add_argument(
+        "--layerwise-threshold",
+        type=prefill("layerwise_threshold"),
+        default=8192,
+        help="prompts this long are sent layer by layer",
+    )
+    pd.add_argument("--layer-group", type=prefill("layer_group"), default=1, help="layers per piece in layerwise mode")
+    pd.add_argument(
+        "--transfer-timeout",
+        type=prefill("transfer_timeout_s", float),
+        default=60.0,
+        help="seconds a prefill and its transfer may take",
+    )
+    pd.add_argument(
+        "--request-timeout", type=within(float, above=0), default=600.0, help="router: seconds a request may take"
+    )
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("client", help="stream a generation from a running `hcfjax serve`")
     c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--port", type=within(int, 1, 65535), required=True)
     c.add_argument("--prompt", required=True)
-    c.add_argument("--max-new-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--min-p", type=float, default=0.0)
-    c.add_argument("--seed", type=int, default=0)
+    _sampling_flags(c, checked=False)
     c.add_argument("--stop", action="append", help="a string that ends the generation (repeatable)")
-    c.add_argument("--timeout", type=float, help="deadline in seconds")
+    c.add_argument("--timeout", type=within(float, above=0), help="deadline in seconds")
     c.add_argument("--usage", action="store_true", help="print the final usage (JSON) to stderr")
     c.add_argument(
         "--api-key",
@@ -423,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     q.add_argument("--out", required=True, help="directory to write the quantised checkpoint to")
     q.add_argument("--scheme", required=True, choices=["w4a8c8", "w4a16", "w4a8", "w8a8", "fp8"])
-    q.add_argument("--group-size", type=int, default=128, help="int4 scale group along K")
+    q.add_argument("--group-size", type=within(int, 1), default=128, help="int4 scale group along K")
     q.set_defaults(func=_quantize)
 
     from hcfjax.sim.cli import add_arguments as sim_arguments
@@ -483,9 +514,6 @@ def main(argv=None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    if getattr(args, "max_new_tokens", 1) < 1:
-        print("error: --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
     return args.func(args)
 
 

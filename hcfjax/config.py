@@ -70,25 +70,18 @@ class Fp8Format:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fp8Format:
-        f = cls(
-            fmt=d.get("fmt", "e4m3"),
-            activation_scheme=d.get("activation_scheme", "dynamic"),
-            weight_block_size=tuple(d.get("weight_block_size") or (128, 128)),
-            scale_fmt=d.get("scale_fmt"),
+        """The block's keys, each checked: hcfjax runs e4m3 weights in 128 x 128 blocks with dynamic activations."""
+        f = _Keys(d, "quantization_config.")
+        block = d.get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or block != [128, 128]):
+            raise ConfigError(
+                f"quantization_config.weight_block_size={block!r:.40} is not supported (expected [128, 128])"
+            )
+        return cls(
+            fmt=f.choice("fmt", "e4m3", ("e4m3",)),
+            activation_scheme=f.choice("activation_scheme", "dynamic", ("dynamic",)),
+            scale_fmt=f.choice("scale_fmt", None, ("ue8m0",)),
         )
-        wants = {
-            "fmt": ("e4m3",),
-            "activation_scheme": ("dynamic",),
-            "weight_block_size": ((128, 128),),
-            "scale_fmt": (None, "ue8m0"),
-        }
-        for key, allowed in wants.items():
-            if getattr(f, key) not in allowed:
-                raise ConfigError(
-                    f"quantization_config {key}={d.get(key)!r} is not supported for quant_method='fp8' "
-                    f"(expected one of {[list(a) if isinstance(a, tuple) else a for a in allowed]})"
-                )
-        return f
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -133,15 +126,17 @@ class QuantConfig:
             return dataclasses.replace(cls.for_scheme("fp8"), fp8=Fp8Format.from_dict(d))
         if method != "hcfjax":
             raise ConfigError(
-                f"quantization_config with quant_method={method!r} is not supported (expected one of "
+                f"quantization_config with quant_method={method!r:.40} is not supported (expected one of "
                 f"{QUANT_METHODS}: DeepSeek's block-scaled fp8, or a checkpoint `hcfjax quantize` wrote)"
             )
-        q = cls.for_scheme(d.get("scheme"), int(d.get("group_size", 128)))
+        f = _Keys(d, "quantization_config.")
+        int_schemes = tuple(s for s in QUANT_SCHEMES if s != "fp8")  # fp8 is written as DeepSeek's block
+        q = cls.for_scheme(f.choice("scheme", _REQUIRED, int_schemes), f.int("group_size", 128))
         return dataclasses.replace(
             q,
-            experts=d.get("experts", q.experts),
-            linear=d.get("linear", q.linear),
-            kv_cache_dtype=d.get("kv_cache_dtype"),
+            experts=f.choice("experts", q.experts, ("w4a16", "w4a8", "w8a8")),
+            linear=f.choice("linear", None, ("w8a8",)) if "linear" in d else q.linear,
+            kv_cache_dtype=f.choice("kv_cache_dtype", None, ("int8",)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,83 +216,101 @@ class ModelConfig:
     # ---- JSON ----------------------------------------------------------------------------------------------------
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
+        """Reads config.json (or a directory's); ConfigError, naming the file and the key, for a file that is not a
+        JSON object or a value this project cannot run."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            d = json.loads(path.read_text())
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not an object of config keys")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        model_type = d.get("model_type", "deepseek_v3")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"model_type={model_type!r} is not supported (expected one of {MODEL_TYPES})")
+        """A config from config.json's keys. Every value is checked for its JSON type and range (ConfigError names
+        the key); a missing optional key, or null, takes its default."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config is a JSON object, not a {type(d).__name__}")
+        f = _Keys(d)
+        model_type = f.choice("model_type", "deepseek_v3", MODEL_TYPES)
         v3 = model_type == "deepseek_v3"
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act={d['hidden_act']!r} is not supported (DeepSeek uses 'silu')")
+        f.choice("hidden_act", "silu", ("silu",))
         for key in ("attention_bias", "mlp_bias"):
-            if d.get(key, False):
+            if f.bool(key, False):
                 raise ConfigError(f"{key}=true is not supported (DeepSeek checkpoints have no biases)")
-        if d.get("num_key_value_heads") not in (None, d.get("num_attention_heads")):
+        heads = f.int("num_attention_heads")
+        if d.get("num_key_value_heads") not in (None, heads) or isinstance(d.get("num_key_value_heads"), bool):
             raise ConfigError("num_key_value_heads must equal num_attention_heads for MLA")
 
-        def req(key):
-            if d.get(key) is None:
-                raise ConfigError(f"config.json lacks required key {key!r}")
-            return d[key]
-
-        n_experts = d.get("n_routed_experts") or 0
-        scoring = d.get("scoring_func", "sigmoid" if v3 else "softmax")
-        topk_method = d.get("topk_method", "noaux_tc" if v3 else "greedy")
-        n_group = d.get("n_group") or 1
-        topk_group = d.get("topk_group") or 1
-        if scoring not in SCORING:
-            raise ConfigError(f"scoring_func={scoring!r} is not supported (expected one of {SCORING})")
-        if topk_method not in TOPK_METHODS:
-            raise ConfigError(f"topk_method={topk_method!r} is not supported (expected one of {TOPK_METHODS})")
+        n_experts = f.int("n_routed_experts", 0, lo=0)
+        scoring = f.choice("scoring_func", "sigmoid" if v3 else "softmax", SCORING)
+        topk_method = f.choice("topk_method", "noaux_tc" if v3 else "greedy", TOPK_METHODS)
+        n_group = f.int("n_group", 1, lo=0) or 1  # 0, as null, means no groups
+        topk_group = f.int("topk_group", 1, lo=0) or 1
         if n_experts and n_experts % n_group:
             raise ConfigError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
         if topk_group > n_group:
             raise ConfigError(f"topk_group={topk_group} exceeds n_group={n_group}")
-        top_k = d.get("num_experts_per_tok") or 0
+        top_k = f.int("num_experts_per_tok", 0, lo=0)
         if n_experts and not 0 < top_k <= n_experts:
             raise ConfigError(f"num_experts_per_tok={top_k} must be in 1..n_routed_experts={n_experts}")
+        moe_width = f.int("moe_intermediate_size", 0, lo=0)
+        if n_experts and not moe_width:
+            raise ConfigError("moe_intermediate_size must be >= 1 for routed experts (n_routed_experts > 0)")
+        rope_dim = f.int("qk_rope_head_dim", lo=2)
+        if rope_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={rope_dim} must be even (rotary pairs)")
 
+        vocab = f.int("vocab_size")
+        token = lambda key, v: f.check_int(key, v, 0, vocab - 1)  # noqa: E731
         eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        if isinstance(eos, list):
+            eos_ids = tuple(token("eos_token_id", e) for e in eos)
+        else:
+            eos_ids = () if eos is None else (token("eos_token_id", eos),)
+        bos = d.get("bos_token_id")
+        mtp_key = "num_nextn_predict_layers" if d.get("num_nextn_predict_layers") is not None else "num_mtp_layers"
         return cls(
             model_type=model_type,
-            vocab_size=req("vocab_size"),
-            hidden_size=req("hidden_size"),
-            intermediate_size=req("intermediate_size"),
-            moe_intermediate_size=d.get("moe_intermediate_size") or 0,
-            num_hidden_layers=req("num_hidden_layers"),
-            num_attention_heads=req("num_attention_heads"),
-            q_lora_rank=d.get("q_lora_rank"),
-            kv_lora_rank=req("kv_lora_rank"),
-            qk_nope_head_dim=req("qk_nope_head_dim"),
-            qk_rope_head_dim=req("qk_rope_head_dim"),
-            v_head_dim=req("v_head_dim"),
+            vocab_size=vocab,
+            hidden_size=f.int("hidden_size"),
+            intermediate_size=f.int("intermediate_size"),
+            moe_intermediate_size=moe_width,
+            num_hidden_layers=f.int("num_hidden_layers"),
+            num_attention_heads=heads,
+            q_lora_rank=f.int("q_lora_rank", None, lo=0),
+            kv_lora_rank=f.int("kv_lora_rank"),
+            qk_nope_head_dim=f.int("qk_nope_head_dim"),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=f.int("v_head_dim"),
             n_routed_experts=n_experts,
-            n_shared_experts=d.get("n_shared_experts") or 0,
+            n_shared_experts=f.int("n_shared_experts", 0, lo=0),
             num_experts_per_tok=top_k,
             n_group=n_group,
             topk_group=topk_group,
             topk_method=topk_method,
             scoring_func=scoring,
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-            first_k_dense_replace=d.get("first_k_dense_replace") or 0,
-            moe_layer_freq=d.get("moe_layer_freq") or 1,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=req("max_position_embeddings"),
-            rope=_rope_from_dict(d, interleave_default=True),
-            num_mtp_layers=d.get("num_nextn_predict_layers", d.get("num_mtp_layers")) or 0,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
+            norm_topk_prob=f.bool("norm_topk_prob", False),
+            routed_scaling_factor=f.float("routed_scaling_factor", 1.0, lo=0.0) or 1.0,  # 0, as null: unscaled
+            first_k_dense_replace=f.int("first_k_dense_replace", 0, lo=0),
+            moe_layer_freq=f.int("moe_layer_freq", 1, lo=0) or 1,
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, open_lo=True),
+            max_position_embeddings=f.int("max_position_embeddings"),
+            rope=_rope_from_dict(d, f, interleave_default=True),
+            num_mtp_layers=f.int(mtp_key, 0, lo=0),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            bos_token_id=None if bos is None else token("bos_token_id", bos),
             eos_token_ids=eos_ids,
-            quantization=QuantConfig.from_dict(d["quantization_config"]) if d.get("quantization_config") else None,
+            quantization=QuantConfig.from_dict(f.dict("quantization_config")) if d.get("quantization_config") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -332,29 +345,87 @@ class ModelConfig:
         return d
 
 
-def _rope_from_dict(d: dict[str, Any], interleave_default: bool) -> RopeConfig:
+def _rope_from_dict(d: dict[str, Any], f: _Keys, interleave_default: bool) -> RopeConfig:
     """Reads DeepSeek's `rope_scaling` or transformers' `rope_parameters` (which also carries rope_theta)."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"rope type {rope_type!r} is not supported (expected one of {ROPE_TYPES})")
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    params = _Keys(f.dict(key) or {}, f"{key}.")
+    rope_type = params.choice("rope_type", None, ROPE_TYPES) or params.choice("type", "default", ROPE_TYPES)
+    theta = params.float("rope_theta", None, lo=0.0, open_lo=True) or f.float("rope_theta", 10000.0, 0.0, True)
     # transformers' V2 always rotates interleaved pairs; V3 has the rope_interleave flag.
-    interleave = bool(d.get("rope_interleave", interleave_default))
+    interleave = f.bool("rope_interleave", interleave_default)
     if rope_type == "default":
         return RopeConfig(theta=theta, interleave=interleave)
-    factor = params.get("factor")
-    orig = params.get("original_max_position_embeddings")
-    if factor is None or orig is None:
+    if params.d.get("factor") is None or params.d.get("original_max_position_embeddings") is None:
         raise ConfigError("yarn rope needs 'factor' and 'original_max_position_embeddings'")
     return RopeConfig(
         theta=theta,
         type="yarn",
-        factor=float(factor),
-        original_max_position_embeddings=int(orig),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0.0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        factor=params.float("factor", lo=0.0, open_lo=True),
+        original_max_position_embeddings=params.int("original_max_position_embeddings"),
+        beta_fast=params.float("beta_fast", 32.0, lo=0.0) or 32.0,  # 0, as null, takes the default
+        beta_slow=params.float("beta_slow", 1.0, lo=0.0) or 1.0,
+        mscale=params.float("mscale", 0.0, lo=0.0),
+        mscale_all_dim=params.float("mscale_all_dim", 0.0, lo=0.0),
         interleave=interleave,
     )
+
+
+_REQUIRED = object()
+
+
+class _Keys:
+    """A JSON object's values read with their type and range checked; a ConfigError names the key (after `prefix`,
+    the enclosing key's name). A key that is missing or null takes `default`; without one it is required."""
+
+    def __init__(self, d: dict[str, Any], prefix: str = ""):
+        self.d, self.prefix = d, prefix
+
+    def _get(self, key: str, default):
+        v = self.d.get(key)
+        if v is None and default is _REQUIRED:
+            raise ConfigError(f"the required key {self.prefix + key!r} is missing")
+        return v
+
+    def check_int(self, key: str, v, lo: int, hi: int | None = None) -> int:
+        if type(v) is not int:
+            raise ConfigError(f"{self.prefix}{key}={v!r:.40} is not an integer")
+        if v < lo or (hi is not None and v > hi):
+            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{self.prefix}{key}={v} is out of range (must be {bound})")
+        return v
+
+    def int(self, key: str, default=_REQUIRED, lo: int = 1) -> int:
+        v = self._get(key, default)
+        return default if v is None else self.check_int(key, v, lo)
+
+    def float(self, key: str, default=_REQUIRED, lo: float | None = None, open_lo: bool = False) -> float:
+        v = self._get(key, default)
+        if v is None:
+            return default
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise ConfigError(f"{self.prefix}{key}={v!r:.40} is not a finite number")
+        if lo is not None and (v <= lo if open_lo else v < lo):
+            raise ConfigError(f"{self.prefix}{key}={v} is out of range (must be {'>' if open_lo else '>='} {lo})")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self._get(key, default)
+        if v is None:
+            return default
+        if type(v) is not bool:
+            raise ConfigError(f"{self.prefix}{key}={v!r:.40} is not true or false")
+        return v
+
+    def choice(self, key: str, default, choices: tuple[str, ...]) -> str:
+        v = self._get(key, default)
+        if v is None:
+            return default
+        if v not in choices or type(v) is not str:
+            raise ConfigError(f"{self.prefix}{key}={v!r:.40} is not supported (expected one of {choices})")
+        return v
+
+    def dict(self, key: str) -> dict | None:
+        v = self.d.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"{self.prefix}{key}={v!r:.40} is not a JSON object")
+        return v

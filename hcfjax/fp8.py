@@ -4,8 +4,8 @@ An `Fp8Weight` stands for a logical weight W [..., K, N] (the params' [in, out] 
 and experts). It holds the checkpoint's tensors as shipped:
 
     q      float8_e4m3fn [..., N, K]        `X.weight`, output-major [out, in]
-    scale  f32           [..., N/B, K/B]    `X.weight_scale_inv`, one per B x B block (B = 128; partial blocks at
-                                             the edges count): W[k, n] = q[n, k] * scale[n // B, k // B]
+    scale_inv  f32       [..., N/B, K/B]    `X.weight_scale_inv`, one per B x B block (B = 128; partial blocks at
+                                             the edges count): W[k, n] = q[n, k] * scale_inv[n // B, k // B]
 
 Activations are quantised dynamically per token and B-channel group, as DeepSeek's `act_quant`: s = amax / 448 (the
 e4m3 maximum), x / s rounded to e4m3 (scale_fmt "ue8m0": s rounded up to a power of two). The product is DeepSeek's
@@ -37,7 +37,7 @@ DTYPE = jnp.float8_e4m3fn
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
     q: jax.Array  # [..., N, K] float8_e4m3fn
-    scale: jax.Array  # [..., N/B, K/B] f32
+    scale_inv: jax.Array  # [..., N/B, K/B] f32 (DeepSeek's name: it undoes the quantisation's division)
     scale_fmt: str | None = dataclasses.field(metadata=dict(static=True), default=None)  # activation scales
 
     @property
@@ -106,7 +106,7 @@ def block_scales(scale: jax.Array, n: int, k: int) -> jax.Array:
 
 def dequantize(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
     """Fp8Weight -> W [..., K, N] in dtype."""
-    wf = w.q.astype(jnp.float32) * block_scales(w.scale, w.n, w.k)
+    wf = w.q.astype(jnp.float32) * block_scales(w.scale_inv, w.n, w.k)
     return jnp.swapaxes(wf, -1, -2).astype(dtype)
 
 
@@ -139,7 +139,7 @@ def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
         acc = lax.dot_general(
             _block(xq, i), _block(wq, i), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [M, N]: an fp8 x fp8 dot, f32 accumulation
-        return acc * lax.dynamic_index_in_dim(xs, i, axis=-1) * _out_scales(w.scale, i, w.n)
+        return acc * lax.dynamic_index_in_dim(xs, i, axis=-1) * _out_scales(w.scale_inv, i, w.n)
 
     return _sum_blocks(w.k, partial).reshape(*lead, w.n).astype(x.dtype)
 
@@ -160,11 +160,11 @@ def ragged_dot(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array) -> jax.Array:
     def partial(i):
         wi = jnp.swapaxes(_block(wq, i), -1, -2)  # [E, B, N]
         acc = lax.ragged_dot(_block(xq, i), wi, group_sizes, preferred_element_type=jnp.float32)  # [M, N]
-        ws = lax.dynamic_index_in_dim(w.scale, i, axis=-1, keepdims=False)[rows]  # [M, N/B]
+        ws = lax.dynamic_index_in_dim(w.scale_inv, i, axis=-1, keepdims=False)[rows]  # [M, N/B]
         return acc * lax.dynamic_index_in_dim(xs, i, axis=-1) * jnp.repeat(ws, BLOCK, axis=-1)[:, : w.n]
 
     return _sum_blocks(w.k, partial).astype(x.dtype)
 
 
 def nbytes(w: Fp8Weight) -> int:
-    return math.prod(w.q.shape) + w.scale.nbytes
+    return math.prod(w.q.shape) + w.scale_inv.nbytes

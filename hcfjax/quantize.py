@@ -33,6 +33,7 @@ from hcfjax.checkpoint import (
     match_sources,
     quantized_specs,
     read_weight,
+    scale_part,
     tensor_specs,
 )
 from hcfjax.config import ModelConfig, QuantConfig
@@ -130,7 +131,7 @@ def quantize_checkpoint(
         if s.quant and not copy:
             w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
             qw = fp8.quantize(w) if s.quant == FP8_QUANT else quantize(w, *s.quant, group_size)
-            scales[s.path[:-1] + ("scale",)] = qw.scale
+            scales[s.path[:-1] + (scale_part(s.quant),)] = getattr(qw, scale_part(s.quant))
             return np.asarray(qw.q)
         if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
             scale = np.asarray(scales.pop(s.path))

@@ -107,10 +107,7 @@ def read_index(path: Path) -> dict[str, TensorEntry]:
     there). No tensor may be in two files."""
     index = path / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index with a weight_map ({e!r})") from None
+        weight_map = _weight_map(index)
         by_file: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             by_file.setdefault(fname, []).append(name)
@@ -133,6 +130,21 @@ def read_index(path: Path) -> dict[str, TensorEntry]:
     for file in files:
         _add(entries, read_header(file))
     return entries
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> a file beside the index), or a CheckpointError naming the index."""
+    try:
+        d = json.loads(index.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+    weight_map = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no weight_map object of tensor names and files")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
+            raise CheckpointError(f"{index}: weight_map maps {name!r} to {file!r:.60}, not a file beside the index")
+    return weight_map
 
 
 def _add(entries: dict[str, TensorEntry], header: dict[str, TensorEntry]) -> None:

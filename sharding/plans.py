@@ -145,24 +145,53 @@ def decode_plan(dp: int, ep: int | None = None, devices=None) -> Plan:
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """A params path as the rules see it: dict keys, list indices and dataclass fields (a quantised weight's parts)
+    joined by '/'."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def spec_for(plan: Plan, path: str, ndim: int) -> P:
+# The parts of a quantised weight: hcfjax.quant.QWeight's q [..., N, K'] and scale [..., K/G, N]; hcfjax.fp8.Fp8Weight's
+# q [..., N, K] and scale_inv [..., N/B, K/B].
+QUANT_PARTS = ("q", "scale", "scale_inv")
+
+
+def spec_for(plan: Plan, path: str, shape: tuple[int, ...]) -> P:
+    """The spec of the param at `path` of `shape`. A quantised weight's parts follow the rule of the weight
+    W [..., K, N] they stand for: q is stored output-major (its last two dims swapped), and per-channel scales
+    ([..., 1, N]) have nothing to split along K. An fp8 weight's block scales are split along the stacking dims
+    alone (the layers, the experts), as q is; a per-head W [K, H, D] (MLA's q_b or q, fp8) is held flattened,
+    [H*D, K], its heads split as the rule splits H. (MLA's attn/q is a plain weight where it is unquantised.)"""
+    parent, _, part = path.rpartition("/")
+    if part not in QUANT_PARTS or parent.endswith("attn"):
+        return P(*_tail(plan, path, len(shape)))
+    rule = _tail(plan, parent, 0)
+    if not rule:
+        return P()
+    if parent.rpartition("/")[0].endswith("attn") and len(rule) == 3:  # per-head [K, H, D] held as [K, H*D]
+        rule = rule[:2]
+    tail = (None,) * (len(shape) - len(rule)) + rule
+    if part == "q":
+        return P(*tail[:-2], tail[-1], tail[-2])
+    if part == "scale_inv":
+        return P(*tail[:-2], None, None)
+    return P(*tail[:-2], None if shape[-2] == 1 else tail[-2], tail[-1])
+
+
+def _tail(plan: Plan, path: str, ndim: int) -> tuple:
     for pattern, tail in plan.rules:
         if re.search(pattern, path):
             tail = tuple(a if a in plan.mesh.axis_names else None for a in tail)
-            return P(*((None,) * (ndim - len(tail)) + tail))
-    return P()
+            return (None,) * (ndim - len(tail)) + tail
+    return ()  # replicated
 
 
 def param_specs(params: dict, plan: Plan) -> dict:
     """The PartitionSpec of every leaf of a params pytree under the plan."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.ndim), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(plan, path_str(p), x.shape), params)
 
 
 def _param_sharding(plan: Plan, path: str, shape: tuple[int, ...]) -> NamedSharding:
-    spec = spec_for(plan, path, len(shape))
+    spec = spec_for(plan, path, shape)
     for dim, axis in zip(shape, spec, strict=False):
         if axis is not None and dim % plan.mesh.shape[axis]:
             raise ValueError(

@@ -123,7 +123,7 @@ if job == "load":
     down = m.params["segments"][1]["mlp"]["experts"]["down"]
     kept = isinstance(down, fp8.Fp8Weight)
     if isinstance(down, fp8.Fp8Weight):  # the last expert's alone, [F, D] (a whole stacked one would count)
-        down = fp8.dequantize(fp8.Fp8Weight(down.q[-1, -1], down.scale[-1, -1]))[None, None]
+        down = fp8.dequantize(fp8.Fp8Weight(down.q[-1, -1], down.scale_inv[-1, -1]))[None, None]
     probe = [float(jnp.abs(down[-1, -1].astype(jnp.float32)).sum()), float(down[-1, -1, 3, 5].astype(jnp.float32))]
 else:
     quantize_checkpoint(src, out, "w8a8", shard_bytes=32 << 20)

@@ -109,10 +109,10 @@ def test_fp8_checkpoint_stays_fp8(random_fp8):
         q, scale = specs[name], specs[name + "_scale_inv"]
         w = get_path(model.params, q.path[:-1])
         assert isinstance(w, fp8.Fp8Weight), name
-        assert w.q.dtype == jnp.float8_e4m3fn and w.scale.dtype == jnp.float32
+        assert w.q.dtype == jnp.float8_e4m3fn and w.scale_inv.dtype == jnp.float32
         # The checkpoint's values and scales as shipped, bit for bit.
         np.testing.assert_array_equal(np.asarray(w.q[q.index]).view(np.uint8), file_tensor(path, name).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(w.scale[scale.index]), file_tensor(path, name + "_scale_inv"))
+        np.testing.assert_array_equal(np.asarray(w.scale_inv[scale.index]), file_tensor(path, name + "_scale_inv"))
         kept += 1
     assert kept == len(names) - 4  # every fp8 linear but kv_b (3 layers and the MTP layer)
     p = model.params

@@ -175,7 +175,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     d = json.loads((V2_LITE / "config.json").read_text())
     del d["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(d))
-    assert "lacks required key 'hidden_size'" in error(str(tmp_path)) and str(tmp_path) in error(str(tmp_path))
+    assert "required key 'hidden_size' is missing" in error(str(tmp_path)) and str(tmp_path) in error(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     assert "is not a JSON file" in error(str(tmp_path / "config.json"))
     assert "dp == ep" in error(str(V2_LITE), "--mesh", "decode:dp=8,ep=4")

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from hcfjax.pd.decode import LocalPrefill, RemotePrefill
 from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
 from hcfjax.pd.transport import make_transport
 from hcfjax.sampling import SamplingParams
+from tests.pd_procs import start
 
 PROMPTS = [
     "def fib(n):",
@@ -153,32 +153,6 @@ def test_pd_speculative_decoding_across_the_split(model, colocated):
 
 
 # -- separate processes behind the router ----------------------------------------------------------------------------
-
-
-def start(args: list[str], name: str, env, until: str = "listening on") -> tuple[subprocess.Popen, str, str]:
-    """Starts `hcfjax serve` with args; returns it, its address and what it printed once a line holds `until` (the
-    router's "ready" line comes after its "listening on" line)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines, address = [], None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (\S+)", line)
-        address = m.group(1) if m else address
-        if address and until in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
-            return proc, address, "".join(lines)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start:\n{''.join(lines)}")
 
 
 def stream(addr: str, prompt, max_new: int, timeout: float = 120, on_token=None):

@@ -64,7 +64,8 @@ def test_int4_experts_read_a_quarter_of_bf16_bytes_plus_scales():
     bf16 = CostModel(V3, gpu("H20"), IDEAL)
     w4 = CostModel(V3, gpu("H20"), IDEAL, quant="w4a8c8")
     w = [Work(tokens=1, logits=1)]
-    assert w4.step(w).parts["moe_routed"] / bf16.step(w).parts["moe_routed"] == pytest.approx((0.5 + 4 / 128) / 2)  # float32 group scales
+    int4 = 0.5 + 4 / 128  # bytes per parameter: float32 group scales
+    assert w4.step(w).parts["moe_routed"] / bf16.step(w).parts["moe_routed"] == pytest.approx(int4 / 2)
     assert w4.kv_bytes(1, layers=1) == 576 + 8 and bf16.kv_bytes(1, layers=1) == 576 * 2
 
 

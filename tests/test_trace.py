@@ -40,5 +40,5 @@ def test_marks_go_where_enabled(tmp_path):
 @pytest.mark.usefixtures("tracing_off")
 def test_cli_enables_the_directory_its_environment_names(tmp_path, monkeypatch):
     monkeypatch.setenv(trace.DIR_VARIABLE, str(tmp_path))
-    assert cli_main(["generate", "--prompt", "x", "--max-new-tokens", "0"]) == 2  # rejected before any model work
+    assert cli_main(["generate", "--prompt", "x", "--model", str(tmp_path / "none")]) == 2  # no model: no work
     assert trace.directory() == tmp_path

@@ -86,9 +86,12 @@ class EngineConfig:
     executable_cache: str | None = None
 
     def __post_init__(self):
-        for name in ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        sizes = ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue", "min_prefill_bucket")
+        derived = ("num_pages", "max_model_len")  # None: from the slots, from the model's context
+        for name in sizes + derived:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1) and not (value is None and name in derived):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("eplb_interval", "eplb_redundant"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")

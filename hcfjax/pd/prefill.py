@@ -82,6 +82,12 @@ class PrefillConfig:
     options: Options = DEFAULT  # how the model runs (hcfjax.options)
 
     def __post_init__(self):
+        sizes = ("num_pages", "page_size", "max_rows", "token_budget", "chunk", "min_bucket", "layerwise_threshold")
+        for name in (*sizes, "layer_group"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (isinstance(self.transfer_timeout_s, int | float) and 0 < self.transfer_timeout_s < math.inf):
+            raise ValueError(f"transfer_timeout_s must be a number > 0, got {self.transfer_timeout_s!r}")
         if self.speculative is not None and self.speculative.forced_acceptance is not None:
             raise ValueError("forced_acceptance is for benchmarks only; a serving worker verifies drafts for real")
 

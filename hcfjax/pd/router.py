@@ -9,9 +9,10 @@ Health: every worker's grpc.health.v1 is polled; one that fails `down_after` che
 new requests), one that answers again rejoins. The router itself is ready (its own health SERVING) only while at
 least one prefill and one decode worker are up: workers that are still compiling do not answer yet.
 
-A call that fails on a worker before any token was streamed is retried on another worker (up to `retries` times);
-after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled, which frees the
-request's pages on both sides. No call waits past its deadline or the router's `request_timeout_s`.
+A call that fails on a worker before any token was streamed is retried (up to `retries` times) without that worker:
+a failed prefill (the decode worker's error says so) on another prefill worker, any other failure on another
+decode worker; after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled,
+which frees the request's pages on both sides. No call waits past its deadline or the router's `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hcfjax import trace
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.frontdoor import InvalidRequest, check_request_id, check_stop, new_request_id
-from hcfjax.pd.service import PREFILL_METADATA
+from hcfjax.pd.service import PREFILL_METADATA, worker_channel
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
@@ -68,7 +69,7 @@ class Router(pb_grpc.GenerationServicer):
     ):
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode worker")
-        mk = lambda a, role: WorkerState(a, role, grpc.insecure_channel(a))
+        mk = lambda a, role: WorkerState(a, role, worker_channel(a))
         self.prefill = [mk(a, "prefill") for a in prefill]
         self.decode = [mk(a, "decode") for a in decode]
         self.balancer = Balancer(balance, len(decode))
@@ -225,7 +226,7 @@ class Router(pb_grpc.GenerationServicer):
                             grpc.StatusCode.UNAVAILABLE, f"decode worker {d.address} failed: {code.name}: {detail}"
                         )
                     context.abort(code, detail or code.name)
-                tried |= {d.address, p.address} if "prefill failed" in (detail or "") else {d.address}
+                tried.add(p.address if "prefill failed" in (detail or "") else d.address)
                 request.request_id = f"{request.request_id}.r{attempt + 1}"
             finally:
                 call.cancel()

@@ -27,6 +27,19 @@ from hcfjax.serving.server import GenerationService, sampling_of
 log = logging.getLogger("hcfjax.pd")
 
 PREFILL_METADATA = "hcfjax-prefill"  # the router's choice of prefill worker for a decode call
+# gRPC waits longer and longer between tries to reach a peer that went away (up to 120 s by default): capped, so
+# that the router and the decode workers reach a worker restarted on the same address within about a second.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+CONNECT_WAIT_S = 2.0  # past the longest wait between tries, and a connection's set-up
+
+
+def worker_channel(address: str) -> grpc.Channel:
+    """A channel to a PD worker, which tries again at least once a second to reach a worker it lost."""
+    return grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
 
 
 def pack_arrays(arrays: dict) -> bytes:
@@ -101,8 +114,18 @@ class GrpcPrefill:
 
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = worker_channel(address)
         self._stub = pd_grpc.PrefillStub(self._channel)
+
+    def _await_connection(self, timeout: float) -> None:
+        """Waits (up to CONNECT_WAIT_S) for the channel's next try if it is between tries: the router, which placed
+        the request here, already reaches a worker that restarted, and this channel may not have tried again yet.
+        A worker that is down stays unreachable, and the call then fails at once with UNAVAILABLE."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=min(CONNECT_WAIT_S, timeout))
+        except grpc.FutureTimeoutError:
+            ready.cancel()
 
     def prefill(self, job: PrefillJob, timeout: float) -> tuple[int, dict | None]:
         req = pdpb.PrefillRequest(
@@ -113,6 +136,7 @@ class GrpcPrefill:
             count=job.count,
             dest=job.dest,
         )
+        self._await_connection(timeout)
         reply = self._stub.Prefill(req, timeout=timeout)
         return reply.first_token, unpack_arrays(reply.drafts) if reply.drafts else None
 

@@ -8,12 +8,16 @@ import argparse
 import dataclasses
 import sys
 
+from hcfjax.argtypes import within
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help="a YAML file (see hcfjax/sim/configs/)")
-    ap.add_argument("--requests", type=int, help="override the workload's request count")
-    ap.add_argument("--rate", type=float, help="override the workload's arrival rate (per second)")
-    ap.add_argument("--attainment", type=float, help="override the share of requests that must meet the SLO")
+    ap.add_argument("--requests", type=within(int, 1), help="override the workload's request count")
+    ap.add_argument("--rate", type=within(float, above=0), help="override the workload's arrival rate (per second)")
+    ap.add_argument(
+        "--attainment", type=within(float, hi=1, above=0), help="override the share of requests that must meet the SLO"
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--search", action="store_true", help="find the highest rate that meets the SLO")
     mode.add_argument("--sweep", action="store_true", help="search every layout of the config's sweep grid")
