@@ -142,7 +142,7 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
     packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]; [K/G, N] in params), at params paths
     (..., 'q') and (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
     if q.fp8 is not None:
-        return fp8_specs(specs)
+        return fp8.checkpoint_specs(specs)
     out = []
     for s in specs:
         scheme = q.experts if "experts" in s.path else q.linear
@@ -164,44 +164,18 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
 
 _QDTYPE = {4: "uint8", 8: "int8"}
 
-# The linears DeepSeek ships in fp8 that stay fp8 on the device: MLA's projections and every MLP (dense, shared,
-# routed experts). kv_b is fp8 on disk too but is dequantised on load: attention.py slices it per head into the
-# absorbed query and output (DeepSeek's own inference code dequantises it there). Embeddings, norms, routers, LM
-# heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
-FP8_LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
-FP8_QUANT = (8, "fp8")  # TensorSpec.quant of an Fp8Weight's `q`
 FP8_AS_FLOAT_HINT = " (config.json's quantization_config says fp8; hcfjax.load(..., fp8='dequantize') reads floats)"
-
-
-def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
-    """The name table of a DeepSeek fp8 checkpoint loaded as fp8: each FP8_LINEARS `X.weight` [N, K] is e4m3 and
-    `X.weight_scale_inv` f32 [N/128, K/128], both kept as stored at params paths (..., 'q') and (..., 'scale_inv')
-    of one Fp8Weight (hcfjax/fp8.py)."""
-    out = []
-    for s in specs:
-        if not (s.linear and s.path[-1] in FP8_LINEARS):
-            out.append(s)
-            continue
-        n, k = s.shape
-        sshape = fp8.scale_shape(n, k)
-        out.append(
-            TensorSpec(s.name, s.path + ("q",), s.index, s.shape, s.shape, False, False, "float8_e4m3fn", FP8_QUANT)
-        )
-        out.append(
-            TensorSpec(f"{s.name}_scale_inv", s.path + ("scale_inv",), s.index, sshape, sshape, False, dtype="float32")
-        )
-    return out
 
 
 def scale_part(quant: tuple[int, str]) -> str:
     """The field of a quantised weight that holds its scales: an Fp8Weight's `scale_inv`, a QWeight's `scale`."""
-    return "scale_inv" if quant == FP8_QUANT else "scale"
+    return "scale_inv" if quant == fp8.QUANT else "scale"
 
 
 def quantized_weight(flat: dict[tuple, object], w: tuple, quant: tuple[int, str], cfg: ModelConfig):
     """Quantised weight `w`'s parts, popped from the {path: leaf} `flat`, as its pytree type (quant says which)."""
     q, scale = flat.pop(w + ("q",)), flat.pop(w + (scale_part(quant),))
-    if quant == FP8_QUANT:
+    if quant == fp8.QUANT:
         return fp8.Fp8Weight(q, scale, cfg.quantization.fp8.scale_fmt)
     return QWeight(q, scale, *quant)
 
@@ -371,7 +345,7 @@ def match_sources(path: Path, index: dict[str, TensorEntry], specs: list[TensorS
     """name -> Source for every spec, after checking the whole checkpoint against the name table: no unexpected
     tensor (unless skip(name)), none missing, every shape as the config says, every dtype one the spec can take.
     Quantised parts take their exact dtype: an Fp8Weight's `q` e4m3, its `scale_inv` the f32 weight_scale_inv beside
-    it, each a source of its own (fp8_specs). A float spec takes a float, or (a linear) fp8 e4m3 beside a
+    it, each a source of its own (fp8.checkpoint_specs). A float spec takes a float, or (a linear) fp8 e4m3 beside a
     weight_scale_inv of one scale per 128 x 128 block, which read_weight dequantises. Errors name the tensor and
     its file; nothing has been read or placed when they are raised."""
     by_name = {s.name: s for s in specs}
@@ -393,7 +367,7 @@ def match_sources(path: Path, index: dict[str, TensorEntry], specs: list[TensorS
         if spec.dtype is not None:
             want = DTYPE_NAMES[np.dtype(spec.dtype)]
             if e.dtype != want:
-                hint = FP8_AS_FLOAT_HINT if spec.quant == FP8_QUANT and e.dtype in _FLOATS else ""
+                hint = FP8_AS_FLOAT_HINT if spec.quant == fp8.QUANT and e.dtype in _FLOATS else ""
                 raise CheckpointError(
                     f"tensor {e.where} has dtype {e.dtype}; this quantised checkpoint needs {want}{hint}"
                 )
@@ -434,11 +408,11 @@ def load_params(
     The whole checkpoint is checked against the name table first (match_sources), so a bad one fails, naming file
     and tensor, before anything is read or placed. Then each param is filled on its devices one checkpoint tensor at
     a time (hcfjax/streaming.py), in the files' order. fp8 e4m3 weights with `weight_scale_inv` stay fp8, with their
-    scales, where the config's quantization_config is DeepSeek's fp8 block (fp8_specs), and are dequantised as they
-    are read otherwise. sharding(path, shape) -> jax.sharding.Sharding places each param (a plan's `param_sharding`;
-    None: the default device): each device receives only its slices, and a process reads only the tensors its own
-    devices hold. Host memory holds a few checkpoint tensors at a time, never the model. index: the checkpoint's
-    read_index, when the caller has it.
+    scales, where the config's quantization_config is DeepSeek's fp8 block (fp8.checkpoint_specs), and are
+    dequantised as they are read otherwise. sharding(path, shape) -> jax.sharding.Sharding places each param (a
+    plan's `param_sharding`; None: the default device): each device receives only its slices, and a process reads
+    only the tensors its own devices hold. Host memory holds a few checkpoint tensors at a time, never the model.
+    index: the checkpoint's read_index, when the caller has it.
     """
     path = Path(path)
     index = read_index(path) if index is None else index

@@ -168,3 +168,42 @@ def ragged_dot(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array) -> jax.Array:
 
 def nbytes(w: Fp8Weight) -> int:
     return math.prod(w.q.shape) + w.scale_inv.nbytes
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+
+# The linears DeepSeek ships in fp8 that stay fp8 on the device: MLA's projections and every MLP (dense, shared,
+# routed experts). kv_b is fp8 on disk too but is dequantised on load: attention.py slices it per head into the
+# absorbed query and output (DeepSeek's own inference code dequantises it there). Embeddings, norms, routers, LM
+# heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
+LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
+QUANT = (8, "fp8")  # checkpoint.TensorSpec.quant of an Fp8Weight's `q`
+
+
+def checkpoint_specs(specs: list) -> list:
+    """The name table (checkpoint.TensorSpec) of a DeepSeek fp8 checkpoint loaded as fp8: each LINEARS `X.weight`
+    [N, K] is e4m3 and `X.weight_scale_inv` f32 [N/B, K/B], both kept as stored, at params paths (..., 'q') and
+    (..., 'scale_inv') of one Fp8Weight."""
+    out = []
+    for s in specs:
+        if not (s.linear and s.path[-1] in LINEARS):
+            out.append(s)
+            continue
+        blocks = scale_shape(*s.shape)
+        out.append(
+            dataclasses.replace(
+                s, path=s.path + ("q",), pshape=s.shape, linear=False, dtype="float8_e4m3fn", quant=QUANT
+            )
+        )
+        out.append(
+            dataclasses.replace(
+                s,
+                name=s.name + "_scale_inv",
+                path=s.path + ("scale_inv",),
+                shape=blocks,
+                pshape=blocks,
+                linear=False,
+                dtype="float32",
+            )
+        )
+    return out

@@ -7,7 +7,7 @@ What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the li
           the MTP combiner) int8 per output channel with int8 activations; the int8 latent KV cache
           (`quantization_config.kv_cache_dtype`, see `default_cache_dtype`).
   w8a8    every `x @ W` linear, experts included, int8 per output channel with int8 activations.
-  fp8     DeepSeek-V3's own format (hcfjax/fp8.py; checkpoint.FP8_LINEARS): MLA's projections but kv_b, and every
+  fp8     DeepSeek-V3's own format (hcfjax/fp8.py, LINEARS): MLA's projections but kv_b, and every
           MLP, experts included, e4m3 with one scale per 128 x 128 block; e4m3 activations per token and 128
           channels. The checkpoint is DeepSeek's layout (`weight_scale_inv`, quant_method "fp8").
 Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head kv_b (its absorbed
@@ -26,7 +26,6 @@ import numpy as np
 
 from hcfjax import fp8
 from hcfjax.checkpoint import (
-    FP8_QUANT,
     SHARD_BYTES,
     get_path,
     ignored_tensor,
@@ -61,7 +60,7 @@ def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
 
 def _quantize_weight(w, spec, group_size: int):
     """The stacked weight w [..., K, N...] (the params' shape: per-head outputs split) quantised as spec.quant says."""
-    if spec.quant == FP8_QUANT:
+    if spec.quant == fp8.QUANT:
         n, k = spec.shape  # the checkpoint's [out, in]
         return fp8.quantize(w.reshape(*w.shape[: len(spec.index)], k, n))
     bits, act = spec.quant
@@ -130,7 +129,7 @@ def quantize_checkpoint(
         s = qspecs[t.name]
         if s.quant and not copy:
             w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
-            qw = fp8.quantize(w) if s.quant == FP8_QUANT else quantize(w, *s.quant, group_size)
+            qw = fp8.quantize(w) if s.quant == fp8.QUANT else quantize(w, *s.quant, group_size)
             scales[s.path[:-1] + (scale_part(s.quant),)] = getattr(qw, scale_part(s.quant))
             return np.asarray(qw.q)
         if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
