@@ -30,7 +30,12 @@ DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "stdlib-v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, plan=None) -> Model:
+FP8_MODES = ("native", "dequantize")
+
+
+def load(
+    path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, plan=None, fp8: str = "native"
+) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
 
@@ -41,12 +46,16 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     config counts only the MTP layers loaded.
     plan: a sharding plan (sharding.plans) to place the weights for: each device receives only its slices of each
     param, and each process reads only the tensors its own devices hold. None: the default device.
+    fp8: for checkpoints whose config.json carries DeepSeek's fp8 `quantization_config` (V3, R1): "native" keeps
+    the weights fp8 with their block scales and runs them as w8a8 fp8 linears and experts (hcfjax/fp8.py);
+    "dequantize" turns them into `dtype` as they are read (the config then says no quantisation). fp8 tensors in a
+    checkpoint without that block are always dequantised.
 
     Loading streams: the checkpoint is checked whole first (a bad one fails naming file and tensor, with nothing
     placed), then read tensor by tensor straight onto the devices, so host memory holds a few tensors, not the model.
     """
     path = Path(DEFAULT_MODEL if path is None else path)
-    cfg, headers = read_config(path, mtp)
+    cfg, headers = read_config(path, mtp, fp8)
     if isinstance(dtype, str) and dtype == "auto":
         dtype = checkpoint_dtype(path, headers)
     # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
@@ -57,13 +66,20 @@ def load(path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = 
     return Model(cfg, params, tokenizer, str(path))
 
 
-def read_config(path: Path, mtp: bool | None = None, stacklevel: int = 3) -> tuple[ModelConfig, dict]:
-    """config.json's ModelConfig counting the MTP layers that `load(path, mtp=mtp)` loads, and the checkpoint's
-    tensor index (checkpoint_headers). Warns (at `stacklevel`) where config.json names MTP layers the checkpoint
-    lacks and mtp is None."""
+def read_config(
+    path: Path, mtp: bool | None = None, fp8: str = "native", stacklevel: int = 3
+) -> tuple[ModelConfig, dict]:
+    """config.json's ModelConfig counting the MTP layers that `load(path, mtp=mtp)` loads, and saying no
+    quantisation where `fp8="dequantize"` reads DeepSeek's fp8 weights as floats; and the checkpoint's tensor index
+    (checkpoint_headers). Warns (at `stacklevel`) where config.json names MTP layers the checkpoint lacks and mtp is
+    None."""
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a directory")
     cfg = ModelConfig.from_json(path)
+    if fp8 == "dequantize" and cfg.quantization is not None and cfg.quantization.fp8 is not None:
+        cfg = dataclasses.replace(cfg, quantization=None)
     headers = checkpoint_headers(path)
     check_counts(cfg, headers, path)
     if cfg.num_mtp_layers and mtp is not False and not mtp_present(cfg, headers, path):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
+from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import apply_rope, rms_norm
 from hcfjax.options import DEFAULT, Options
 from pallas_kernels.mla_decode import MlaPlan, kernel_applies, mla_decode, mla_decode_reference, mla_plan
@@ -62,13 +63,29 @@ def with_decode_plan(
     return dataclasses.replace(ctx, plan=plan)
 
 
+def per_head(x: jax.Array, w, heads: int) -> jax.Array:
+    """x [B, T, I] through a per-head projection -> [B, T, H, K]: w [I, H, K], or an Fp8Weight of [I, H*K] (one
+    fp8 linear, its output split into heads)."""
+    if isinstance(w, Fp8Weight):
+        return (x @ w).reshape(*x.shape[:-1], heads, -1)
+    return jnp.einsum("BTI,IHK->BTHK", x, w)
+
+
+def out_proj(out: jax.Array, w, cfg: ModelConfig) -> jax.Array:
+    """Attention output [B, T, H, V] through o [H*V, D] (an array or an Fp8Weight) -> [B, T, D]."""
+    if isinstance(w, Fp8Weight):
+        return out.reshape(*out.shape[:-2], -1) @ w
+    return jnp.einsum("BTHV,HVD->BTD", out, w.reshape(cfg.num_attention_heads, cfg.v_head_dim, -1))
+
+
 def project_q(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped)."""
+    h = cfg.num_attention_heads
     if cfg.q_lora_rank:
         q = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("BTQ,QHK->BTHK", q, p["q_b"])
+        q = per_head(q, p["q_b"], h)
     else:
-        q = jnp.einsum("BTD,DHK->BTHK", x, p["q"])
+        q = per_head(x, p["q"], h)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, positions, cfg.rope)
 
@@ -205,9 +222,9 @@ def mla(
         ctx = dataclasses.replace(ctx, cache=cache)
         if absorbed:
             out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
-            return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx
+            return out_proj(out, p["o"], cfg), ctx
         out = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
-        return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx
+        return out_proj(out, p["o"], cfg), ctx
     attend = attend_absorbed if absorbed else attend_expanded
     out = attend(p, cfg, q_nope, q_pe, ckv, kpe, mask)  # [B, T, H, V]
-    return jnp.einsum("BTHV,HVD->BTD", out, p["o"].reshape(cfg.num_attention_heads, cfg.v_head_dim, -1)), ctx
+    return out_proj(out, p["o"], cfg), ctx

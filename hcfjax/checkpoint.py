@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from hcfjax import fp8
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quant import QWeight, group_size
 from hcfjax.safetensors_files import DTYPE_NAMES, CheckpointError, TensorEntry, read_index, read_tensor
@@ -26,7 +27,7 @@ from hcfjax.streaming import Stacked, fill_params
 
 _log = logging.getLogger(__name__)
 
-FP8_BLOCK = 128  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
+FP8_BLOCK = fp8.BLOCK  # DeepSeek's fp8 checkpoints: one weight_scale_inv per 128 x 128 block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,8 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
     """The name table of a quantised checkpoint: each quantised linear `X.weight` [N, K] becomes `X.weight` (int4
     packed uint8 [N, K/2] or int8 [N, K]) and `X.weight_scale` (f32 [N, K/G]; [K/G, N] in params), at params paths
     (..., 'q') and (..., 'scale') of one QWeight (hcfjax/quant.py documents the layout)."""
+    if q.fp8 is not None:
+        return fp8.checkpoint_specs(specs)
     out = []
     for s in specs:
         scheme = q.experts if "experts" in s.path else q.linear
@@ -161,6 +164,21 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
 
 _QDTYPE = {4: "uint8", 8: "int8"}
 
+FP8_AS_FLOAT_HINT = " (config.json's quantization_config says fp8; hcfjax.load(..., fp8='dequantize') reads floats)"
+
+
+def scale_part(quant: tuple[int, str]) -> str:
+    """The field of a quantised weight that holds its scales: an Fp8Weight's `scale_inv`, a QWeight's `scale`."""
+    return "scale_inv" if quant == fp8.QUANT else "scale"
+
+
+def quantized_weight(flat: dict[tuple, object], w: tuple, quant: tuple[int, str], cfg: ModelConfig):
+    """Quantised weight `w`'s parts, popped from the {path: leaf} `flat`, as its pytree type (quant says which)."""
+    q, scale = flat.pop(w + ("q",)), flat.pop(w + (scale_part(quant),))
+    if quant == fp8.QUANT:
+        return fp8.Fp8Weight(q, scale, cfg.quantization.fp8.scale_fmt)
+    return QWeight(q, scale, *quant)
+
 
 def stacked_shapes(specs: list[TensorSpec]) -> dict[tuple, tuple[tuple[int, ...], bool]]:
     """params path -> (full stacked shape, fp32): the leading dims are one past the largest index seen."""
@@ -181,7 +199,7 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 def get_path(tree, path: tuple):
     for key in path:
-        tree = getattr(tree, key) if isinstance(tree, QWeight) else tree[key]
+        tree = getattr(tree, key) if isinstance(tree, (QWeight, fp8.Fp8Weight)) else tree[key]
     return tree
 
 
@@ -242,7 +260,9 @@ def check_counts(cfg: ModelConfig, names, where: Path) -> None:
 
 
 def mtp_names(cfg: ModelConfig) -> list[str]:
-    """Checkpoint names of the MTP layers' tensors, in name-table order."""
+    """Checkpoint names of the MTP layers' weights, in name-table order (quantised weights by their values' names:
+    match_sources checks their scales and dtypes)."""
+    cfg = dataclasses.replace(cfg, quantization=None)
     main = {s.name for s in tensor_specs(cfg, mtp=False)}
     return [s.name for s in tensor_specs(cfg, mtp=True) if s.name not in main]
 
@@ -323,42 +343,49 @@ _SCALE_INV = ".weight_scale_inv"
 
 def match_sources(path: Path, index: dict[str, TensorEntry], specs: list[TensorSpec], skip) -> dict[str, Source]:
     """name -> Source for every spec, after checking the whole checkpoint against the name table: no unexpected
-    tensor (unless skip(name)), none missing, every shape as the config says, every dtype one the spec can take
-    (its exact dtype for quantised parts; else a float, or fp8 e4m3 beside a weight_scale_inv of one scale per
-    128 x 128 block). Errors name the tensor and its file; nothing has been read or placed when they are raised."""
+    tensor (unless skip(name)), none missing, every shape as the config says, every dtype one the spec can take.
+    Quantised parts take their exact dtype: an Fp8Weight's `q` e4m3, its `scale_inv` the f32 weight_scale_inv beside
+    it, each a source of its own (fp8.checkpoint_specs). A float spec takes a float, or (a linear) fp8 e4m3 beside a
+    weight_scale_inv of one scale per 128 x 128 block, which read_weight dequantises. Errors name the tensor and
+    its file; nothing has been read or placed when they are raised."""
     by_name = {s.name: s for s in specs}
     sources = {}
     for name, e in index.items():
-        spec = by_name.get(name.removesuffix("_scale_inv") if name.endswith(_SCALE_INV) else name)
-        if spec is None:
-            if skip(name.removesuffix("_scale_inv")):
-                continue
-            raise CheckpointError(f"unexpected tensor {e.where} at {path} (not in the name table for this config)")
-        if name.endswith(_SCALE_INV):
-            if index.get(spec.name) is not None and index[spec.name].dtype != _FP8:
-                w = index[spec.name]
+        spec, weight = by_name.get(name), name.removesuffix("_scale_inv")
+        if spec is None and name.endswith(_SCALE_INV) and weight in by_name:  # the scales of a weight read as floats
+            w = index.get(weight)
+            if w is not None and w.dtype != _FP8:
                 raise CheckpointError(f"tensor {e.where} scales {w.where}, which is {w.dtype}, not fp8 ({_FP8})")
             continue
+        if spec is None:
+            if skip(weight):
+                continue
+            raise CheckpointError(f"unexpected tensor {e.where} at {path} (not in the name table for this config)")
         if e.shape != spec.shape:
             raise CheckpointError(f"tensor {e.where} has shape {e.shape}, config expects {spec.shape}")
-        scale = index.get(name[: -len("weight")] + "weight_scale_inv") if name.endswith(".weight") else None
+        scale = index.get(name + "_scale_inv") if name.endswith(".weight") else None
         if spec.dtype is not None:
             want = DTYPE_NAMES[np.dtype(spec.dtype)]
             if e.dtype != want:
-                raise CheckpointError(f"tensor {e.where} has dtype {e.dtype}; this quantised checkpoint needs {want}")
+                hint = FP8_AS_FLOAT_HINT if spec.quant == fp8.QUANT and e.dtype in _FLOATS else ""
+                raise CheckpointError(
+                    f"tensor {e.where} has dtype {e.dtype}; this quantised checkpoint needs {want}{hint}"
+                )
         elif e.dtype == _FP8 and spec.linear:
             if scale is None:
                 raise CheckpointError(f"fp8 tensor {e.where} has no {name}_scale_inv beside it")
-            blocks = tuple(-(-n // FP8_BLOCK) for n in e.shape)
+            blocks = fp8.scale_shape(*e.shape)
             if scale.shape != blocks or scale.dtype not in _FLOATS:
                 raise CheckpointError(
                     f"tensor {scale.where} is {scale.dtype} {scale.shape}; fp8 {name!r} {e.shape} needs one float "
                     f"scale per {FP8_BLOCK} x {FP8_BLOCK} block: {blocks}"
                 )
         elif e.dtype not in _FLOATS:
-            fp8 = f", or {_FP8} with a weight_scale_inv" if spec.linear else ""
-            raise CheckpointError(f"tensor {e.where} has dtype {e.dtype}; expected one of {', '.join(_FLOATS)}{fp8}")
-        sources[name] = Source(e, scale if e.dtype == _FP8 else None)
+            fp8_too = f", or {_FP8} with a weight_scale_inv" if spec.linear else ""
+            raise CheckpointError(
+                f"tensor {e.where} has dtype {e.dtype}; expected one of {', '.join(_FLOATS)}{fp8_too}"
+            )
+        sources[name] = Source(e, scale if spec.dtype is None and e.dtype == _FP8 else None)
     missing = [s.name for s in specs if s.name not in sources]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -380,11 +407,12 @@ def load_params(
 
     The whole checkpoint is checked against the name table first (match_sources), so a bad one fails, naming file
     and tensor, before anything is read or placed. Then each param is filled on its devices one checkpoint tensor at
-    a time (hcfjax/streaming.py), in the files' order; fp8 e4m3 weights with `weight_scale_inv` are dequantised as
-    they are read. sharding(path, shape) -> jax.sharding.Sharding places each param (a plan's `param_sharding`;
-    None: the default device): each device receives only its slices, and a process reads only the tensors its own
-    devices hold. Host memory holds a few checkpoint tensors at a time, never the model. index: the checkpoint's
-    read_index, when the caller has it.
+    a time (hcfjax/streaming.py), in the files' order. fp8 e4m3 weights with `weight_scale_inv` stay fp8, with their
+    scales, where the config's quantization_config is DeepSeek's fp8 block (fp8.checkpoint_specs), and are
+    dequantised as they are read otherwise. sharding(path, shape) -> jax.sharding.Sharding places each param (a
+    plan's `param_sharding`; None: the default device): each device receives only its slices, and a process reads
+    only the tensors its own devices hold. Host memory holds a few checkpoint tensors at a time, never the model.
+    index: the checkpoint's read_index, when the caller has it.
     """
     path = Path(path)
     index = read_index(path) if index is None else index
@@ -418,7 +446,7 @@ def load_params(
     for s in specs:
         if s.quant and s.path in params:
             w = s.path[:-1]
-            params[w] = QWeight(params.pop(s.path), params.pop(w + ("scale",)), *s.quant)
+            params[w] = quantized_weight(params, w, s.quant, cfg)
     return to_pytree(params)
 
 

@@ -1,7 +1,8 @@
 """The `hcfjax` command line.
 
 hcfjax generate --model PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32|auto] [--kv-cache auto|bf16|int8]
+                [--min-p P] [--seed S] [--stop TEXT] [--dtype bfloat16|float32|auto] [--fp8 native|dequantize]
+                [--kv-cache auto|bf16|int8]
 hcfjax serve [--model PATH | --preset NAME] [--scheme S] [--host 127.0.0.1] [--port P] [--http-port H]
              [--metrics-port M] [--max-slots N] [...]
              (gRPC and/or the OpenAI-compatible HTTP API over one engine, hcfjax/serving/; SIGINT/SIGTERM shut it
@@ -12,7 +13,7 @@ hcfjax serve --role prefill|decode|router [--transport socket|jax] [--prefill AD
 hcfjax client --port P [--host H] --prompt TEXT [--max-new-tokens N] [--temperature T] [...] [--seed S] [--stop TEXT]
              (streams the text to stdout; an error status goes to stderr as CODE: message, exit 1)
 hcfjax bench generate [...]      (the decode/prefill benchmark; see hcfjax/bench/generate.py)
-hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8   (hcfjax/quantize.py)
+hcfjax quantize [--model IN] --out OUT --scheme w4a8c8|w4a16|w4a8|w8a8|fp8   (hcfjax/quantize.py)
 hcfjax sim --config deployment.yaml [--search | --sweep] [--plot PNG]   (the capacity simulator, hcfjax/sim/)
 hcfjax info [MODEL | --preset NAME] [--scheme S] [--mesh PLAN ...] [--gpu G] [--context N]   (hcfjax/info.py)
 """
@@ -80,7 +81,7 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
-    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"))
+    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"), fp8=args.fp8)
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,
@@ -261,9 +262,15 @@ def _client(args) -> int:
 
 
 def _precision_flags(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --kv-cache, alike for `generate` and `serve`."""
+    """--dtype, --fp8 and --kv-cache, alike for `generate` and `serve`."""
     parser.add_argument(
         "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--fp8",
+        default="native",
+        choices=["native", "dequantize"],
+        help="DeepSeek fp8 checkpoints: run the weights as fp8 (native) or dequantise them to --dtype on load",
     )
     parser.add_argument(
         "--kv-cache",
@@ -446,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="write a quantised copy of a checkpoint (hcfjax/quantize.py)")
     q.add_argument("--model", help="checkpoint directory (HF layout); default: the embedded model")
     q.add_argument("--out", required=True, help="directory to write the quantised checkpoint to")
-    q.add_argument("--scheme", required=True, choices=["w4a8c8", "w4a16", "w4a8", "w8a8"])
+    q.add_argument("--scheme", required=True, choices=["w4a8c8", "w4a16", "w4a8", "w8a8", "fp8"])
     q.add_argument("--group-size", type=within(int, 1), default=128, help="int4 scale group along K")
     q.set_defaults(func=_quantize)
 

@@ -14,12 +14,15 @@ ROPE_TYPES = ("default", "yarn")
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 # Quantisation schemes: (routed experts, other `x @ W` linears, KV cache). Experts are int4 with group-wise scales
 # (w4a16: bf16 activations, w4a8: per-token int8 activations) or int8 per channel (w8a8); "w8a8" linears are int8 per
-# channel with int8 activations; None keeps them in the model dtype. hcfjax/quantize.py says which linears these are.
+# channel with int8 activations; None keeps them in the model dtype. "fp8" is DeepSeek's own format: e4m3 weights
+# with 128 x 128 block scales and e4m3 activations per token and 128 channels (hcfjax/fp8.py). hcfjax/quantize.py
+# says which linears these are.
 QUANT_SCHEMES = {
     "w4a16": ("w4a16", None, None),
     "w4a8": ("w4a8", None, None),
     "w4a8c8": ("w4a8", "w8a8", "int8"),
     "w8a8": ("w8a8", "w8a8", None),
+    "fp8": ("fp8", "fp8", None),
 }
 
 
@@ -55,14 +58,55 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    """DeepSeek-V3/R1's `quantization_config` block (quant_method "fp8"): e4m3 weights with one f32
+    `weight_scale_inv` per block of weight_block_size (out, in), activations quantised dynamically per token and
+    `block[1]` channels. scale_fmt "ue8m0" (DeepSeek-V3.1) rounds activation scales up to powers of two."""
+
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fp8Format:
+        """The block's keys, each checked: hcfjax runs e4m3 weights in 128 x 128 blocks with dynamic activations."""
+        f = _Keys(d, "quantization_config.")
+        block = d.get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or block != [128, 128]):
+            raise ConfigError(
+                f"quantization_config.weight_block_size={block!r:.40} is not supported (expected [128, 128])"
+            )
+        return cls(
+            fmt=f.choice("fmt", "e4m3", ("e4m3",)),
+            activation_scheme=f.choice("activation_scheme", "dynamic", ("dynamic",)),
+            scale_fmt=f.choice("scale_fmt", None, ("ue8m0",)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "quant_method": "fp8",
+            "fmt": self.fmt,
+            "activation_scheme": self.activation_scheme,
+            "weight_block_size": list(self.weight_block_size),
+        }
+        return d if self.scale_fmt is None else {**d, "scale_fmt": self.scale_fmt}
+
+
+QUANT_METHODS = ("fp8", "hcfjax")  # DeepSeek's block-scaled fp8, and what `hcfjax quantize` writes
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """config.json's `quantization_config` for checkpoints written by `hcfjax quantize`."""
+    """config.json's `quantization_config`: DeepSeek's fp8 block (scheme "fp8", `fp8` says its format) or what
+    `hcfjax quantize` writes."""
 
     scheme: str
     group_size: int = 128
-    experts: str = "w4a16"  # w4a16 | w4a8 | w8a8
-    linear: str | None = None  # w8a8 | None (kept in the model dtype)
+    experts: str = "w4a16"  # w4a16 | w4a8 | w8a8 | fp8
+    linear: str | None = None  # w8a8 | fp8 | None (kept in the model dtype)
     kv_cache_dtype: str | None = None  # "int8": the scheme was chosen with the int8 latent cache
+    fp8: Fp8Format | None = None  # scheme "fp8": the format of the weights and activations
 
     @classmethod
     def for_scheme(cls, scheme: str, group_size: int = 128) -> QuantConfig:
@@ -71,14 +115,23 @@ class QuantConfig:
                 f"quantisation scheme {scheme!r} is not supported (expected one of {list(QUANT_SCHEMES)})"
             )
         experts, linear, kv = QUANT_SCHEMES[scheme]
+        if scheme == "fp8":
+            return cls(scheme, 128, experts, linear, kv, Fp8Format())
         return cls(scheme, group_size, experts, linear, kv)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
-        if d.get("quant_method") != "hcfjax":
-            raise ConfigError(f"quantization_config with quant_method={d.get('quant_method')!r:.40} is not supported")
+        method = d.get("quant_method")
+        if method == "fp8":
+            return dataclasses.replace(cls.for_scheme("fp8"), fp8=Fp8Format.from_dict(d))
+        if method != "hcfjax":
+            raise ConfigError(
+                f"quantization_config with quant_method={method!r:.40} is not supported (expected one of "
+                f"{QUANT_METHODS}: DeepSeek's block-scaled fp8, or a checkpoint `hcfjax quantize` wrote)"
+            )
         f = _Keys(d, "quantization_config.")
-        q = cls.for_scheme(f.choice("scheme", _REQUIRED, tuple(QUANT_SCHEMES)), f.int("group_size", 128))
+        int_schemes = tuple(s for s in QUANT_SCHEMES if s != "fp8")  # fp8 is written as DeepSeek's block
+        q = cls.for_scheme(f.choice("scheme", _REQUIRED, int_schemes), f.int("group_size", 128))
         return dataclasses.replace(
             q,
             experts=f.choice("experts", q.experts, ("w4a16", "w4a8", "w8a8")),
@@ -87,7 +140,9 @@ class QuantConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": "hcfjax", **dataclasses.asdict(self)}
+        if self.fp8 is not None:
+            return self.fp8.to_dict()
+        return {"quant_method": "hcfjax", **{k: v for k, v in dataclasses.asdict(self).items() if k != "fp8"}}
 
 
 @dataclasses.dataclass(frozen=True)

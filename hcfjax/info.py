@@ -33,10 +33,9 @@ DESCRIPTION = (
 )
 
 
-def read_config(path: str | Path) -> tuple[ModelConfig, dict | None]:
-    """(config, DeepSeek's fp8 `quantization_config` block or None) from a checkpoint directory or a config.json.
-    The fp8 block says how the checkpoint stores its weights and nothing about their shapes, so the config is read
-    without it."""
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or a config.json (DeepSeek's fp8 `quantization_config`, as V3 and
+    R1 ship it, included: cfg.quantization.fp8)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -47,13 +46,8 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict | None]:
         raise ConfigError(f"{file} is not a JSON file: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{file} holds a JSON {type(d).__name__}, not an object")
-    shipped = d.get("quantization_config")
-    if isinstance(shipped, dict) and shipped.get("quant_method") == "fp8":
-        d = {k: v for k, v in d.items() if k != "quantization_config"}
-    else:
-        shipped = None
     try:
-        return ModelConfig.from_dict(d), shipped
+        return ModelConfig.from_dict(d)
     except ConfigError as e:
         raise ConfigError(f"{file}: {e}") from None
 
@@ -130,7 +124,6 @@ def _gb(x: float) -> str:
 def report(
     cfg: ModelConfig,
     label: str,
-    shipped: dict | None,
     fits: list[PlanFit],
     gpu_name: str,
     scheme: str,
@@ -149,10 +142,10 @@ def report(
         f"{c.num_mtp_layers} MTP module{'' if c.num_mtp_layers == 1 else 's'}, "
         f"vocab {c.vocab_size}",
     ]
-    block = (128, 128)
+    shipped = c.quantization.fp8 if c.quantization is not None else None  # DeepSeek's fp8 block
+    block = shipped.weight_block_size if shipped else (128, 128)
     if shipped:
-        block = tuple(shipped.get("weight_block_size") or block)
-        lines.append(f"  shipped as fp8 {shipped.get('fmt', 'e4m3')}, {block[0]}x{block[1]} blocks")
+        lines.append(f"  shipped as fp8 {shipped.fmt}, {block[0]}x{block[1]} blocks")
     elif c.quantization is not None:
         lines.append(f"  quantised by hcfjax: {c.quantization.scheme}")
     lines += ["", f"{'parameters':<22}{'total':>12}{'per token':>12}"]
@@ -198,8 +191,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--scheme",
         choices=SCHEMES,
-        help="the weights' format under the plans (default: the checkpoint's hcfjax scheme, else bf16, which is how "
-        "hcfjax.load holds fp8 checkpoints)",
+        help="the weights' format under the plans (default: the checkpoint's scheme, fp8 for DeepSeek's fp8 "
+        "checkpoints, which hcfjax.load keeps fp8; else bf16)",
     )
     ap.add_argument(
         "--mesh",
@@ -230,12 +223,12 @@ def run(args) -> int:
         if args.preset:
             from hcfjax.sim.deployment import model_config
 
-            cfg, shipped, label = model_config(args.preset), None, f"preset {args.preset}"
+            cfg, label = model_config(args.preset), f"preset {args.preset}"
         else:
             from hcfjax.api import DEFAULT_MODEL
 
             path = args.model or DEFAULT_MODEL
-            (cfg, shipped), label = read_config(path), str(path)
+            cfg, label = read_config(path), str(path)
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
         scheme = args.scheme or (cfg.quantization.scheme if cfg.quantization else "bf16")
@@ -246,5 +239,5 @@ def run(args) -> int:
     except (OSError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(cfg, label, shipped, fits, args.gpu, scheme, args.context, args.speculative))
+    print(report(cfg, label, fits, args.gpu, scheme, args.context, args.speculative))
     return 0

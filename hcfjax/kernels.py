@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from hcfjax import cache as kvcache
-from hcfjax import quant
+from hcfjax import fp8, quant
 from hcfjax.attention import decode_mode
 from hcfjax.config import ModelConfig
 from hcfjax.options import Options
@@ -22,6 +22,8 @@ def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, 
     mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
     mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
     w = next((seg["mlp"]["experts"]["gate"] for seg in params["segments"] if "experts" in seg["mlp"]), None)
+    if isinstance(w, fp8.Fp8Weight):
+        return f"{mla}, jnp fp8 block-scaled experts (XLA fp8 dots)"
     if not isinstance(w, quant.QWeight) or w.bits != 4:
         return f"{mla}, XLA ragged_dot experts"
     x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)
@@ -37,4 +39,7 @@ def engine_summary(engine) -> str:
     cache = jnp.dtype(engine.runner.state.cache.kv.dtype).name
     kernels = kernels_in_use(m.cfg, m.params, cache, c.page_size, c.options)
     weights = f"{q.scheme} weights" if q is not None else f"{jnp.dtype(m.dtype).name} weights"
+    if q is not None and q.fp8 is not None:
+        block = "x".join(map(str, q.fp8.weight_block_size))
+        weights = f"fp8 weights ({q.fp8.fmt}, {block} block scales, {q.fp8.activation_scheme} {q.fp8.fmt} activations)"
     return f"{weights}, {cache} KV cache in pages of {c.page_size}; decode runs {kernels}"

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hcfjax import fp8
 from hcfjax.options import DEFAULT, Options
 from pallas_kernels import quant_reference
 from pallas_kernels.int8_quant import (  # noqa: F401 (re-exported: the model and tests import them from here)
@@ -137,8 +138,10 @@ def ragged_dot_reference(x: jax.Array, w: QWeight, group_sizes: jax.Array, x_q=N
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None, opts: Options = DEFAULT) -> jax.Array:
     """Grouped matmul over experts: plain weights -> `jax.lax.ragged_dot`; int4 QWeights -> the Pallas Mosaic GPU
-    kernel where opts.mode("moe") says so, else the jnp reference; int8 QWeights -> the reference. x_q:
-    quantize_int8(x), when the caller made it (int8 activations use it)."""
+    kernel where opts.mode("moe") says so, else the jnp reference; int8 QWeights -> the reference; fp8 weights ->
+    hcfjax.fp8.ragged_dot. x_q: quantize_int8(x), when the caller made it (int8 activations use it)."""
+    if isinstance(w, fp8.Fp8Weight):
+        return fp8.ragged_dot(x, w, group_sizes)
     if not isinstance(w, QWeight):
         return lax.ragged_dot(x, w, group_sizes)
     mode = _int4_mode(opts, x, w)
@@ -207,4 +210,6 @@ def nbytes(w) -> int:
     """Bytes a weight occupies (quantised values plus scales)."""
     if isinstance(w, QWeight):
         return w.q.nbytes + w.scale.nbytes
+    if isinstance(w, fp8.Fp8Weight):
+        return fp8.nbytes(w)
     return math.prod(w.shape) * jnp.dtype(w.dtype).itemsize

@@ -1,4 +1,4 @@
-"""`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8).
+"""`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8, fp8).
 
 What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the linears):
   w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
@@ -7,8 +7,12 @@ What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the li
           the MTP combiner) int8 per output channel with int8 activations; the int8 latent KV cache
           (`quantization_config.kv_cache_dtype`, see `default_cache_dtype`).
   w8a8    every `x @ W` linear, experts included, int8 per output channel with int8 activations.
-Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head q_b/kv_b/o (einsums
-in attention.py; its absorbed decode folds kv_b into the query and the output).
+  fp8     DeepSeek-V3's own format (hcfjax/fp8.py, LINEARS): MLA's projections but kv_b, and every
+          MLP, experts included, e4m3 with one scale per 128 x 128 block; e4m3 activations per token and 128
+          channels. The checkpoint is DeepSeek's layout (`weight_scale_inv`, quant_method "fp8").
+Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head kv_b (its absorbed
+decode folds kv_b into the query and the output); by the int schemes also q_b and o (per-head einsums in
+attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from hcfjax import fp8
 from hcfjax.checkpoint import (
     SHARD_BYTES,
     get_path,
@@ -27,6 +32,7 @@ from hcfjax.checkpoint import (
     match_sources,
     quantized_specs,
     read_weight,
+    scale_part,
     tensor_specs,
 )
 from hcfjax.config import ModelConfig, QuantConfig
@@ -48,9 +54,17 @@ def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
         if s.quant and s.path not in done:
             done.add(s.path)
             w = s.path[:-1]
-            bits, act = s.quant
-            get_path(params, w[:-1])[w[-1]] = quantize(get_path(model.params, w), bits, act, group_size)
+            get_path(params, w[:-1])[w[-1]] = _quantize_weight(get_path(model.params, w), s, group_size)
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, quantization=qcfg), params=params)
+
+
+def _quantize_weight(w, spec, group_size: int):
+    """The stacked weight w [..., K, N...] (the params' shape: per-head outputs split) quantised as spec.quant says."""
+    if spec.quant == fp8.QUANT:
+        n, k = spec.shape  # the checkpoint's [out, in]
+        return fp8.quantize(w.reshape(*w.shape[: len(spec.index)], k, n))
+    bits, act = spec.quant
+    return quantize(w, bits, act, group_size)
 
 
 def _copy_tree(tree):
@@ -90,18 +104,21 @@ def quantize_checkpoint(
     Streams: the source is checked whole first (as `load` checks it), then each output tensor is read (fp8
     dequantised), cast to bf16, quantised where the scheme says, and written into shards of up to `shard_bytes` at
     once, so host memory holds a few tensors, never the model. The values are those of `quantize_model` on the
-    model loaded in bf16, saved with `save`."""
+    model loaded in bf16, saved with `save`. A DeepSeek fp8 checkpoint (its fp8 `quantization_config`) is read
+    dequantised for the int schemes; for the fp8 scheme its fp8 weights and scales are copied as they are (what
+    `save` writes for it loaded natively)."""
     from hcfjax.api import DEFAULT_MODEL, TOKENIZER_FILES, read_config, write_config
 
     src, out = Path(DEFAULT_MODEL if src is None else src), Path(out)
-    cfg, index = read_config(src)
-    if cfg.quantization is not None:
+    cfg, index = read_config(src, fp8="native" if scheme == "fp8" else "dequantize")
+    copy = cfg.quantization is not None and cfg.quantization.scheme == scheme == "fp8"
+    if cfg.quantization is not None and not copy:
         raise ValueError(f"the model is already quantised ({cfg.quantization.scheme})")
-    qcfg = QuantConfig.for_scheme(scheme, group_size)
-    specs = tensor_specs(cfg)
+    qcfg = cfg.quantization if copy else QuantConfig.for_scheme(scheme, group_size)
+    specs = tensor_specs(cfg)  # as stored: an fp8 checkpoint's fp8 parts when it is copied
     sources = match_sources(src, index, specs, lambda n: ignored_tensor(cfg, n))
     bf16 = np.dtype(jnp.bfloat16)
-    qspecs = {s.name: s for s in quantized_specs(specs, qcfg)}
+    qspecs = {s.name: s for s in (specs if copy else quantized_specs(specs, qcfg))}
     planned = [
         Planned(s.name, np.dtype(s.dtype) if s.dtype else np.dtype(np.float32) if s.fp32 else bf16, s.shape)
         for s in qspecs.values()
@@ -110,13 +127,14 @@ def quantize_checkpoint(
 
     def values(t: Planned) -> np.ndarray:
         s = qspecs[t.name]
-        if s.quant:
-            w = read_weight(sources[s.name]).T.astype(bf16)  # [K, N], as `load` makes it
-            qw = quantize(jnp.asarray(w), *s.quant, group_size)
-            scales[s.path[:-1] + ("scale",)] = qw.scale
+        if s.quant and not copy:
+            w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
+            qw = fp8.quantize(w) if s.quant == fp8.QUANT else quantize(w, *s.quant, group_size)
+            scales[s.path[:-1] + (scale_part(s.quant),)] = getattr(qw, scale_part(s.quant))
             return np.asarray(qw.q)
-        if s.path in scales:
-            return np.asarray(scales.pop(s.path)).T  # [K/G, N] -> the checkpoint's [N, K/G]
+        if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
+            scale = np.asarray(scales.pop(s.path))
+            return scale.T if s.linear else scale
         return read_weight(sources[s.name]).astype(t.dtype)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -127,3 +145,9 @@ def quantize_checkpoint(
         if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
             shutil.copy(src / name, out / name)
     return qcfg
+
+
+def is_scheme(model: Model, scheme: str) -> bool:
+    """Whether the model's weights are quantised per `scheme` already (e.g. an fp8 checkpoint loaded as fp8)."""
+    q = model.cfg.quantization
+    return q is not None and q.scheme == scheme

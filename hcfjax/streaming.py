@@ -142,11 +142,15 @@ def _write_position(buf: jax.Array, layout: _Layout, p: Stacked, at: tuple[int, 
 def _write_slot(buf, u, at, blocks, sharding):
     """buf [*lead, *tail] with u [*blocks, *tail] written at position `at` of every block: viewing each stacking dim
     as (blocks, local) keeps the dynamic index off the split dims, so each device writes its own slice in place."""
+    dtype = buf.dtype
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        # fp8 written through its bits: XLA:CPU computes a float8 update in float16 over the whole buffer
+        buf, u = lax.bitcast_convert_type(buf, jnp.uint8), lax.bitcast_convert_type(u, jnp.uint8)
     lead = len(blocks)
     tail = buf.shape[lead:]
     local = [s // b for s, b in zip(buf.shape, blocks, strict=False)]
     view = buf.reshape(sum(((b, n) for b, n in zip(blocks, local, strict=False)), ()) + tail)
     start = sum(((0, a) for a in at), ()) + (0,) * len(tail)
     out = lax.dynamic_update_slice(view, u.reshape(sum(((b, 1) for b in blocks), ()) + tail), start)
-    out = out.reshape(buf.shape)
+    out = lax.bitcast_convert_type(out.reshape(buf.shape), dtype)
     return out if sharding is None else lax.with_sharding_constraint(out, sharding)

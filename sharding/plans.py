@@ -150,22 +150,30 @@ def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-QUANT_PARTS = ("q", "scale")  # the parts of a hcfjax.quant.QWeight: q [..., N, K'], scale [..., K/G, N]
+# The parts of a quantised weight: hcfjax.quant.QWeight's q [..., N, K'] and scale [..., K/G, N]; hcfjax.fp8.Fp8Weight's
+# q [..., N, K] and scale_inv [..., N/B, K/B].
+QUANT_PARTS = ("q", "scale", "scale_inv")
 
 
 def spec_for(plan: Plan, path: str, shape: tuple[int, ...]) -> P:
     """The spec of the param at `path` of `shape`. A quantised weight's parts follow the rule of the weight
     W [..., K, N] they stand for: q is stored output-major (its last two dims swapped), and per-channel scales
-    ([..., 1, N]) have nothing to split along K. (MLA's attn/q is a plain weight: attention projections per head
-    stay unquantised.)"""
+    ([..., 1, N]) have nothing to split along K. An fp8 weight's block scales are split along the stacking dims
+    alone (the layers, the experts), as q is; a per-head W [K, H, D] (MLA's q_b or q, fp8) is held flattened,
+    [H*D, K], its heads split as the rule splits H. (MLA's attn/q is a plain weight where it is unquantised.)"""
     parent, _, part = path.rpartition("/")
     if part not in QUANT_PARTS or parent.endswith("attn"):
         return P(*_tail(plan, path, len(shape)))
-    tail = _tail(plan, parent, len(shape))
-    if not tail:
+    rule = _tail(plan, parent, 0)
+    if not rule:
         return P()
+    if parent.rpartition("/")[0].endswith("attn") and len(rule) == 3:  # per-head [K, H, D] held as [K, H*D]
+        rule = rule[:2]
+    tail = (None,) * (len(shape) - len(rule)) + rule
     if part == "q":
         return P(*tail[:-2], tail[-1], tail[-2])
+    if part == "scale_inv":
+        return P(*tail[:-2], None, None)
     return P(*tail[:-2], None if shape[-2] == 1 else tail[-2], tail[-1])
 
 

@@ -76,7 +76,7 @@ def fp8_copy(tmp_path) -> tuple:
         tensors = load_file(f)
         out = {}
         for name, t in tensors.items():
-            if t.ndim == 2 and name.endswith("proj.weight"):
+            if t.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
                 q, s = quantize_fp8_blocks(t.astype(np.float32))
                 out[name], out[name + "_scale_inv"] = q, s
                 expected[name] = dequantize_fp8(q, s)

@@ -1,6 +1,6 @@
-"""Streaming load and quantise: peak host memory stays a few tensors on a generated multi-shard checkpoint (bf16
-and DeepSeek's fp8 with block scales), a sharding plan gets each device exactly its slices, and quantising an fp8
-checkpoint tensor by tensor gives what quantising the loaded model gives."""
+"""Streaming load and quantise: peak host memory stays a few tensors on a generated multi-shard checkpoint (bf16,
+and DeepSeek's fp8 with block scales, dequantised or kept fp8), a sharding plan gets each device exactly its slices,
+and quantising an fp8 checkpoint tensor by tensor gives what quantising the loaded model gives."""
 
 import json
 import math
@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import hcfjax
+from hcfjax import fp8
 from hcfjax.checkpoint import FP8_BLOCK, dequantize_fp8, quantized_specs, tensor_specs
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quantize import quantize_checkpoint, quantize_model
@@ -27,9 +28,9 @@ from tests.conftest import FIXTURES
 from tests.test_checkpoint import fp8_copy
 
 # Small vocabulary, wide layers, many experts: 250 MB in bf16, cheap to make. Its largest tensor is the dense MLP's
-# [1024, 1024]; its largest stacked param (a MoE segment's expert gates, 3 x 48 x [256, 1024]) is 18x that. fp8
-# checkpoints as DeepSeek ships them carry a `quantization_config` block that ModelConfig does not read yet, so the
-# fp8 variant's config.json leaves it out.
+# [1024, 1024]; its largest stacked param (a MoE segment's expert gates, 3 x 48 x [256, 1024]) is 18x that. The fp8
+# variant's config.json leaves out DeepSeek's fp8 `quantization_config`, so its weights are dequantised on load;
+# fp8-native is the same shards beside a config.json with the block, loaded as fp8.
 WIDE = dict(
     PRESETS["tiny-v3"],
     vocab_size=512,
@@ -88,6 +89,12 @@ def wide(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
     write_checkpoint(root / "bf16", fp8=False)
     write_checkpoint(root / "fp8", fp8=True)
+    (root / "fp8-native").mkdir()
+    for f in (root / "fp8").iterdir():
+        if f.name != "config.json":
+            (root / "fp8-native" / f.name).symlink_to(f)
+    block = QuantConfig.for_scheme("fp8").to_dict()
+    (root / "fp8-native" / "config.json").write_text(json.dumps({**WIDE, "quantization_config": block}))
     return root
 
 
@@ -97,6 +104,7 @@ MEASURE = """
 import json, sys
 import jax, jax.numpy as jnp
 import hcfjax
+from hcfjax import fp8
 from hcfjax.quantize import quantize_checkpoint
 
 def status(key):
@@ -113,16 +121,22 @@ if job == "load":
     m = hcfjax.load(src)
     held = sum(x.nbytes for x in jax.tree.leaves(m.params))
     down = m.params["segments"][1]["mlp"]["experts"]["down"]
+    kept = isinstance(down, fp8.Fp8Weight)
+    if isinstance(down, fp8.Fp8Weight):  # the last expert's alone, [F, D] (a whole stacked one would count)
+        down = fp8.dequantize(fp8.Fp8Weight(down.q[-1, -1], down.scale_inv[-1, -1]))[None, None]
     probe = [float(jnp.abs(down[-1, -1].astype(jnp.float32)).sum()), float(down[-1, -1, 3, 5].astype(jnp.float32))]
 else:
     quantize_checkpoint(src, out, "w8a8", shard_bytes=32 << 20)
-    held, probe = 0, None
-print(json.dumps({"excess": status("VmHWM") - base - held, "probe": probe}))
+    held, probe, kept = 0, None, None
+print(json.dumps({"excess": status("VmHWM") - base - held, "probe": probe, "fp8": kept}))
 """
 
 
 def measure(job: str, src: Path, out: Path | None = None) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[1])}
+    """Runs MEASURE with XLA's default optimisation, as users load (the suite's level 0, set in conftest.py for
+    compile time, turns XLA:CPU's in-place fp8 updates into loops over the whole param)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[1]), "XLA_FLAGS": flags}
     run = subprocess.run(
         [sys.executable, "-c", MEASURE, job, str(src), str(out)], capture_output=True, text=True, env=env, timeout=300
     )
@@ -140,13 +154,15 @@ def host_bound(path: Path) -> tuple[int, int]:
     return 4 * largest + (64 << 20), bf16
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-native"])
 def test_load_peak_host_memory_is_a_few_tensors(wide, variant):
     """On CPU the devices' memory is the process's own, so the loaded params' bytes are subtracted from the peak:
     what remains is what loading held on the host. Holding the model there (as a load that stacks params on the
-    host first does) would exceed the bound by the largest stacked param, 75 MB here."""
+    host first does) would exceed the bound by the largest stacked param, 75 MB here (fp8-native: 38 MB)."""
     src = wide / variant
     got = measure("load", src)
+    if variant == "fp8-native":
+        assert got["fp8"], "the fp8 weights were dequantised"
     bound, model = host_bound(src)
     assert model > 200 << 20
     assert got["excess"] < bound, (got, bound)
@@ -154,13 +170,13 @@ def test_load_peak_host_memory_is_a_few_tensors(wide, variant):
     # the last expert's down projection, as stored (fp8: dequantised with its block scales)
     name = f"model.layers.{WIDE['num_hidden_layers'] - 1}.mlp.experts.{WIDE['n_routed_experts'] - 1}.down_proj.weight"
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    if variant == "fp8":
-        entries = read_index(src)
-        want = dequantize_fp8(read_tensor(entries[name]), read_tensor(entries[name + "_scale_inv"]))
-    else:
+    if variant == "bf16":
         with safe_open(str(src / index[name]), "numpy") as f:
             want = f.get_tensor(name)
-    want = want.T.astype(ml_dtypes.bfloat16).astype(np.float32)
+    else:
+        entries = read_index(src)
+        want = dequantize_fp8(read_tensor(entries[name]), read_tensor(entries[name + "_scale_inv"]))
+    want = want.T if variant == "fp8-native" else want.T.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_allclose(got["probe"], [np.abs(want).sum(), want[3, 5]], rtol=1e-5)
 
 
@@ -180,31 +196,50 @@ def test_quantize_streams_shards(wide, tmp_path):
     assert all(f.stat().st_size < (32 << 20) + (1 << 20) for f in files)
 
 
-@pytest.mark.parametrize("plan_args", [("decode", 8), ("prefill", 2, 4)])
-def test_plan_load_places_each_device_its_slices(plan_args):
-    """Loading under a plan gives every param the plan's sharding, each device holding exactly the slices that
-    placing the single-device model would give it (experts over EP, heads and expert widths over TP)."""
-    from sharding.plans import decode_plan, prefill_plan, shard_params
-
-    plan = decode_plan(*plan_args[1:]) if plan_args[0] == "decode" else prefill_plan(*plan_args[1:])
-    ref = shard_params(hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32).params, plan)
-    got = hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32, plan=plan).params
-    experts = got["segments"][1]["mlp"]["experts"]["gate"]  # [L, E, D, F]
-    ep = plan.mesh.shape["ep"]
-    assert all(s.data.shape[1] == experts.shape[1] // ep for s in experts.addressable_shards)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True):
-        assert a.sharding == b.sharding, path
-        for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
-            assert sa.device == sb.device and sa.index == sb.index, path
-            np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data), err_msg=str(path))
-
-
 @pytest.fixture(scope="module")
 def tiny_fp8(tmp_path_factory):
     return fp8_copy(tmp_path_factory.mktemp("fp8"))[0]
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a8", "w4a8c8", "w8a8"])
+@pytest.fixture(scope="module")
+def tiny_fp8_native(tiny_fp8, tmp_path_factory):
+    """tiny_fp8's shards beside a config.json with DeepSeek's fp8 block: loaded as fp8."""
+    out = tmp_path_factory.mktemp("fp8-native")
+    for f in tiny_fp8.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((tiny_fp8 / "config.json").read_text())
+    config["quantization_config"] = QuantConfig.for_scheme("fp8").to_dict()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("source", ["bf16", "fp8-native"])
+@pytest.mark.parametrize("plan_args", [("decode", 8), ("prefill", 2, 4)])
+def test_plan_load_places_each_device_its_slices(plan_args, source, request):
+    """Loading under a plan gives every param the plan's sharding, each device holding exactly the slices that
+    placing the single-device model would give it (experts over EP, heads and expert widths over TP; fp8 parts as
+    the plan places them)."""
+    from sharding.plans import decode_plan, prefill_plan, shard_params
+
+    plan = decode_plan(*plan_args[1:]) if plan_args[0] == "decode" else prefill_plan(*plan_args[1:])
+    src = FIXTURES / "tiny_v3" if source == "bf16" else request.getfixturevalue("tiny_fp8_native")
+    ref = shard_params(hcfjax.load(src, dtype=jnp.float32).params, plan)
+    got = hcfjax.load(src, dtype=jnp.float32, plan=plan).params
+    experts = got["segments"][1]["mlp"]["experts"]["gate"]  # [L, E, D, F]
+    if source == "bf16":
+        ep = plan.mesh.shape["ep"]
+        assert all(s.data.shape[1] == experts.shape[1] // ep for s in experts.addressable_shards)
+    else:
+        assert isinstance(experts, fp8.Fp8Weight) and experts.q.dtype == jnp.float8_e4m3fn
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True):
+        assert a.sharding == b.sharding and a.dtype == b.dtype, path
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
+            assert sa.device == sb.device and sa.index == sb.index, path
+            np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data), err_msg=str(path))
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a8", "w4a8c8", "w8a8", "fp8"])
 def test_quantize_from_fp8_equals_quantising_the_loaded_model(tiny_fp8, tmp_path, scheme):
     """Streaming an fp8 checkpoint through `quantize_checkpoint` gives what quantising the model loaded in bf16
     gives, for every scheme (small shards: several files)."""

@@ -92,8 +92,8 @@ def check_types(cfg: ModelConfig) -> None:
 @st.composite
 def configs(draw):
     """(config.json text, the keys changed): 1-3 fields of the fixture's config (or optional ones) replaced by
-    other JSON values or removed, a field of rope_scaling changed, a quantization_config added, or a file that is
-    not a JSON object."""
+    other JSON values or removed, a field of rope_scaling changed, a quantization_config added (hcfjax's or
+    DeepSeek's fp8), or a file that is not a JSON object."""
     kind = draw(st.sampled_from(["fields", "fields", "fields", "rope", "quant", "file"]))
     if kind == "file":
         text = draw(st.sampled_from(["", "{", "[1, 2]", "null", "3", '"config"', "{}", "\x00\xff", '{"a": }']))
@@ -103,6 +103,12 @@ def configs(draw):
         key = draw(st.sampled_from(sorted(d["rope_scaling"]) + ["rope_type"]))
         d["rope_scaling"][key] = draw(json_value)
         return json.dumps(d), {"rope", key}
+    if kind == "quant" and draw(st.booleans()):  # DeepSeek's fp8 block, its fields drawn (float weights: named)
+        q = {"quant_method": "fp8"}
+        for key in draw(st.lists(st.sampled_from(["fmt", "activation_scheme", "weight_block_size", "scale_fmt"]))):
+            q[key] = draw(st.one_of(json_value, st.sampled_from(["e4m3", "dynamic", "ue8m0", [128, 128], [64, 128]])))
+        d["quantization_config"] = q
+        return json.dumps(d), {"quantization_config", *q}
     if kind == "quant":  # an hcfjax quantization_config, its fields drawn (the fixture's weights are float)
         q = {"quant_method": "hcfjax", "scheme": draw(st.sampled_from(["w4a16", "w4a8", "w4a8c8", "w8a8", "w3"]))}
         q["group_size"] = draw(st.one_of(st.integers(1, 130), json_scalar))

@@ -22,20 +22,36 @@ FP8_BLOCK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8
 
 
 def test_shipped_configs_are_read():
-    """V2 and V2-Lite parse as they are; V3 and R1 (the same file but for transformers_version) carry the fp8 block,
-    which `read_config` hands back apart from the shapes."""
+    """V2 and V2-Lite parse as they are; V3 and R1 (the same file but for transformers_version) carry DeepSeek's fp8
+    block, which ModelConfig reads as the fp8 scheme, as `hcfjax.load` keeps such checkpoints."""
     v2, lite = ModelConfig.from_json(V2), ModelConfig.from_json(V2_LITE)
     assert (v2.n_routed_experts, v2.topk_method, v2.n_group, v2.topk_group) == (160, "group_limited_greedy", 8, 3)
     assert (lite.q_lora_rank, lite.n_routed_experts, lite.num_mtp_layers) == (None, 64, 0)
     assert lite.rope.type == "yarn" and lite.rope.mscale_all_dim == 0.707
-    v3, block = read_config(V3 / "config.json")
-    assert block == FP8_BLOCK and read_config(R1)[1] == FP8_BLOCK
+    v3 = read_config(V3 / "config.json")
     assert (v3.num_hidden_layers, v3.n_routed_experts, v3.num_mtp_layers, v3.first_k_dense_replace) == (61, 256, 1, 3)
     assert (v3.topk_method, v3.scoring_func, v3.rope.factor) == ("noaux_tc", "sigmoid", 40.0)
-    assert read_config(R1)[0] == v3
+    assert read_config(R1) == v3 == ModelConfig.from_json(V3)
     raw = {n: json.loads((p / "config.json").read_text()) for n, p in (("v3", V3), ("r1", R1))}
     assert {k for k in raw["v3"] if raw["v3"][k] != raw["r1"].get(k)} == {"transformers_version"}
-    assert read_config(V2)[1] is None
+    assert read_config(V2).quantization is None
+
+
+@pytest.mark.parametrize("path", [V3, R1], ids=["v3", "r1"])
+def test_model_config_reads_the_shipped_fp8_block(path):
+    """ModelConfig.from_json takes V3's and R1's config.json as shipped: the fp8 scheme, with the block's format,
+    and config.json's quantization_config written back as it was."""
+    cfg = ModelConfig.from_json(path)
+    q = cfg.quantization
+    assert q.scheme == "fp8" and (q.experts, q.linear, q.kv_cache_dtype) == ("fp8", "fp8", None)
+    assert (q.fp8.fmt, q.fp8.activation_scheme, q.fp8.weight_block_size, q.fp8.scale_fmt) == (
+        "e4m3",
+        "dynamic",
+        (128, 128),
+        None,
+    )
+    assert cfg.to_dict()["quantization_config"] == FP8_BLOCK
+    assert json.loads((path / "config.json").read_text())["quantization_config"] == FP8_BLOCK
 
 
 @pytest.mark.parametrize(
@@ -46,7 +62,7 @@ def test_shipped_configs_are_read():
 def test_parameters_match_the_published_totals(path, total, active):
     """DeepSeek's model cards (671B / 37B, 236B / 21B, 15.7B / 2.4B): totals to their rounding; parameters per
     token within 2.5% (published with two significant digits; a token reads one embedding row)."""
-    cfg = read_config(path)[0]
+    cfg = read_config(path)
     assert count(main_weights(cfg)) == pytest.approx(total, rel=0.002)
     assert count(main_weights(cfg), active=True) == pytest.approx(active, rel=0.025)
 
@@ -54,7 +70,7 @@ def test_parameters_match_the_published_totals(path, total, active):
 def test_v3_with_its_mtp_module_is_the_checkpoints_685b():
     """DeepSeek-V3's checkpoint: 671B main model + 11.5B MTP module (excluding the embedding and head it shares,
     which the checkpoint stores again) = 685B."""
-    cfg = read_config(V3)[0]
+    cfg = read_config(V3)
     mtp = count(mtp_weights(cfg))
     table = cfg.vocab_size * cfg.hidden_size  # the embedding (and the head): the checkpoint's layer 61 holds both
     assert mtp - table == pytest.approx(11.5e9, rel=0.015)
@@ -64,7 +80,7 @@ def test_v3_with_its_mtp_module_is_the_checkpoints_685b():
 def test_bytes_per_scheme_follow_hand_counts():
     """DeepSeek-V3's weights counted by hand from its architecture: 58 MoE layers of 256 routed experts and one
     shared, 3 dense layers, MLA's q_a / kv_a down projections in all 61."""
-    cfg = read_config(V3)[0]
+    cfg = read_config(V3)
     main = main_weights(cfg)
     n = count(main)
     experts = 58 * 256 * 3 * 7168 * 2048
@@ -75,6 +91,7 @@ def test_bytes_per_scheme_follow_hand_counts():
     assert total_bytes(main, "w4a16") == total_bytes(main, "w4a8") == pytest.approx(bf16 - experts * (2 - INT4_BYTES))
     assert total_bytes(main, "w4a8c8") == pytest.approx(total_bytes(main, "w4a16") - linear)
     assert total_bytes(main, "w8a8") == pytest.approx(bf16 - experts - linear)
+    assert total_bytes(main, "fp8") == pytest.approx(bf16 - (experts + linear) * (2 - (1 + 4 / 128**2)))
     unquantised = 2 * 129280 * 7168 + 61 * (2 * 7168 + 1536 + 512) + 7168  # embedding, head, norms
     fp8 = n - unquantised - routers  # one byte each, with a float32 scale per 128 x 128 block
     assert fp8_bytes(main) == pytest.approx(fp8 * (1 + 4 / 128**2) + 2 * unquantised + 2 * routers + 2 * 58 * 256)
@@ -84,7 +101,7 @@ def _simulator_tokens(path, gpu, quant, gpus, spec_k=0):
     """The simulator's KV tokens per decode GPU for a PD deployment whose decode pool is DP = EP = gpus."""
     pools = dict(prefill=Pool(tp=8, ep=8), decode=Pool(dp=gpus, ep=gpus))
     dep = Deployment(model=str(path), gpu=gpu, quant=quant, acceptance=(0.8,) * spec_k, **pools)
-    return dep.pages_per_rank(dep.decode, dep.cost_model(dep.decode, read_config(path)[0])) * dep.decode.page_size
+    return dep.pages_per_rank(dep.decode, dep.cost_model(dep.decode, read_config(path))) * dep.decode.page_size
 
 
 @pytest.mark.parametrize("gpu", ["H20", "H200"])
@@ -93,7 +110,7 @@ def _simulator_tokens(path, gpu, quant, gpus, spec_k=0):
     "path, scheme", [(V3, "w4a8c8"), (V2_LITE, "w4a8c8"), (V2_LITE, "bf16")], ids=["v3", "v2-lite-w4a8c8", "v2-lite"]
 )
 def test_kv_tokens_per_gpu_are_the_simulators(path, scheme, gpus, gpu):
-    cfg = read_config(path)[0]
+    cfg = read_config(path)
     fit = plan_fit(cfg, f"decode:dp={gpus}", gpu, scheme, context=4096)
     cache = {c.dtype: c for c in fit.caches}["int8" if scheme == "w4a8c8" else "bf16"]
     assert cache.tokens == _simulator_tokens(path, gpu, None if scheme == "bf16" else scheme, gpus)
@@ -115,7 +132,7 @@ def test_kv_tokens_per_gpu_are_the_simulators(path, scheme, gpus, gpu):
 def test_v3_in_bf16_does_not_fit_eight_h20s_and_the_reference_deployment_agrees():
     """bf16 V3 (1.34 TB) leaves nothing on 8 x 96 GB; the reference deployment (hcfjax/sim/configs/reference-h20.yaml:
     w4a8c8 with MTP-2 on DP8) gets the same tokens from the shipped config as the simulator gets from its preset."""
-    cfg = read_config(V3)[0]
+    cfg = read_config(V3)
     fit = plan_fit(cfg, "decode:dp=8", "H20", "bf16", context=4096)
     assert fit.kv_budget < 0 and all(c.tokens == 0 for c in fit.caches)
     dep = load_config(CONFIGS.parent.parent.parent / "hcfjax/sim/configs/reference-h20.yaml").deployment
@@ -130,7 +147,7 @@ def test_cli_prints_the_tables(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    fit = plan_fit(read_config(V3)[0], "decode:dp=16", "H200", "w4a8c8", context=8192)
+    fit = plan_fit(read_config(V3), "decode:dp=16", "H200", "w4a8c8", context=8192)
     int8 = fit.caches[1]
     per = f"{int8.requests:,} per rank, {int8.requests * 16:,} in all"
     for text in (
@@ -142,6 +159,8 @@ def test_cli_prints_the_tables(capsys):
         f"int8    {int8.bytes_per_token:>14,.0f}{int8.tokens:>15,}   {per}",
     ):
         assert text in out, text
+    assert main(["info", str(R1), "--gpu", "H200"]) == 0  # held as shipped: the fp8 scheme
+    assert "decode:dp=8,ep=8 on 8 x H200 (141 GB), fp8 weights" in capsys.readouterr().out
     assert main(["info", "--preset", "v2-lite", "--mesh", "prefill:tp=2,ep=2", "--mesh", "decode:dp=4"]) == 0
     out = capsys.readouterr().out
     assert "prefill:tp=2,ep=2 on 4 x H20" in out and "decode:dp=4,ep=4 on 4 x H20" in out and "15.71 B" in out
@@ -165,4 +184,4 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ConfigError, match="JSON list"):
         (tmp_path / "config.json").write_text("[]")
         read_config(tmp_path)
-    assert math.isfinite(plan_fit(read_config(V2_LITE)[0], "prefill:tp=1", "H20", "bf16", 1).kv_budget)
+    assert math.isfinite(plan_fit(read_config(V2_LITE), "prefill:tp=1", "H20", "bf16", 1).kv_budget)

@@ -160,8 +160,8 @@ def test_quant_config_round_trip():
     assert ModelConfig.from_dict(d).quantization == q
     with pytest.raises(ConfigError, match="w3a8"):
         QuantConfig.for_scheme("w3a8")
-    with pytest.raises(ConfigError, match="fp8"):
-        ModelConfig.from_dict({**d, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ConfigError, match="quant_method='gptq' is not supported.*'fp8', 'hcfjax'"):
+        ModelConfig.from_dict({**d, "quantization_config": {"quant_method": "gptq", "bits": 4}})
 
 
 def _w4a8_experts(f: int):

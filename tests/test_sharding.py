@@ -194,3 +194,36 @@ def test_quantised_weights_split_like_the_weights_they_stand_for(scheme):
     noisy = dict(model.params, embed=embed * (1 + 1e-6 * jax.random.normal(jax.random.key(3), embed.shape)))
     floor = rel_err(prefill_logits(prefill_plan(1, 1), noisy, model.cfg, ref["ids"]), single)
     assert rel_err(lg, single) < max(3e-3, 2 * floor), floor
+
+
+def test_fp8_weights_split_like_the_weights_they_stand_for():
+    """An Fp8Weight's q splits as its weight does (heads of the flattened q_b over tp, experts over ep), its block
+    scales along the stacking dims alone; the decode plan's forward (experts over EP in a shard_map) and the
+    prefill plan's match one device."""
+    from hcfjax.quantize import quantize_model
+
+    model = quantize_model(hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32), "fp8")
+    ref = np.load(FIXTURES / "tiny_v3" / "reference.npz")
+    P = jax.sharding.PartitionSpec
+    specs = param_specs(model.params, prefill_plan(2, 4))["segments"][1]
+    experts, attn = specs["mlp"]["experts"], specs["attn"]
+    assert experts["gate"].q == P(None, "ep", "tp", None) and experts["down"].q == P(None, "ep", None, "tp")
+    assert experts["gate"].scale_inv == experts["down"].scale_inv == P(None, "ep", None, None)
+    q_b = "q_b" if model.cfg.q_lora_rank else "q"
+    assert attn[q_b].q == P(None, "tp", None) and attn["o"].q == P(None, None, "tp")
+    dspecs = param_specs(model.params, decode_plan(4))["segments"][1]["mlp"]["experts"]
+    assert dspecs["gate"].q == dspecs["gate"].scale_inv == P(None, "ep", None, None)
+
+    single = decode_plan_logits(decode_plan(1), model.params, model.cfg, ref["ids"])
+    plan = decode_plan(4)
+    params = shard_params(model.params, plan)
+    gate = params["segments"][1]["mlp"]["experts"]["gate"]
+    assert gate.q.addressable_shards[0].data.shape[1] == gate.q.shape[1] // 4  # each rank holds its own experts
+    assert gate.scale_inv.addressable_shards[0].data.shape[1] == gate.q.shape[1] // 4
+    # Float noise from other batch shapes can flip an e4m3 rounding (a step of 1/16 where int8's is 1/127), which
+    # then moves the row's later positions through attention: most positions match exactly, the rest closely. A
+    # misplaced expert or scale moves every position.
+    for planned, logits in ((plan, decode_plan_logits), (prefill_plan(2, 4), prefill_logits)):
+        got = logits(planned, shard_params(model.params, planned), model.cfg, ref["ids"])
+        same = np.abs(np.asarray(got) - np.asarray(single)).max(-1) < 1e-4  # [B, T]
+        assert same.mean() > 0.85 and rel_err(got, single) < 2e-2, planned.name

@@ -69,6 +69,20 @@ def test_int4_experts_read_a_quarter_of_bf16_bytes_plus_scales():
     assert w4.kv_bytes(1, layers=1) == 576 + 8 and bf16.kv_bytes(1, layers=1) == 576 * 2
 
 
+def test_fp8_is_priced_as_deepseek_stores_it_at_the_int8_rate():
+    """fp8 experts: one byte and a float32 scale per 128 x 128 block, so one token's decode reads FP8_BYTES / 2 of
+    bf16's expert bytes; a prefill chunk is compute-bound and runs at the int8 rate, as w8a8's does."""
+    from hcfjax.sim.weights import FP8_BYTES
+
+    bf16, fp8, w8a8 = (CostModel(V3, gpu("H20"), IDEAL, quant=q) for q in (None, "fp8", "w8a8"))
+    one = [Work(tokens=1, logits=1)]
+    assert fp8.step(one).parts["moe_routed"] / bf16.step(one).parts["moe_routed"] == pytest.approx(FP8_BYTES / 2)
+    chunk = [Work(tokens=8192, pre_tokens=8192)]
+    for part in ("moe_routed", "attn_proj"):
+        got = fp8.step(chunk).parts[part]
+        assert got == pytest.approx(w8a8.step(chunk).parts[part]) and got < bf16.step(chunk).parts[part], part
+
+
 def test_all_to_all_matches_deepep_low_latency_at_ep16():
     """DeepEP's README (H800, CX7 400 Gb/s, 128 tokens per rank, top-8, fp8 dispatch, bf16 combine), EP16:
     dispatch 118 us + combine 195 us."""

@@ -27,12 +27,18 @@ KV_CACHE = {"auto": "auto", "bf16": "float", "int8": "int8"}
 
 
 def load_model(
-    path: str | None, preset: str | None = None, scheme: str | None = None, dtype: str = "bfloat16"
+    path: str | None,
+    preset: str | None = None,
+    scheme: str | None = None,
+    dtype: str = "bfloat16",
+    fp8: str = "native",
 ) -> Model:
     """The model `hcfjax serve` serves: the checkpoint at `path` (None: the embedded model), or a random model of
     `preset`'s shape (hcfjax.random_model.PRESETS; seed 0, so every worker of a PD deployment builds the same
-    weights), quantised to `scheme` in memory when given (as `hcfjax quantize` does). ValueError for a path that is
-    not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised already."""
+    weights), quantised to `scheme` in memory when given (as `hcfjax quantize` does: an fp8 checkpoint is read
+    dequantised for the other schemes, as it is for "fp8"); `fp8` as hcfjax.load's otherwise. ValueError for a
+    path that is not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised to
+    another already."""
     from pathlib import Path
 
     import jax.numpy as jnp
@@ -51,11 +57,12 @@ def load_model(
         where = Path(path or hcfjax.DEFAULT_MODEL)
         if not (where / "config.json").is_file():
             raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
-        model = hcfjax.load(where, dtype=load_dtype(dtype))
+        fp8 = fp8 if scheme in (None, "fp8") else "dequantize"
+        model = hcfjax.load(where, dtype=load_dtype(dtype), fp8=fp8)
     if scheme is not None:
-        from hcfjax.quantize import quantize_model
+        from hcfjax.quantize import is_scheme, quantize_model
 
-        model = quantize_model(model, scheme)
+        model = model if is_scheme(model, scheme) else quantize_model(model, scheme)
     return model
 
 
@@ -67,8 +74,8 @@ def load_dtype(name: str):
 
 
 def served_model(args: argparse.Namespace) -> Model:
-    """--model PATH | --preset NAME, --scheme S, --dtype D: the model of `hcfjax serve` (every role)."""
-    return load_model(args.model, args.preset, args.scheme, args.dtype)
+    """--model PATH | --preset NAME, --scheme S, --dtype D, --fp8 M: the model of `hcfjax serve` (every role)."""
+    return load_model(args.model, args.preset, args.scheme, args.dtype, args.fp8)
 
 
 def random_label(preset: str | None, scheme: str | None) -> str | None:

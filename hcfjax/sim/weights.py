@@ -28,7 +28,8 @@ import dataclasses
 from hcfjax.config import QUANT_SCHEMES, ModelConfig
 
 INT4_BYTES = 0.5 + 4 / 128  # int4 values + one float32 scale per group of 128 (hcfjax.quant.QWeight)
-WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES}
+FP8_BYTES = 1 + 4 / 128**2  # e4m3 values + one float32 scale per 128 x 128 block (hcfjax.fp8.Fp8Weight)
+WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES, "fp8": FP8_BYTES}
 SPLIT_TP = ("mlp", "heads", "lm_head")  # kinds the prefill plan splits over tp; experts go over every GPU
 
 
