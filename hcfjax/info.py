@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
 
-from hcfjax.config import QUANT_SCHEMES, ConfigError, ModelConfig
+from hcfjax.config import QUANT_SCHEMES, ModelConfig
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.deployment import Deployment, Pool
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, GPUS, gpu
@@ -36,20 +35,7 @@ DESCRIPTION = (
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint directory or a config.json (DeepSeek's fp8 `quantization_config`, as V3 and
     R1 ship it, included: cfg.quantization.fp8)."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"no config.json at {file}")
-    try:
-        d = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file} is not a JSON file: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{file} holds a JSON {type(d).__name__}, not an object")
-    try:
-        return ModelConfig.from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"{file}: {e}") from None
+    return ModelConfig.from_json(path)
 
 
 def plan_pool(spec: str) -> Pool:

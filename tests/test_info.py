@@ -177,7 +177,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert "required key 'hidden_size' is missing" in error(str(tmp_path)) and str(tmp_path) in error(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
-    assert "is not a JSON file" in error(str(tmp_path / "config.json"))
+    assert "is not valid JSON" in error(str(tmp_path / "config.json"))
     assert "dp == ep" in error(str(V2_LITE), "--mesh", "decode:dp=8,ep=4")
     assert "needs MTP layers" in error(str(V2_LITE), "--speculative", "1")
     assert "not both" in error(str(V3), "--preset", "v2-lite")
