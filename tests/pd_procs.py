@@ -1,6 +1,7 @@
 """PD roles as `hcfjax serve` processes on loopback, for the tests that run them (test_pd, test_pd_faults)."""
 
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -31,3 +32,14 @@ def start(args: list[str], name: str, env, until: str = "listening on") -> tuple
             return proc, address, "".join(lines)
     proc.kill()
     raise RuntimeError(f"{name} did not start:\n{''.join(lines)}")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process, then a wait of up to 15 s each (SIGKILL past it)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -6,7 +6,6 @@ its client UNAVAILABLE and leaves no pages held on the prefill side."""
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from hcfjax.pd.decode import LocalPrefill, RemotePrefill
 from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
 from hcfjax.pd.transport import make_transport
 from hcfjax.sampling import SamplingParams
-from tests.pd_procs import start
+from tests.pd_procs import start, stop
 
 PROMPTS = [
     "def fib(n):",
@@ -272,13 +271,7 @@ def test_pd_processes_behind_the_router(model, colocated, tmp_path):
                     raise
                 time.sleep(0.5)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def test_router_refuses_what_needs_no_model_before_placing():

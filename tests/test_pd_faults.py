@@ -21,7 +21,7 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from tests.pd_procs import start
+from tests.pd_procs import start, stop
 
 # short prompts sent whole, the long one (47 tokens) layer by layer; few lengths: each one's bucket is a compile
 PROMPTS = ["def fib(n):", "import os\n", "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 3]
@@ -126,13 +126,7 @@ def test_pd_workers_killed_mid_transfer_and_restarted():
         for a in (pre_addr, dec_addr):
             wait_for(f"{a} idle", lambda a=a: idle(info(a)))
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def test_router_retries_a_failed_prefill_on_another_prefill_worker():
