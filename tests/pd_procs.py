@@ -1,4 +1,5 @@
-"""PD roles as `hcfjax serve` processes on loopback, for the tests that run them (test_pd, test_pd_faults)."""
+"""PD roles as `hcfjax serve` processes on loopback, for the tests that run them (test_pd, test_pd_faults, test_http),
+and what their workers say of the requests they hold."""
 
 import re
 import signal
@@ -6,6 +7,11 @@ import subprocess
 import sys
 import threading
 import time
+
+import grpc
+
+from hcfjax.serving import pd_pb2 as pdpb
+from hcfjax.serving import pd_pb2_grpc as pd_grpc
 
 
 def start(args: list[str], name: str, env, until: str = "listening on") -> tuple[subprocess.Popen, str, str]:
@@ -43,3 +49,15 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(15)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def info(addr: str) -> pdpb.WorkerInfo:
+    with grpc.insecure_channel(addr) as ch:
+        return pd_grpc.WorkerStub(ch).Info(pdpb.InfoRequest(), timeout=10)
+
+
+def idle(worker: pdpb.WorkerInfo) -> bool:
+    """No request held: a prefill worker's scratch pages and queue empty, a decode worker's pages all free."""
+    if worker.role == "prefill":
+        return worker.pages_held == 0 and worker.queued == 0
+    return worker.free_pages == worker.total_pages and worker.running == 0 and worker.queued == 0

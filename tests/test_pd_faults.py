@@ -21,7 +21,7 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from tests.pd_procs import start, stop
+from tests.pd_procs import idle, info, start, stop
 
 # short prompts sent whole, the long one (47 tokens) layer by layer; few lengths: each one's bucket is a compile
 PROMPTS = ["def fib(n):", "import os\n", "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 3]
@@ -58,23 +58,11 @@ def health(addr: str) -> int:
             return health_pb2.HealthCheckResponse.UNKNOWN
 
 
-def info(addr: str) -> pdpb.WorkerInfo:
-    with grpc.insecure_channel(addr) as ch:
-        return pd_grpc.WorkerStub(ch).Info(pdpb.InfoRequest(), timeout=10)
-
-
 def wait_for(what: str, check) -> None:
     deadline = time.monotonic() + WAIT_S
     while not check():
         assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s"
         time.sleep(0.1)
-
-
-def idle(worker: pdpb.WorkerInfo) -> bool:
-    """No request held: a prefill worker's scratch pages and queue empty, a decode worker's pages all free."""
-    if worker.role == "prefill":
-        return worker.pages_held == 0 and worker.queued == 0
-    return worker.free_pages == worker.total_pages and worker.running == 0 and worker.queued == 0
 
 
 def burst_and_kill(addr: str, victim: subprocess.Popen) -> list[str]:
