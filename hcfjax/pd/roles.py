@@ -8,7 +8,8 @@ Each prints `hcfjax serve: listening on HOST:PORT` once it serves (port 0 picks 
 prints `hcfjax serve: ready (...)` once a prefill and a decode worker answer its health checks (its health says
 NOT_SERVING until then, and again while either role has no worker up). With --http-port the router serves the
 OpenAI-compatible HTTP API too (hcfjax.serving.http over hcfjax.serving.remote: its requests go through the router's
-gRPC service), checked against --model/--preset's config and tokenizer and --max-model-len, as the workers' are.
+gRPC service), checked against --model/--preset's config and tokenizer and --max-model-len, as the workers' are;
+--metrics-port serves that front end's request and refusal counters (hcfjax.serving.metrics).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
 
 def run_router(args, announce) -> None:
     from hcfjax.pd.router import Router, RouterServer
+    from hcfjax.serving.metrics import Metrics
 
     _log_to_stderr()
     if not args.prefill or not args.decode:
@@ -80,6 +82,7 @@ def run_router(args, announce) -> None:
 
     start_http = router_http(args, announce) if args.http_port is not None else None
     http, where = None, []
+    metrics = Metrics()
 
     def on_ready(ready: bool, address: str) -> None:
         if ready:
@@ -94,18 +97,22 @@ def run_router(args, announce) -> None:
         server = RouterServer(router, host, port, on_ready=on_ready, api_key=args.api_key)
         announce(f"hcfjax serve: router listening on {server.address}")
         if start_http is not None:
-            http = start_http(server)
+            http = start_http(server, metrics)
             where.append(f"HTTP http://{args.host}:{http.port}/v1")
+        if args.metrics_port:
+            metrics_at = metrics.serve(args.metrics_port, args.host, api_key=args.api_key)
+            announce(f"hcfjax serve: metrics on http://{args.host}:{metrics_at}/metrics")
         server.start()
     if http is not None:
         http.shutdown(args.grace)
     server.stop(args.grace)
+    metrics.close()
 
 
 def router_http(args, announce):
     """--http-port: the OpenAI API through the router (hcfjax.serving.remote), checked against --model/--preset's
     config and tokenizer (no weights) and --max-model-len, which should be the decode workers'. Loaded before the
-    router listens; returns a function that starts the HTTP server over a RouterServer."""
+    router listens; returns a function that starts the HTTP server over a RouterServer, recording into a Metrics."""
     from hcfjax.serving.chat_template import ChatTemplate
     from hcfjax.serving.config import served_model_name
     from hcfjax.serving.http import HTTPServer
@@ -114,13 +121,14 @@ def router_http(args, announce):
     front = load_front(args.model, args.preset)
     template = ChatTemplate.for_checkpoint(front.path, args.chat_template)
 
-    def start(server):
+    def start(server, metrics):
         dial = "127.0.0.1" if server.address.rsplit(":", 1)[0] in ("0.0.0.0", "[::]", "::") else None
         address = f"{dial}:{server.port}" if dial else server.address
         engine = RemoteEngine(address, front, args.max_model_len or 4096, api_key=args.api_key,
                               timeout_s=args.request_timeout + 10, ready=server.router.ready)  # fmt: skip
         http = HTTPServer(engine, args.host, args.http_port, model_name=served_model_name(args),
-                          chat_template=template, api_key=args.api_key, max_body_bytes=args.max_body_bytes)  # fmt: skip
+                          chat_template=template, metrics=metrics, api_key=args.api_key,
+                          max_body_bytes=args.max_body_bytes)  # fmt: skip
         http.start()
         announce(f"hcfjax serve: OpenAI-compatible HTTP on http://{args.host}:{http.port}/v1 "
                  f"(model {http.service.model_name!r}, through the router)")  # fmt: skip

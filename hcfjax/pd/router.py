@@ -9,6 +9,7 @@ Health: every worker's grpc.health.v1 is polled; one that fails `down_after` che
 new requests), one that answers again rejoins. The router itself is ready (its own health SERVING) only while at
 least one prefill and one decode worker are up: workers that are still compiling do not answer yet.
 
+The decode worker's acceptance of a request (server.ACCEPTED, before its first token) is passed on to the user once.
 A call that fails on a worker before any token was streamed is retried (up to `retries` times) without that worker:
 a failed prefill (the decode worker's error says so) on another prefill worker, any other failure on another
 decode worker; after tokens were streamed it ends with UNAVAILABLE. Either way the upstream call is cancelled,
@@ -36,7 +37,7 @@ from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
 from hcfjax.serving.guards import ApiKeyInterceptor, add_generation_service
-from hcfjax.serving.server import SERVICE_NAME
+from hcfjax.serving.server import ACCEPTED, SERVICE_NAME
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -184,7 +185,7 @@ class Router(pb_grpc.GenerationServicer):
         prompt_len = len(request.token_ids.ids) if which == "token_ids" else len(request.text) // 4 + 1
         deadline = time.monotonic() + min(context.time_remaining() or self.request_timeout_s, self.request_timeout_s)
         tried: set[str] = set()
-        streamed = False
+        streamed = accepted = False
         for attempt in range(self.retries + 1):
             try:
                 d, p = self._place(prompt_len, tried)
@@ -198,6 +199,9 @@ class Router(pb_grpc.GenerationServicer):
             context.add_callback(call.cancel)  # the user went away: the decode worker aborts and frees pages
             first = [False]
             try:
+                if not accepted and ACCEPTED in (call.initial_metadata() or ()):
+                    context.send_initial_metadata((ACCEPTED,))
+                    accepted = True
                 for resp in call:
                     if resp.token_ids:
                         if not streamed:

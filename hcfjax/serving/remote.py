@@ -6,11 +6,12 @@ the OpenAI API through a router as it does over a colocated engine.
     HTTPServer(engine, port=8000).start()
 
 submit() runs hcfjax.frontdoor's checks and tokenizes here, as Engine.submit does (the same InvalidRequest with its
-param and code), then starts a Generate call with the prompt's token ids and waits for its first message: a call
-the service refuses before any token (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE) raises InvalidRequest,
-QueueFull or EngineStopped as the engine would. Past that, a thread per call turns its messages into the Output
-events of a RemoteRequest (the engine Request's id / events / done / usage()); a call that fails later ends with
-FinishReason.ERROR. abort() cancels the call, which the router passes on to its workers (their pages are freed).
+param and code), then starts a Generate call with the prompt's token ids and waits for the service to take it (its
+acceptance metadata, hcfjax.serving.server.ACCEPTED, or its first message): a call the service refuses first
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE) raises InvalidRequest, QueueFull or EngineStopped as the engine
+would. Past that, a thread per call turns its messages into the Output events of a RemoteRequest (the engine
+Request's id / events / done / usage()); a call that fails later ends with FinishReason.ERROR. abort() cancels the
+call, which the router passes on to its workers (their pages are freed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from hcfjax.sampling import SamplingParams
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving.client import auth_metadata
+from hcfjax.serving.server import ACCEPTED
 
 FINISHES = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -92,8 +95,11 @@ class RemoteRequest:
         self.events: queue.Queue[Output] = queue.Queue()
         self._usage = Usage(prompt_tokens)
         self._ended = threading.Event()
-        self.first = threading.Event()  # the first message came, or the call ended
-        self.refusal: grpc.RpcError | None = None  # how the call ended when it ended before any message
+        self.first = threading.Event()  # the service took the request, or the call ended
+        self.refusal: grpc.RpcError | None = None  # how the call ended when it ended before the service took it
+        # when tokens came (time.monotonic()), for the front end's time-per-output-token metric
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def done(self) -> bool:
@@ -110,7 +116,12 @@ class RemoteRequest:
         """Turns the call's messages into events until it ends (runs on the request's own thread)."""
         out = None
         try:
+            if ACCEPTED in (self.call.initial_metadata() or ()):
+                self.first.set()
             for msg in self.call:
+                if msg.token_ids:
+                    self.last_token_time = time.monotonic()
+                    self.first_token_time = self.first_token_time or self.last_token_time
                 u = msg.usage
                 ttft = u.ttft_s if u.HasField("ttft_s") else None
                 self._usage = Usage(u.prompt_tokens, u.output_tokens, ttft, u.draft_tokens, u.accepted_draft_tokens)
@@ -181,8 +192,8 @@ class RemoteEngine:
         seed: int = 0,
         request_id: str | None = None,
     ) -> RemoteRequest:
-        """Engine.submit's checks and arguments; returns once the service has taken the request (its first message)
-        or raises what Engine.submit raises for the cause it gives."""
+        """Engine.submit's checks and arguments; returns once the service has taken the request (queued it, as
+        Engine.submit does) or raises what Engine.submit raises for the cause it gives."""
         rid = new_request_id() if request_id is None else check_request_id(request_id)
         c = self.door.check(prompt, sampling=sampling, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, stop=stop, seed=seed)  # fmt: skip

@@ -42,6 +42,10 @@ from hcfjax.serving.startup import ready_line, warm_up
 log = logging.getLogger("hcfjax.serving")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "hcfjax.v1.Generation"
+# Generate's initial metadata once the engine has taken the request, before its first token: a front end relaying
+# the call (the router, hcfjax.serving.remote) can answer its own client then, as a colocated engine's submit returns
+# once the request is queued, not once it has a decode slot.
+ACCEPTED = ("hcfjax-accepted", "1")
 DEFAULT_MAX_NEW_TOKENS = 64
 SPARE_THREADS = 8  # beyond the Generate calls' limit: refusals, health and reflection
 POLL_S = 1.0  # how often a streaming call waiting on the engine checks that its client is still there
@@ -99,6 +103,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not context.add_callback(on_rpc_end):
             on_rpc_end()
             return
+        context.send_initial_metadata((ACCEPTED,))
         first_token_time = None
         for out in self._events(req, context):
             now = time.monotonic()
