@@ -1,12 +1,10 @@
-"""The OpenAI-compatible HTTP front end end to end: the official `openai` client against HTTPServer on a loopback port,
-over the real Engine with the embedded model. Every test leaves the engine with all its pages free."""
+"""The OpenAI-compatible HTTP front end end to end: the official `openai` client against a loopback port, over two
+deployments of the embedded model (tests/http_helpers.py): HTTPServer over an Engine in this process, and `hcfjax
+serve --role router --http-port` over a prefill and a decode worker process. Every test leaves the engine (the
+workers) with all its pages free."""
 
-import functools
 import http.client
 import json
-import socket
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
@@ -15,16 +13,12 @@ import pytest
 
 import hcfjax
 from hcfjax.engine import Engine, EngineConfig
+from hcfjax.frontdoor import FrontDoor
 from hcfjax.serving.chat_template import ChatTemplate
 from hcfjax.serving.http import HTTPServer
-from hcfjax.serving.metrics import Metrics
 from tests import engine_helpers
+from tests.http_helpers import CONFIG, MAX_LEN, Colocated, PDDeployment, health, post, raw_post
 
-MAX_LEN = 256
-# one prefill row and one chunk bucket: three step shapes to compile (prefill, prefill + decode, decode)
-CONFIG = EngineConfig(
-    max_slots=4, max_queue=8, max_model_len=MAX_LEN, token_budget=64, max_prefill_rows=1, min_prefill_bucket=64
-)
 N = 16  # new tokens of the compared generations
 PROMPTS = ["def fibonacci(n):", "class LRUCache:"]
 CHATS = [
@@ -40,15 +34,23 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def served(model):
-    engine = Engine(model, CONFIG)
-    metrics = Metrics(engine)
-    server = HTTPServer(engine, metrics=metrics).start()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=120)
-    yield server, client
-    client.close()
-    server.shutdown()
-    assert_idle(engine, timeout=0)
+def colocated(model):
+    deployment = Colocated(model)
+    yield deployment
+    deployment.close()
+
+
+@pytest.fixture(scope="module")
+def pd():
+    deployment = PDDeployment()
+    yield deployment
+    deployment.close()
+
+
+@pytest.fixture(params=["colocated", "pd"])
+def backend(request):
+    """Each deployment, started once for the file (the PD processes on the first test that asks for them)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -64,26 +66,16 @@ def text_of(message) -> str:
     return c if isinstance(c, str) else "".join(p["text"] for p in c)
 
 
-assert_idle = functools.partial(engine_helpers.assert_idle, timeout=10.0)
+def finished(backend, reason: str) -> float:
+    return backend.counter("hcfjax_requests_total", {"finish_reason": reason})
 
 
-def finished(server: HTTPServer, reason: str) -> float:
-    return server.service.metrics.registry.get_sample_value("hcfjax_requests_total", {"finish_reason": reason}) or 0
+def rejected(backend, code: str) -> float:
+    return backend.counter("hcfjax_rejected_requests_total", {"code": code})
 
 
-def post(server: HTTPServer, path: str, body: dict | str) -> tuple[int, dict]:
-    """POSTs a body (a dict as JSON, a str as it is); -> (status, the answer's JSON)."""
-    data = (body if isinstance(body, str) else json.dumps(body)).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def test_concurrent_completions_and_chats_equal_generate(served, ref, model):
-    server, client = served
+def test_concurrent_completions_and_chats_equal_generate(backend, ref, model):
+    client = backend.client
 
     def completion(i, stream):
         if not stream:
@@ -127,14 +119,14 @@ def test_concurrent_completions_and_chats_equal_generate(served, ref, model):
             assert usage.completion_tokens == len(tokens), what
             assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
             assert usage.model_extra["speculative"] == {"draft_tokens": 0, "accepted_draft_tokens": 0}
-    assert results[0][2].prompt_tokens == len(server.engine.tokenize(PROMPTS[0]))
-    assert_idle(server.engine)
+    assert results[0][2].prompt_tokens == len(FrontDoor(model.cfg, model.tokenizer, MAX_LEN).encode(PROMPTS[0]))
+    backend.assert_idle()
 
 
-def test_stop_strings_end_the_request_with_exact_usage(served, model):
+def test_stop_strings_end_the_request_with_exact_usage(backend, model):
     """A stop string across a token boundary: the text ends just before it and the usage counts the tokens up to the
     one that completed it, streamed or not. A stop string that never comes changes nothing."""
-    server, client = served
+    client = backend.client
     ref = hcfjax.generate(model, PROMPTS[0], max_new_tokens=N, stop_token_ids=[])
     stop, n, expected = engine_helpers.stop_across_tokens(model.tokenizer, ref.tokens[0])
     args = dict(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
@@ -145,7 +137,7 @@ def test_stop_strings_end_the_request_with_exact_usage(served, model):
     assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == n
     r = client.completions.create(stop="@@never@@", **args)
     assert (r.choices[0].text, r.usage.completion_tokens) == (ref.text[0], N)
-    assert_idle(server.engine)
+    backend.assert_idle()
 
 
 BAD = [
@@ -184,8 +176,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("kind,params,status,param,code", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
-def test_bad_parameters_give_openai_errors(served, kind, params, status, param, code):
-    server, client = served
+def test_bad_parameters_give_openai_errors(backend, kind, params, status, param, code):
+    client = backend.client
     if kind == "completion":
         create, args = client.completions.create, dict(model="stdlib-v3", prompt="x = 1", max_tokens=2)
     else:
@@ -199,9 +191,10 @@ def test_bad_parameters_give_openai_errors(served, kind, params, status, param, 
     assert body["type"] == ("invalid_request_error")
 
 
-def test_error_body_and_server_keeps_serving(served):
-    server, client = served
-    status, body = post(server, "/v1/completions", {"model": "stdlib-v3", "prompt": "x", "top_p": 2})
+def test_error_body_and_server_keeps_serving(backend):
+    client = backend.client
+    before = rejected(backend, "INVALID_ARGUMENT")
+    status, body = post(backend.port, "/v1/completions", {"model": "stdlib-v3", "prompt": "x", "top_p": 2})
     assert status == 400
     assert body == {"error": {"message": "top_p must be in (0, 1], got 2.0", "type": "invalid_request_error",
                               "param": "top_p", "code": None}}  # fmt: skip
@@ -213,36 +206,33 @@ def test_error_body_and_server_keeps_serving(served):
         ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
         ('{"prompt": "x", ', None),  # not JSON: no character offset as the param
     ]:
-        status, answer = post(server, "/v1/completions", body)
+        status, answer = post(backend.port, "/v1/completions", body)
         assert (status, answer["error"]["param"]) == (400, param), answer
-    assert server.service.metrics.registry.get_sample_value(
-        "hcfjax_rejected_requests_total", {"code": "INVALID_ARGUMENT"}
-    )
+    assert rejected(backend, "INVALID_ARGUMENT") == before + 7
     r = client.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert_idle(server.engine)
+    backend.assert_idle()
 
 
-def test_a_huge_top_k_fails_only_its_request(served, ref):
+def test_a_huge_top_k_fails_only_its_request(backend, ref):
     """top_k beyond int32 (or the vocabulary) is refused at the door: a request decoding beside it goes on."""
-    server, client = served
+    client = backend.client
     stream = client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0, stream=True)
     chunks = iter(stream)
     text = [next(chunks).choices[0].text]  # decoding now
     for top_k in (2**31, 2**31 - 1):
-        status, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": top_k})
+        status, body = post(backend.port, "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": top_k})
         assert (status, body["error"]["param"]) == (400, "top_k"), body
     rest = list(chunks)
     assert "".join(text + [c.choices[0].text for c in rest]) == ref.text[0]
     assert rest[-1].choices[0].finish_reason in ("stop", "length")
-    assert_idle(server.engine)
+    backend.assert_idle()
 
 
-def test_invalid_unicode_is_a_400_and_the_connection_serves_on(served):
+def test_invalid_unicode_is_a_400_and_the_connection_serves_on(backend):
     """A lone surrogate (valid JSON, not valid text) in a prompt or a chat message: a JSON 400, and the same
     keep-alive connection serves the next request."""
-    server, _ = served
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn = http.client.HTTPConnection("127.0.0.1", backend.port, timeout=30)
     headers = {"Content-Type": "application/json"}
     try:
         for path, body, param in [
@@ -260,45 +250,30 @@ def test_invalid_unicode_is_a_400_and_the_connection_serves_on(served):
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
     finally:
         conn.close()
-    assert_idle(server.engine)
+    backend.assert_idle()
 
 
-def test_a_text_that_cannot_fit_is_not_tokenized(served):
-    server, _ = served
-    door = server.engine.door
-    counting = engine_helpers.CountingTokenizer(door.tokenizer)
-    door.tokenizer = counting
-    try:
-        status, body = post(server, "/v1/completions", {"prompt": "x" * (door.max_prompt_chars + 1)})
-    finally:
-        door.tokenizer = counting.tokenizer
-    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "context_length_exceeded")
-    assert counting.encoded == 0
-
-
-def test_disconnect_mid_stream_aborts_and_frees_pages(served):
-    server, client = served
-    before = finished(server, "abort")
-    stream = client.completions.create(model="stdlib-v3", prompt="x = 1", stream=True, **LONG)
+def test_disconnect_mid_stream_aborts_and_frees_pages(backend):
+    before = finished(backend, "abort")
+    stream = backend.client.completions.create(model="stdlib-v3", prompt="x = 1", stream=True, **LONG)
     chunks = iter(stream)
     next(chunks), next(chunks)  # decoding now
-    assert server.engine.snapshot()["free_pages"] < server.engine.snapshot()["total_pages"]
+    assert backend.pages_in_use()
     stream.close()
-    assert_idle(server.engine, timeout=5)
-    assert finished(server, "abort") == before + 1
+    backend.assert_idle(timeout=5)
+    assert finished(backend, "abort") == before + 1
 
 
-def test_disconnect_while_waiting_for_a_whole_answer_aborts(served):
-    server, client = served
-    before = finished(server, "abort")
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(backend):
+    before = finished(backend, "abort")
     with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=1.0).completions.create(model="stdlib-v3", prompt="x = 2", **LONG)
-    assert_idle(server.engine, timeout=5)
-    assert finished(server, "abort") == before + 1
+        backend.client.with_options(timeout=1.0).completions.create(model="stdlib-v3", prompt="x = 2", **LONG)
+    backend.assert_idle(timeout=5)
+    assert finished(backend, "abort") == before + 1
 
 
-def test_full_queue_is_429(served):
-    server, client = served
+def test_full_queue_is_429(backend):
+    client = backend.client
     streams, refused = [], None
     try:
         for i in range(CONFIG.max_slots + CONFIG.max_queue + 1):
@@ -313,73 +288,68 @@ def test_full_queue_is_429(served):
     finally:
         for s in streams:
             s.close()
-    assert_idle(server.engine)
+    backend.assert_idle()
 
 
-def test_models_and_health(served):
-    server, client = served
-    (m,) = client.models.list().data
+def test_models_and_health(backend):
+    (m,) = backend.client.models.list().data
     assert (m.id, m.object, m.owned_by, m.model_extra["max_model_len"]) == ("stdlib-v3", "model", "hcfjax", MAX_LEN)
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as r:
-        assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+    assert health(backend.port) == (200, {"status": "ok"})
+    if backend.kind == "pd":  # the router's /health before its workers were up (PDDeployment starts it first)
+        assert backend.health_before_workers == (503, {"status": "not_ready"})
 
 
-def raw_post(port: int, head: str, body_parts: list[bytes]) -> tuple[int, dict]:
-    """Sends a request's head and the given body bytes, never the rest of the body, then reads the answer: one that
-    comes proves the server answered without reading the body whole (the socket's timeout fails the test)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(head.encode())
-        for part in body_parts:
-            sock.sendall(part)
-        answer = b""
-        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < content_length(answer):
-            data = sock.recv(65536)
-            assert data, answer
-            answer += data
-    status = int(answer.split(b" ", 2)[1])
-    return status, json.loads(answer.partition(b"\r\n\r\n")[2])
+HEAD = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
-def content_length(answer: bytes) -> int:
-    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    return 0
-
-
-def rejected(server: HTTPServer, code: str) -> float:
-    return server.service.metrics.registry.get_sample_value("hcfjax_rejected_requests_total", {"code": code}) or 0
-
-
-def test_a_body_over_the_limit_is_413_before_it_is_read(served):
-    """A 30 MB Content-Length is refused from its header; a chunked body as soon as it passes the limit. Neither
-    body is sent whole: an answer arriving at all shows the server did not wait for it."""
-    server, _ = served
-    before = rejected(server, "RESOURCE_EXHAUSTED")
-    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    status, body = raw_post(server.port, head + f"Content-Length: {30 << 20}\r\n\r\n", [b'{"prompt": "' + b"x" * 1000])
+def test_a_body_over_the_limit_is_413_before_it_is_read(backend):
+    """A 30 MB Content-Length is refused from its header. The body is never sent whole: an answer arriving at all
+    shows the server did not wait for it."""
+    before = rejected(backend, "RESOURCE_EXHAUSTED")
+    status, body = raw_post(backend.port, HEAD + f"Content-Length: {30 << 20}\r\n\r\n", [b'{"prompt": "' + b"x" * 1000])
     assert (status, body["error"]["code"], body["error"]["type"]) == (413, "body_too_large", "invalid_request_error")
-    small = HTTPServer(server.engine, metrics=server.service.metrics, max_body_bytes=1000).start()
+    assert rejected(backend, "RESOURCE_EXHAUSTED") == before + 1
+
+
+# Colocated only, from here to the last test: these count the tokenizer calls of the engine in this process or serve
+# it through a second front end (the guards and the front door they check are the same code behind the router).
+
+
+def test_a_text_that_cannot_fit_is_not_tokenized(colocated):
+    door = colocated.engine.door
+    counting = engine_helpers.CountingTokenizer(door.tokenizer)
+    door.tokenizer = counting
+    try:
+        status, body = post(colocated.port, "/v1/completions", {"prompt": "x" * (door.max_prompt_chars + 1)})
+    finally:
+        door.tokenizer = counting.tokenizer
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "context_length_exceeded")
+    assert counting.encoded == 0
+
+
+def test_a_chunked_body_is_413_once_it_passes_the_limit(colocated):
+    """On a second front end with a limit of 1000 bytes: a chunked body is refused as soon as it passes the limit
+    (the rest is never sent), one under the limit is served."""
+    small = HTTPServer(colocated.engine, metrics=colocated.metrics, max_body_bytes=1000).start()
+    before = rejected(colocated, "RESOURCE_EXHAUSTED")
     try:
         chunk = b"200\r\n" + b" " * 0x200 + b"\r\n"  # whitespace: valid JSON, were the body ever complete
-        status, body = raw_post(small.port, head + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 3)
+        status, body = raw_post(small.port, HEAD + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 3)
         assert (status, body["error"]["code"]) == (413, "body_too_large"), body
         assert "1000 bytes" in body["error"]["message"]
-        status, body = post(small, "/v1/completions", {"prompt": "x = 1", "max_tokens": 2})  # under the limit
+        status, body = post(small.port, "/v1/completions", {"prompt": "x = 1", "max_tokens": 2})  # under the limit
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
     finally:
         small.shutdown(stop_engine=False)
-    assert rejected(server, "RESOURCE_EXHAUSTED") == before + 2
-    assert_idle(server.engine)
+    assert rejected(colocated, "RESOURCE_EXHAUSTED") == before + 1
+    colocated.assert_idle()
 
 
-def test_api_key_on_a_second_front_end_of_the_same_engine(served):
+def test_api_key_on_a_second_front_end_of_the_same_engine(colocated):
     """Without the key: 401 before the body is read (a 30 MB one that never comes) or checked (no detailed 400)."""
-    server, _ = served
-    second = HTTPServer(server.engine, metrics=server.service.metrics, api_key="sesame").start()
+    second = HTTPServer(colocated.engine, metrics=colocated.metrics, api_key="sesame").start()
     url = f"http://127.0.0.1:{second.port}/v1"
-    before = rejected(server, "UNAUTHENTICATED")
+    before = rejected(colocated, "UNAUTHENTICATED")
     try:
         with pytest.raises(openai.AuthenticationError) as e:
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
@@ -387,16 +357,15 @@ def test_api_key_on_a_second_front_end_of_the_same_engine(served):
         head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n"
         status, body = raw_post(second.port, head, [b'{"prompt": '])
         assert (status, body["error"]["code"]) == (401, "invalid_api_key"), body
-        assert post(second, "/v1/completions", {"prompt": "x", "top_p": 2})[0] == 401
-        with urllib.request.urlopen(f"http://127.0.0.1:{second.port}/health", timeout=10) as r:
-            assert r.status == 200  # probes need no key
+        assert post(second.port, "/v1/completions", {"prompt": "x", "top_p": 2})[0] == 401
+        assert health(second.port)[0] == 200  # probes need no key
         good = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
         assert good.completions.create(model="stdlib-v3", prompt="x = 1", max_tokens=2).usage.completion_tokens >= 1
     finally:
         second.shutdown(stop_engine=False)
-    assert rejected(server, "UNAUTHENTICATED") == before + 3
-    assert server.engine.snapshot()["steps"] > 0 and server.service.stopping is False
-    assert_idle(server.engine)
+    assert rejected(colocated, "UNAUTHENTICATED") == before + 3
+    assert colocated.engine.snapshot()["steps"] > 0 and colocated.server.service.stopping is False
+    colocated.assert_idle()
 
 
 def test_stopped_engine_is_503(model):
@@ -412,6 +381,19 @@ def test_stopped_engine_is_503(model):
         server.shutdown()
 
 
+def test_shutdown_ends_open_streams(backend):
+    """Last of the tests that serve: shuts the deployment's HTTP front end down (the router's on SIGTERM) while a
+    stream is open."""
+    stream = backend.client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
+    chunks = iter(stream)
+    next(chunks)
+    backend.shut_down()
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in chunks:
+            pass
+    backend.assert_idle()
+
+
 def test_chat_template_from_the_checkpoint(tmp_path):
     template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
     conf = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
@@ -421,57 +403,6 @@ def test_chat_template_from_the_checkpoint(tmp_path):
     assert ChatTemplate.for_checkpoint(hcfjax.DEFAULT_MODEL).is_default
     rendered = ChatTemplate().render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert rendered == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
-
-
-def test_the_same_api_over_a_generation_service(served, ref):
-    """hcfjax.serving.remote (what `--role router --http-port` serves through): HTTP over the gRPC Generation service
-    of the same engine gives the same greedy text, refuses as the engine does (param and code), and a client that
-    disconnects mid-stream has its request cancelled upstream, which frees its pages. /health follows the upstream's
-    readiness (a router's: some prefill and some decode worker up)."""
-    from hcfjax.serving.remote import RemoteEngine, load_front
-    from hcfjax.serving.server import Server
-
-    server, _ = served
-    grpc_server = Server(server.engine).start()
-    upstream_ready = [False]
-    remote = RemoteEngine(f"127.0.0.1:{grpc_server.port}", load_front(), MAX_LEN, ready=lambda: upstream_ready[0])
-    http = HTTPServer(remote).start()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="none", max_retries=0, timeout=120)
-    try:
-        with pytest.raises(urllib.error.HTTPError) as down:
-            urllib.request.urlopen(f"http://127.0.0.1:{http.port}/health", timeout=10)
-        assert (down.value.code, json.loads(down.value.read())) == (503, {"status": "not_ready"})
-        upstream_ready[0] = True
-        with urllib.request.urlopen(f"http://127.0.0.1:{http.port}/health", timeout=10) as up:
-            assert up.status == 200
-        r = client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=N, temperature=0)
-        assert r.choices[0].text == ref.text[0] and r.usage.completion_tokens == len(ref.tokens[0])
-        with pytest.raises(openai.BadRequestError) as bad:
-            client.completions.create(model="stdlib-v3", prompt=PROMPTS[0], max_tokens=MAX_LEN)
-        assert (bad.value.code, bad.value.param) == ("context_length_exceeded", "max_tokens")
-        stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
-        chunks = iter(stream)
-        next(chunks), next(chunks)  # decoding now
-        assert server.engine.snapshot()["free_pages"] < server.engine.snapshot()["total_pages"]
-        stream.close()
-        assert_idle(server.engine, timeout=5)
-    finally:
-        client.close()
-        http.shutdown()
-        grpc_server.shutdown(stop_engine=False)
-
-
-def test_shutdown_ends_open_streams(served):
-    """Last: shuts the module's server down while a stream is open."""
-    server, client = served
-    stream = client.completions.create(model="stdlib-v3", prompt="x = 3", stream=True, **LONG)
-    chunks = iter(stream)
-    next(chunks)
-    server.shutdown()
-    with pytest.raises(openai.APIError, match="shutting down"):
-        for _ in chunks:
-            pass
-    assert_idle(server.engine, timeout=0)
 
 
 def test_serve_needs_a_port(capsys):
