@@ -19,7 +19,7 @@ from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
 from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import apply_rope, rms_norm
-from hcfjax.options import DEFAULT, Options
+from hcfjax.options import DEFAULT, Options, on_gpu
 from pallas_kernels.mla_decode import MlaPlan, kernel_applies, mla_decode, mla_decode_reference, mla_plan
 
 
@@ -174,6 +174,92 @@ def attend_expanded_paged(
     return (acc / total).astype(q_nope.dtype)
 
 
+FUSED_KEY_BLOCK = 2048  # cached keys per fused attention call of attend_expanded_fused (rounded to whole pages)
+
+
+def _fused_part(q, k, v, q_len, kv_len, causal: bool, scale: float, implementation: str):
+    """One fused attention call (jax.nn.dot_product_attention) over q [B, T, H, K], k [B, S, H, K], v [B, S, H, V]
+    for q_len / kv_len [B] real queries / keys: -> (out [B, T, H, V] f32, log-sum-exp [B, T, H] f32, a floor of
+    -1e30 where a row has no key). V is padded to K's width (the call takes one head width)."""
+    width = v.shape[-1]
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k.shape[-1] - width)))
+    out, lse = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=causal,
+        query_seq_lengths=jnp.maximum(q_len, 1).astype(jnp.int32),  # an empty row is computed, then dropped
+        key_value_seq_lengths=jnp.maximum(kv_len, 1).astype(jnp.int32),
+        implementation=implementation,
+        return_residual=True,
+    )
+    # rows without keys, and padding queries, get no weight in a merge (and an output of 0, not whatever the call
+    # left there)
+    real = (jnp.arange(q.shape[1])[None] < q_len[:, None]) & (kv_len > 0)[:, None]  # [B, T]
+    lse = jnp.where(real[..., None], lse.astype(jnp.float32), -1e30)
+    return jnp.where(real[..., None, None], out[..., :width].astype(jnp.float32), 0.0), lse
+
+
+def _merge(a, b):
+    """Two attention parts' (out, log-sum-exp) over disjoint keys -> the attention over all of them."""
+    (oa, la), (ob, lb) = a, b
+    top = jnp.maximum(la, lb)
+    wa, wb = jnp.exp(la - top), jnp.exp(lb - top)
+    total = wa + wb
+    return (oa * wa[..., None] + ob * wb[..., None]) / total[..., None], top + jnp.log(total)
+
+
+def attend_expanded_fused(
+    p,
+    cfg: ModelConfig,
+    q_nope,
+    q_pe,
+    ckv,
+    kpe,
+    ctx: CacheContext,
+    layer,
+    positions,
+    implementation: str | None = None,
+    key_block: int = FUSED_KEY_BLOCK,
+) -> jax.Array:
+    """attend_expanded_paged for a chunk whose queries sit at consecutive positions from start = positions[:, 0]
+    (a prefill chunk), in fused attention calls that never write the scores out (jax.nn.dot_product_attention;
+    `implementation` "cudnn": cuDNN's flash attention, None: XLA's): one causal call over the chunk's own keys
+    (ckv [B, T, C], kpe [B, T, R], as the cache stores them), and one per block of cached keys before start, for
+    as many blocks as the longest row's start needs; the parts are merged by their log-sum-exps. Rows have
+    kv_len - start real queries. -> [B, T, H, V]"""
+    cache, scale = ctx.cache, cfg.softmax_scale
+    n_nope, h = cfg.qk_nope_head_dim, cfg.num_attention_heads
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)
+
+    def keys_values(c, r):  # latents [B, S, C], [B, S, R] -> K [B, S, H, N + R], V [B, S, H, V]
+        kv = jnp.einsum("BSC,CHK->BSHK", c.astype(q.dtype), p["kv_b"])
+        k_pe = jnp.broadcast_to(r.astype(q.dtype)[:, :, None], (*r.shape[:2], h, r.shape[-1]))
+        return jnp.concatenate([kv[..., :n_nope], k_pe], axis=-1), kv[..., n_nope:]
+
+    start = positions[:, 0]
+    n = jnp.clip(ctx.kv_len - start, 0, q.shape[1])
+    k, v = keys_values(*kvcache.as_stored(cache, ckv, kpe, q.dtype))
+    out = _fused_part(q, k, v, n, n, True, scale, implementation)
+
+    per_block = max(1, key_block // cache.page_size)
+    block_keys = per_block * cache.page_size
+    blocks = -(-ctx.page_table.shape[1] // per_block)
+    table = jnp.pad(ctx.page_table, ((0, 0), (0, blocks * per_block - ctx.page_table.shape[1])))
+    before = jnp.maximum(start, 0)
+
+    def prefix_block(i, acc):
+        pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
+        k, v = keys_values(*kvcache.read(cache, layer, pages, cfg.kv_lora_rank, q.dtype))
+        visible = jnp.clip(before - i * block_keys, 0, block_keys)
+        return _merge(acc, _fused_part(q, k, v, n, visible, False, scale, implementation))
+
+    used = (jnp.max(before) + block_keys - 1) // block_keys  # blocks any row's prefix needs (a dynamic trip count)
+    out, _ = jax.lax.fori_loop(0, used, prefix_block, out)
+    return out.astype(q_nope.dtype)
+
+
 def attend_absorbed_paged(
     p, cfg: ModelConfig, q_nope, q_pe, ctx: CacheContext, layer, positions, opts: Options = DEFAULT
 ) -> jax.Array:
@@ -223,7 +309,11 @@ def mla(
         if absorbed:
             out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
             return out_proj(out, p["o"], cfg), ctx
-        out = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
+        if opts.prefill_attention_mode() == "fused":
+            impl = "cudnn" if on_gpu() else None
+            out = attend_expanded_fused(p, cfg, q_nope, q_pe, ckv, kpe, ctx, layer, positions, impl)
+        else:
+            out = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
         return out_proj(out, p["o"], cfg), ctx
     attend = attend_absorbed if absorbed else attend_expanded
     out = attend(p, cfg, q_nope, q_pe, ckv, kpe, mask)  # [B, T, H, V]

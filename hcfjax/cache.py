@@ -74,6 +74,15 @@ def write(
     return KVCache(kv, scale)
 
 
+def as_stored(cache: KVCache, ckv: jax.Array, kpe: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(c_kv, k_pe) as `read` would return them after `write` stored them: rounded to the cache's dtype (int8 with
+    per-token scales), in `dtype`."""
+    if not cache.quantized:
+        return ckv.astype(cache.kv.dtype).astype(dtype), kpe.astype(cache.kv.dtype).astype(dtype)
+    (qc, sc), (qr, sr) = quantize_int8(ckv), quantize_int8(kpe)
+    return (qc * sc[..., None]).astype(dtype), (qr * sr[..., None]).astype(dtype)
+
+
 def read(cache: KVCache, layer, page_table: jax.Array, c: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Gathers every page of the page table: (c_kv [B, S, C], k_pe [B, S, R]) in `dtype`, S = pages * page_size."""
     b, n = page_table.shape

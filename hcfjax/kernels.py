@@ -32,8 +32,9 @@ def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, 
 
 
 def engine_summary(engine) -> str:
-    """One line on what a serving engine (hcfjax.engine.Engine) serves and what its decode step runs: e.g. "w4a8c8
-    weights, int8 KV cache in pages of 64; decode runs Pallas MLA decode, Pallas int4 grouped GEMM"."""
+    """One line on what a serving engine (hcfjax.engine.Engine) serves and what its steps run: e.g. "w4a8c8 weights,
+    int8 KV cache in pages of 64; decode runs Pallas MLA decode, Pallas int4 grouped GEMM; prefill attention fused
+    (cuDNN flash attention)"."""
     m, c = engine.model, engine.config
     q = m.cfg.quantization
     cache = jnp.dtype(engine.runner.state.cache.kv.dtype).name
@@ -42,4 +43,12 @@ def engine_summary(engine) -> str:
     if q is not None and q.fp8 is not None:
         block = "x".join(map(str, q.fp8.weight_block_size))
         weights = f"fp8 weights ({q.fp8.fmt}, {block} block scales, {q.fp8.activation_scheme} {q.fp8.fmt} activations)"
-    return f"{weights}, {cache} KV cache in pages of {c.page_size}; decode runs {kernels}"
+    prefill = prefill_attention(c.options)
+    return f"{weights}, {cache} KV cache in pages of {c.page_size}; decode runs {kernels}; prefill attention {prefill}"
+
+
+def prefill_attention(opts: Options) -> str:
+    """What a prefill chunk's attention runs (Options.prefill_attention on this backend)."""
+    if opts.prefill_attention_mode() == "blocked":
+        return "jnp blocked"
+    return "fused (cuDNN flash attention)" if jax.default_backend() == "gpu" else "fused (XLA)"

@@ -17,6 +17,7 @@ KERNEL_MODES = ("auto", "kernel", "interpret", "reference")
 SWITCH = ("auto", True, False)  # auto: on a GPU backend only
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
+PREFILL_ATTENTION = ("auto", "fused", "blocked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,10 @@ class Options:
     unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
         a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
         of a V2-Lite step on the H200). auto: off (a server compiles every step shape before it is ready).
+    prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
+        that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys
+        causally, then the cached ones a block at a time), blocked (jnp, an online softmax over 512-key blocks whose
+        scores go through memory), or auto: fused on GPUs.
     two_rows: a one-token decode forward runs as the row and a copy of it that writes nothing: on GPUs XLA lowers a
         one-row product to a slow multiply-and-reduce, two rows to a GEMM. auto: on GPUs.
     """
@@ -51,6 +56,7 @@ class Options:
     ep_exchange: str = "dense"
     unroll_decode: bool | str = "auto"
     two_rows: bool | str = "auto"
+    prefill_attention: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
@@ -59,6 +65,10 @@ class Options:
         for name in ("unroll_decode", "two_rows"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(
+                f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"
+            )
         if self.ep_exchange not in EXCHANGES:
             raise ValueError(f"Options.ep_exchange must be one of {EXCHANGES}, got {self.ep_exchange!r}")
         if not set(self.fused_gate_up) <= set(INT4_ACTS):
@@ -81,6 +91,12 @@ class Options:
             return switch == "two_rows" and on_gpu()
         return bool(value)
 
+    def prefill_attention_mode(self) -> str:
+        """prefill_attention resolved for this backend: 'fused' or 'blocked'."""
+        if self.prefill_attention == "auto":
+            return "fused" if on_gpu() else "blocked"
+        return self.prefill_attention
+
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)
 
@@ -88,7 +104,8 @@ class Options:
     def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_INT4_KERNEL=0|1 (0: reference
-        experts), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged. overrides win over the environment."""
+        experts), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged,
+        HCFJAX_PREFILL_ATTENTION=auto|fused|blocked. overrides win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
             got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
@@ -98,6 +115,9 @@ class Options:
         if "HCFJAX_INT4_KERNEL" in environ:
             on = _flag("HCFJAX_INT4_KERNEL", environ["HCFJAX_INT4_KERNEL"])
             got["moe"], source["moe"] = "auto" if on else "reference", "HCFJAX_INT4_KERNEL"
+        if environ.get("HCFJAX_PREFILL_ATTENTION"):
+            got["prefill_attention"] = environ["HCFJAX_PREFILL_ATTENTION"]
+            source["prefill_attention"] = "HCFJAX_PREFILL_ATTENTION"
         if environ.get("HCFJAX_EP_EXCHANGE"):
             got["ep_exchange"], source["ep_exchange"] = environ["HCFJAX_EP_EXCHANGE"], "HCFJAX_EP_EXCHANGE"
         try:

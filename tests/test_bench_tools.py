@@ -196,3 +196,24 @@ def test_bench_help_shows_defaults_and_where_it_runs(capsys):
         main(["bench", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "run on any backend" in out and "need a GPU" in out
+
+
+def test_engine_step_cases_and_floors():
+    """bench.engine_step's case syntax (RxT@C prefill, B@C decode, joined by +) and its floor: prefill FLOPs grow
+    with the cached context the chunk attends over, a mixed case adds the decode part's bytes."""
+    import argparse
+
+    from hcfjax.bench.engine_step import Case, floor_s
+    from hcfjax.random_model import preset_config, random_model
+
+    assert Case.parse("2x2048@4096") == Case(rows=2, tokens=2048, before=4096)
+    assert Case.parse("1x512@0+14@3860") == Case(1, 512, 0, 14, 3860)
+    assert str(Case.parse("14@3860")) == "14@3860" and str(Case(1, 512, 0, 14, 3860)) == "1x512@0 + 14@3860"
+    for bad in ("2x@0", "14", "0@10", "1x64@0+x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            Case.parse(bad)
+    model = random_model(preset_config("tiny-v3"), seed=0)
+    f = lambda case: floor_s(model.cfg, model.params, case, jnp.bfloat16, 1e15, 1e12)  # noqa: E731
+    assert f(Case(1, 512, 4096)) > f(Case(1, 512, 0)) > 0
+    assert f(Case(1, 512, 0, 14, 3860)) == pytest.approx(f(Case(1, 512, 0)) + f(Case(batch=14, context=3860)))
+    assert floor_s(model.cfg, model.params, Case(1, 512, 0), jnp.bfloat16, None, None) is None

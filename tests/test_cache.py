@@ -162,3 +162,45 @@ def test_blockwise_prefill_attention_equals_dense(v3_model, cache_dtype):
     mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
     want = attend_expanded(p, cfg, q_nope, q_pe, keys, kpes, mask)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
+def test_fused_prefill_attention_equals_dense(v3_model, cache_dtype):
+    """attend_expanded_fused (fused attention calls merged by their log-sum-exps: the chunk's own keys causally, the
+    cached prefix a block at a time; XLA's implementation here, cuDNN's on a GPU) equals attention over the whole
+    gathered page table: rows with a prefix spanning several blocks, one not page aligned, one without a prefix,
+    one chunk shorter than the padded width and a padding row (no queries), pages out of order."""
+    from hcfjax.attention import attend_expanded, attend_expanded_fused
+
+    cfg = v3_model.cfg
+    p = jax.tree.map(lambda a: a[0], v3_model.params["segments"][0]["attn"])
+    page_size, max_pages, t = 4, 12, 6
+    start = np.array([31, 0, 9, 0])  # cached tokens before each row's chunk
+    n = np.array([6, 6, 3, 0])  # real tokens in each row's chunk
+    b = len(start)
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.permutation(b * max_pages).reshape(b, max_pages))
+    cache = kvcache.init_cache(cfg, b * max_pages, page_size, cache_dtype)
+    key = jax.random.split(jax.random.key(1), 4)
+    prompt_pos = jnp.broadcast_to(jnp.arange(max_pages * page_size), (b, max_pages * page_size))
+    ckv_all = jax.random.normal(key[0], (*prompt_pos.shape, cfg.kv_lora_rank))
+    kpe_all = jax.random.normal(key[1], (*prompt_pos.shape, cfg.qk_rope_head_dim))
+    positions = jnp.asarray(start[:, None] + np.arange(t))
+    valid = jnp.asarray(np.arange(t)[None] < n[:, None])
+    # the prefix was written by earlier steps; this step writes its chunk, then attends (as mla does)
+    cache = kvcache.write(cache, 0, ckv_all, kpe_all, prompt_pos, prompt_pos < start[:, None], table)
+    rows = np.arange(b)[:, None]
+    ckv, kpe = ckv_all[rows, positions], kpe_all[rows, positions]
+    cache = kvcache.write(cache, 0, ckv, kpe, positions, valid, table)
+    h = cfg.num_attention_heads
+    q_nope = jax.random.normal(key[2], (b, t, h, cfg.qk_nope_head_dim))
+    q_pe = jax.random.normal(key[3], (b, t, h, cfg.qk_rope_head_dim))
+    ctx = CacheContext(cache, table, jnp.asarray(start + n), valid)
+    got = attend_expanded_fused(p, cfg, q_nope, q_pe, ckv, kpe, ctx, 0, positions, key_block=8)  # 4 prefix blocks
+    keys, kpes = kvcache.read(cache, 0, table, cfg.kv_lora_rank, jnp.float32)
+    key_pos = jnp.arange(keys.shape[1])[None, None, :]
+    mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
+    want = attend_expanded(p, cfg, q_nope, q_pe, keys, kpes, mask)
+    real = np.asarray(valid)
+    assert rel_err(got[real], want[real]) < 1e-5
+    assert bool(jnp.all(got[~real] == 0))  # padding queries: zeros, not garbage

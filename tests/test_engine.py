@@ -12,6 +12,7 @@ from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.pages import OutOfPages, PageAllocator
 from hcfjax.engine.request import Request, Status
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
+from hcfjax.options import Options
 from hcfjax.sampling import SamplingParams
 from tests import engine_helpers
 from tests.engine_helpers import xla_compiles
@@ -56,7 +57,10 @@ def assert_all_free(engine: Engine) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        EngineConfig(max_slots=2, dp=2, token_budget=32, balance="least_pages"),  # queueing, chunks, two ranks
+        # queueing, chunks, two ranks; prefill attention fused (generate's reference runs the blocked form)
+        EngineConfig(
+            max_slots=2, dp=2, token_budget=32, balance="least_pages", options=Options(prefill_attention="fused")
+        ),
         EngineConfig(max_slots=4, num_pages=12, page_size=8, token_budget=64),  # too few pages: preemption
     ],
     ids=["chunked-dp2", "preempt"],

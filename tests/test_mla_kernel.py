@@ -314,14 +314,17 @@ def test_options_from_the_environment():
     from hcfjax.options import Options
 
     env = {"HCFJAX_MLA": "kernel", "HCFJAX_MLA_QK8": "1", "HCFJAX_INT4_KERNEL": "0", "HCFJAX_EP_EXCHANGE": "ragged"}
-    got = Options.from_env(env, two_rows=False)
-    want = ("kernel", True, "reference", "ragged", False)
-    assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows) == want
+    got = Options.from_env({**env, "HCFJAX_PREFILL_ATTENTION": "fused"}, two_rows=False)
+    want = ("kernel", True, "reference", "ragged", False, "fused")
+    assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows, got.prefill_attention) == want
+    assert Options().prefill_attention_mode() == "blocked"  # auto: fused on GPUs only
     assert Options.from_env({}) == Options() and hash(Options.from_env({})) == hash(Options())
     with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
         Options.from_env({"HCFJAX_MLA_QK8": "yes"})
     with pytest.raises(ValueError, match="HCFJAX_MLA"):
         Options.from_env({"HCFJAX_MLA": "bogus"})
+    with pytest.raises(ValueError, match="HCFJAX_PREFILL_ATTENTION"):
+        Options.from_env({"HCFJAX_PREFILL_ATTENTION": "flash"})
 
 
 def test_qk8_switch_reaches_the_kernel_for_int8_caches_only(monkeypatch):
