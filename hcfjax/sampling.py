@@ -62,7 +62,12 @@ class SamplingBatch:
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> SamplingBatch:
-        col = lambda f, dt: jnp.asarray(np.array([getattr(p, f) for p in params], dt))
+        return jax.tree.map(jnp.asarray, cls.host(params))
+
+    @classmethod
+    def host(cls, params: list[SamplingParams]) -> SamplingBatch:
+        """The batch as numpy arrays (to be put on a device with the rest of a step's inputs, in one transfer)."""
+        col = lambda f, dt: np.array([getattr(p, f) for p in params], dt)  # noqa: E731
         return cls(
             col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32), col("min_p", np.float32)
         )

@@ -119,6 +119,7 @@ class ModelRunner:
         self.executables: dict = {}  # prefill shape (or None) -> the compiled step
         self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
+        self._last_decode: tuple | None = None  # (the decode rows' key, their inputs on the device)
 
     def dispatch(self, plan: StepPlan) -> Dispatched:
         pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
@@ -260,11 +261,12 @@ class ModelRunner:
     def idle_prefill(self, shape: tuple[int, int]) -> PrefillInputs:
         """A prefill part that writes nothing: `shape` (rows per rank, tokens) rows that end no prompt."""
         b, t = shape[0] * self.ranks, shape[1]
-        m, put = self.max_pages, self._put
-        z = lambda *dims: put(np.zeros(dims, np.int32))
-        sp = jax.tree.map(put, SamplingBatch.of([SamplingParams()] * b))
-        drop = put(np.full(b, self.slots_per_rank, np.int32))
-        return PrefillInputs(z(b, t), z(b), z(b), z(b, m), drop, sp, put(np.zeros(b, np.uint32)), z(b))
+        z = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
+        sp = SamplingBatch.host([SamplingParams()] * b)
+        drop = np.full(b, self.slots_per_rank, np.int32)
+        return self._put(
+            PrefillInputs(z(b, t), z(b), z(b), z(b, self.max_pages), drop, sp, z(b).astype(np.uint32), z(b))
+        )
 
     def idle_decode(self) -> DecodeInputs:
         """A decode part that writes nothing: every row inactive."""
@@ -310,21 +312,19 @@ class ModelRunner:
             )
             if c.final:
                 slot[i], count[i] = c.req.slot - self._rank(c.req) * self.slots_per_rank, len(c.req.output)
-        put = self._put
-        inputs = PrefillInputs(
-            *map(put, (tokens, start, n, self._table(pages), slot)),
-            jax.tree.map(put, SamplingBatch.of(sampling)),
-            put(seed),
-            put(count),
-        )
-        return inputs, rows
+        sp = SamplingBatch.host(sampling)
+        return self._put(PrefillInputs(tokens, start, n, self._table(pages), slot, sp, seed, count)), rows
 
-    def _put(self, x):
-        x = jnp.asarray(x)
-        return x if self.plan is None else jax.device_put(x, self.plan.rows())
+    def _put(self, tree):
+        """A step's inputs (numpy arrays) onto the device, or over a plan's ranks by rows, in one transfer."""
+        return jax.device_put(tree, None if self.plan is None else self.plan.rows())
 
     def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
-        """The decode rows: every slot, active where a request decodes this step."""
+        """The decode rows: every slot, active where a request decodes this step. They change only when a request
+        joins, leaves or takes a new page, so the device copy of the last ones is reused while they have not."""
+        key = tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode)
+        if self._last_decode is not None and self._last_decode[0] == key:
+            return self._last_decode[1]
         s = self.num_slots
         active, seed = np.zeros(s, bool), np.zeros(s, np.uint32)
         pages: list[list[int]] = [[] for _ in range(s)]
@@ -332,7 +332,6 @@ class ModelRunner:
         for req in plan.decode:
             active[req.slot], seed[req.slot], sampling[req.slot] = True, req.seed, req.sampling
             pages[req.slot] = self._local_pages(req)
-        put = self._put
-        return DecodeInputs(
-            put(active), put(self._table(pages)), jax.tree.map(put, SamplingBatch.of(sampling)), put(seed)
-        )
+        inputs = self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling), seed))
+        self._last_decode = (key, inputs)
+        return inputs
