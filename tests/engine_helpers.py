@@ -55,5 +55,9 @@ class CountingTokenizer:
         self.encoded += 1
         return self.tokenizer.encode(text)
 
+    def encode_batch_fast(self, texts):
+        self.encoded += len(texts)
+        return self.tokenizer.encode_batch_fast(texts)
+
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
