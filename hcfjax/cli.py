@@ -55,9 +55,9 @@ REQUEST_LIMITS = (
     f"[0, 2^32), a request id over {MAX_REQUEST_ID_CHARS} characters (hcfjax/frontdoor.py). A request body (HTTP) "
     "or message (gRPC) over --max-body-bytes is refused (HTTP 413, RESOURCE_EXHAUSTED) before it is read whole. "
     "With an API key, HTTP (all but /health), the gRPC Generation service (metadata authorization: Bearer KEY; "
-    "health and reflection stay open) and the --metrics-port scrape all need it: a client without it gets 401 / "
-    "UNAUTHENTICATED before its request is read. Pass the key as HCFJAX_API_KEY: a --api-key flag shows in the "
-    "process list."
+    "health and reflection stay open), the --metrics-port scrape and a PD worker's services (the router and the "
+    "decode workers send the key they are given) all need it: a client without it gets 401 / UNAUTHENTICATED "
+    "before its request is read. Pass the key as HCFJAX_API_KEY: a --api-key flag shows in the process list."
 )
 
 

@@ -22,6 +22,8 @@ from hcfjax.pd.decode import LocalPrefill, RemotePrefill
 from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
 from hcfjax.pd.transport import make_transport
 from hcfjax.sampling import SamplingParams
+from hcfjax.serving import pd_pb2 as pdpb
+from hcfjax.serving import pd_pb2_grpc as pd_grpc
 from tests.pd_procs import start, stop
 
 PROMPTS = [
@@ -120,7 +122,10 @@ def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
 def test_pd_speculative_decoding_across_the_split(model, colocated):
     """The prefill worker runs the MTP modules and makes the first drafts; the decode worker verifies from its first
     step. Exact verification of greedy drafts gives the plain greedy tokens; the draft state crosses the prefill
-    service's gRPC reply (a real server on loopback) and the cache (MTP layers included) the socket transport."""
+    service's gRPC reply (a real server on loopback, behind an API key) and the cache (MTP layers included) the
+    socket transport."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from hcfjax.pd.service import GrpcPrefill, prefill_server
 
     spec = hcfjax.SpeculativeConfig(num_draft_tokens=2)
@@ -129,8 +134,14 @@ def test_pd_speculative_decoding_across_the_split(model, colocated):
     config = PrefillConfig(num_pages=64, page_size=16, layerwise_threshold=64, chunk=128, speculative=spec)
     worker = PrefillWorker(model, transport.sender(), config)
     worker.start()
-    server = prefill_server(worker, "socket").start()
-    client = GrpcPrefill(server.address)
+    server = prefill_server(worker, "socket", api_key="sesame").start()
+    with grpc.insecure_channel(server.address) as ch:  # without the key only health answers
+        with pytest.raises(grpc.RpcError) as e:
+            pd_grpc.WorkerStub(ch).Info(pdpb.InfoRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    client = GrpcPrefill(server.address, api_key="sesame")
     remote = RemotePrefill(receiver, [client], timeout_s=60)
     engine = Engine(model, EngineConfig(max_slots=2, speculative=spec), remote=remote)
     engine.start()
@@ -305,27 +316,20 @@ def test_router_refuses_what_needs_no_model_before_placing():
 
 def test_router_is_not_ready_until_a_worker_of_each_role_answers():
     """The router's health says NOT_SERVING, and its start-up line waits, until a prefill and a decode worker both
-    answer their health checks (stand-in workers: a health service and Worker.Info, no model)."""
-    from concurrent import futures
-
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    answer their health checks (stand-in workers: a worker server with Worker.Info, no model, behind the
+    deployment's API key, which the router sends)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from hcfjax.pd.router import Router, RouterServer
-    from hcfjax.serving import pd_pb2 as pdpb
-    from hcfjax.serving import pd_pb2_grpc as pd_grpc
+    from hcfjax.pd.service import WorkerServer
 
     class Info(pd_grpc.WorkerServicer):
         def Info(self, request, context):
             return pdpb.WorkerInfo(dp=1, max_slots=1)
 
     def worker():
-        server = grpc.server(futures.ThreadPoolExecutor(2))
-        pd_grpc.add_WorkerServicer_to_server(Info(), server)
-        status = health.HealthServicer()
-        status.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(status, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        return server, f"127.0.0.1:{port}"
+        server = WorkerServer(lambda s: pd_grpc.add_WorkerServicer_to_server(Info(), s), api_key="sesame")
+        return server, server.address
 
     def router_health(address):
         with grpc.insecure_channel(address) as ch:
@@ -334,7 +338,7 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
     (pre, pre_addr), (dec, dec_addr) = worker(), worker()
     pre.start()  # the decode worker is not up yet
     heard = []
-    router = Router([pre_addr], [dec_addr], health_interval_s=3600, health_timeout_s=2.0)
+    router = Router([pre_addr], [dec_addr], health_interval_s=3600, health_timeout_s=2.0, api_key="sesame")
     server = RouterServer(router, on_ready=lambda ready, address: heard.append((ready, address))).start()
     try:
         assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -343,7 +347,7 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
         router.check_all()
         assert router_health(server.address) == health_pb2.HealthCheckResponse.SERVING
         assert heard[-1] == (True, server.address)
-        pre.stop(0).wait()
+        pre.stop(0)
         for _ in range(router.down_after):
             router.check_all()
         assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING

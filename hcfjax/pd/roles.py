@@ -14,6 +14,8 @@ gRPC service), checked against --model/--preset's config and tokenizer and --max
 
 from __future__ import annotations
 
+import functools
+
 from hcfjax.serving.server import until_signal
 
 
@@ -39,7 +41,7 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
         announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
     with until_signal(announce):
         worker.start()
-        server = prefill_server(worker, args.transport, args.host, args.port).start()
+        server = prefill_server(worker, args.transport, args.host, args.port, api_key=args.api_key).start()
         announce(f"hcfjax serve: prefill worker listening on {server.address}")
     server.stop(args.grace)
     worker.shutdown()
@@ -55,15 +57,16 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
 
     _log_to_stderr()
     receiver = make_transport(args.transport, host=args.host, timeout=args.transfer_timeout).receiver()
-    remote = RemotePrefill(receiver, [GrpcPrefill(a) for a in args.prefill or []], timeout_s=args.transfer_timeout)
-    remote.connect = GrpcPrefill
+    connect = functools.partial(GrpcPrefill, api_key=args.api_key)
+    remote = RemotePrefill(receiver, [connect(a) for a in args.prefill or []], timeout_s=args.transfer_timeout)
+    remote.connect = connect
     plan = decode_plan(**plans["decode"]) if "decode" in plans else None
     engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
     if args.warmup:
         announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
     with until_signal(announce):
         engine.start()
-        server = decode_server(engine, remote, args.transport, args.host, args.port).start()
+        server = decode_server(engine, remote, args.transport, args.host, args.port, api_key=args.api_key).start()
         announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
     server.stop(args.grace)
     engine.shutdown(args.grace)
@@ -90,7 +93,9 @@ def run_router(args, announce) -> None:
         else:
             announce("hcfjax serve: router not ready: waiting for a prefill and a decode worker to answer")
 
-    router = Router(args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout)
+    router = Router(
+        args.prefill, args.decode, balance=args.balance, request_timeout_s=args.request_timeout, api_key=args.api_key
+    )
     # without --port the gRPC service listens on loopback only, for the HTTP front end
     host, port = (args.host, args.port) if args.port is not None else ("127.0.0.1", 0)
     with until_signal(announce):

@@ -67,10 +67,11 @@ class Router(pb_grpc.GenerationServicer):
         down_after: int = 3,
         retries: int = 1,
         request_timeout_s: float = 600.0,
+        api_key: str | None = None,
     ):
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode worker")
-        mk = lambda a, role: WorkerState(a, role, worker_channel(a))
+        mk = lambda a, role: WorkerState(a, role, worker_channel(a, api_key))  # noqa: E731
         self.prefill = [mk(a, "prefill") for a in prefill]
         self.decode = [mk(a, "decode") for a in decode]
         self.balancer = Balancer(balance, len(decode))

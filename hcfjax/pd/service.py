@@ -21,7 +21,8 @@ from hcfjax.pd.transport import TransferError
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from hcfjax.serving.guards import add_generation_service
+from hcfjax.serving.client import with_api_key
+from hcfjax.serving.guards import GENERATION_PREFIX, PD_PREFIX, ApiKeyInterceptor, add_generation_service
 from hcfjax.serving.server import GenerationService, sampling_of
 
 log = logging.getLogger("hcfjax.pd")
@@ -37,9 +38,10 @@ RECONNECT_OPTIONS = (
 CONNECT_WAIT_S = 2.0  # past the longest wait between tries, and a connection's set-up
 
 
-def worker_channel(address: str) -> grpc.Channel:
-    """A channel to a PD worker, which tries again at least once a second to reach a worker it lost."""
-    return grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+def worker_channel(address: str, api_key: str | None = None) -> grpc.Channel:
+    """A channel to a PD worker, which tries again at least once a second to reach a worker it lost, sending the
+    deployment's API key (if any) with every call."""
+    return with_api_key(grpc.insecure_channel(address, options=RECONNECT_OPTIONS), api_key)
 
 
 def pack_arrays(arrays: dict) -> bytes:
@@ -112,9 +114,9 @@ class PrefillService(pd_grpc.PrefillServicer, pd_grpc.WorkerServicer):
 class GrpcPrefill:
     """A remote prefill worker, as a decode worker's PrefillClient."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, api_key: str | None = None):
         self.address = address
-        self._channel = worker_channel(address)
+        self._channel = worker_channel(address, api_key)
         self._stub = pd_grpc.PrefillStub(self._channel)
 
     def _await_connection(self, timeout: float) -> None:
@@ -181,12 +183,17 @@ class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
 
 
 class WorkerServer:
-    """A worker's gRPC server: its services, health and a bound port (0 picks a free one)."""
+    """A worker's gRPC server: its services, health and a bound port (0 picks a free one). With an API key every
+    service but health wants it (the router and the decode workers send it)."""
 
-    def __init__(self, register, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128):
+    def __init__(
+        self, register, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128, api_key: str | None = None
+    ):
+        guard = [ApiKeyInterceptor(api_key, guarded=(GENERATION_PREFIX, PD_PREFIX))] if api_key is not None else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-pd"),
             maximum_concurrent_rpcs=max_workers,
+            interceptors=guard,
         )
         register(self._server)
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -210,17 +217,19 @@ class WorkerServer:
             self._server.stop(grace).wait(grace + 1)
 
 
-def prefill_server(worker: PrefillWorker, transport: str, host="127.0.0.1", port=0) -> WorkerServer:
+def prefill_server(worker: PrefillWorker, transport: str, host="127.0.0.1", port=0, api_key=None) -> WorkerServer:
     svc = PrefillService(worker, transport)
 
     def register(server):
         pd_grpc.add_PrefillServicer_to_server(svc, server)
         pd_grpc.add_WorkerServicer_to_server(svc, server)
 
-    return WorkerServer(register, host, port)
+    return WorkerServer(register, host, port, api_key=api_key)
 
 
-def decode_server(engine, remote: RemotePrefill, transport: str, host="127.0.0.1", port=0, metrics=None):
+def decode_server(
+    engine, remote: RemotePrefill, transport: str, host="127.0.0.1", port=0, metrics=None, api_key=None
+) -> WorkerServer:
     svc = DecodeGenerationService(engine, remote, transport, metrics)
     c = engine.config
     workers = c.dp * c.max_slots + c.max_queue + 8
@@ -229,4 +238,4 @@ def decode_server(engine, remote: RemotePrefill, transport: str, host="127.0.0.1
         add_generation_service(svc, server)
         pd_grpc.add_WorkerServicer_to_server(svc, server)
 
-    return WorkerServer(register, host, port, max_workers=workers)
+    return WorkerServer(register, host, port, max_workers=workers, api_key=api_key)

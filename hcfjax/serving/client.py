@@ -65,6 +65,28 @@ def auth_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
     return None if api_key is None else [("authorization", f"Bearer {api_key}")]
 
 
+class _KeyOnEveryCall(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, api_key: str):
+        self.metadata = auth_metadata(api_key)
+
+    def _with_key(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), *self.metadata]
+        return continuation(details._replace(metadata=metadata), request)
+
+    intercept_unary_unary = intercept_unary_stream = _with_key
+    intercept_stream_unary = intercept_stream_stream = _with_key
+
+
+def with_api_key(channel: grpc.Channel, api_key: str | None) -> grpc.Channel:
+    """`channel`, sending `api_key` with every call (unchanged for None)."""
+    return channel if api_key is None else grpc.intercept_channel(channel, _KeyOnEveryCall(api_key))
+
+
 def generate_stream(
     stub, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None, **params
 ):

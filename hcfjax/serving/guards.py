@@ -35,6 +35,7 @@ from hcfjax.serving import hcfjax_pb2 as pb
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB, gRPC's own default for a received message
 OPEN_PATHS = frozenset({"/health"})  # served without the key (load balancers' probes)
 GENERATION_PREFIX = "/hcfjax.v1.Generation/"
+PD_PREFIX = "/hcfjax.pd.v1."  # a PD worker's Prefill and Worker services
 REFUSED_KEY = "a valid API key is needed (Authorization: Bearer KEY)"
 REFUSED_KEY_GRPC = "a valid API key is needed (metadata authorization: Bearer KEY)"
 
@@ -101,15 +102,16 @@ class HTTPGuard:
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Refuses calls to the Generation service without `authorization: Bearer KEY` metadata (UNAUTHENTICATED); the
-    refusal parses no request message. on_refusal(code_name) is told of each."""
+    """Refuses calls to the `guarded` services (method prefixes: the Generation service, and a PD worker's own)
+    without `authorization: Bearer KEY` metadata (UNAUTHENTICATED); the refusal parses no request message. Health
+    and reflection stay open. on_refusal(code_name) is told of each."""
 
-    def __init__(self, api_key: str, on_refusal=lambda code: None):
-        self.api_key, self.on_refusal = api_key, on_refusal
+    def __init__(self, api_key: str, on_refusal=lambda code: None, guarded: tuple[str, ...] = (GENERATION_PREFIX,)):
+        self.api_key, self.on_refusal, self.guarded = api_key, on_refusal, guarded
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or not details.method.startswith(GENERATION_PREFIX):
+        if handler is None or not details.method.startswith(self.guarded):
             return handler
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if key_matches(given, self.api_key):
