@@ -1,6 +1,6 @@
 """Generation benchmark: decode tokens/s at several batch sizes and prefill tokens/s, through `hcfjax.generate`.
 
-    python -m hcfjax.bench.generate [--preset v2-lite] [--scheme bf16|w4a16|w4a8|w4a8c8|w8a8] [--batches 1,32,128]
+    python -m hcfjax.bench.generate [--preset v2-lite] [--scheme bf16|w4a16|w4a8|w4a8c8|w8a8|fp8] [--batches 1,32,128]
                                     [--prompt-len 512] [--new-tokens 128] [--prefill-len 4096] [--profile]
                                     [--out FILE]
 
@@ -43,7 +43,7 @@ from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype, quantize_model
 from hcfjax.random_model import PRESETS, preset_config, random_model
 
-SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8")
+SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8", "fp8")
 
 
 def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache_dtype=jnp.bfloat16) -> float:
