@@ -2,6 +2,7 @@
 pages always come back; the scheduler's policies do what they claim (fake clock)."""
 
 import dataclasses
+import threading
 
 import jax.numpy as jnp
 import pytest
@@ -196,15 +197,35 @@ def test_speculative_engine_equals_plain_greedy(model):
     assert accepted[0] == accepted[1]
 
 
-def test_after_warmup_serving_never_compiles(model):
+def test_serving_while_smaller_shapes_compile_in_the_background(model, monkeypatch):
+    """warmup(rest_later=True), as a server starts: the decode step and the prefill shape that holds the others now;
+    the smaller one in the background (held back here until the requests are served). Meanwhile steps pad to the
+    compiled shape, never compile on the serving thread, and give generate's tokens; then every shape is there."""
     engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1))
-    engine.warmup()
-    assert set(engine.runner.executables) == {None, (1, 16), (1, 24)}  # decode alone; chunks of 16 and 24 tokens
+    runner, release = engine.runner, threading.Event()
+    compile_now = runner._compile
+
+    def held_back(pre, dec):
+        if pre is not None and pre.tokens.shape == (1, 16) and threading.current_thread().name.startswith("hcfjax-"):
+            assert release.wait(120)  # (the warm-up's compile threads only)
+        return compile_now(pre, dec)
+
+    monkeypatch.setattr(runner, "_compile", held_back)
+    engine.warmup(rest_later=True)
+    assert set(runner.executables) == {None, (1, 24)} and runner.compiling()  # chunks of 16 tokens: not yet
+    n = 6
+    ref = hcfjax.generate(model, PROMPTS, max_new_tokens=n)
+    reqs = [engine.submit(p, max_new_tokens=n) for p in PROMPTS]
+    run_all(engine)
+    assert [collect(engine, r)[0] for r in reqs] == ref.tokens
+    assert runner.compiles == []  # nothing compiled on first use
+    release.set()
+    runner._later.join(120)
+    assert set(runner.executables) == {None, (1, 16), (1, 24)} and not runner.compiling()
     with xla_compiles() as compiles:
-        reqs = [engine.submit(p, max_new_tokens=6) for p in PROMPTS]
+        req = engine.submit(PROMPTS[0], max_new_tokens=n)
         run_all(engine)
-    assert compiles == [] and engine.runner.compiles == []
-    assert all(list(engine.stream(r, timeout=0))[-1].finish is not None for r in reqs)
+    assert compiles == [] and collect(engine, req)[0] == ref.tokens[0]
 
 
 def test_a_restart_loads_its_compiled_steps(tmp_path):

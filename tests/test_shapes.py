@@ -20,6 +20,11 @@ def test_shapes_stay_few_and_within_the_budget():
     assert all(r * t <= 3000 for r, t in odd.all())
     spec = StepShapes(token_budget=256, max_rows=2, min_bucket=16, whole_prompts=True, max_len=1000)
     assert (1, 1024) in spec.all() and (2, 256) not in spec.all()  # whole prompts: long ones alone, up to max_len
+    # the shapes a server compiles before it is ready: every other one fits one of them
+    assert shapes.maximal() == [(1, 4096), (2, 2048), (4, 1024)]
+    for s in (shapes, odd, spec):
+        assert all(any(b >= r and u >= t for b, u in s.maximal()) for r, t in s.all())
+        assert all(not (b >= r and u >= t) for r, t in s.maximal() for b, u in s.maximal() if (b, u) != (r, t))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -283,6 +283,7 @@ class Engine:
             "cache_used": 1 - free / self.total_pages,
             "steps": self.steps,
             "compiles": len(self.runner.executables),  # step shapes compiled (by warm-up or on first use)
+            "compiling": self.runner.compiling(),  # step shapes still compiling in the background
             "preemptions": s.preemptions,
             "should_grow": s.should_grow,
             "expected_output": s.expected_output,
@@ -318,11 +319,12 @@ class Engine:
             self.step()
         self._abort_all()
 
-    def warmup(self, progress=None) -> float:
+    def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.
-        progress(done, total) is told as each shape's compile ends."""
+        progress(done, total) is told as each shape's compile ends. rest_later: only the shapes that hold all the
+        others now, the rest in the background while serving (steps pad to a compiled shape meanwhile)."""
         t0 = time.perf_counter()
-        self.runner.warmup(prefill=self.remote is None, progress=progress)
+        self.runner.warmup(prefill=self.remote is None, progress=progress, rest_later=rest_later)
         if self.remote is not None:
             self.runner.warmup_install()
         return time.perf_counter() - t0

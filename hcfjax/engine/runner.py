@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -120,6 +121,7 @@ class ModelRunner:
         self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
         self._last_decode: tuple | None = None  # (the decode rows' key, their inputs on the device)
+        self._later: threading.Thread | None = None  # warmup's background compiles (rest_later)
 
     def dispatch(self, plan: StepPlan) -> Dispatched:
         pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
@@ -228,16 +230,49 @@ class ModelRunner:
             part = None if scale is None else scale[:, :n]
             self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
 
-    def warmup(self, prefill: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
+    def warmup(
+        self, prefill: bool = True, progress: Callable[[int, int], None] | None = None, rest_later: bool = False
+    ) -> int:
         """Compiles the decode step and, unless only decoding here (a PD decode worker), the prefill step of every
-        shape in `shapes`, several at once. progress(done, total) is told as each compile ends. -> the number of
-        programs."""
+        shape in `shapes`, several at once. progress(done, total) is told as each compile ends. rest_later: only
+        the prefill shapes no other one holds (`StepShapes.maximal`) now, the others in a background thread; until
+        a shape is compiled, a step that needs it runs padded to the smallest compiled one that holds it. -> the
+        number of programs compiled now."""
         inputs = {None: (None, self.idle_decode())}
         for b, t in self.shapes.all() if prefill else []:
             pre = self.idle_prefill((b, t))
             inputs[pre.tokens.shape] = (pre, None)
         # the largest shapes first: their kernels take longest to lower and their programs to compile
         todo = sorted((k for k in inputs if k not in self.executables), key=lambda k: -np.prod(k or (1 << 30,)))
+        later = []
+        if rest_later:
+            top = {(b * self.ranks, t) for b, t in self.shapes.maximal()}
+            later = [k for k in todo if k is not None and k not in top]
+            todo = [k for k in todo if k not in later]
+        self._compile_all(todo, inputs, progress)
+        if later:
+            self._later = threading.Thread(
+                target=self._compile_later, args=(later, inputs), name="hcfjax-compile-later", daemon=True
+            )
+            self._later.start()
+        return len(todo)
+
+    def _compile_later(self, keys, inputs) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._compile_all(keys, inputs)
+        except Exception:  # noqa: BLE001 - a shape that fails to compile here compiles on first use instead
+            log.exception("compiling step shapes in the background failed")
+            return
+        log.info("compiled %d more step shapes in the background in %.1f s", len(keys), time.perf_counter() - t0)
+
+    def compiling(self) -> bool:
+        """Whether step shapes are still being compiled in the background (warmup's rest_later)."""
+        return self._later is not None and self._later.is_alive()
+
+    def _compile_all(self, todo, inputs, progress=None) -> None:
+        if not todo:
+            return
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
         on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
@@ -256,7 +291,6 @@ class ModelRunner:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
             pool.shutdown()
-        return len(inputs)
 
     def idle_prefill(self, shape: tuple[int, int]) -> PrefillInputs:
         """A prefill part that writes nothing: `shape` (rows per rank, tokens) rows that end no prompt."""
@@ -293,10 +327,10 @@ class ModelRunner:
             r = self._rank(c.req)
             index.append((r, per_rank[r]))
             per_rank[r] += 1
-        b_local = self.shapes.rows(max(per_rank))
+        longest = max(c.n for c in chunks)
+        b_local, t = self._compiled_cover(self.shapes.rows(max(per_rank)), self.shapes.tokens(longest))
         rows = [r * b_local + i for r, i in index]
         b = b_local * self.ranks
-        t = self.shapes.tokens(max(c.n for c in chunks))
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         slot, seed, count = np.full(b, self.slots_per_rank, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
         sampling = [chunks[0].req.sampling] * b
@@ -314,6 +348,15 @@ class ModelRunner:
                 slot[i], count[i] = c.req.slot - self._rank(c.req) * self.slots_per_rank, len(c.req.output)
         sp = SamplingBatch.host(sampling)
         return self._put(PrefillInputs(tokens, start, n, self._table(pages), slot, sp, seed, count)), rows
+
+    def _compiled_cover(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The (rows per rank, tokens) a prefill part of that shape runs as: itself, unless it is still being
+        compiled in the background, then the smallest compiled shape that holds it."""
+        if not self.compiling() or (rows * self.ranks, tokens) in self.executables:
+            return rows, tokens
+        held = [(k[0] // self.ranks, k[1]) for k in list(self.executables) if k is not None]
+        held = [(b, t) for b, t in held if b >= rows and t >= tokens]
+        return min(held, key=lambda s: (s[0] * s[1], s[1]), default=(rows, tokens))
 
     def _put(self, tree):
         """A step's inputs (numpy arrays) onto the device, or over a plan's ranks by rows, in one transfer."""

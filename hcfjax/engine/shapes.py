@@ -58,5 +58,11 @@ class StepShapes:
             out |= {(1, t) for t in (self.min_bucket << i for i in range(longest.bit_length())) if t <= longest}
         return sorted(out)
 
+    def maximal(self) -> list[tuple[int, int]]:
+        """The shapes of `all` that no other one holds (as many rows or more and as many tokens or more): every
+        prefill part fits one of them, padded."""
+        shapes = self.all()
+        return [s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)]
+
     def _row_counts(self) -> list[int]:
         return sorted({self.rows(n) for n in range(1, self.max_rows + 1)})

@@ -11,7 +11,7 @@ from engine.snapshot() at scrape time, so they are never stale and need no threa
     hcfjax_prompt_tokens_total, hcfjax_output_tokens_total
     hcfjax_draft_tokens_total, hcfjax_accepted_draft_tokens_total, hcfjax_draft_acceptance_rate
     hcfjax_queue_length, hcfjax_running_requests, hcfjax_cache_usage_ratio, hcfjax_free_pages,
-    hcfjax_engine_steps_total, hcfjax_compiles_total, hcfjax_should_grow   (from the engine)
+    hcfjax_engine_steps_total, hcfjax_compiles_total, hcfjax_should_grow, hcfjax_compiling   (from the engine)
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class _EngineCollector:
             ("hcfjax_cache_usage_ratio", "Fraction of KV cache pages in use", s["cache_used"]),
             ("hcfjax_free_pages", "Free KV cache pages", s["free_pages"]),
             ("hcfjax_should_grow", "1 when the engine reports it needs more capacity", float(s["should_grow"])),
+            ("hcfjax_compiling", "1 while step shapes still compile in the background", float(s["compiling"])),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -267,7 +267,8 @@ def serve(
     """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread). api_key
     guards the Generation service and the metrics port.
 
-    warmup: compile every engine step shape before listening, so no request waits for a compile.
+    warmup: compile the engine step shapes that hold all the others before listening, so no request waits for a
+    compile (the smaller shapes compile in the background; hcfjax.serving.startup.warm_up).
     announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them),
     then that it is ready (with the seconds since `started`, a time.monotonic() of the command's start)."""
     metrics = Metrics(engine)

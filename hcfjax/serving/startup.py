@@ -1,8 +1,9 @@
 """A server's start-up: the persistent compilation cache, the warm-up's progress bar, and the ready line.
 
 XLA compiles each step shape once per process; with the cache on (the default, under the user's cache directory)
-a restart reads the compiled programs back instead. The warm-up compiles every shape the engine can run (see
-hcfjax.engine.shapes) before the server says it is ready, so no request waits for a compile.
+a restart reads the compiled programs back instead. Before the server says it is ready, the warm-up compiles the
+shapes that hold every other one the engine can run (see hcfjax.engine.shapes), so no request waits for a compile;
+the smaller ones compile in the background, and until each is ready its steps run padded to a larger one.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ class CompileProgress:
 
 
 def warm_up(engine, announce) -> float:
-    """Compiles every step shape of `engine` with a progress display; -> seconds."""
-    seconds = engine.warmup(progress=CompileProgress())
+    """Compiles the step shapes of `engine` that hold all the others, with a progress display, and starts the
+    others compiling in the background (steps pad to a compiled shape meanwhile); -> seconds."""
+    seconds = engine.warmup(progress=CompileProgress(), rest_later=True)
     disk = engine.runner.disk
     loaded = f" ({disk.hits} loaded from the step cache)" if disk is not None and disk.hits else ""
-    announce(f"hcfjax serve: {len(engine.runner.executables)} step shapes compiled in {seconds:.1f} s{loaded}")
+    later = " (the smaller prefill shapes go on compiling in the background)" if engine.runner.compiling() else ""
+    announce(f"hcfjax serve: {len(engine.runner.executables)} step shapes compiled in {seconds:.1f} s{loaded}{later}")
     return seconds
 
 
