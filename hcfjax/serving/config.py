@@ -1,6 +1,7 @@
 """`hcfjax serve`'s options as typed configs: the one place its parsed arguments become the served model, an
 EngineConfig or a PrefillConfig, and the way back, the flags that make a worker process build a given config (the PD
-benchmarks start their workers from configs they built).
+benchmarks start their workers from configs they built). The precision flags (--dtype, --fp8, --kv-cache) are
+defined here beside the tables they read, for `hcfjax serve` and `hcfjax generate` alike.
 
 The jax-heavy config classes are imported inside the functions, so that `hcfjax --help` stays quick.
 """
@@ -24,6 +25,25 @@ DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp3
 SCHEMES = tuple(QUANT_SCHEMES)  # --scheme: quantise the served model in memory, as `hcfjax quantize` would
 # --kv-cache -> the configs' cache_dtype (hcfjax.quantize.cache_dtype_for): auto follows the checkpoint's scheme
 KV_CACHE = {"auto": "auto", "bf16": "float", "int8": "int8"}
+
+
+def add_precision_flags(parser: argparse.ArgumentParser) -> None:
+    """--dtype, --fp8 and --kv-cache, alike for `generate` and `serve`."""
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=[*sorted(DTYPES), "auto"], help="model dtype (auto: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--fp8",
+        default="native",
+        choices=["native", "dequantize"],
+        help="DeepSeek fp8 checkpoints: run the weights as fp8 (native) or dequantise them to --dtype on load",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=sorted(KV_CACHE),
+        help="latent KV cache precision (auto: the checkpoint's scheme's, int8 for w4a8c8; bf16: the model's dtype)",
+    )
 
 
 def load_model(
