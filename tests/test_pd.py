@@ -358,19 +358,45 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
         dec.stop(0)
 
 
-def test_router_api_key():
+def test_router_api_key_and_call_limit():
     """The router takes --api-key as a colocated server does: without it UNAUTHENTICATED, with it the call reaches
-    the router (here UNAVAILABLE: its workers' addresses have nothing listening)."""
+    the router (here UNAVAILABLE: its workers' addresses have nothing listening); calls past its limit are refused
+    RESOURCE_EXHAUSTED; its metrics count each refusal by code."""
     from hcfjax.pd.router import Router, RouterServer
     from hcfjax.serving import client
+    from hcfjax.serving.metrics import Metrics
 
-    server = RouterServer(Router(["127.0.0.1:1"], ["127.0.0.1:2"]), api_key="sesame").start()
+    metrics = Metrics()
+    router = Router(["127.0.0.1:1"], ["127.0.0.1:2"])
+    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+    generate = router.Generate
+
+    def generate_or_hold(request, context):  # holding: the call keeps its thread until released
+        if not hold.is_set():
+            return generate(request, context)
+        held.set()
+        release.wait(30)
+        return iter(())
+
+    router.Generate = generate_or_hold
+    server = RouterServer(router, api_key="sesame", max_workers=1, metrics=metrics).start()
     channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    refused = lambda code: metrics.rejected.labels(code)._value.get()  # noqa: E731
     try:
         for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("sesame", grpc.StatusCode.UNAVAILABLE)):
             with pytest.raises(grpc.RpcError) as e:
                 client.generate(stub, "x", max_new_tokens=2, api_key=key, timeout=30)
             assert e.value.code() == code, e.value.details()
+        assert refused("UNAUTHENTICATED") == 1
+        hold.set()
+        key = client.auth_metadata("sesame")
+        first = ThreadPoolExecutor(1).submit(lambda: list(stub.Generate(client.make_request("x"), metadata=key)))
+        assert held.wait(30)
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(stub, "x", max_new_tokens=2, api_key="sesame", timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refused("RESOURCE_EXHAUSTED") == 1
+        release.set()
+        first.result(30)
     finally:
         channel.close()
         server.stop(0)

@@ -469,3 +469,20 @@ def test_until_signal_takes_a_burst_of_signals():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, outer)
+
+
+def test_serve_help_states_the_limits_it_enforces(capsys):
+    """`hcfjax serve --help` states every request limit with the value the front door enforces."""
+    from hcfjax import frontdoor
+    from hcfjax.cli import main
+    from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for limit in (frontdoor.MAX_STOP_STRINGS, frontdoor.MAX_STOP_CHARS, frontdoor.MAX_STOP_TOKEN_IDS):
+        assert f"{limit} stop" in text or f"{limit} characters" in text, limit
+    assert f"request id over {frontdoor.MAX_REQUEST_ID_CHARS} characters" in text
+    assert "before tokenizing" in text and "[0, 2^32)" in text and "top_k beyond the vocabulary" in text
+    assert "--max-body-bytes" in text and str(DEFAULT_MAX_BODY_BYTES) in text
+    assert "HCFJAX_API_KEY" in text and "PD worker" in text

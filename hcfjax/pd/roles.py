@@ -99,7 +99,7 @@ def run_router(args, announce) -> None:
     # without --port the gRPC service listens on loopback only, for the HTTP front end
     host, port = (args.host, args.port) if args.port is not None else ("127.0.0.1", 0)
     with until_signal(announce):
-        server = RouterServer(router, host, port, on_ready=on_ready, api_key=args.api_key)
+        server = RouterServer(router, host, port, on_ready=on_ready, api_key=args.api_key, metrics=metrics)
         announce(f"hcfjax serve: router listening on {server.address}")
         if start_http is not None:
             http = start_http(server, metrics)

@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,8 +35,8 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from hcfjax.serving.guards import ApiKeyInterceptor, add_generation_service
-from hcfjax.serving.server import ACCEPTED, SERVICE_NAME
+from hcfjax.serving.guards import ApiKeyInterceptor, ConcurrencyLimit, CountingPool, add_generation_service
+from hcfjax.serving.server import ACCEPTED, SERVICE_NAME, SPARE_THREADS
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -253,7 +252,9 @@ class Router(pb_grpc.GenerationServicer):
 class RouterServer:
     """The router's gRPC server: Generation, health (SERVING while some prefill and decode worker is up,
     NOT_SERVING before and otherwise). on_ready(ready, address) hears each change of readiness. api_key: Generation
-    calls need the metadata `authorization: Bearer KEY`, as on a colocated server."""
+    calls need the metadata `authorization: Bearer KEY`, as on a colocated server. Calls past max_workers are refused
+    (RESOURCE_EXHAUSTED) as a colocated server refuses them; metrics (hcfjax.serving.metrics.Metrics) counts every
+    refusal by its code."""
 
     def __init__(
         self,
@@ -263,19 +264,27 @@ class RouterServer:
         max_workers: int = 256,
         on_ready: Callable[[bool, str], None] | None = None,
         api_key: str | None = None,
+        metrics=None,
     ):
         self.router = router
         self.on_ready = on_ready
+        self.metrics = metrics
+        pool = CountingPool(max_workers + SPARE_THREADS, thread_name_prefix="hcfjax-router")
+        guards = [ApiKeyInterceptor(api_key, self._count_refusal)] if api_key is not None else []
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers, thread_name_prefix="hcfjax-router"),
-            interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else [],
-            maximum_concurrent_rpcs=max_workers,
+            pool,
+            interceptors=[*guards, ConcurrencyLimit(pool, max_workers, self._count_refusal)],
+            maximum_concurrent_rpcs=max_workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
         )
-        add_generation_service(router, self._server)
+        add_generation_service(router, self._server, self._count_refusal)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self.address = f"{host}:{self.port}"
+
+    def _count_refusal(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code).inc()
 
     def start(self) -> RouterServer:
         self._set_serving(False)
