@@ -34,9 +34,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def plan_ref(model):
-    """generate's tokens for the decode-plan tests (compiled once for both)."""
-    return hcfjax.generate(model, PROMPTS[:5], max_new_tokens=10)
+def eos_ref(model):
+    """generate's greedy tokens for PROMPTS, 24 each, stopping at eos as the engine does by default."""
+    return hcfjax.generate(model, PROMPTS, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def plan_ref(eos_ref):
+    """generate's tokens for the decode-plan tests, which ask for 10: the first 10 of eos_ref's (greedy rows do not
+    depend on their batch, nor on how far they run)."""
+    return [row[:10] for row in eos_ref.tokens[:5]]
 
 
 def run_all(engine: Engine) -> None:
@@ -66,9 +73,8 @@ def assert_all_free(engine: Engine) -> None:
     ],
     ids=["chunked-dp2", "preempt"],
 )
-def test_concurrent_requests_equal_generate(model, config):
-    n = 24
-    ref = hcfjax.generate(model, PROMPTS, max_new_tokens=n)  # stops at eos like the engine's default
+def test_concurrent_requests_equal_generate(model, eos_ref, config):
+    n, ref = 24, eos_ref  # stops at eos like the engine's default
     engine = Engine(model, config)
     engine.scheduler.out_lens.append(1)  # recent outputs look short: admission over-commits, decode must preempt
     reqs = [engine.submit(p, max_new_tokens=n) for p in PROMPTS]
@@ -89,12 +95,11 @@ def test_engine_under_the_decode_plan(model, plan_ref):
     all_to_all exchange, mock rows on the rank with less work; same tokens as generate."""
     from sharding.plans import decode_plan
 
-    ref = plan_ref
     config = EngineConfig(max_slots=2, dp=2, token_budget=32, balance="fewest_requests")
     engine = Engine(model, config, decode_plan=decode_plan(2))
     reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:5]]
     run_all(engine)
-    assert [collect(engine, r)[0] for r in reqs] == ref.tokens[:5]
+    assert [collect(engine, r)[0] for r in reqs] == plan_ref
     assert_all_free(engine)
     with pytest.raises(ValueError, match="dp=1"):
         Engine(model, EngineConfig(), decode_plan=decode_plan(2))
@@ -123,7 +128,7 @@ def test_live_eplb_under_the_decode_plan(model, plan_ref):
     with xla_compiles() as compiles:
         run_all(engine)
     outs = [collect(engine, r)[0] for r in reqs]
-    assert outs == plan_ref.tokens[:2]
+    assert outs == plan_ref[:2]
     assert eplb.rebalances >= 3 and not np.array_equal(eplb.placement[0], first_placement)
     assert compiles == [] and engine.snapshot()["compiles"] == 2
     assert eplb.window.step == engine.steps < 64  # every step observed, none dropped from the window
@@ -158,7 +163,7 @@ def test_hierarchical_eplb_keeps_replicas_on_their_node(model, plan_ref):
     assert eplb.num_nodes == 2 and eplb.num_replicas == 20
     reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:4]]
     run_all(engine)
-    assert [collect(engine, r)[0] for r in reqs] == plan_ref.tokens[:4]
+    assert [collect(engine, r)[0] for r in reqs] == plan_ref[:4]
     assert eplb.rebalances >= 2
     slots_per_rank, ranks_per_node = 20 // 4, 4 // 2
     for log2phy in [eplb.placement[1]] + [
@@ -171,25 +176,24 @@ def test_hierarchical_eplb_keeps_replicas_on_their_node(model, plan_ref):
     assert (eplb.placement[2] > 1).any()  # some expert really is replicated
 
 
-def test_speculative_engine_equals_plain_greedy(model):
+def test_speculative_engine_equals_plain_greedy(model, eos_ref):
     """exact verification with greedy sampling: the same tokens as plain decoding, also in reused slots and pages
     (two slots for three requests), with acceptance counted in the usage. Under the decode plan (DP=2 x EP=2) the MTP
     modules' MoE exchanges tokens over EP like the target's: the greedy drafts, hence the acceptance counts, are the
     same as on one device (were the MTP experts run on a rank's local shards alone, they would differ)."""
     from sharding.plans import decode_plan
 
-    ref = hcfjax.generate(model, PROMPTS[:3], max_new_tokens=16)
     spec = hcfjax.SpeculativeConfig(2)
     accepted = []
     for ranks in (1, 2):
         config = EngineConfig(max_slots=2 // ranks, dp=ranks, token_budget=32, speculative=spec)
         engine = Engine(model, config, decode_plan(2) if ranks == 2 else None)
-        reqs = [engine.submit(p, max_new_tokens=16) for p in PROMPTS[:3]]
+        reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS[:3]]
         run_all(engine)
         accepted.append([])
         for i, r in enumerate(reqs):
             outs = list(engine.stream(r, timeout=0))
-            assert [t for o in outs for t in o.token_ids] == ref.tokens[i], (ranks, i)
+            assert [t for o in outs for t in o.token_ids] == eos_ref.tokens[i], (ranks, i)
             usage = outs[-1].usage
             assert usage.draft_tokens > 0 and 0 < usage.accepted_draft_tokens <= usage.draft_tokens
             accepted[-1].append(usage.accepted_draft_tokens)
@@ -269,7 +273,8 @@ def test_sampled_request_does_not_depend_on_its_batch(model, spec):
 
 
 def test_abort_and_shutdown_free_everything(model):
-    engine = Engine(model, EngineConfig(max_slots=2))
+    # the warm-up test's config: the steps it compiled serve this engine too
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1))
     a = engine.submit(PROMPTS[1], max_new_tokens=50, stop_token_ids=[])
     b = engine.submit(PROMPTS[2], max_new_tokens=50, stop_token_ids=[])
     c = engine.submit(PROMPTS[3], max_new_tokens=50, stop_token_ids=[])  # waits for a slot

@@ -12,6 +12,8 @@ keeps every MMA synchronous before a release (mla_kernel.py), and the lowering t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +86,9 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     if mode is not None:  # the merge path the case is meant to cover
         plan_kw = {k: kw[k] for k in ("num_sms", "min_blocks_per_split", "blocks_per_split") if k in kw}
         assert M.mla_plan(lengths, max_pages, PAGE, h, t, **plan_kw).mode == mode
-    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True, **kw)
+    # jitted as the model runs it: one compiled program, not one per interpreted op (the same numbers either way)
+    kernel = jax.jit(functools.partial(M.mla_decode, return_lse=True, interpret=True, **kw), static_argnums=5)
+    out, lse = kernel(qn, qp, kv, pt, lengths, scale, scales=sc)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
     # qk8: the kernel's function is attention with the queries quantised per head (and part), as the cache is per
@@ -92,7 +96,8 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     q_truth = M.dequantize_queries(*M.quantize_queries(qn, qp)) if kw.get("qk8") else (qn, qp)
     want, want_lse = float64_attention(*q_truth, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 1e-2
-    ref, ref_lse = M.mla_decode_reference(*q_truth, kv, pt, lengths, scale, scales=sc, return_lse=True)
+    reference = jax.jit(functools.partial(M.mla_decode_reference, return_lse=True), static_argnums=5)
+    ref, ref_lse = reference(*q_truth, kv, pt, lengths, scale, scales=sc)
     assert rel(np.asarray(ref, np.float32), want) < 1e-2
     # Against the truth, not the reference: the int8 kernel scales S instead of dequantising the cache to bf16.
     finite = np.isfinite(want_lse)

@@ -73,23 +73,31 @@ def test_mock_row_padding():
     assert x.shape == (8, 4) and b == 3 and x[3:].sum() == 0
 
 
+PLAN_PROMPTS = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
+
+
+@pytest.fixture(scope="module")
+def single_device(v3_model):
+    """generate's tokens for PLAN_PROMPTS on one device, 8 each: the planned runs' reference (a row's greedy tokens
+    do not depend on the rows beside it, so the prompts given twice give them twice)."""
+    return hcfjax.generate(v3_model, PLAN_PROMPTS, max_new_tokens=8, stop_token_ids=[]).tokens
+
+
 @pytest.mark.parametrize("prefill,decode,copies", [((4, 2), 8, 1), (None, 4, 2)])
-def test_generation_under_the_plans_matches_single_device(prefill, decode, copies):
+def test_generation_under_the_plans_matches_single_device(v3_model, single_device, prefill, decode, copies):
     """Prefill under TP x EP, KV hand-off, decode under attention-DP x EP with idle ranks on mock rows."""
     from sharding.generate import generate_planned
 
-    model = hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32)
-    prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]] * copies
-    want = hcfjax.generate(model, prompts, max_new_tokens=8, stop_token_ids=[])
+    prompts = PLAN_PROMPTS * copies
     got = generate_planned(
-        model,
+        v3_model,
         prompts,
         decode_plan(decode),
         prefill_plan(*prefill) if prefill else None,
         max_new_tokens=8,
         stop_token_ids=[],
     )
-    assert got.tokens == want.tokens
+    assert got.tokens == single_device * copies
     assert got.stats["mock_rows"] == -len(prompts) % decode
 
 

@@ -1,5 +1,7 @@
 """MTP speculative decoding: greedy equivalence, the methods end to end, rollback (sampling rules: the other file)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,31 +40,41 @@ def prefilled(model, prompt, cache, table, sp: SamplingParams, spec=None, seed=0
     return jitted_step(model.params, model.cfg, state, pre, None, spec)[0]
 
 
-@pytest.mark.parametrize(
-    "k", [1, 4, 5]
-)  # k = 2 runs in the engine and PD tests; independent modules: test_speculative_depths
-def test_greedy_exact_equals_plain_greedy(embedded, k):
-    plain = hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[])
-    spec = hcfjax.generate(
-        embedded,
-        PROMPTS,
-        max_new_tokens=24,
-        stop_token_ids=[],
-        speculative=SpeculativeConfig(num_draft_tokens=k, method="exact"),
-    )
-    assert spec.tokens == plain.tokens
+@pytest.fixture(scope="module")
+def greedy(embedded):
+    """(want, run): plain greedy decoding's tokens for PROMPTS, 24 each, cut after the first `stop` in each row (a
+    token that ends one row early and leaves others to run to the limit); run(spec) is generate's result under that
+    speculative config, with `stop` as the stop token (each config run once, for the tests that compare them)."""
+    plain = hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[]).tokens
+    stop = plain[1][6]
+    want = [row[: row.index(stop) + 1] if stop in row else row for row in plain]
+    assert len(want[1]) < 24 and any(len(row) == 24 for row in want)
+
+    @functools.cache
+    def run(spec: SpeculativeConfig):
+        return hcfjax.generate(embedded, PROMPTS, max_new_tokens=24, stop_token_ids=[stop], speculative=spec)
+
+    return want, run
+
+
+# k = 1 and 5 (the one trained module drafting alone, and reused for depths 2..5), stop token included; k = 2 runs
+# in the engine and PD tests, independent modules at depths 2..5 in test_speculative_depths
+@pytest.mark.parametrize("k", [1, 5])
+def test_greedy_exact_equals_plain_greedy(greedy, k):
+    want, run = greedy
+    spec = run(SpeculativeConfig(num_draft_tokens=k, method="exact"))
+    assert spec.tokens == want
     s = spec.stats
     assert len(s["acceptance_per_depth"]) == k and all(0 <= a <= 1 for a in s["acceptance_per_depth"])
     assert 1 <= s["mean_accepted_length"] <= k + 1 and len(s["per_request"]) == len(PROMPTS)
     assert s["acceptance_per_depth"][0] > 0.3  # the trained joint MTP layer does draft real tokens
 
 
-def test_mtp_head_norm_flag_changes_drafts_not_outputs(embedded):
-    kw = dict(max_new_tokens=24, stop_token_ids=[])
-    plain = hcfjax.generate(embedded, PROMPTS, **kw)
-    normed = hcfjax.generate(embedded, PROMPTS, **kw, speculative=SpeculativeConfig(2))
-    bare = hcfjax.generate(embedded, PROMPTS, **kw, speculative=SpeculativeConfig(2, mtp_head_norm=False))
-    assert bare.tokens == plain.tokens
+def test_mtp_head_norm_flag_changes_drafts_not_outputs(greedy):
+    want, run = greedy
+    normed = run(SpeculativeConfig(1, method="exact"))
+    bare = run(SpeculativeConfig(1, method="exact", mtp_head_norm=False))
+    assert bare.tokens == want
     assert bare.stats["acceptance_per_depth"] != normed.stats["acceptance_per_depth"]
 
 
@@ -125,15 +137,18 @@ def test_mtp_over_the_paged_cache_equals_the_training_view(embedded):
     cfg, params = embedded.cfg, embedded.params
     t, page = 40, 16
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, t + 1)), jnp.int32)
-    h = base_hidden(params, cfg, tokens, t)
-    want = chain_logits(params["mtp"], params, cfg, h, tokens, 1)[0]  # row a predicts token a + 2
+    # each side one compiled program (as the model runs them), not hundreds of eager ones
+    h = jax.jit(base_hidden, static_argnums=(1, 3))(params, cfg, tokens, t)
+    chain = jax.jit(chain_logits, static_argnums=(2, 5))
+    want = chain(params["mtp"], params, cfg, h, tokens, 1)[0]  # row a predicts token a + 2
     n_layers = cfg.num_hidden_layers + len(params["mtp"])
     cache = kvcache.init_cache(cfg, 4, page, jnp.float32, num_layers=n_layers)
     garbage = jax.random.normal(jax.random.key(1), cache.kv.shape, cache.kv.dtype)
     cache = kvcache.KVCache(garbage, cache.scale)
     table = jnp.asarray([[3, 0, 2, 1]])
     anchors = jnp.arange(t)[None]
-    _, got, _ = mtp_extend(params, cfg, cache, table, h, tokens[:, 1:], anchors, anchors >= 0, jnp.asarray([t]), 1)
+    extend = jax.jit(mtp_extend, static_argnums=(1, 9))
+    _, got, _ = extend(params, cfg, cache, table, h, tokens[:, 1:], anchors, anchors >= 0, jnp.asarray([t]), 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-4)
 
 

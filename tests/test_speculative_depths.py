@@ -1,6 +1,6 @@
 """Independent MTP modules (depth i drafts with module i) at every depth 1..5: speculative greedy equals plain
-greedy, each depth's draft is its module's teacher-forced prediction, and no depth reads a cache slot that nothing
-has written."""
+greedy (depths 2..5 here, depth 1 in test_speculative), each depth's draft is its module's teacher-forced prediction,
+and no depth reads a cache slot that nothing has written."""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ PROMPTS = [[5, 9, 2, 33, 7, 41, 8, 8, 19, 60, 3], [100, 3]]
 PAGE = 8
 TABLE = jnp.asarray([[5, 0, 7, 2, 9, 4], [1, 11, 3, 6, 8, 10]])  # each row's pages, interleaved
 STEPS = 4
+GREEDY_PROMPTS = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]  # the greedy test's: one row ends at its stop token
 
 
 @pytest.fixture(scope="module")
@@ -132,15 +133,21 @@ def test_independent_drafts_equal_the_training_view(five_heads, runs):
         np.testing.assert_allclose(np.asarray(d.q), np.asarray(want), rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("k", range(1, DEPTH + 1))
-def test_greedy_exact_at_every_depth(five_heads, k):
-    """Exact verification of greedy requests gives plain greedy decoding's tokens at every depth, stop token
-    included: one row ends at a stop token, the others run to the limit."""
-    prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
-    plain = hcfjax.generate(five_heads, prompts, max_new_tokens=16, stop_token_ids=[])
-    stop = plain.tokens[1][6]
-    want = [row[: row.index(stop) + 1] if stop in row else row for row in plain.tokens]
+@pytest.fixture(scope="module")
+def plain_greedy(five_heads):
+    """Plain greedy decoding of GREEDY_PROMPTS, 16 tokens each, with no stop token: every depth's reference."""
+    return hcfjax.generate(five_heads, GREEDY_PROMPTS, max_new_tokens=16, stop_token_ids=[]).tokens
+
+
+# k = 1 (module 1 alone, nothing chained) is test_speculative's k = 1, a stop token included, with a trained module
+# whose drafts are accepted
+@pytest.mark.parametrize("k", range(2, DEPTH + 1))
+def test_greedy_exact_at_every_depth(five_heads, plain_greedy, k):
+    """Exact verification of greedy requests gives plain greedy decoding's tokens at every depth of the chain of
+    independent modules, stop token included: one row ends at a stop token, the others run to the limit."""
+    stop = plain_greedy[1][6]
+    want = [row[: row.index(stop) + 1] if stop in row else row for row in plain_greedy]
     assert len(want[1]) < 16 and any(len(row) == 16 for row in want)
     spec = SpeculativeConfig(num_draft_tokens=k, method="exact")
-    got = hcfjax.generate(five_heads, prompts, max_new_tokens=16, stop_token_ids=[stop], speculative=spec)
+    got = hcfjax.generate(five_heads, GREEDY_PROMPTS, max_new_tokens=16, stop_token_ids=[stop], speculative=spec)
     assert got.tokens == want
