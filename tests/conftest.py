@@ -99,19 +99,44 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # `make test` runs the files on two workers (xdist --dist loadfile), which take files in collection order: the
 # longest files go first so the short ones fill in at the end, instead of one long file running alone while the
-# other worker idles. Measured seconds per file (2 cores); unlisted files are short and keep their order.
+# other worker idles. CPU seconds of each file run alone (subprocesses included): what it costs a worker when both
+# workers keep the two cores busy. Unlisted files are short and keep their order.
 FILE_SECONDS = {
-    "test_engine": 215,
-    "test_speculative": 170,
-    "test_train_mtp": 160,
-    "test_pd": 145,
-    "test_quant_tiling": 100,
-    "test_speculative_depths": 90,
-    "test_mla_kernel": 90,
-    "test_quant_kernel": 60,
-    "test_speculative_sampling": 60,
-    "test_multihost": 45,
+    "test_engine": 112,
+    "test_pd": 81,
+    "test_train_mtp": 73,
+    "test_sharding": 72,
+    "test_speculative_depths": 68,
+    "test_mla_kernel": 61,
+    "test_speculative": 59,
+    "test_quant_kernel": 59,
+    "test_fp8_checkpoint": 43,
+    "test_quant_tiling": 40,
+    "test_cache": 36,
+    "test_generate": 30,
+    "test_multihost": 27,
+    "test_soak": 25,
+    "test_serving": 24,
+    "test_speculative_sampling": 22,
+    "test_serve_load": 22,
+    "test_forced_acceptance": 21,
+    "test_parity": 19,
+    "test_fuzz": 19,
+    "test_ep": 19,
+    "test_checkpoint_stream": 19,
+    "test_http": 18,
+    "test_quant": 17,
+    "test_pd_faults": 16,
+    "test_embedded": 12,
+    "test_lowering_cache": 10,
 }
+
+
+def pytest_configure(config):
+    """xdist's loadfile queues the files by their number of tests unless told not to (loadscope-reorder, on by
+    default), which would put a long file of few tests last; the order FILE_SECONDS gives is the one to keep."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
