@@ -35,8 +35,8 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
-from hcfjax.serving.guards import ApiKeyInterceptor, ConcurrencyLimit, CountingPool, add_generation_service
-from hcfjax.serving.server import ACCEPTED, SERVICE_NAME, SPARE_THREADS
+from hcfjax.serving.guards import add_generation_service, guarded_server
+from hcfjax.serving.server import ACCEPTED, SERVICE_NAME
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -269,13 +269,7 @@ class RouterServer:
         self.router = router
         self.on_ready = on_ready
         self.metrics = metrics
-        pool = CountingPool(max_workers + SPARE_THREADS, thread_name_prefix="hcfjax-router")
-        guards = [ApiKeyInterceptor(api_key, self._count_refusal)] if api_key is not None else []
-        self._server = grpc.server(
-            pool,
-            interceptors=[*guards, ConcurrencyLimit(pool, max_workers, self._count_refusal)],
-            maximum_concurrent_rpcs=max_workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
-        )
+        self._server = guarded_server(max_workers, api_key, self._count_refusal, "hcfjax-router")
         add_generation_service(router, self._server, self._count_refusal)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

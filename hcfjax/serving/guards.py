@@ -160,6 +160,23 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         return refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
+SPARE_THREADS = 8  # beyond the Generate calls' limit: refusals, health and reflection
+
+
+def guarded_server(limit: int, api_key: str | None, on_refusal, thread_name: str, options=()) -> grpc.Server:
+    """A gRPC server of `limit` concurrent Generation calls, refused past it (RESOURCE_EXHAUSTED) and, with an API
+    key, without it (UNAUTHENTICATED), each refusal told to on_refusal(code_name); SPARE_THREADS more threads serve
+    refusals, health and reflection, and gRPC's own limit stays that much higher as a backstop."""
+    pool = CountingPool(limit + SPARE_THREADS, thread_name_prefix=thread_name)
+    guards = [ApiKeyInterceptor(api_key, on_refusal)] if api_key is not None else []
+    return grpc.server(
+        pool,
+        interceptors=[*guards, ConcurrencyLimit(pool, limit, on_refusal)],
+        options=list(options),
+        maximum_concurrent_rpcs=limit + SPARE_THREADS,
+    )
+
+
 def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `code`; it leaves the request unparsed."""
 

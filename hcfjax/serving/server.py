@@ -7,7 +7,7 @@
 
 Each Generate call holds one thread of the pool while it streams, so the pool has a thread for every request the
 engine can hold (running slots plus its queue) and a few more; beyond that the server answers RESOURCE_EXHAUSTED
-(counted in the rejected-requests metric) rather than letting calls wait for a thread. SPARE_THREADS more serve
+(counted in the rejected-requests metric) rather than letting calls wait for a thread. guards.SPARE_THREADS more serve
 refusals, health and reflection.
 """
 
@@ -31,10 +31,8 @@ from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving.guards import (
     DEFAULT_MAX_BODY_BYTES,
-    ApiKeyInterceptor,
-    ConcurrencyLimit,
-    CountingPool,
     add_generation_service,
+    guarded_server,
 )
 from hcfjax.serving.metrics import Metrics
 from hcfjax.serving.startup import ready_line, warm_up
@@ -47,7 +45,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "hcfjax
 # once the request is queued, not once it has a decode slot.
 ACCEPTED = ("hcfjax-accepted", "1")
 DEFAULT_MAX_NEW_TOKENS = 64
-SPARE_THREADS = 8  # beyond the Generate calls' limit: refusals, health and reflection
 POLL_S = 1.0  # how often a streaming call waiting on the engine checks that its client is still there
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -179,15 +176,8 @@ class Server:
         self.engine, self.metrics = engine, metrics
         c = engine.config
         workers = max_workers or c.dp * c.max_slots + c.max_queue + 8
-        pool = CountingPool(workers + SPARE_THREADS, thread_name_prefix="hcfjax-grpc")
-        interceptors = [ApiKeyInterceptor(api_key, self._count_refusal)] if api_key is not None else []
-        interceptors.append(ConcurrencyLimit(pool, workers, self._count_refusal))
-        self._server = grpc.server(
-            pool,
-            interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", max_body_bytes)],
-            maximum_concurrent_rpcs=workers + SPARE_THREADS,  # a backstop: the interceptor refuses first
-        )
+        options = [("grpc.max_receive_message_length", max_body_bytes)]
+        self._server = guarded_server(workers, api_key, self._count_refusal, "hcfjax-grpc", options)
         add_generation_service(GenerationService(engine, metrics), self._server, self._count_refusal)
         # Non-blocking Watch streams, so health watchers do not hold the pool's threads.
         self.health = health.HealthServicer(experimental_non_blocking=True)
