@@ -443,6 +443,29 @@ def test_ctrl_c_during_warmup_exits_quietly(tmp_path):
             proc.wait()
 
 
+def test_signal_after_ready_does_not_wait_for_background_compiles():
+    """Ready with the smaller prefill shapes still compiling in the background (13 shapes, 4 before ready): a SIGINT
+    then shuts the server down at once, exit status 0, without waiting for those compiles (the interpreter's exit
+    would join their threads, about 15 s here, and then abort)."""
+    cmd = CLI + ["serve", "--port", "0", "--max-slots", "2", "--min-prefill-bucket", "16", "--grace", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--compile-cache", "off"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        log = [lines.get(timeout=60)]
+        while "ready in" not in log[-1]:
+            log.append(lines.get(timeout=60))
+        assert any("compiling in the background" in line for line in log), log
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=8) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_until_signal_takes_a_burst_of_signals():
     """A burst of SIGTERMs ends the wait once, and the previous handler comes back. (The deadlock the handler's design
     avoids, a handler setting a threading.Event while it interrupts Event.wait in the same thread, is a race this

@@ -60,7 +60,12 @@ def start_once(serve_args: list[str], cache: str, timeout: float) -> dict:
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        row["exit"] = proc.wait(timeout=60)
+        try:
+            row["exit"] = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a server that does not stop must not hold the GPU for the next one
+            proc.kill()
+            proc.wait()
+            row["exit"] = "killed: still running 30 s after SIGINT"
     return row
 
 

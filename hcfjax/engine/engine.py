@@ -296,7 +296,9 @@ class Engine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops taking requests, aborts the ones in flight (each gets a terminal Output) and stops the loop."""
+        """Stops taking requests, aborts the ones in flight (each gets a terminal Output), stops the loop and drops
+        the background compiles not yet started."""
+        self.runner.stop_compiling()
         with self._lock:
             self._stopping = True
             self._lock.notify()

@@ -122,6 +122,8 @@ class ModelRunner:
         self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
         self._last_decode: tuple | None = None  # (the decode rows' key, their inputs on the device)
         self._later: threading.Thread | None = None  # warmup's background compiles (rest_later)
+        self._later_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stop_later = threading.Event()
 
     def dispatch(self, plan: StepPlan) -> Dispatched:
         pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
@@ -260,9 +262,10 @@ class ModelRunner:
     def _compile_later(self, keys, inputs) -> None:
         t0 = time.perf_counter()
         try:
-            self._compile_all(keys, inputs)
+            self._compile_all(keys, inputs, background=True)
         except Exception:  # noqa: BLE001 - a shape that fails to compile here compiles on first use instead
-            log.exception("compiling step shapes in the background failed")
+            if not self._stop_later.is_set():
+                log.exception("compiling step shapes in the background failed")
             return
         log.info("compiled %d more step shapes in the background in %.1f s", len(keys), time.perf_counter() - t0)
 
@@ -270,11 +273,22 @@ class ModelRunner:
         """Whether step shapes are still being compiled in the background (warmup's rest_later)."""
         return self._later is not None and self._later.is_alive()
 
-    def _compile_all(self, todo, inputs, progress=None) -> None:
+    def stop_compiling(self) -> None:
+        """Drops the background compiles not yet started (a server shutting down); those in flight run to their
+        end, which nothing waits for but the interpreter's exit."""
+        self._stop_later.set()
+        if (pool := self._later_pool) is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile_all(self, todo, inputs, progress=None, background: bool = False) -> None:
         if not todo:
             return
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
+        if background:
+            self._later_pool = pool
+            if self._stop_later.is_set():  # stopped before the thread got here
+                pool.shutdown(wait=False, cancel_futures=True)
         on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
         # kernels lowered in processes of their own, so the shapes' traces do not take turns lowering them
         lowering = lowering_cache.lowering_processes(workers) if on_gpu else contextlib.nullcontext()

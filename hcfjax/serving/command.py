@@ -151,15 +151,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """Ctrl-C before the server is up (loading, compiling) ends the command quietly, exit status 130."""
+    """Ctrl-C before the server is up (loading, compiling) ends the command quietly, exit status 130; once it
+    serves, a signal shuts it down without waiting for the smaller shapes still compiling in the background."""
     started = time.monotonic()
     try:
-        return _serve_until_signal(args, started)
+        code = _serve_until_signal(args, started)
     except KeyboardInterrupt:
         print("hcfjax serve: interrupted before it was ready", file=sys.stderr, flush=True)
-        if any(t.name.startswith("hcfjax-compile") for t in threading.enumerate()):
-            os._exit(130)  # a compile in flight cannot be interrupted: do not wait for it
-        return 130
+        code = 130
+    if any(t.name.startswith("hcfjax-compile") for t in threading.enumerate()):
+        # a compile in flight (the warm-up's, or the smaller shapes' in the background after ready) cannot be
+        # interrupted, and the interpreter's exit would wait for it and for the kernels being lowered
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _serve_until_signal(args, started: float) -> int:
