@@ -400,6 +400,16 @@ def test_token_budget_and_chunking():
     assert [(c.req.id, c.start, c.n, c.final) for c in plan.chunks] == [("b", 0, 4, True), ("a", 0, 16, False)]
     plan = s.schedule(0.0)  # b decodes (1 token of budget), a continues
     assert [r.id for r in plan.decode] == ["b"] and [(c.start, c.n, c.final) for c in plan.chunks] == [(16, 14, True)]
+    # with mixed_token_budget a step that decodes carries fewer prefill tokens; one that does not, the full budget
+    s = Scheduler(SchedulerConfig(max_slots=4, token_budget=20, mixed_token_budget=8, max_prefill_rows=4))
+    a, b = make_req("a", 40, 0.0), make_req("b", 4, 0.0)
+    s.add(a)
+    s.add(b)
+    assert [(c.req.id, c.n) for c in s.schedule(0.0).chunks] == [("b", 4), ("a", 16)]  # nothing decodes yet
+    plan = s.schedule(0.0)
+    assert [r.id for r in plan.decode] == ["b"] and [(c.start, c.n) for c in plan.chunks] == [(16, 7)]
+    s.finish(b, FinishReason.LENGTH)
+    assert [(c.start, c.n) for c in s.schedule(0.0).chunks] == [(23, 17)]  # prefill alone again
 
 
 def test_admission_uses_expected_output_and_reports_growth():

@@ -106,6 +106,8 @@ def test_kv_cache_flag_overrides_the_scheme():
         config = engine_config(parse("--kv-cache", flag))
         assert cache_dtype_for(model, config.cache_dtype) == dtype
         assert engine_config(parse(*engine_flags(config))) == config  # the flags a PD worker gets
+    mixed = engine_config(parse("--token-budget", "64", "--mixed-token-budget", "32"))
+    assert mixed.mixed_token_budget == 32 and engine_config(parse(*engine_flags(mixed))) == mixed
     w4a8 = dataclasses.replace(model.cfg, quantization=QuantConfig.for_scheme("w4a8"))
     assert cache_dtype_for(dataclasses.replace(model, cfg=w4a8), "auto") == jnp.bfloat16  # no int8 cache in w4a8
     with pytest.raises(ValueError, match="not both"):

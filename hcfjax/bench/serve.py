@@ -130,6 +130,7 @@ def engine_config(args, speculative=None):
         max_slots=args.max_slots,
         page_size=args.page_size,
         token_budget=args.token_budget,
+        mixed_token_budget=args.mixed_token_budget,
         max_model_len=args.max_model_len,
         max_prefill_rows=args.prefill_rows,
         min_prefill_bucket=args.min_bucket,
@@ -288,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-slots", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=2048)
+    ap.add_argument("--mixed-token-budget", type=int, help="tokens in a step that also decodes (default: the budget)")
     ap.add_argument("--max-model-len", type=int, help="default: the longest input plus the longest output")
     ap.add_argument("--prefill-rows", type=int, default=4)
     ap.add_argument("--min-bucket", type=int, default=16, help="smallest prefill chunk shape (fewer compiles)")
@@ -475,7 +477,9 @@ def describe(args, served: Served, ins, outs, slo, compiled: str, compiles_run) 
         f"{header()}; {what}; {args.requests} requests per rate; lengths = reference x {args.input_scale:g} "
         f"(input) and x {args.output_scale:g} (output): input mean {ins.mean():.0f}, max {ins.max()}; output mean "
         f"{outs.mean():.0f}, max {outs.max()}; engine: {args.max_slots} slots, page {args.page_size}, token budget "
-        f"{args.token_budget}, context {served.limit}"
+        f"{args.token_budget}"
+        + (f" ({args.mixed_token_budget} with decode rows)" if args.mixed_token_budget else "")
+        + f", context {served.limit}"
         + (f", speculative k={args.speculative}" if args.speculative else "")
         + f"; {served.summary}. Warm-up {served.warm:.0f} s ({compiled}); compiles during the runs: {compiles_run}. "
         f"SLO: TTFT < {slo.ttft_s:g} s and TPOT < {slo.tpot_s * 1e3:g} ms for {slo.attainment:.0%} of the requests."

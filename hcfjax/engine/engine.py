@@ -48,7 +48,8 @@ class EngineStopped(RuntimeError):
 class EngineConfig:
     """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages
     per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
-    prefill chunks); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
+    prefill chunks); mixed_token_budget: tokens in a step that also decodes (None: token_budget; smaller bounds the
+    decoding requests' time per token, at some prefill throughput); max_queue: waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s:
     the shortest-prompt-first window and the starvation bound; balance: round_robin | fewest_requests |
     least_pages; cache_dtype: auto (the checkpoint scheme's: int8 for w4a8c8, else the model's dtype), float (the
     model's dtype) or int8; min_prefill_bucket: the smallest prefill chunk shape (chunks are padded to powers of two
@@ -70,6 +71,7 @@ class EngineConfig:
     page_size: int = 16
     max_model_len: int | None = None
     token_budget: int = 256
+    mixed_token_budget: int | None = None
     max_prefill_rows: int = 4
     max_queue: int = 256
     spf_window_s: float = 0.05
@@ -99,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"eplb_window must be an integer >= 1, got {self.eplb_window!r}")
         if not (isinstance(self.eplb_nodes, int) and self.eplb_nodes >= 1 and self.dp % self.eplb_nodes == 0):
             raise ValueError(f"eplb_nodes must be an integer >= 1 dividing dp={self.dp}, got {self.eplb_nodes!r}")
+        m = self.mixed_token_budget
+        if m is not None and not (isinstance(m, int) and 1 <= m <= self.token_budget):
+            raise ValueError(f"mixed_token_budget must be an integer in 1..token_budget ({self.token_budget}), got {m!r}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.speculative is not None and self.speculative.forced_acceptance is not None:
@@ -157,6 +162,7 @@ class Engine:
                 num_pages=num_pages,
                 page_size=c.page_size,
                 token_budget=c.token_budget,
+                mixed_token_budget=c.mixed_token_budget,
                 max_prefill_rows=c.max_prefill_rows,
                 step_tokens=k + 1,
                 page_slack=k,

@@ -3,7 +3,9 @@
 Pure host logic over Requests and page allocators, driven by a `now` the caller passes in (the engine's clock, or
 a simulator's), so the same code runs live and simulated.
 
-- Token budget: every decoding request costs `step_tokens` (1, or 1 + k drafts); prefill chunks fill the rest.
+- Token budget: every decoding request costs `step_tokens` (1, or 1 + k drafts); prefill chunks fill the rest. A
+  step that decodes has `mixed_token_budget` instead, when set: a smaller one bounds how long the decoding requests
+  wait on the prefill chunks that share their step (time per output token), at some prefill throughput.
 - Prefill: requests already prefilling continue first (oldest first). New ones are admitted shortest prompt first
   among those that arrived in the same window of `spf_window_s`; a request that has waited `max_wait_s` goes ahead
   of every shorter one, so long prompts never starve.
@@ -60,6 +62,7 @@ class SchedulerConfig:
     num_pages: int = 256  # per rank
     page_size: int = 16
     token_budget: int = 256
+    mixed_token_budget: int | None = None  # the budget of a step that also decodes (None: token_budget)
     max_prefill_rows: int = 4
     step_tokens: int = 1  # tokens a decode step costs per request (1 + k with speculation)
     page_slack: int = 0  # positions past the step's tokens that a step may write (the MTP drafts: k)
@@ -138,7 +141,8 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         cfg = self.cfg
         decode = self._plan_decode()
-        budget = cfg.token_budget - len(decode) * cfg.step_tokens
+        total = cfg.mixed_token_budget if decode and cfg.mixed_token_budget else cfg.token_budget
+        budget = total - len(decode) * cfg.step_tokens
         chunks: list[Chunk] = []
         for req in [q for q in self.running if q.status == Status.PREFILLING]:
             n = self._room(chunks, budget, len(req.fill) - req.computed)
