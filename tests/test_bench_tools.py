@@ -217,3 +217,22 @@ def test_engine_step_cases_and_floors():
     assert f(Case(1, 512, 4096)) > f(Case(1, 512, 0)) > 0
     assert f(Case(1, 512, 0, 14, 3860)) == pytest.approx(f(Case(1, 512, 0)) + f(Case(batch=14, context=3860)))
     assert floor_s(model.cfg, model.params, Case(1, 512, 0), jnp.bfloat16, None, None) is None
+
+
+def test_engine_loop_times_a_decoding_batch():
+    """bench.engine_loop drives the engine's own loop: every request of the batch decodes in the timed steps, the
+    host's parts add up to no more than the wall time, and the engine is empty again for the next batch."""
+    import numpy as np
+
+    from hcfjax.bench.engine_loop import Timings, loop_case
+    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.random_model import preset_config, random_model
+
+    model = random_model(preset_config("tiny-v3"), seed=0)
+    engine = Engine(model, EngineConfig(max_slots=4, num_pages=64, page_size=16, max_model_len=256, token_budget=64))
+    timings = Timings(engine)
+    for batch in (3, 4):
+        row = loop_case(engine, timings, batch, 40, 6, False, np.random.default_rng(0))
+        assert row["batch"] == batch and row["kernels"] is None
+        assert 0 < sum(row[k] for k in Timings.PARTS) <= row["wall"] * 1.05
+        assert not engine.has_work() and engine.snapshot()["running"] == 0

@@ -1,0 +1,172 @@
+"""Decoding in the serving engine's own loop against `hcfjax.generate`'s offline decode at the same batch and
+context: how much of the loop's wall time the GPU's kernels cover, and where the rest goes.
+
+    python -m hcfjax.bench.engine_loop --preset v2-lite --scheme w4a8c8 --batches 14,64,128 --context 2048 \\
+        [--steps 64] [--max-slots 128] [--token-budget 4096]
+
+For each batch B, B requests with prompts of --context random tokens go into an Engine, driven here step by step
+(`Engine.step`, the iteration the server's loop thread runs: plan step n + 1, dispatch it, then read step n's tokens
+and stream them). Once every request decodes, --steps iterations are timed by the wall clock, then as many again
+under the profiler, whose GPU kernel records give the kernels' time per step: covered = kernels / wall (the rest is
+launch gaps and host work the device waits for). The host's part of an iteration is split into the plan
+(`Scheduler.schedule`), the dispatch (inputs and the jitted calls' launch) and the processing of the previous step's
+tokens (after they are on the host; the wait for them is counted apart). Offline: bench.generate.decode_rate at the
+same batch and context, generate's decode loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from hcfjax.bench.common import header, kernel_seconds
+
+
+class Timings:
+    """Seconds spent in the engine's plan, dispatch, wait for a step's tokens and processing of them, by wrapping
+    the engine's methods (the engine itself is unchanged)."""
+
+    PARTS = ("plan", "dispatch", "wait", "process")
+
+    def __init__(self, engine):
+        self.reset()
+        schedule, dispatch, process = engine.scheduler.schedule, engine.runner.dispatch, engine._process
+
+        def timed(part, fn):
+            def call(*args):
+                t0 = time.perf_counter()
+                out = fn(*args)
+                self.seconds[part] += time.perf_counter() - t0
+                return out
+
+            return call
+
+        def waited(d):
+            t0 = time.perf_counter()
+            jax.block_until_ready([x for x in (d.first, d.nxt) if x is not None])
+            self.seconds["wait"] += time.perf_counter() - t0
+            return timed("process", process)(d)
+
+        engine.scheduler.schedule = timed("plan", schedule)
+        engine.runner.dispatch = timed("dispatch", dispatch)
+        engine._process = waited
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+
+def decoding(engine) -> bool:
+    """Every request holds a slot and decodes (no prompt left to prefill)."""
+    s = engine.scheduler
+    return not s.waiting and not engine._inbox and all(r.status.value == "decoding" for r in s.running)
+
+
+def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, profile: bool, rng) -> dict:
+    """One batch through the engine's loop: seconds per iteration (wall, GPU kernels, and the host's parts). The
+    engine compiles what the batch's prefill needs on first use (no warm-up: only the shapes used) and is empty
+    again after."""
+    vocab = engine.model.cfg.vocab_size
+    reqs = [
+        engine.submit(rng.integers(2, vocab, context).tolist(), max_new_tokens=3 * steps + 64, stop_token_ids=[])
+        for _ in range(batch)
+    ]
+    while not decoding(engine):
+        engine.step()
+    for _ in range(8):  # the decode rows' inputs settle; every request has a token in flight
+        engine.step()
+    jax.block_until_ready(engine.runner.state.tok)
+    timings.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    jax.block_until_ready(engine.runner.state.tok)
+    wall = (time.perf_counter() - t0) / steps
+    host = {k: v / steps for k, v in timings.seconds.items()}
+    kernels = None
+    if profile:
+        kernels = _profiled(engine, steps)
+    batch_seen = len(engine.scheduler.running)
+    for req in reqs:
+        engine.abort(req.id)
+    while engine.has_work():
+        engine.step()
+    return {"batch": batch_seen, "wall": wall, "kernels": kernels, **host}
+
+
+def _profiled(engine, steps: int) -> dict[str, float]:
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(steps):
+                engine.step()
+            jax.block_until_ready(engine.runner.state.tok)
+        finally:
+            jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    return kernel_seconds(data.planes, steps)
+
+
+def main(argv=None) -> None:
+    from hcfjax.bench.generate import decode_rate
+    from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.serving.config import SCHEMES, load_model
+
+    ap = argparse.ArgumentParser(prog="python -m hcfjax.bench.engine_loop", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v2-lite", help="the random model's shape (hcfjax.random_model.PRESETS)")
+    ap.add_argument("--scheme", choices=SCHEMES, help="quantise the random model first")
+    ap.add_argument("--batches", required=True, type=lambda s: [int(b) for b in s.split(",")])
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens of each request")
+    ap.add_argument("--steps", type=int, default=64, help="iterations timed (and as many profiled)")
+    ap.add_argument("--max-slots", type=int, help="default: the largest batch")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=512, help="of the prompts' prefill (small: quick to compile)")
+    ap.add_argument("--profile", action="store_true", help="also the GPU kernels' time per iteration")
+    ap.add_argument("--offline", action="store_true", help="also generate's offline decode at each batch")
+    args = ap.parse_args(argv)
+
+    model = load_model(None, args.preset, args.scheme)
+    slots, context = args.max_slots or max(args.batches), args.context + 4 * args.steps + 128
+    config = EngineConfig(
+        max_slots=slots,
+        num_pages=slots * -(-context // args.page_size),  # every slot its whole context: no request waits
+        page_size=args.page_size,
+        max_model_len=context,
+        token_budget=args.token_budget,
+        min_prefill_bucket=64,
+    )
+    rng = np.random.default_rng(0)
+    engine = Engine(model, config)
+    timings = Timings(engine)
+    print(f"## `python -m hcfjax.bench.engine_loop` (preset {args.preset}, random weights, {args.scheme or 'bf16'})")
+    print(f"\n{header()}; context {args.context}; {config.max_slots} slots; {args.steps} iterations timed\n")
+    print(
+        "| batch | engine loop (ms / step) | GPU kernels / wall | plan | dispatch | wait for tokens | process | "
+        "offline decode (ms / step) | offline / engine |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for batch in args.batches:
+        row = loop_case(engine, timings, batch, args.context, args.steps, args.profile, rng)
+        covered = f"{sum(row['kernels'].values()) / row['wall']:.0%}" if row["kernels"] else "n/a"
+        offline = "n/a | n/a"
+        if args.offline:  # (beside the engine's cache: both fit at these sizes)
+            stats, _ = decode_rate(model, batch, args.context, 2 * args.steps, config.options, rng)
+            step = 1 / stats["decode_tokens_per_s"] * batch
+            offline = f"{step * 1e3:.2f} | {step / row['wall']:.0%}"
+        ms = lambda k, row=row: f"{row[k] * 1e3:.2f}"  # noqa: E731
+        print(
+            f"| {row['batch']} | {ms('wall')} | {covered} | {ms('plan')} | {ms('dispatch')} | {ms('wait')} | "
+            f"{ms('process')} | {offline} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
