@@ -76,13 +76,14 @@ class SamplingBatch:
 def filtered_logprobs(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """Temperature-scaled log-probabilities [B, V] with top-k / top-p / min-p filtered tokens at -inf.
 
-    Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax). The filters need the
-    vocabulary sorted per row (a [B, V] sort every step); when no row of the batch uses one, the sort does not run.
+    Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax). The filters sort the
+    vocabulary per row (a [B, V] sort) whether or not a row uses one: skipping it by a `lax.cond` on the batch
+    would make the GPU step wait for its host to read the predicate (XLA runs a conditional's branch choice on the
+    host), so the host could not prepare the next step while this one runs.
     """
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
-    filtering = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
-    return jax.lax.cond(jnp.any(filtering), _filter, lambda logp, _: logp, logp, sp)
+    return _filter(logp, sp)
 
 
 def _filter(logp: jax.Array, sp: SamplingBatch) -> jax.Array:
@@ -122,11 +123,7 @@ def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Ar
 
 
 def _greedy_or_drawn(logits: jax.Array, sp: SamplingBatch, draw) -> jax.Array:
-    """The argmax for rows at temperature 0, draw(filtered_logprobs) for the others; an all-greedy batch only takes
-    the argmax (nothing over [B, V] is filtered or drawn)."""
+    """The argmax for rows at temperature 0, draw(filtered_logprobs) for the others (drawn for every row, then
+    selected: no branch on the batch, see filtered_logprobs)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn():
-        return jnp.where(sp.temperature > 0, draw(filtered_logprobs(logits, sp)).astype(jnp.int32), greedy)
-
-    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)
+    return jnp.where(sp.temperature > 0, draw(filtered_logprobs(logits, sp)).astype(jnp.int32), greedy)

@@ -438,3 +438,16 @@ def test_balance_policies(policy, expected):
     assert [b.choose(loads, 5) for _ in range(4)] == expected
     assert b.choose(loads, 95) is None
     assert Balancer(policy, 3).choose([RankLoad(0, 0, 0, 100), RankLoad(1, 9, 1, 1), RankLoad(2, 0, 4, 0)], 1) == 1
+
+
+def test_engine_steps_have_no_branch_the_host_decides(model):
+    """No step program holds a conditional: XLA's GPU runtime reads a conditional's predicate back to the host and
+    waits for the stream, so the engine could not prepare step n + 1 while step n runs (a sampled and a greedy
+    batch both take the same branch-free program)."""
+    from hcfjax.step import jitted_step
+
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=16, max_prefill_rows=1))
+    r = engine.runner
+    for pre, dec in ((r.idle_prefill((1, 16)), None), (None, r.idle_decode())):
+        text = jitted_step.lower(r.params, r.cfg, r.state, pre, dec, r.spec, r.options).as_text()
+        assert "stablehlo.if" not in text and "stablehlo.case" not in text

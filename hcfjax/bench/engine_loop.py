@@ -64,13 +64,20 @@ def decoding(engine) -> bool:
     return not s.waiting and not engine._inbox and all(r.status.value == "decoding" for r in s.running)
 
 
+def output_room(batch: int, context: int, steps: int, budget: int) -> int:
+    """Tokens each request may produce: enough that the first to decode still does when the last has prefilled
+    (the prefill steps take batch * context / budget steps at most) and through the timed and profiled steps."""
+    return batch * -(-context // budget) + 2 * steps + 64
+
+
 def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, profile: bool, rng) -> dict:
     """One batch through the engine's loop: seconds per iteration (wall, GPU kernels, and the host's parts). The
     engine compiles what the batch's prefill needs on first use (no warm-up: only the shapes used) and is empty
     again after."""
     vocab = engine.model.cfg.vocab_size
+    new_tokens = output_room(batch, context, steps, engine.config.token_budget)
     reqs = [
-        engine.submit(rng.integers(2, vocab, context).tolist(), max_new_tokens=3 * steps + 64, stop_token_ids=[])
+        engine.submit(rng.integers(2, vocab, context).tolist(), max_new_tokens=new_tokens, stop_token_ids=[])
         for _ in range(batch)
     ]
     while not decoding(engine):
@@ -133,7 +140,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     model = load_model(None, args.preset, args.scheme)
-    slots, context = args.max_slots or max(args.batches), args.context + 4 * args.steps + 128
+    slots = args.max_slots or max(args.batches)
+    context = args.context + output_room(max(args.batches), args.context, args.steps, args.token_budget)
     config = EngineConfig(
         max_slots=slots,
         num_pages=slots * -(-context // args.page_size),  # every slot its whole context: no request waits
