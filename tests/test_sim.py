@@ -213,6 +213,16 @@ def test_preemption_recomputes_and_everything_finishes():
         simulate(dep, Workload(requests=30, rate=100.0, scale=0.05, max_model_len=512))
 
 
+def test_mixed_token_budget_reaches_the_simulated_scheduler():
+    """A colocated pool's mixed_token_budget is its scheduler's (the engine's code plans the simulated steps); a
+    PD decode pool, which prefills nothing, has none."""
+    pool = Pool(max_slots=8, page_size=16, num_pages=64, token_budget=128, mixed_token_budget=48)
+    dep = Deployment(model="tiny-v3", gpu="H200", quant=None, mode="colocated", colocated=pool)
+    assert dep.scheduler_config(pool, "colocated", 64).mixed_token_budget == 48
+    assert dep.scheduler_config(pool, "decode", 64).mixed_token_budget is None
+    assert simulate(dep, Workload(requests=20, rate=50.0, scale=0.05, max_model_len=160)).finished == 20
+
+
 def test_pd_handoff_with_constant_times():
     clock, done = Clock(), []
     decode_cfg = SchedulerConfig(max_slots=4, num_pages=64, page_size=16, remote_prefill=True)

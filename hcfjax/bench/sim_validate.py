@@ -153,6 +153,7 @@ def add_settings(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-slots", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--mixed-token-budget", type=int, help="tokens in a step that also decodes (default: the budget)")
     ap.add_argument("--prefill-rows", type=int, default=2)
     ap.add_argument("--min-bucket", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -270,6 +271,7 @@ def run(args, stage, workers, gpus) -> list[str]:
         max_slots=args.max_slots,
         page_size=args.page_size,
         token_budget=args.token_budget,
+        mixed_token_budget=args.mixed_token_budget,
         max_prefill_rows=args.prefill_rows,
         min_bucket=args.min_bucket,
         balance=config.balance,

@@ -48,12 +48,13 @@ class EngineStopped(RuntimeError):
 class EngineConfig:
     """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages
     per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
-    prefill chunks); mixed_token_budget: tokens in a step that also decodes (None: token_budget; smaller bounds the
-    decoding requests' time per token, at some prefill throughput); max_queue: waiting requests beyond this are
-    refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first window and the starvation bound;
-    balance: round_robin | fewest_requests | least_pages; cache_dtype: auto (the checkpoint scheme's: int8 for
-    w4a8c8, else the model's dtype), float (the model's dtype) or int8; min_prefill_bucket: the smallest prefill
-    chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes, more padding).
+    prefill chunks); mixed_token_budget: tokens in a step that also decodes (at most token_budget, the default; a
+    smaller one bounds the decoding requests' time per token, at some prefill throughput); max_queue: waiting
+    requests beyond this are refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first window and
+    the starvation bound; balance: round_robin | fewest_requests | least_pages; cache_dtype: auto (the checkpoint
+    scheme's: int8 for w4a8c8, else the model's dtype), float (the model's dtype) or int8; min_prefill_bucket: the
+    smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
+    more padding).
 
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last
@@ -102,8 +103,8 @@ class EngineConfig:
         if not (isinstance(self.eplb_nodes, int) and self.eplb_nodes >= 1 and self.dp % self.eplb_nodes == 0):
             raise ValueError(f"eplb_nodes must be an integer >= 1 dividing dp={self.dp}, got {self.eplb_nodes!r}")
         m = self.mixed_token_budget
-        if m is not None and not (isinstance(m, int) and 1 <= m <= self.token_budget):
-            raise ValueError(f"mixed_token_budget must be an integer in 1..token_budget={self.token_budget}, got {m!r}")
+        if m is not None and not (isinstance(m, int) and m >= 1):
+            raise ValueError(f"mixed_token_budget must be an integer >= 1, got {m!r}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.speculative is not None and self.speculative.forced_acceptance is not None:

@@ -4,8 +4,9 @@ Pure host logic over Requests and page allocators, driven by a `now` the caller 
 a simulator's), so the same code runs live and simulated.
 
 - Token budget: every decoding request costs `step_tokens` (1, or 1 + k drafts); prefill chunks fill the rest. A
-  step that decodes has `mixed_token_budget` instead, when set: a smaller one bounds how long the decoding requests
-  wait on the prefill chunks that share their step (time per output token), at some prefill throughput.
+  step that decodes has `mixed_token_budget` instead (at most the budget), when set: a smaller one bounds how long
+  the decoding requests wait on the prefill chunks that share their step (time per output token), at some prefill
+  throughput.
 - Prefill: requests already prefilling continue first (oldest first). New ones are admitted shortest prompt first
   among those that arrived in the same window of `spf_window_s`; a request that has waited `max_wait_s` goes ahead
   of every shorter one, so long prompts never starve.
@@ -141,7 +142,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         cfg = self.cfg
         decode = self._plan_decode()
-        total = cfg.mixed_token_budget if decode and cfg.mixed_token_budget else cfg.token_budget
+        total = min(cfg.mixed_token_budget or cfg.token_budget, cfg.token_budget) if decode else cfg.token_budget
         budget = total - len(decode) * cfg.step_tokens
         chunks: list[Chunk] = []
         for req in [q for q in self.running if q.status == Status.PREFILLING]:

@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=engine("token_budget"), default=256, help="tokens per engine step")
     parser.add_argument(
         "--mixed-token-budget",
-        type=within(int, 1),
-        help="tokens in a step that also decodes (default: --token-budget); smaller bounds the time per output token "
-        "of decoding requests while prompts prefill",
+        type=engine("mixed_token_budget"),
+        help="tokens in a step that also decodes (at most, and by default, --token-budget); smaller bounds the time "
+        "per output token of decoding requests while prompts prefill",
     )
     parser.add_argument(
         "--max-prefill-rows", type=engine("max_prefill_rows"), default=4, help="prompts prefilled together in one step"

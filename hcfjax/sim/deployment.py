@@ -64,6 +64,7 @@ class Pool:
     ep: int = 1
     max_slots: int = 64
     token_budget: int = 8192
+    mixed_token_budget: int | None = None  # colocated: the budget of a step that also decodes (None: token_budget)
     max_prefill_rows: int = 8
     page_size: int = 64
     num_pages: int | None = None
@@ -186,11 +187,11 @@ class Deployment:
                 whole_prompts=self.engine_shapes,
                 **common,
             )
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"mixed_token_budget": pool.mixed_token_budget}
         budget, whole = pool.token_budget, bool(k)
         if role == "decode":  # admissions only: their prompts are prefilled elsewhere, whole
             budget, whole = 1 << 60, True
-            extra["remote_prefill"] = True
+            extra.update(remote_prefill=True, mixed_token_budget=None)
         return SchedulerConfig(
             dp=pool.dp,
             max_slots=pool.max_slots,
