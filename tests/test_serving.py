@@ -1,6 +1,7 @@
 """gRPC serving end to end: the server in-process over the real Engine with the embedded model, and `hcfjax serve` /
 `hcfjax client` as subprocesses. Every test leaves the engine with all its pages free."""
 
+import contextlib
 import functools
 import math
 import os
@@ -386,18 +387,36 @@ def read_lines(stream, lines: queue.Queue) -> None:
         lines.put(line)
 
 
-def test_serve_shuts_down_gracefully_on_sigterm():
-    small = ["--max-slots", "2", "--max-model-len", "256", "--token-budget", "16", "--max-prefill-rows", "1"]
-    cmd = CLI + ["serve", "--port", "0", *small, "--grace", "2", "--no-warmup", "--compile-cache", "off"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+@contextlib.contextmanager
+def serve_process(*args):
+    """`hcfjax serve ARGS` on the CPU: (the process, a queue of its output lines); killed on leaving if still up."""
+    proc = subprocess.Popen(
+        [*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
     try:
-        port, log = None, []
-        while not log or "ready in" not in log[-1]:
-            log.append(lines.get(timeout=60))
-            if "listening on" in log[-1]:
-                port = int(log[-1].rsplit(":", 1)[1])
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def lines_until(lines: queue.Queue, text: str) -> list[str]:
+    """The output lines up to the first that holds `text`."""
+    log = [lines.get(timeout=60)]
+    while text not in log[-1]:
+        log.append(lines.get(timeout=60))
+    return log
+
+
+def test_serve_shuts_down_gracefully_on_sigterm():
+    small = ["--max-slots", "2", "--max-model-len", "256", "--token-budget", "16", "--max-prefill-rows", "1"]
+    flags = ["--port", "0", *small, "--grace", "2", "--no-warmup", "--compile-cache", "off"]
+    with serve_process(*flags) as (proc, lines):
+        log = lines_until(lines, "ready in")
+        port = int(next(line for line in log if "listening on" in line).rsplit(":", 1)[1])
         assert f"gRPC 127.0.0.1:{port}" in log[-1]
         channel, stub = client.connect("127.0.0.1", port, ready_timeout=10)
         call = client.generate_stream(stub, "def f(x):", **LONG)
@@ -412,22 +431,12 @@ def test_serve_shuts_down_gracefully_on_sigterm():
         err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2, timeout=5))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         channel.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_ctrl_c_during_warmup_exits_quietly(tmp_path):
     """SIGINT while the step shapes compile: one line, exit status 130, no traceback, nothing left listening."""
-    cmd = CLI + ["serve", "--port", "0", "--max-slots", "2", "--compile-cache", str(tmp_path / "xla")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
-    try:
-        log = [lines.get(timeout=60)]
-        while "compiling step shapes" not in log[-1]:
-            log.append(lines.get(timeout=60))
+    with serve_process("--port", "0", "--max-slots", "2", "--compile-cache", str(tmp_path / "xla")) as (proc, lines):
+        log = lines_until(lines, "compiling step shapes")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
         time.sleep(0.2)  # the reader thread takes the last lines
@@ -437,33 +446,18 @@ def test_ctrl_c_during_warmup_exits_quietly(tmp_path):
         assert "interrupted before it was ready" in text and "Traceback" not in text, text
         assert not any("listening on" in line for line in log)
         assert (tmp_path / "xla").is_dir()  # the cache directory is made before the first compile
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_signal_after_ready_does_not_wait_for_background_compiles():
     """Ready with the smaller prefill shapes still compiling in the background (13 shapes, 4 before ready): a SIGINT
     then shuts the server down at once, exit status 0, without waiting for those compiles (the interpreter's exit
     would join their threads, about 15 s here, and then abort)."""
-    cmd = CLI + ["serve", "--port", "0", "--max-slots", "2", "--min-prefill-bucket", "16", "--grace", "1"]
-    proc = subprocess.Popen(
-        [*cmd, "--compile-cache", "off"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
-    try:
-        log = [lines.get(timeout=60)]
-        while "ready in" not in log[-1]:
-            log.append(lines.get(timeout=60))
+    flags = ["--port", "0", "--max-slots", "2", "--min-prefill-bucket", "16", "--grace", "1", "--compile-cache", "off"]
+    with serve_process(*flags) as (proc, lines):
+        log = lines_until(lines, "ready in")
         assert any("compiling in the background" in line for line in log), log
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=8) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_until_signal_takes_a_burst_of_signals():
