@@ -236,3 +236,21 @@ def test_engine_loop_times_a_decoding_batch():
         assert row["batch"] == batch and row["kernels"] is None
         assert 0 < sum(row[k] for k in Timings.PARTS) <= row["wall"] * 1.05
         assert not engine.has_work() and engine.snapshot()["running"] == 0
+
+
+def test_moe_peers_pad_each_expert_to_the_alignment():
+    """The torch peers' layout: every token row once, in its expert's range, in order; each expert's range a
+    multiple of the alignment (empty experts included, as zero rows)."""
+    import numpy as np
+
+    from pallas_kernels.bench.moe_peers import padded_rows
+
+    sizes = [5, 0, 17, 16, 3]
+    rows, ends = padded_rows(sizes, 16)
+    assert ends.tolist() == [16, 16, 48, 64, 80] and len(rows) == 80
+    starts = [0, *ends[:-1]]
+    first = np.cumsum(sizes) - sizes
+    for e, n in enumerate(sizes):
+        assert rows[starts[e] : starts[e] + n].tolist() == list(range(first[e], first[e] + n))
+        assert (rows[starts[e] + n : ends[e]] == -1).all()
+    assert sorted(rows[rows >= 0].tolist()) == list(range(sum(sizes)))

@@ -15,6 +15,10 @@ rows: the default tiling (moe_int4_tiling.default_tiling) and with --sweep a few
 (`moe_cases.sweep_tilings`).
 `--lower` lowers every one of them for sm_90 on any host (Mosaic's checks without a GPU): run it before a GPU run.
 
+Peers, when torch with CUDA is installed (pallas_kernels.bench.moe_peers): torch's `_grouped_mm` (bf16) and
+`_scaled_grouped_mm` (fp8, row-wise scales) on the same tokens, weights and group sizes, checked and timed the same
+way.
+
 Gate/up shapes also time the fused gate + up + SiLU kernel (int4_gated_ragged_dot; its bytes and FLOPs count both
 weights) against two kernel calls and XLA's SiLU-and-multiply.
 

@@ -12,13 +12,15 @@ import time
 from pallas_kernels.bench.moe_cases import CHECK_TOL, swept_tilings, tiling_label
 
 
-def _timed(fn, *args, min_time: float = 0.1, max_reps: int = 50) -> float:
-    """Seconds per call: calls issued back to back and waited for once (best of 3 rounds)."""
+def _timed(fn, *args, min_time: float = 0.1, max_reps: int = 50, wait=None) -> float:
+    """Seconds per call: calls issued back to back and waited for once (best of 3 rounds). wait(outputs):
+    jax.block_until_ready, or a torch peer's synchronize."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    wait = wait or jax.block_until_ready
+    wait(fn(*args))
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    wait(fn(*args))
     once = time.perf_counter() - t0
     reps = int(min(max_reps, max(3, min_time / max(once, 1e-6))))
     best = float("inf")
@@ -27,7 +29,7 @@ def _timed(fn, *args, min_time: float = 0.1, max_reps: int = 50) -> float:
         out = None
         for _ in range(reps):
             out = fn(*args)
-        jax.block_until_ready(out)
+        wait(out)
         best = min(best, (time.perf_counter() - t0) / reps)
     return best
 
@@ -241,6 +243,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
 
     row("w4a8 wrapper's XLA passes only", passes, x, q4.q, q4.scale, gs, mult=0)
     row("bf16 ragged_dot (XLA)", jax.lax.ragged_dot, x, w, gs, nbytes=nb_bf16)
+    _peers(spec, x, w, gs, done)
     del w
     if jnp_refs:
         row("w4a16 jnp reference", quant.ragged_dot_reference, x, q4, gs, nbytes=nb_int4)
@@ -251,6 +254,22 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             _emit("BEGIN", spec, what=f"{r['name']} (round {k + 1})")
             _time_row(r, f, timer, args)
             _emit("ROW", spec, row=r)  # replaces the row's earlier report
+
+
+def _peers(spec: str, x, w, gs, done: list) -> None:
+    """torch's grouped GEMMs on this case (pallas_kernels.bench.moe_peers), timed as the jax rows are."""
+    from pallas_kernels.bench.moe_peers import peer_rows
+
+    if any("(peer" in name for name in done):
+        return
+    _emit("BEGIN", spec, what="torch peers")
+    kernels = None
+    if os.environ.get("HCFJAX_BENCH_DEVICE_TIME") == "kernels":
+        from hcfjax.bench.common import kernel_time
+
+        kernels = lambda fn, wait: kernel_time(fn, wait=wait)  # noqa: E731
+    for r in peer_rows(x, w, gs, lambda fn, wait: _timed(fn, wait=wait), kernels):
+        _emit("ROW", spec, row=r)
 
 
 def _device_timer(fn, args):
