@@ -1,13 +1,14 @@
 """MLA decode kernel benchmark: one table of kernel vs XLA reference (and FlashInfer when installed), bf16 and int8.
 
-    python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,int8:128x4096:h16,...]
+    python -m pallas_kernels.bench.mla [--check] [--cases bf16:1x4096,bf16:32x16384:mixed,int8:128x4096:h16:t2,...]
                                        [--reps 20] [--versions 3p,3pq] [--device-time | --kernel-time] [--rounds N]
 
 C=512, R=64, page size 64, shuffled page tables. A case is cache:BxCTX[:lengths][:hH]: `full` rows (every row CTX
 tokens), `mixed` (lengths uniform in 1..CTX, fixed seed), `skew` (one row of CTX tokens, the rest CTX/16); the page
 table is always CTX wide, so mixed and skew rows leave most of it unused (what the length-aware split schedule is for).
 H query heads, 128 (DeepSeek-V3) unless `hH` says otherwise (h16: V2-Lite; the kernel runs heads in 64-row tiles, so
-below 64 its MMAs do 64 heads' work, which TFLOP/s does not count).
+below 64 its MMAs do 64 heads' work, which TFLOP/s does not count). `tT`: T query tokens per row (MTP verification:
+the row's last T positions, causal), FlashInfer likewise (qo_indptr of T a row, causal).
 Cache `int8` uses hcfjax.cache's scale layout [P, page, 2] (the wrapper gathers and transposes the table's scales per
 call), `int8t` the proposed token-minor [P, 2, page] (no per-call pass).
 
@@ -214,12 +215,12 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
         print("flashinfer: not installed (column empty)", flush=True)
     print(TABLE_HEAD, flush=True)  # each row is printed as it finishes, so a run cut short still leaves a table
     rows = []
-    for dtype, batch, context, kind, heads in cases:
+    for dtype, batch, context, kind, heads, t in cases:
         t0 = time.perf_counter()
-        name = f"{dtype}:{batch}x{context}:{kind}:h{heads}"
+        name = f"{dtype}:{batch}x{context}:{kind}:h{heads}:t{t}"
         try:
             qn, qp, kv, pt, lengths, sc = make_inputs(
-                jax.random.key(batch + context), batch, context, heads, dtype=dtype, kind=kind
+                jax.random.key(batch + context), batch, context, heads, dtype=dtype, t=t, kind=kind
             )
             _, ref = fns(512**-0.5)
             want = ref(qn, qp, kv, pt, lengths, scales=sc)
@@ -234,7 +235,7 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             plan = plan_fn(lengths)
             tokens = int(np.sum(np.asarray(lengths)))
             tf = (
-                flashinfer_time(np.asarray(lengths), context, reps, heads, kernels=kernels)
+                flashinfer_time(np.asarray(lengths), context, reps, heads, kernels=kernels, t=t)
                 if use_flashinfer and dtype == "bf16"
                 else None
             )
@@ -260,10 +261,10 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
                 if "CUDA" in str(e):
                     raise
                 continue
-            flops = tokens * heads * (576 + 512) * 2  # (the kernel pads heads to 64-row tiles: not counted)
+            flops = t * tokens * heads * (576 + 512) * 2  # (the kernel pads heads to 64-row tiles: not counted)
             ver = "-" if version is None else version
             nbytes = cache_bytes(tokens, dtype=dtype)
-            rows.append(Row(dtype, batch, context, kind, heads, ver, tc, tk, tp, tr, tf, nbytes, flops, err))
+            rows.append(Row(dtype, batch, context, kind, heads, t, ver, tc, tk, tp, tr, tf, nbytes, flops, err))
             print(table_row(rows[-1], copy_bw), f"({time.perf_counter() - t0:.0f} s)", flush=True)
             timed_rows.append((len(rows) - 1, *timers))
         for _ in range(rounds - 1):
@@ -273,12 +274,12 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             print(table_row(rows[i], copy_bw), f"(best of {rounds} rounds)", flush=True)
         del qn, qp, kv, pt, sc, want, plan
     lines = ["", TABLE_HEAD] + [table_row(row, copy_bw) for row in rows]
-    by = {(r.dtype, r.batch, r.context, r.kind, r.heads, r.ver): r.t_kern for r in rows}
+    by = {(r.dtype, r.batch, r.context, r.kind, r.heads, r.tokens, r.ver): r.t_kern for r in rows}
     pairs = [
-        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k}{'' if h == 128 else f' H={h}'} v{v} "
-        f"{by[('bf16', b, c, k, h, for_case(v, 'bf16', h))] / tk:.2f}x"
-        for (d, b, c, k, h, v), tk in by.items()
-        if d != "bf16" and ("bf16", b, c, k, h, for_case(v, "bf16", h)) in by
+        f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k}{'' if h == 128 else f' H={h}'}{'' if t == 1 else f' T={t}'}"
+        f" v{v} {by[('bf16', b, c, k, h, t, for_case(v, 'bf16', h))] / tk:.2f}x"
+        for (d, b, c, k, h, t, v), tk in by.items()
+        if d != "bf16" and ("bf16", b, c, k, h, t, for_case(v, "bf16", h)) in by
     ]
     if pairs:
         lines += ["", "int8 speedup over bf16: " + ", ".join(pairs)]

@@ -31,6 +31,8 @@ CASES = (
     "int8t:128x4096",
     "int8:1x16384",
     "bf16:64x16384",
+    "bf16:32x4096:t2",
+    "bf16:128x4096:mixed:t3",
 )
 
 
@@ -105,13 +107,16 @@ def for_case(version, dtype, heads):
 
 
 def parse_case(text):
-    """A case's text, cache:BxCTX[:lengths][:hH] -> (cache, B, CTX, lengths, H); H, the query heads, defaults to
-    DeepSeek-V3's 128."""
+    """A case's text, cache:BxCTX[:lengths][:hH][:tT] -> (cache, B, CTX, lengths, H, T); H, the query heads,
+    defaults to DeepSeek-V3's 128, T, the query tokens per row (MTP verification: the row's last T positions,
+    causal), to 1."""
     parts = text.split(":")
     if len(parts) < 2:
-        raise ValueError(f"case {text!r}: cache:BxCTX[:full|mixed|skew][:hH], e.g. int8:128x4096:h16")
+        raise ValueError(f"case {text!r}: cache:BxCTX[:full|mixed|skew][:hH][:tT], e.g. int8:128x4096:h16:t2")
     dtype, shape, rest = parts[0], parts[1], parts[2:]
-    heads = 128
+    heads, t = 128, 1
+    if rest and rest[-1].startswith("t"):
+        t = int(rest.pop()[1:])
     if rest and rest[-1].startswith("h"):
         heads = int(rest.pop()[1:])
     kind = rest[0] if rest else "full"
@@ -120,15 +125,16 @@ def parse_case(text):
         raise ValueError(f"cache must be bf16, int8 or int8t, got {dtype!r}")
     if kind not in ("full", "mixed", "skew") or len(rest) > 1:
         raise ValueError(f"case {text!r}: lengths must be full, mixed or skew")
-    if heads < 1:
-        raise ValueError(f"case {text!r}: the head count must be positive")
-    return dtype, b, ctx, kind, heads
+    if heads < 1 or t < 1:
+        raise ValueError(f"case {text!r}: the head and token counts must be positive")
+    return dtype, b, ctx, kind, heads, t
 
 
-def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, kernels=False):
+def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, kernels=False, t=1):
     """Seconds per call of FlashInfer's MLA decode on the same shape and lengths (its own random data), or None:
     CUDA events around `reps` calls (kernels plus launch gaps), or with `kernels` its kernels' summed times in a
-    jax.profiler trace (kernel_time, as --kernel-time measures ours)."""
+    jax.profiler trace (kernel_time, as --kernel-time measures ours). t > 1: t query tokens per row, causal (the
+    row's last t positions)."""
     try:
         import flashinfer
         import torch
@@ -141,12 +147,12 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
     used = [-(-int(x) // page) for x in lengths]
     kv_indices = torch.cat([pages[i, : used[i]] for i in range(b)])
     kv_indptr = torch.tensor(np.concatenate([[0], np.cumsum(used)]), dtype=torch.int32, device=dev)
-    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
     kv_len = torch.tensor(np.asarray(lengths), dtype=torch.int32, device=dev)
     ckv = torch.randn(b * n, page, c, dtype=torch.bfloat16, device=dev)
     kpe = torch.randn(b * n, page, r, dtype=torch.bfloat16, device=dev)
-    q_nope = torch.randn(b, heads, c, dtype=torch.bfloat16, device=dev)
-    q_pe = torch.randn(b, heads, r, dtype=torch.bfloat16, device=dev)
+    q_nope = torch.randn(b * t, heads, c, dtype=torch.bfloat16, device=dev)
+    q_pe = torch.randn(b * t, heads, r, dtype=torch.bfloat16, device=dev)
     ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
     for backend in ("fa3", "auto"):
         try:
@@ -160,7 +166,7 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
                 c,
                 r,
                 page,
-                False,
+                t > 1,  # causal: each query token sees the keys up to its own position
                 c**-0.5,
                 torch.bfloat16,
                 torch.bfloat16,
@@ -186,9 +192,9 @@ def flashinfer_time(lengths, context, reps, heads=128, c=512, r=64, page=64, ker
 # attention.with_decode_plan); GB/s, % copy, TFLOP/s, speedup and "vs FlashInfer" (its time over ours: > 1 is
 # faster) are of that time. call us: one call that also makes its plan (plan us alone).
 TABLE_HEAD = (
-    "| cache | H | B | ctx | lengths | ver | kernel us | GB/s | % copy | TFLOP/s | plan us | call us | "
+    "| cache | H | T | B | ctx | lengths | ver | kernel us | GB/s | % copy | TFLOP/s | plan us | call us | "
     "XLA ref us | speedup | FlashInfer us | FlashInfer GB/s | vs FlashInfer | rel err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "|" + " --- |" * 19
 )
 
 
@@ -201,6 +207,7 @@ class Row(NamedTuple):
     context: int
     kind: str
     heads: int
+    tokens: int  # query tokens per row
     ver: str
     t_call: float
     t_kern: float
@@ -218,7 +225,8 @@ def table_row(row: Row, copy_bw) -> str:
     pct = f"{100 * bwk / copy_bw:.0f}" if copy_bw else "-"
     fi = (f"{tf * 1e6:.1f}", f"{row.nbytes / tf / 1e9:.0f}", f"{tf / tk:.2f}x") if tf else ("", "", "")
     return (
-        f"| {row.dtype} | {row.heads} | {row.batch} | {row.context} | {row.kind} | {row.ver} | {tk * 1e6:.1f} | "
+        f"| {row.dtype} | {row.heads} | {row.tokens} | {row.batch} | {row.context} | {row.kind} | {row.ver} | "
+        f"{tk * 1e6:.1f} | "
         f"{bwk / 1e9:.0f} | {pct} | {row.flops / tk / 1e12:.0f} | {row.t_plan * 1e6:.1f} | {row.t_call * 1e6:.1f} | "
         f"{row.t_ref * 1e6:.1f} | {row.t_ref / tk:.1f}x | {' | '.join(fi)} | {row.err:.1e} |"
     )

@@ -85,13 +85,13 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
 
     from pallas_kernels.bench.mla import fns, for_case, make_inputs, parse_case
 
-    dtype, b, ctx, kind, heads = parse_case(case)
+    dtype, b, ctx, kind, heads, t = parse_case(case)
     if dtype == "bf16" and "q" in version:
         raise ValueError(f"version {version} (qk8) needs an int8 cache, got case {case}")
     version = for_case(version, dtype, heads)
     os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
-    qn, qp, kv, pt, lengths, scales = make_inputs(jax.random.key(0), b, ctx, heads, dtype=dtype, kind=kind)
+    qn, qp, kv, pt, lengths, scales = make_inputs(jax.random.key(0), b, ctx, heads, dtype=dtype, t=t, kind=kind)
     kern, _ = fns(1 / 24.0, version, profile=f"{where}:{ranges}")
     kern(qn, qp, kv, pt, lengths, scales=scales)[0].block_until_ready()
     jax.effects_barrier()  # the trace is written by a host callback
