@@ -165,7 +165,9 @@ def main(argv=None) -> None:
         covered = f"{sum(row['kernels'].values()) / row['wall']:.0%}" if row["kernels"] else "n/a"
         offline = "n/a | n/a"
         if args.offline:  # (beside the engine's cache: both fit at these sizes)
-            stats, _ = decode_rate(model, batch, args.context, 2 * args.steps, config.options, rng)
+            stats, _ = decode_rate(
+                model, batch, args.context, 2 * args.steps, config.options, rng, max_prefill_tokens=args.context
+            )
             step = 1 / stats["decode_tokens_per_s"] * batch
             offline = f"{step * 1e3:.2f} | {step / row['wall']:.0%}"
         ms = lambda k, row=row: f"{row[k] * 1e3:.2f}"  # noqa: E731

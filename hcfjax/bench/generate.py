@@ -63,12 +63,18 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache
     return total - lm_and_embed - expert + expert * touched + kv
 
 
-def decode_rate(model, batch: int, prompt_len: int, new_tokens: int, opts: Options, rng) -> tuple[dict, Callable]:
+def decode_rate(
+    model, batch: int, prompt_len: int, new_tokens: int, opts: Options, rng, max_prefill_tokens: int = 16384
+) -> tuple[dict, Callable]:
     """Offline decoding of `batch` random prompts of `prompt_len` tokens for `new_tokens` each (no early stop; the mean
     context is prompt_len + new_tokens / 2), through `hcfjax.generate`: the stats of the second of two identical
-    runs (decode_tokens_per_s, decode_s, ...; the first compiles), and the call that made them (gen(n))."""
+    runs (decode_tokens_per_s, decode_s, ...; the first compiles), and the call that made them (gen(n)).
+    max_prefill_tokens: generate's prefill groups (smaller: smaller MoE kernels to lower and compile; a server's
+    token budget reuses the kernels its steps lowered)."""
     prompts = [list(rng.integers(2, model.cfg.vocab_size, prompt_len)) for _ in range(batch)]
-    gen = lambda n: hcfjax.generate(model, prompts, max_new_tokens=n, stop_token_ids=[], options=opts)  # noqa: E731
+    gen = lambda n: hcfjax.generate(  # noqa: E731
+        model, prompts, max_new_tokens=n, stop_token_ids=[], options=opts, max_prefill_tokens=max_prefill_tokens
+    )
     for _ in range(2):
         out = gen(new_tokens)
     return out.stats, gen

@@ -194,17 +194,20 @@ def table(runs: list[RateRun]) -> str:
     return "\n".join([RateRun.HEADER, *(r.row() for r in sorted(runs, key=lambda r: (r.kind != "sweep", r.rate)))])
 
 
-def offline_efficiency(model, sat: RateRun, options, seed: int, most_new_tokens: int = 128) -> dict:
+def offline_efficiency(
+    model, sat: RateRun, options, seed: int, most_new_tokens: int = 128, max_prefill_tokens: int = 16384
+) -> dict:
     """The saturated run's output tokens/s over hcfjax.generate's offline decode tokens/s at its mean decode batch
     and context (bench.generate.decode_rate: prompts of context - new_tokens / 2 tokens, new_tokens each, up to
-    most_new_tokens, fewer where the context is shorter)."""
+    most_new_tokens, fewer where the context is shorter; prefilled in groups of max_prefill_tokens)."""
     from hcfjax.bench.generate import decode_rate
 
     batch = max(1, round(sat.decode_batch))
     context = max(2, round(sat.mean_context))
     new_tokens = max(2, min(most_new_tokens, 2 * (context - 1)))
     prompt = max(1, context - new_tokens // 2)
-    stats, _ = decode_rate(model, batch, prompt, new_tokens, options, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    stats, _ = decode_rate(model, batch, prompt, new_tokens, options, rng, max_prefill_tokens=max_prefill_tokens)
     offline = stats["decode_tokens_per_s"]
     ratio = sat.result.output_tok_s / offline if offline else None
     said = (
