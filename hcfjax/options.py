@@ -44,6 +44,11 @@ class Options:
         scores go through memory), or auto: fused on GPUs.
     two_rows: a one-token decode forward runs as the row and a copy of it that writes nothing: on GPUs XLA lowers a
         one-row product to a slow multiply-and-reduce, two rows to a GEMM. auto: on GPUs.
+    branch_free_sampling: sampling filters and draws for every row and then selects, instead of skipping the draw
+        for an all-greedy batch and the filters' sort when no row filters by a `lax.cond`: XLA's GPU runtime runs a
+        conditional by reading its predicate back to the host and waiting for the stream, so a step with one returns
+        from its dispatch only when the GPU is nearly done, and a server cannot prepare the next step meanwhile.
+        auto: on GPUs (on a CPU the branch costs nothing and the skipped sort a lot).
     """
 
     mla: str = "auto"
@@ -57,12 +62,13 @@ class Options:
     unroll_decode: bool | str = "auto"
     two_rows: bool | str = "auto"
     prefill_attention: str = "auto"
+    branch_free_sampling: bool | str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        for name in ("unroll_decode", "two_rows"):
+        for name in ("unroll_decode", "two_rows", "branch_free_sampling"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -85,10 +91,10 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows resolved for this backend."""
+        """unroll_decode / two_rows / branch_free_sampling resolved for this backend."""
         value = getattr(self, switch)
         if value == "auto":
-            return switch == "two_rows" and on_gpu()
+            return switch in ("two_rows", "branch_free_sampling") and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:

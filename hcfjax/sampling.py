@@ -73,17 +73,20 @@ class SamplingBatch:
         )
 
 
-def filtered_logprobs(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+def filtered_logprobs(logits: jax.Array, sp: SamplingBatch, branch_free: bool = True) -> jax.Array:
     """Temperature-scaled log-probabilities [B, V] with top-k / top-p / min-p filtered tokens at -inf.
 
     Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax). The filters sort the
-    vocabulary per row (a [B, V] sort) whether or not a row uses one: skipping it by a `lax.cond` on the batch
-    would make the GPU step wait for its host to read the predicate (XLA runs a conditional's branch choice on the
-    host), so the host could not prepare the next step while this one runs.
+    vocabulary per row (a [B, V] sort). branch_free=False skips the sort by a `lax.cond` when no row of the batch
+    filters: cheap on a CPU, but on a GPU a conditional makes the host wait for the device
+    (Options.branch_free_sampling).
     """
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
-    return _filter(logp, sp)
+    if branch_free:
+        return _filter(logp, sp)
+    filtering = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
+    return jax.lax.cond(jnp.any(filtering), _filter, lambda logp, _: logp, logp, sp)
 
 
 def _filter(logp: jax.Array, sp: SamplingBatch) -> jax.Array:
@@ -106,12 +109,12 @@ def _filter(logp: jax.Array, sp: SamplingBatch) -> jax.Array:
     return jnp.where(keep, logp, -jnp.inf)
 
 
-def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, sp: SamplingBatch, key: jax.Array, branch_free: bool = True) -> jax.Array:
     """logits [B, V] -> tokens [B] int32."""
-    return _greedy_or_drawn(logits, sp, lambda lp: jax.random.categorical(key, lp, axis=-1))
+    return _greedy_or_drawn(logits, sp, lambda lp: jax.random.categorical(key, lp, axis=-1), branch_free)
 
 
-def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Array:
+def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array, branch_free: bool = True) -> jax.Array:
     """logits [B, V] -> tokens [B] int32 with one rng key per row (keys [B]), so a request's draws do not depend on
     which other requests share its batch (the serving engine's case)."""
 
@@ -119,11 +122,18 @@ def sample_rows(logits: jax.Array, sp: SamplingBatch, keys: jax.Array) -> jax.Ar
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
         return jnp.argmax(lp + gumbel, axis=-1)
 
-    return _greedy_or_drawn(logits, sp, draw)
+    return _greedy_or_drawn(logits, sp, draw, branch_free)
 
 
-def _greedy_or_drawn(logits: jax.Array, sp: SamplingBatch, draw) -> jax.Array:
-    """The argmax for rows at temperature 0, draw(filtered_logprobs) for the others (drawn for every row, then
-    selected: no branch on the batch, see filtered_logprobs)."""
+def _greedy_or_drawn(logits: jax.Array, sp: SamplingBatch, draw, branch_free: bool) -> jax.Array:
+    """The argmax for rows at temperature 0, draw(filtered_logprobs) for the others. branch_free: drawn for every
+    row, then selected; else an all-greedy batch skips the draw by a `lax.cond` (see filtered_logprobs)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, draw(filtered_logprobs(logits, sp)).astype(jnp.int32), greedy)
+
+    def drawn():
+        lp = filtered_logprobs(logits, sp, branch_free)
+        return jnp.where(sp.temperature > 0, draw(lp).astype(jnp.int32), greedy)
+
+    if branch_free:
+        return drawn()
+    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, lambda: greedy)

@@ -102,20 +102,21 @@ class SpeculativeConfig:
         return 0.5 if self.method == "tuned" else 1.0
 
 
-def probs(lg: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """Sampling distribution [B, T, V] of logits [B, T, V] under per-row params (one-hot for greedy rows)."""
-    p = jax.vmap(lambda x: jnp.exp(filtered_logprobs(x, sp)), in_axes=1, out_axes=1)(lg)
+def probs(lg: jax.Array, sp: SamplingBatch, branch_free: bool = True) -> jax.Array:
+    """Sampling distribution [B, T, V] of logits [B, T, V] under per-row params (one-hot for greedy rows).
+    branch_free: as in hcfjax.sampling.filtered_logprobs (Options.branch_free_sampling)."""
+    p = jax.vmap(lambda x: jnp.exp(filtered_logprobs(x, sp, branch_free)), in_axes=1, out_axes=1)(lg)
     greedy = jax.nn.one_hot(jnp.argmax(lg, -1), lg.shape[-1], dtype=p.dtype)
     return jnp.where((sp.temperature > 0)[:, None, None], p, greedy)
 
 
-def dynamic_probs(lg: jax.Array, sp: SamplingBatch, t_min: float, t_max: float) -> jax.Array:
+def dynamic_probs(lg: jax.Array, sp: SamplingBatch, t_min: float, t_max: float, branch_free: bool = True) -> jax.Array:
     """probs() at a per-position temperature t_min + (t_max - t_min) * normalised entropy of softmax(lg)."""
     logp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
     h = -jnp.sum(jnp.exp(logp) * logp, axis=-1) / jnp.log(lg.shape[-1])  # [B, T] in [0, 1]
     temp = t_min + (t_max - t_min) * h
     unit = dataclasses.replace(sp, temperature=jnp.where(sp.temperature > 0, 1.0, 0.0))
-    return probs(lg / temp[..., None], unit)
+    return probs(lg / temp[..., None], unit, branch_free)
 
 
 def scaled(sp: SamplingBatch, scale: float) -> SamplingBatch:
@@ -195,7 +196,8 @@ def draft_chain(
     Returns (drafts [B, k], draft distributions q [B, k, V], cache)."""
     modules = params["mtp"]
     keys = split_rows(row_keys(key, lg1.shape[0]), k)  # [B, k]
-    q = probs(lg1[:, None], sp_draft)[:, 0]
+    branch_free = opts.on("branch_free_sampling")
+    q = probs(lg1[:, None], sp_draft, branch_free)[:, 0]
     d = sample_probs_rows(keys[:, 0], q)
     ds, qs, x = [d], [q], ext[0][:, -1:]  # x: the previous depth's hidden at the positions it ran
     emb = params["embed"]
@@ -212,7 +214,7 @@ def draft_chain(
         ctx = CacheContext(cache, page_table, pos[:, -1] + 1, valid[:, None] & (pos >= 0))
         x, lg, ctx = mtp_module(modules[m], cfg, m, x, tok, pos, emb, ctx, True, head_norm, experts_fn, opts)
         cache = ctx.cache
-        q = probs(lg[:, -1:], sp_draft)[:, 0]
+        q = probs(lg[:, -1:], sp_draft, branch_free)[:, 0]
         ds.append(sample_probs_rows(keys[:, i - 1], q))
         qs.append(q)
     return jnp.stack(ds, 1), jnp.stack(qs, 1), cache
@@ -339,7 +341,11 @@ def spec_step(
     h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn, opts=opts)
     # 2. verification
     lg = logits(params, h)
-    p = dynamic_probs(lg, sp, *spec.dynamic_temperature) if spec.dynamic_temperature else probs(lg, sp)
+    branch_free = opts.on("branch_free_sampling")
+    if spec.dynamic_temperature:
+        p = dynamic_probs(lg, sp, *spec.dynamic_temperature, branch_free=branch_free)
+    else:
+        p = probs(lg, sp, branch_free)
     n, extra = verify(
         spec.methods, p, d.q, d.drafts, k_verify, spec.typical_epsilon, spec.typical_delta, spec.forced_acceptance
     )

@@ -101,7 +101,8 @@ def finish_prefill(params, cfg: ModelConfig, h, pre: PrefillInputs, cache, spec=
     start 0). -> (first tokens [Bp], Drafts [Bp] or None, cache)."""
     b = h.shape[0]
     last = h[jnp.arange(b), jnp.maximum(pre.n - 1, 0)]
-    first = sample_rows(logits(params, last), pre.sp, sample_keys(pre.seed, pre.count))
+    branch_free = opts.on("branch_free_sampling")
+    first = sample_rows(logits(params, last), pre.sp, sample_keys(pre.seed, pre.count), branch_free)
     if spec is None:
         return first, None, cache
     keys = draft_keys(pre.seed, pre.count)
@@ -170,7 +171,8 @@ def step(
         h, ctx, *load = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, True, experts_fn, counted, opts)
         loads += load
         cache = ctx.cache
-        nxt = sample_rows(logits(params, h[:, 0]), dec.sp, sample_keys(dec.seed, count))
+        branch_free = opts.on("branch_free_sampling")
+        nxt = sample_rows(logits(params, h[:, 0]), dec.sp, sample_keys(dec.seed, count), branch_free)
         tok = jnp.where(dec.active, nxt, tok)
         length = length + dec.active
         count = count + dec.active

@@ -441,13 +441,18 @@ def test_balance_policies(policy, expected):
 
 
 def test_engine_steps_have_no_branch_the_host_decides(model):
-    """No step program holds a conditional: XLA's GPU runtime reads a conditional's predicate back to the host and
-    waits for the stream, so the engine could not prepare step n + 1 while step n runs (a sampled and a greedy
-    batch both take the same branch-free program)."""
+    """With Options.branch_free_sampling (auto: on GPUs) no step program holds a conditional, speculative ones
+    included: XLA's GPU runtime reads a conditional's predicate back to the host and waits for the stream, so the
+    engine could not prepare step n + 1 while step n runs. Without it (a CPU's default) the sort is skipped by one."""
+    from hcfjax.speculative import SpeculativeConfig
     from hcfjax.step import jitted_step
 
-    engine = Engine(model, EngineConfig(max_slots=2, token_budget=16, max_prefill_rows=1))
-    r = engine.runner
-    for pre, dec in ((r.idle_prefill((1, 16)), None), (None, r.idle_decode())):
-        text = jitted_step.lower(r.params, r.cfg, r.state, pre, dec, r.spec, r.options).as_text()
-        assert "stablehlo.if" not in text and "stablehlo.case" not in text
+    for branch_free in (True, False):
+        for spec in (None, SpeculativeConfig(2)):
+            opts = Options(branch_free_sampling=branch_free)
+            config = EngineConfig(max_slots=2, token_budget=16, max_prefill_rows=1, speculative=spec, options=opts)
+            r = Engine(model, config).runner
+            for pre, dec in ((r.idle_prefill((1, 16)), None), (None, r.idle_decode())):
+                text = jitted_step.lower(r.params, r.cfg, r.state, pre, dec, r.spec, r.options).as_text()
+                branches = "stablehlo.if" in text or "stablehlo.case" in text
+                assert branches != branch_free, (branch_free, spec, pre is None)
