@@ -78,6 +78,34 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def chunk_over_paged_cache(cfg, start, n, t, page_size, max_pages, cache_dtype, dtype=jnp.float32, seed=0):
+    """A prefill chunk's attention inputs over a paged cache, as mla's expanded prefill sees them: rows of chunks of
+    t positions (n[i] real, the rest padding) after start[i] cached tokens, pages in a random order. The prefix is
+    in the cache as earlier steps wrote it, then the chunk's own latents. -> (q_nope, q_pe, ckv, kpe, ctx,
+    positions, valid)."""
+    from hcfjax import cache as kvcache
+    from hcfjax.attention import CacheContext
+
+    b = len(start)
+    table = jnp.asarray(np.random.default_rng(seed).permutation(b * max_pages).reshape(b, max_pages), jnp.int32)
+    cache = kvcache.init_cache(cfg, b * max_pages, page_size, cache_dtype)
+    key = jax.random.split(jax.random.key(seed), 4)
+    all_pos = jnp.broadcast_to(jnp.arange(max_pages * page_size), (b, max_pages * page_size))
+    ckv_all = jax.random.normal(key[0], (*all_pos.shape, cfg.kv_lora_rank), dtype)
+    kpe_all = jax.random.normal(key[1], (*all_pos.shape, cfg.qk_rope_head_dim), dtype)
+    positions = jnp.asarray(start[:, None] + np.arange(t), jnp.int32)
+    valid = jnp.asarray(np.arange(t)[None] < n[:, None])
+    cache = kvcache.write(cache, 0, ckv_all, kpe_all, all_pos, all_pos < start[:, None], table)
+    rows = np.arange(b)[:, None]
+    ckv, kpe = ckv_all[rows, positions], kpe_all[rows, positions]
+    cache = kvcache.write(cache, 0, ckv, kpe, positions, valid, table)
+    h = cfg.num_attention_heads
+    q_nope = jax.random.normal(key[2], (b, t, h, cfg.qk_nope_head_dim), dtype)
+    q_pe = jax.random.normal(key[3], (b, t, h, cfg.qk_rope_head_dim), dtype)
+    ctx = CacheContext(cache, table, jnp.asarray(start + n, jnp.int32), valid)
+    return q_nope, q_pe, ckv, kpe, ctx, positions, valid
+
+
 def make_tiling(spec):
     """A test case's int4 MoE tiling: None (the default) or Tiling's fields (bm, bn, stages[, extra keywords])."""
     from pallas_kernels.moe_int4_tiling import Tiling

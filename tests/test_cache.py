@@ -12,7 +12,7 @@ import hcfjax
 from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.model import hidden_states, logits
-from tests.conftest import rel_err
+from tests.conftest import chunk_over_paged_cache, rel_err
 
 step = jax.jit(hidden_states, static_argnames=("cfg", "absorbed"))
 
@@ -174,30 +174,11 @@ def test_fused_prefill_attention_equals_dense(v3_model, cache_dtype):
 
     cfg = v3_model.cfg
     p = jax.tree.map(lambda a: a[0], v3_model.params["segments"][0]["attn"])
-    page_size, max_pages, t = 4, 12, 6
     start = np.array([31, 0, 9, 0])  # cached tokens before each row's chunk
     n = np.array([6, 6, 3, 0])  # real tokens in each row's chunk
-    b = len(start)
-    rng = np.random.default_rng(1)
-    table = jnp.asarray(rng.permutation(b * max_pages).reshape(b, max_pages))
-    cache = kvcache.init_cache(cfg, b * max_pages, page_size, cache_dtype)
-    key = jax.random.split(jax.random.key(1), 4)
-    prompt_pos = jnp.broadcast_to(jnp.arange(max_pages * page_size), (b, max_pages * page_size))
-    ckv_all = jax.random.normal(key[0], (*prompt_pos.shape, cfg.kv_lora_rank))
-    kpe_all = jax.random.normal(key[1], (*prompt_pos.shape, cfg.qk_rope_head_dim))
-    positions = jnp.asarray(start[:, None] + np.arange(t))
-    valid = jnp.asarray(np.arange(t)[None] < n[:, None])
-    # the prefix was written by earlier steps; this step writes its chunk, then attends (as mla does)
-    cache = kvcache.write(cache, 0, ckv_all, kpe_all, prompt_pos, prompt_pos < start[:, None], table)
-    rows = np.arange(b)[:, None]
-    ckv, kpe = ckv_all[rows, positions], kpe_all[rows, positions]
-    cache = kvcache.write(cache, 0, ckv, kpe, positions, valid, table)
-    h = cfg.num_attention_heads
-    q_nope = jax.random.normal(key[2], (b, t, h, cfg.qk_nope_head_dim))
-    q_pe = jax.random.normal(key[3], (b, t, h, cfg.qk_rope_head_dim))
-    ctx = CacheContext(cache, table, jnp.asarray(start + n), valid)
+    q_nope, q_pe, ckv, kpe, ctx, positions, valid = chunk_over_paged_cache(cfg, start, n, 6, 4, 12, cache_dtype, seed=1)
     got = attend_expanded_fused(p, cfg, q_nope, q_pe, ckv, kpe, ctx, 0, positions, key_block=8)  # 4 prefix blocks
-    keys, kpes = kvcache.read(cache, 0, table, cfg.kv_lora_rank, jnp.float32)
+    keys, kpes = kvcache.read(ctx.cache, 0, ctx.page_table, cfg.kv_lora_rank, jnp.float32)
     key_pos = jnp.arange(keys.shape[1])[None, None, :]
     mask = (key_pos <= positions[:, :, None]) & (key_pos < ctx.kv_len[:, None, None])
     want = attend_expanded(p, cfg, q_nope, q_pe, keys, kpes, mask)

@@ -11,13 +11,9 @@ import pytest
 from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext, attend_expanded_fused, attend_expanded_paged
 from hcfjax.options import Options
+from tests.conftest import chunk_over_paged_cache, rel_err
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.int8])
@@ -27,26 +23,11 @@ def test_cudnn_fused_equals_blocked(cache_dtype):
     cfg = preset_config("v2-lite", num_hidden_layers=1)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     p = jax.tree.map(lambda a: a[0], model.params["segments"][0]["attn"])
-    page_size, t = 64, 512
     start = np.array([0, 1000, 4500, 0])  # a prefix of 3 blocks of 2048 keys, one not page aligned, none
     n = np.array([512, 300, 512, 0])  # a short chunk and a padding row
-    b, max_pages = len(start), 96
-    table = jnp.asarray(np.random.default_rng(0).permutation(b * max_pages).reshape(b, max_pages), jnp.int32)
-    cache = kvcache.init_cache(cfg, b * max_pages, page_size, cache_dtype)
-    key = jax.random.split(jax.random.key(0), 4)
-    all_pos = jnp.broadcast_to(jnp.arange(max_pages * page_size), (b, max_pages * page_size))
-    ckv_all = jax.random.normal(key[0], (*all_pos.shape, cfg.kv_lora_rank), jnp.bfloat16)
-    kpe_all = jax.random.normal(key[1], (*all_pos.shape, cfg.qk_rope_head_dim), jnp.bfloat16)
-    positions = jnp.asarray(start[:, None] + np.arange(t), jnp.int32)
-    valid = jnp.asarray(np.arange(t)[None] < n[:, None])
-    cache = kvcache.write(cache, 0, ckv_all, kpe_all, all_pos, all_pos < start[:, None], table)
-    rows = np.arange(b)[:, None]
-    ckv, kpe = ckv_all[rows, positions], kpe_all[rows, positions]
-    cache = kvcache.write(cache, 0, ckv, kpe, positions, valid, table)
-    h = cfg.num_attention_heads
-    q_nope = jax.random.normal(key[2], (b, t, h, cfg.qk_nope_head_dim), jnp.bfloat16)
-    q_pe = jax.random.normal(key[3], (b, t, h, cfg.qk_rope_head_dim), jnp.bfloat16)
-    ctx = CacheContext(cache, table, jnp.asarray(start + n, jnp.int32), valid)
+    q_nope, q_pe, ckv, kpe, ctx, positions, valid = chunk_over_paged_cache(
+        cfg, start, n, 512, 64, 96, cache_dtype, jnp.bfloat16
+    )
     fused = jax.jit(lambda *a: attend_expanded_fused(p, cfg, *a, ctx, 0, positions, "cudnn"))(q_nope, q_pe, ckv, kpe)
     blocked = jax.jit(lambda *a: attend_expanded_paged(p, cfg, *a, ctx, 0, positions))(q_nope, q_pe)
     real = np.asarray(valid)
