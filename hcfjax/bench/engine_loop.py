@@ -22,7 +22,8 @@ import time
 import jax
 import numpy as np
 
-from hcfjax.bench.common import header, kernel_seconds
+from hcfjax.bench.common import header, kernel_times
+from hcfjax.engine.request import Status
 
 
 class Timings:
@@ -61,7 +62,7 @@ class Timings:
 def decoding(engine) -> bool:
     """Every request holds a slot and decodes (no prompt left to prefill)."""
     s = engine.scheduler
-    return not s.waiting and not engine._inbox and all(r.status.value == "decoding" for r in s.running)
+    return not s.waiting and not engine._inbox and all(r.status == Status.DECODING for r in s.running)
 
 
 def output_room(batch: int, context: int, steps: int, budget: int) -> int:
@@ -93,32 +94,15 @@ def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, pr
     wall = (time.perf_counter() - t0) / steps
     host = {k: v / steps for k, v in timings.seconds.items()}
     kernels = None
-    if profile:
-        kernels = _profiled(engine, steps)
+    if profile:  # the same steps under the profiler: the kernels' seconds per step
+        settled = lambda _: jax.block_until_ready(engine.runner.state.tok)  # noqa: E731
+        kernels = kernel_times(engine.step, reps=steps, wait=settled)
     batch_seen = len(engine.scheduler.running)
     for req in reqs:
         engine.abort(req.id)
     while engine.has_work():
         engine.step()
     return {"batch": batch_seen, "wall": wall, "kernels": kernels, **host}
-
-
-def _profiled(engine, steps: int) -> dict[str, float]:
-    import glob
-    import tempfile
-
-    from jax.profiler import ProfileData
-
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            for _ in range(steps):
-                engine.step()
-            jax.block_until_ready(engine.runner.state.tok)
-        finally:
-            jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    return kernel_seconds(data.planes, steps)
 
 
 def main(argv=None) -> None:
