@@ -254,3 +254,19 @@ def test_moe_peers_pad_each_expert_to_the_alignment():
         assert rows[starts[e] : starts[e] + n].tolist() == list(range(first[e], first[e] + n))
         assert (rows[starts[e] + n : ends[e]] == -1).all()
     assert sorted(rows[rows >= 0].tolist()) == list(range(sum(sizes)))
+
+
+def test_moe_check_lines_name_our_tiling_and_the_peers():
+    """The report's checks hold our kernels' rows (tiling, shared memory) and the torch peers' (no tiling)."""
+    from pallas_kernels.bench.moe import check_lines
+
+    ok = dict(ok=True, max_rel=1e-3, rel=5e-4)
+    rows = [
+        dict(name="w4a8 kernel", check=dict(ok, tiling="bm=64", smem=1024)),
+        dict(name="torch _grouped_mm bf16 (peer)", check=dict(ok, ok=False)),
+        dict(name="bf16 ragged_dot (XLA)"),
+    ]
+    lines = check_lines({"16x128x7168x2048": {"rows": rows}}, [(16, 128, 7168, 2048)])
+    assert len(lines) == 2
+    assert "w4a8 kernel: ok" in lines[0] and "(bm=64, smem 1024 B)" in lines[0]
+    assert "(peer): FAIL" in lines[1] and lines[1].endswith("(torch peer)")

@@ -228,7 +228,7 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
             tr = timer(ref_fn, qn, qp, kv, pt, lengths, sc)
             plan_fn = jax.jit(
                 functools.partial(
-                    mla_plan, max_pages=pt.shape[1], page_size=64, heads=heads, min_blocks_per_split=MIN_BLOCKS
+                    mla_plan, max_pages=pt.shape[1], page_size=64, heads=heads, t=t, min_blocks_per_split=MIN_BLOCKS
                 )
             )
             tp = timer(plan_fn, lengths)

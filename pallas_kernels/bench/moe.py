@@ -258,6 +258,22 @@ def table(results: dict[str, dict], cases, ceil: dict) -> list[str]:
     return lines
 
 
+def check_lines(results: dict, cases) -> list[str]:
+    """One line per checked row: our kernels with their tiling and shared memory, the torch peers without."""
+    lines = []
+    for c in cases:
+        for r in results["x".join(map(str, c))]["rows"]:
+            if "check" in r:
+                k = r["check"]
+                cfg = f"{k['tiling']}, smem {k['smem']} B" if "tiling" in k else "torch peer"
+                lines.append(
+                    f"- {c} {r['name']}: {'ok' if k['ok'] else 'FAIL'}, max rel {k['max_rel']:.2e}, "
+                    f"norm rel {k['rel']:.2e}{'' if k.get('repeats', True) else ', outputs differ between runs'}"
+                    f" ({cfg})"
+                )
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="default", help="'default', 'all' or ExMxKxN,... (e.g. 16x1024x7168x2048)")
@@ -328,17 +344,7 @@ def main(argv=None) -> None:
         if ceil.get("int8")
         else "matmul ceilings not measured"
     )
-    checks = []
-    for c in cases:
-        for r in results["x".join(map(str, c))]["rows"]:
-            if "check" in r:
-                k = r["check"]
-                cfg = f"{k['tiling']}, smem {k['smem']} B"
-                checks.append(
-                    f"- {c} {r['name']}: {'ok' if k['ok'] else 'FAIL'}, max rel {k['max_rel']:.2e}, "
-                    f"norm rel {k['rel']:.2e}{'' if k.get('repeats', True) else ', outputs differ between runs'}"
-                    f" ({cfg})"
-                )
+    checks = check_lines(results, cases)
     text = [
         "",
         f"{ceil.get('header', 'device: see the log')}; whole run {time.time() - t0:.0f} s",
