@@ -63,10 +63,13 @@ class PrefillInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeInputs:
-    active: jax.Array  # [S] bool
-    page_table: jax.Array  # [S, M]
-    sp: SamplingBatch  # [S]
-    seed: jax.Array  # [S]
+    """The decode rows: the first N <= S slots (the engine pads to a bucket that holds every active slot, so a
+    step decodes as few rows as it can; slots from N up are untouched)."""
+
+    active: jax.Array  # [N] bool
+    page_table: jax.Array  # [N, M]
+    sp: SamplingBatch  # [N]
+    seed: jax.Array  # [N]
 
 
 def empty_state(cfg: ModelConfig, slots: int, cache: kvcache.KVCache, spec: SpeculativeConfig | None, dtype):
@@ -136,7 +139,7 @@ def step(
     """One step; experts_fn runs the routed experts (the decode plan's expert-parallel exchange, or local).
 
     -> (state, first tokens [Bp] of the prefill rows (None without prefill), decode output (None without
-    decode): next tokens [S], or with speculation (emitted [S, k+1], tokens emitted [S], drafts accepted [S]),
+    decode): next tokens [N], or with speculation (emitted [N, k+1], tokens emitted [N], drafts accepted [N]),
     with_load: tokens routed to each expert [n_moe_layers, E] by the real rows (EPLB's counters), else None).
     Stop tokens are the driver's business: a speculative row emits all its accepted tokens."""
     if with_load and spec is not None:
@@ -157,25 +160,33 @@ def step(
         count = count.at[pre.slot].set(pre.count + 1, mode="drop")
         if d is not None:
             drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
+    if dec is not None:
+        rows = dec.active.shape[0]  # the first `rows` slots decode
+        part = rows < tok.shape[0]
+        head = lambda x: x[:rows] if part else x  # noqa: E731
+        put = lambda whole, x: whole.at[:rows].set(x) if part else x  # noqa: E731
     if dec is not None and spec is not None:
         no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # noqa: E731
-        keys = sample_keys(dec.seed, count)
-        drafts, cache, emitted, n_emit, _, n_acc = spec_step(
-            params, cfg, spec, drafts, cache, dec.page_table, dec.sp, dec.active, no_stops, keys, experts_fn, opts
+        keys = sample_keys(dec.seed, head(count))
+        mine = jax.tree.map(head, drafts)
+        d, cache, emitted, n_emit, _, n_acc = spec_step(
+            params, cfg, spec, mine, cache, dec.page_table, dec.sp, dec.active, no_stops, keys, experts_fn, opts
         )
-        count = count + jnp.where(dec.active, n_emit, 0)  # the rng counter: tokens emitted so far
+        drafts = jax.tree.map(put, drafts, d)
+        count = put(count, head(count) + jnp.where(dec.active, n_emit, 0))  # the rng counter: tokens emitted so far
         nxt = (emitted, n_emit, n_acc)
     elif dec is not None:
-        ctx = CacheContext(cache, dec.page_table, length + 1, dec.active[:, None])
+        t, n = head(tok), head(length)
+        ctx = CacheContext(cache, dec.page_table, n + 1, dec.active[:, None])
         counted = dec.active[:, None] if with_load else False
-        h, ctx, *load = hidden_states(params, cfg, tok[:, None], length[:, None], ctx, True, experts_fn, counted, opts)
+        h, ctx, *load = hidden_states(params, cfg, t[:, None], n[:, None], ctx, True, experts_fn, counted, opts)
         loads += load
         cache = ctx.cache
         branch_free = opts.on("branch_free_sampling")
-        nxt = sample_rows(logits(params, h[:, 0]), dec.sp, sample_keys(dec.seed, count), branch_free)
-        tok = jnp.where(dec.active, nxt, tok)
-        length = length + dec.active
-        count = count + dec.active
+        nxt = sample_rows(logits(params, h[:, 0]), dec.sp, sample_keys(dec.seed, head(count)), branch_free)
+        tok = put(tok, jnp.where(dec.active, nxt, t))
+        length = put(length, n + dec.active)
+        count = put(count, head(count) + dec.active)
     load = sum(loads) if with_load else None
     return SlotState(cache, tok, length, count, drafts), first, nxt, load
 

@@ -4,6 +4,7 @@ pages always come back; the scheduler's policies do what they claim (fake clock)
 import dataclasses
 import threading
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -12,6 +13,7 @@ from hcfjax.engine import Engine, EngineConfig, FinishReason, InvalidRequest, Qu
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.pages import OutOfPages, PageAllocator
 from hcfjax.engine.request import Request, Status
+from hcfjax.engine.runner import decode_key
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.options import Options
 from hcfjax.sampling import SamplingParams
@@ -216,7 +218,7 @@ def test_serving_while_smaller_shapes_compile_in_the_background(model, monkeypat
 
     monkeypatch.setattr(runner, "_compile", held_back)
     engine.warmup(rest_later=True)
-    assert set(runner.executables) == {None, (1, 24)} and runner.compiling()  # chunks of 16 tokens: not yet
+    assert set(runner.executables) == {decode_key(2), (1, 24)} and runner.compiling()  # chunks of 16 tokens: not yet
     n = 6
     ref = hcfjax.generate(model, PROMPTS, max_new_tokens=n)
     reqs = [engine.submit(p, max_new_tokens=n) for p in PROMPTS]
@@ -225,7 +227,7 @@ def test_serving_while_smaller_shapes_compile_in_the_background(model, monkeypat
     assert runner.compiles == []  # nothing compiled on first use
     release.set()
     runner._later.join(120)
-    assert set(runner.executables) == {None, (1, 16), (1, 24)} and not runner.compiling()
+    assert set(runner.executables) == {decode_key(2), (1, 16), (1, 24)} and not runner.compiling()
     with xla_compiles() as compiles:
         req = engine.submit(PROMPTS[0], max_new_tokens=n)
         run_all(engine)
@@ -258,18 +260,48 @@ def test_a_restart_loads_its_compiled_steps(tmp_path):
 @pytest.mark.parametrize("spec", [None, "rejection"])
 def test_sampled_request_does_not_depend_on_its_batch(model, spec):
     """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
-    with speculation too (drafts, verification and recovered tokens)."""
+    with speculation too (drafts, verification and recovered tokens). Alone it decodes in a 1-row step, in the
+    crowd (slot 2) in a 4-row one."""
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     spec = spec and hcfjax.SpeculativeConfig(2, method=spec)
-    alone = Engine(model, EngineConfig(max_slots=4, speculative=spec))
+    config = EngineConfig(max_slots=4, min_decode_rows=1, speculative=spec)  # decode parts of 1, 2 or 4 rows
+    alone = Engine(model, config)
     r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(alone)
-    crowd = Engine(model, EngineConfig(max_slots=4, speculative=spec))
+    crowd = Engine(model, config)
     others = [crowd.submit(p, sampling=sp, seed=i, max_new_tokens=12) for i, p in enumerate(PROMPTS[1:3])]
     r2 = crowd.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(crowd)
     assert collect(alone, r)[0] == collect(crowd, r2)[0]
     assert collect(crowd, others[0])[0] != collect(crowd, others[1])[0]
+
+
+def test_decode_steps_run_the_rows_that_hold_the_slots_in_use(model, eos_ref):
+    """min_decode_rows=1 over 4 slots: a step decodes the first 1, 2 or 4 slots, whichever holds every request
+    decoding (requests take the lowest free slot). Six requests through four slots, then two in slots 0 and 1 (the
+    second ending first), give generate's greedy tokens. (Speculative steps of fewer rows than slots:
+    test_sampled_request_does_not_depend_on_its_batch.)"""
+    engine = Engine(model, EngineConfig(max_slots=4, min_decode_rows=1, token_budget=64))
+    dispatch, rows = engine.runner.dispatch, []
+
+    def seen(plan):
+        d = dispatch(plan)
+        if d.nxt is not None:
+            rows.append((jax.tree.leaves(d.nxt)[0].shape[0], max(r.slot for r in plan.decode)))
+        return d
+
+    engine.runner.dispatch = seen
+    reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS]
+    run_all(engine)
+    assert [collect(engine, r)[0] for r in reqs] == eos_ref.tokens
+    long = engine.submit(PROMPTS[0], max_new_tokens=24)
+    engine.step()  # admitted to slot 0; the next to slot 1, ending first: 2 rows, then 1
+    short = engine.submit(PROMPTS[1], max_new_tokens=3)
+    run_all(engine)
+    assert collect(engine, long)[0] == eos_ref.tokens[0] and collect(engine, short)[0] == eos_ref.tokens[1][:3]
+    assert all(n == min(s for s in (1, 2, 4) if s > slot) for n, slot in rows)
+    assert {n for n, _ in rows} == {1, 2, 4} and engine.runner.decode_sizes == [1, 2, 4]
+    assert_all_free(engine)
 
 
 def test_abort_and_shutdown_free_everything(model):

@@ -160,6 +160,15 @@ def main(argv=None) -> None:
             f"{ms('process')} | {offline} |",
             flush=True,
         )
+        if row["kernels"]:  # (under the row, so a run cut short keeps it)
+            print(f"  longest kernels per step at batch {row['batch']}, ms: {longest(row['kernels'])}", flush=True)
+
+
+def longest(kernels: dict[str, float], n: int = 8) -> str:
+    """The n kernels with the most time per step, with their share of the step's kernel time."""
+    total = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{name[:40]} {t * 1e3:.2f} ({t / total:.0%})" for name, t in top)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ class EngineConfig:
     the starvation bound; balance: round_robin | fewest_requests | least_pages; cache_dtype: auto (the checkpoint
     scheme's: int8 for w4a8c8, else the model's dtype), float (the model's dtype) or int8; min_prefill_bucket: the
     smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
-    more padding).
+    more padding); min_decode_rows: the fewest rows a decode step runs per rank (a step decodes the first N slots,
+    N a power of two from here that holds every slot in use, or max_slots: one compiled decode step per N).
 
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last
@@ -81,6 +82,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cache_dtype: str = "auto"
     min_prefill_bucket: int = 16
+    min_decode_rows: int = 8
     eplb_interval: int = 0
     eplb_redundant: int = 0
     eplb_window: int = 100
@@ -90,6 +92,7 @@ class EngineConfig:
 
     def __post_init__(self):
         sizes = ("max_slots", "dp", "page_size", "token_budget", "max_prefill_rows", "max_queue", "min_prefill_bucket")
+        sizes += ("min_decode_rows",)
         derived = ("num_pages", "max_model_len")  # None: from the slots, from the model's context
         for name in sizes + derived:
             value = getattr(self, name)
@@ -189,6 +192,7 @@ class Engine:
             _live_eplb(model, c, decode_plan),
             c.options,
             None if c.executable_cache is None else ExecutableCache(c.executable_cache),
+            c.min_decode_rows,
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
@@ -415,16 +419,16 @@ class Engine:
         for c, epoch, row in zip(d.plan.chunks, d.chunk_epochs, d.chunk_rows, strict=True):
             if c.final and not c.req.done and c.req.epoch == epoch:
                 new[c.req.id] = [int(first[row])]
-        for req, slot, epoch in d.decode_slots:
+        for req, row, epoch in d.decode_rows:
             if req.done or req.epoch != epoch:  # a request preempted since dispatch drops its token
                 continue
             if spec is None:
-                new[req.id] = [int(nxt[slot])]
+                new[req.id] = [int(nxt[row])]
                 continue
             emitted, n_emit, n_acc = nxt
-            new[req.id] = [int(t) for t in emitted[slot, : n_emit[slot]]]
+            new[req.id] = [int(t) for t in emitted[row, : n_emit[row]]]
             req.drafts += spec.num_draft_tokens
-            req.accepted += int(n_acc[slot])
+            req.accepted += int(n_acc[row])
         for rid, toks in new.items():
             req = self._requests[rid]
             if self._accept(req, toks, now) and spec is not None:

@@ -1,13 +1,14 @@
 """The engine's device side: the paged cache and per-slot decode state, and hcfjax.step for every engine iteration
 (its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
-Decode slots are fixed (dp x max_slots rows, rank major; rows without a request are inactive); prefill parts are
-padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the token budget. An iteration runs
-its prefill part and its decode part as two programs, so the decode part compiles once, not once per prefill shape.
-`warmup` compiles every program ahead of time, several at once, so serving never stops to compile; a shape met
-without warm-up compiles on first use and is logged. The tokens a step samples stay on the device as the next
-step's input: the host only sends page tables and masks, and reads the sampled tokens back one step later (see
-engine.py).
+Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each rank, N a power of
+two from min_decode_rows that holds every slot in use there (the scheduler hands out the lowest free slots);
+rows without a request are inactive. Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the
+scheduler keeps within the token budget. An iteration runs its prefill part and its decode part as two programs, so
+the decode part compiles once per N, not once per prefill shape. `warmup` compiles every program ahead of time,
+several at once, so serving never stops to compile; a shape met without warm-up compiles on first use and is
+logged. The tokens a step samples stay on the device as the next step's input: the host only sends page tables and
+masks, and reads the sampled tokens back one step later (see engine.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ from pallas_kernels import lowering_cache
 log = logging.getLogger("hcfjax.engine")
 
 
+def decode_key(rows: int) -> tuple[str, int]:
+    """The executables' key of the decode part of `rows` rows (all ranks); a prefill part's key is its tokens'
+    shape (rows, tokens)."""
+    return ("decode", rows)
+
+
+def is_decode(key) -> bool:
+    return key[0] == "decode"
+
+
 def _install(state: SlotState, pages, kv, scale, slot, first, length, count, drafts) -> SlotState:
     """Writes a remotely prefilled request's cache (kv [L, n, page, D] into `pages` [n]; padding pages are out of
     range and dropped) and its slot's first token, length and rng counter, or with speculation its Drafts row."""
@@ -67,7 +78,7 @@ class Dispatched:
     first: jax.Array | None
     nxt: jax.Array | None
     chunk_epochs: list[int]  # each chunk's request epoch at dispatch (a preemption starts a new one)
-    decode_slots: list[tuple]  # (request, slot, epoch) of the decode rows
+    decode_rows: list[tuple]  # (request, row of the decode output, epoch) of the decode rows
     chunk_rows: list[int]  # the prefill row of each chunk
     load: jax.Array | None = None  # [n_moe_layers, E] tokens routed to each expert (with EPLB)
 
@@ -87,12 +98,14 @@ class ModelRunner:
         eplb=None,
         options: Options = DEFAULT,
         disk: ExecutableCache | None = None,
+        min_decode_rows: int = 8,
     ):
         """shapes: the prefill shapes steps pad to (default: 4 rows of up to 256 tokens). plan (a sharding.plans
         decode plan): the dp ranks on the plan's devices, each with its share of the slots
         and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
         the routed load of every step. options: how the model runs (hcfjax.options). disk: keep compiled steps there
-        (hcfjax.engine.executables; steps without a plan)."""
+        (hcfjax.engine.executables; steps without a plan). min_decode_rows: the smallest decode part (rows per
+        rank; decode parts are powers of two from here, up to the slots per rank)."""
         self.model, self.cfg, self.spec, self.plan = model, model.cfg, spec, plan
         self.shapes = shapes or StepShapes(256, 4, whole_prompts=spec is not None, max_len=max_pages * page_size)
         self.options = options
@@ -117,9 +130,11 @@ class ModelRunner:
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
-        self.executables: dict = {}  # prefill shape (or None) -> the compiled step
+        spr = self.slots_per_rank
+        self.decode_sizes = sorted({min(bucket(n, min_decode_rows), spr) for n in range(1, spr + 1)})  # per rank
+        self.executables: dict = {}  # key (decode_key, or a prefill part's shape) -> the compiled step
         self.disk = disk
-        self.compiles: list[tuple[tuple, float]] = []  # (prefill shape, seconds) of each shape compiled on first use
+        self.compiles: list[tuple[tuple, float]] = []  # (key, seconds) of each step compiled on first use
         self._last_decode: tuple | None = None  # (the decode rows' key, their inputs on the device)
         self._later: threading.Thread | None = None  # warmup's background compiles (rest_later)
         self._later_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -127,9 +142,11 @@ class ModelRunner:
 
     def dispatch(self, plan: StepPlan) -> Dispatched:
         pre, rows = self._prefill_inputs(plan) if plan.chunks else (None, [])
-        first, nxt, load = self._call(pre, self._decode_inputs(plan) if plan.decode else None)
+        dec, dec_rows = self._decode_inputs(plan) if plan.decode else (None, [])
+        first, nxt, load = self._call(pre, dec)
         epochs = [c.req.epoch for c in plan.chunks]
-        return Dispatched(plan, first, nxt, epochs, [(r, r.slot, r.epoch) for r in plan.decode], rows, load)
+        decoded = [(r, i, r.epoch) for r, i in zip(plan.decode, dec_rows, strict=True)]
+        return Dispatched(plan, first, nxt, epochs, decoded, rows, load)
 
     def _call(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
         """One engine step: the prefill program, then the decode program (each part its own executable, so the
@@ -137,10 +154,10 @@ class ModelRunner:
         first = nxt = None
         loads = []
         if pre is not None:
-            self.state, first, _, load = self._run(pre.tokens.shape, pre, None)
+            self.state, first, _, load = self._run(tuple(pre.tokens.shape), pre, None)
             loads.append(load)
         if dec is not None:
-            self.state, _, nxt, load = self._run(None, None, dec)
+            self.state, _, nxt, load = self._run(decode_key(dec.active.shape[0]), None, dec)
             loads.append(load)
         self.steps += 1
         loads = [x for x in loads if x is not None]
@@ -152,7 +169,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             fn = self.executables[key] = self._compile(pre, dec)
             self.compiles.append((key, time.perf_counter() - t0))
-            what = "decode" if key is None else f"{key} prefill"
+            what = f"{key[1]}-row decode" if is_decode(key) else f"{key} prefill"
             log.info("compiled the %s step in %.1f s", what, self.compiles[-1][1])
         return fn(self.params, self.state, pre, dec)
 
@@ -235,22 +252,23 @@ class ModelRunner:
     def warmup(
         self, prefill: bool = True, progress: Callable[[int, int], None] | None = None, rest_later: bool = False
     ) -> int:
-        """Compiles the decode step and, unless only decoding here (a PD decode worker), the prefill step of every
-        shape in `shapes`, several at once. progress(done, total) is told as each compile ends. rest_later: only
-        the prefill shapes no other one holds (`StepShapes.maximal`) now, the others in a background thread; until
-        a shape is compiled, a step that needs it runs padded to the smallest compiled one that holds it. -> the
-        number of programs compiled now."""
-        inputs = {None: (None, self.idle_decode())}
+        """Compiles the decode step of every row count and, unless only decoding here (a PD decode worker), the
+        prefill step of every shape in `shapes`, several at once. progress(done, total) is told as each compile
+        ends. rest_later: only the decode step of all slots and the prefill shapes no other one holds
+        (`StepShapes.maximal`) now, the others in a background thread; until a step is compiled, a step that needs
+        it runs padded to the smallest compiled one that holds it. -> the number of programs compiled now."""
+        inputs = {decode_key(n * self.ranks): (None, self.idle_decode(n)) for n in self.decode_sizes}
         for b, t in self.shapes.all() if prefill else []:
             pre = self.idle_prefill((b, t))
-            inputs[pre.tokens.shape] = (pre, None)
-        # the largest shapes first: their kernels take longest to lower and their programs to compile
-        todo = sorted((k for k in inputs if k not in self.executables), key=lambda k: -np.prod(k or (1 << 30,)))
+            inputs[tuple(pre.tokens.shape)] = (pre, None)
+        # the decode steps, then the largest shapes first: their kernels take longest to lower and compile
+        order = lambda k: (0, -k[1]) if is_decode(k) else (1, -k[0] * k[1])  # noqa: E731
+        todo = sorted((k for k in inputs if k not in self.executables), key=order)
         later = []
         if rest_later:
-            top = {(b * self.ranks, t) for b, t in self.shapes.maximal()}
-            later = [k for k in todo if k is not None and k not in top]
-            todo = [k for k in todo if k not in later]
+            top = {decode_key(self.num_slots)} | {(b * self.ranks, t) for b, t in self.shapes.maximal()}
+            later = [k for k in todo if k not in top]
+            todo = [k for k in todo if k in top]
         self._compile_all(todo, inputs, progress)
         if later:
             self._later = threading.Thread(
@@ -316,9 +334,9 @@ class ModelRunner:
             PrefillInputs(z(b, t), z(b), z(b), z(b, self.max_pages), drop, sp, z(b).astype(np.uint32), z(b))
         )
 
-    def idle_decode(self) -> DecodeInputs:
-        """A decode part that writes nothing: every row inactive."""
-        return self._decode_inputs(StepPlan([], []))
+    def idle_decode(self, rows: int | None = None) -> DecodeInputs:
+        """A decode part that writes nothing: `rows` rows per rank (default: every slot), all inactive."""
+        return self._decode_arrays((rows or self.slots_per_rank) * self.ranks, [], [])
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -368,7 +386,7 @@ class ModelRunner:
         compiled in the background, then the smallest compiled shape that holds it."""
         if not self.compiling() or (rows * self.ranks, tokens) in self.executables:
             return rows, tokens
-        held = [(k[0] // self.ranks, k[1]) for k in list(self.executables) if k is not None]
+        held = [(k[0] // self.ranks, k[1]) for k in list(self.executables) if not is_decode(k)]
         held = [(b, t) for b, t in held if b >= rows and t >= tokens]
         return min(held, key=lambda s: (s[0] * s[1], s[1]), default=(rows, tokens))
 
@@ -376,19 +394,31 @@ class ModelRunner:
         """A step's inputs (numpy arrays) onto the device, or over a plan's ranks by rows, in one transfer."""
         return jax.device_put(tree, None if self.plan is None else self.plan.rows())
 
-    def _decode_inputs(self, plan: StepPlan) -> DecodeInputs:
-        """The decode rows: every slot, active where a request decodes this step. They change only when a request
-        joins, leaves or takes a new page, so the device copy of the last ones is reused while they have not."""
-        key = tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode)
-        if self._last_decode is not None and self._last_decode[0] == key:
-            return self._last_decode[1]
-        s = self.num_slots
-        active, seed = np.zeros(s, bool), np.zeros(s, np.uint32)
-        pages: list[list[int]] = [[] for _ in range(s)]
-        sampling = [plan.decode[0].sampling if plan.decode else SamplingParams()] * s
-        for req in plan.decode:
-            active[req.slot], seed[req.slot], sampling[req.slot] = True, req.seed, req.sampling
-            pages[req.slot] = self._local_pages(req)
-        inputs = self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling), seed))
-        self._last_decode = (key, inputs)
-        return inputs
+    def _decode_inputs(self, plan: StepPlan) -> tuple[DecodeInputs, list[int]]:
+        """The decode rows (the first N slots of every rank, active where a request decodes this step) and each
+        request's row. They change only when a request joins, leaves or takes a new page, so the device copy of
+        the last ones is reused while they have not."""
+        local = [r.slot - self._rank(r) * self.slots_per_rank for r in plan.decode]
+        n = self._decode_size(max(local) + 1)
+        rows = [self._rank(r) * n + i for r, i in zip(plan.decode, local, strict=True)]
+        key = (n, tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode))
+        if self._last_decode is None or self._last_decode[0] != key:
+            self._last_decode = (key, self._decode_arrays(n * self.ranks, plan.decode, rows))
+        return self._last_decode[1], rows
+
+    def _decode_size(self, need: int) -> int:
+        """Rows per rank of the decode part that holds slots 0 .. need - 1 of every rank: the smallest decode size,
+        unless its step is still being compiled in the background, then the smallest compiled one that holds it."""
+        n = next(s for s in self.decode_sizes if s >= need)
+        if not self.compiling() or decode_key(n * self.ranks) in self.executables:
+            return n
+        held = [k[1] // self.ranks for k in list(self.executables) if is_decode(k) and k[1] // self.ranks >= n]
+        return min(held, default=n)
+
+    def _decode_arrays(self, size: int, reqs, rows: list[int]) -> DecodeInputs:
+        active, seed = np.zeros(size, bool), np.zeros(size, np.uint32)
+        pages: list[list[int]] = [[] for _ in range(size)]
+        sampling = [reqs[0].sampling if reqs else SamplingParams()] * size
+        for req, i in zip(reqs, rows, strict=True):
+            active[i], seed[i], sampling[i], pages[i] = True, req.seed, req.sampling, self._local_pages(req)
+        return self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling), seed))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.pages import PageAllocator
@@ -81,7 +82,9 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.alloc = [PageAllocator(cfg.num_pages, cfg.page_size, base=r * cfg.num_pages) for r in range(cfg.dp)]
-        self.free_slots = [list(range((r + 1) * cfg.max_slots - 1, r * cfg.max_slots - 1, -1)) for r in range(cfg.dp)]
+        # heaps: a request takes its rank's lowest free slot, so the slots in use stay packed at the low end and
+        # decode steps run over the fewest rows (the runner's decode buckets)
+        self.free_slots = [list(range(r * cfg.max_slots, (r + 1) * cfg.max_slots)) for r in range(cfg.dp)]
         self.balancer = Balancer(cfg.balance, cfg.dp)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # holding a slot, in admission order
@@ -107,7 +110,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc[req.rank].release(req.pages)
-        self.free_slots[req.rank].append(req.slot)
+        heapq.heappush(self.free_slots[req.rank], req.slot)
         req.pages, req.slot, req.rank = [], -1, -1
 
     @property
@@ -228,7 +231,7 @@ class Scheduler:
         rank = self.balancer.choose(self.loads(), self._expected_pages(req, len(req.fill)))
         if rank is None:
             return False
-        req.rank, req.slot = rank, self.free_slots[rank].pop()
+        req.rank, req.slot = rank, heapq.heappop(self.free_slots[rank])
         if not self._grow(req, len(req.fill) + self.cfg.page_slack):  # loads() promised these: cannot fail
             raise AssertionError("admission found pages that are not there")
         self.waiting.remove(req)
