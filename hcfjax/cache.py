@@ -64,13 +64,16 @@ def write(
     # scatter drops.
     page = jnp.where(valid & (positions // ps < page_table.shape[1]), page, cache.num_pages)
     slot = positions % ps
+    # The entries are computed before the scatter, not inside it: XLA's GPU backend fuses a scatter's producers into
+    # it, and the scatter then recomputes the norm, rope and quantisation (row reductions) for every byte it writes.
     if not cache.quantized:
-        entry = jnp.concatenate([ckv, kpe], axis=-1).astype(cache.kv.dtype)
+        entry = jax.lax.optimization_barrier(jnp.concatenate([ckv, kpe], axis=-1).astype(cache.kv.dtype))
         return KVCache(cache.kv.at[layer, page, slot].set(entry, mode="drop"))
     qc, sc = quantize_int8(ckv)
     qr, sr = quantize_int8(kpe)
-    kv = cache.kv.at[layer, page, slot].set(jnp.concatenate([qc, qr], axis=-1), mode="drop")
-    scale = cache.scale.at[layer, page, slot].set(jnp.stack([sc, sr], axis=-1), mode="drop")
+    entry, scales = jax.lax.optimization_barrier((jnp.concatenate([qc, qr], axis=-1), jnp.stack([sc, sr], axis=-1)))
+    kv = cache.kv.at[layer, page, slot].set(entry, mode="drop")
+    scale = cache.scale.at[layer, page, slot].set(scales, mode="drop")
     return KVCache(kv, scale)
 
 

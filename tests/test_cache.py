@@ -89,6 +89,21 @@ def test_int8_quantisation_round_trip():
     assert float(jnp.max(jnp.abs(back - x) / s[..., None])) <= 0.5 + 1e-5  # within half a quantisation step
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_cache_entries_are_computed_before_their_scatter(v3_model, dtype):
+    """Each scatter into the cache takes its entries from an optimization_barrier, so XLA cannot fuse the entries'
+    producers (norm, rope, quantisation: row reductions) into the scatter, which would recompute them per byte."""
+    cfg = v3_model.cfg
+    cache = kvcache.init_cache(cfg, 4, 4, dtype)
+    ckv, kpe = jnp.ones((2, 3, cfg.kv_lora_rank)), jnp.ones((2, 3, cfg.qk_rope_head_dim))
+    pos, valid, table = jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3), bool), jnp.zeros((2, 2), jnp.int32)
+    jaxpr = jax.make_jaxpr(kvcache.write, static_argnums=1)(cache, 0, ckv, kpe, pos, valid, table).jaxpr
+    barriers = {v for e in jaxpr.eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
+    scatters = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
+    assert len(scatters) == (2 if dtype == jnp.int8 else 1)
+    assert all(e.invars[2] in barriers for e in scatters)
+
+
 def test_padding_and_mock_rows_never_write(v3_model):
     """Tokens marked invalid (right padding, idle rows) leave every page untouched."""
     cfg = v3_model.cfg
