@@ -270,3 +270,20 @@ def test_moe_check_lines_name_our_tiling_and_the_peers():
     assert len(lines) == 2
     assert "w4a8 kernel: ok" in lines[0] and "(bm=64, smem 1024 B)" in lines[0]
     assert "(peer): FAIL" in lines[1] and lines[1].endswith("(torch peer)")
+
+
+def test_moe_bench_grouped_reference_equals_numpy():
+    """The MoE bench's f32 reference (one expert at a time, not XLA's dense masked ragged_dot) against numpy,
+    empty groups included."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels.bench.moe_worker import grouped_reference
+
+    rng = np.random.default_rng(0)
+    gs = np.array([3, 0, 11, 1, 0, 6], np.int32)
+    a = rng.standard_normal((int(gs.sum()), 24)).astype(np.float32)
+    b = rng.standard_normal((len(gs), 24, 10)).astype(np.float32)
+    want = np.concatenate([a[s : s + g] @ b[e] for e, (s, g) in enumerate(zip(np.cumsum(gs) - gs, gs, strict=True))])
+    got = np.asarray(grouped_reference(jax.numpy.asarray(a), jax.numpy.asarray(b), jax.numpy.asarray(gs)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -153,15 +153,17 @@ def _plan(chunks_reqs, decode_reqs):
 
 def test_actual_and_engine_works():
     a, b = new_request("a", 100, 8, 0.0), new_request("b", 300, 8, 0.0)
-    a.rank, a.cached_bound, b.rank = 1, 50, 0
+    a.rank, a.cached_bound, a.slot, b.rank = 1, 50, 5, 0
     plan = _plan([(b, 0, 200, False)], [a])
     w = actual_works(plan, dp=2)
     assert (w[1].tokens, w[1].dec_pairs, w[1].dec_kv) == (1, 50, 50)
     assert (w[0].tokens, w[0].pre_pairs, w[0].logits) == (200, 200 * 201 // 2, 0)
     shapes = EngineShapes(ranks=1, slots=32, keys=4160, max_rows=2, token_budget=256, min_bucket=64)
     (e,) = shapes.works(plan)
-    assert e.tokens == 32 + 256 and e.dec_kv == 32 * 4160  # every slot, the whole page table
-    assert e.pre_pairs == 256 * 4160 and e.logits == 32 + 1
+    assert e.tokens == 8 + 256 and e.dec_kv == 8 * 4160  # the first 8 slots hold slot 5; the whole page table
+    assert e.pre_pairs == 256 * 4160 and e.logits == 8 + 1
+    a.slot = 20
+    assert [shapes.decode_rows(plan), shapes.decode_rows(_plan([(b, 0, 200, False)], []))] == [32, 0]
     step = shapes.step_shapes
     assert step.tokens(65) == 128 and step.tokens(10) == 64 and step.rows(3) == 2
 
@@ -306,7 +308,7 @@ def test_pd_engine_shapes_by_hand(tmp_path):
     shapes = PrefillShapes(16, 128, 64)
     step = lambda n_rows, longest: pc.step(shapes.shape_works(*shapes.shape(n_rows, longest))).seconds
     link = lambda tokens: 0.02 + dc.kv_bytes(-(-tokens // 16) * 16) / 1e9  # whole pages of 16
-    decode = dc.step(dep.engine_shapes_for(dep.decode, cfg).shape_works(0, 0, True)).seconds
+    decode = dc.step(dep.engine_shapes_for(dep.decode, cfg).shape_works(0, 0, 4)).seconds  # 4 slots, min 8 rows
 
     trace = tmp_path / "one.csv"
     trace.write_text("arrival_s,input,output\n0.0,100,5\n")

@@ -47,11 +47,12 @@ from hcfjax.sim.gpus import Efficiency, gpu
 from hcfjax.sim.work import EngineShapes
 
 
-def _time_shape(runner, shape: tuple[int, int] | None, reps: int) -> float:
-    """Median seconds of one runner step of this prefill shape (None: decode alone), on inputs that write nothing."""
+def _time_shape(runner, shape: tuple[int, int] | None, reps: int, rows: int | None = None) -> float:
+    """Median seconds of one runner step of this prefill shape (None: decode alone) and `rows` decode rows per rank
+    (default: every slot), on inputs that write nothing."""
     import jax
 
-    pre, dec = (None if shape is None else runner.idle_prefill(shape)), runner.idle_decode()
+    pre, dec = (None if shape is None else runner.idle_prefill(shape)), runner.idle_decode(rows)
     times = []
     for i in range(reps + 1):
         t0 = time.perf_counter()
@@ -62,20 +63,21 @@ def _time_shape(runner, shape: tuple[int, int] | None, reps: int) -> float:
 
 
 def calibrate(engine, model, args, shapes: EngineShapes) -> list[tuple]:
-    """Step times of every shape the engine serves with, and of decode at other slot counts."""
+    """Step times (shapes, prefill rows, chunk, decode rows per rank, seconds) of every shape the engine serves
+    with: decode alone at each of its decode row counts, prefill with every slot decoding, and decode at other slot
+    counts."""
     from hcfjax.engine.runner import ModelRunner
     from hcfjax.quantize import default_cache_dtype
 
-    c = engine.config
-    points = [(shapes, 0, 0, True, _time_shape(engine.runner, None, args.reps))]
+    c, r = engine.config, engine.runner
+    points = [(shapes, 0, 0, n, _time_shape(r, None, args.reps, n)) for n in r.decode_sizes]
     for b, t in shapes.step_shapes.all():
-        points.append((shapes, b, t, True, _time_shape(engine.runner, (b, t), args.reps)))
-    r = engine.runner
+        points.append((shapes, b, t, r.slots_per_rank, _time_shape(r, (b, t), args.reps)))
     for slots in args.calib_slots:
         pages = max(r.max_pages, slots * r.max_pages // 2)
         runner = ModelRunner(model, slots, pages, c.page_size, r.max_pages, default_cache_dtype(model, None))
         other = dataclasses.replace(shapes, slots=slots)
-        points.append((other, 0, 0, True, _time_shape(runner, None, args.reps)))
+        points.append((other, 0, 0, slots, _time_shape(runner, None, args.reps)))
         del runner
     return points
 
@@ -321,11 +323,13 @@ def run(args, stage, workers, gpus) -> list[str]:
         f"{header()}; {model_name}; {args.requests} requests, Poisson {args.rate}/s, lengths x {args.scale}; engine: "
         f"{what}. Colocated: in process, warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes)."
     )
-    tables = ["Colocated calibration (step shapes: prefill rows x chunk, decode slots; measured vs the fitted model):"]
-    tables += ["", "| rows x chunk | decode slots | measured ms | model ms |", "|---|---|---|---|"]
+    tables = [
+        "Colocated calibration (step shapes: prefill rows x chunk, decode rows per rank; measured vs the fitted model):"
+    ]
+    tables += ["", "| rows x chunk | decode rows | measured ms | model ms |", "|---|---|---|---|"]
     for shp, b, t, d, s in points:
         m = cm.step(shp.shape_works(b, t, d)).seconds
-        tables.append(f"| {f'{b} x {t}' if b else '-'} | {shp.slots if d else '-'} | {s * 1e3:.2f} | {m * 1e3:.2f} |")
+        tables.append(f"| {f'{b} x {t}' if b else '-'} | {d or '-'} | {s * 1e3:.2f} | {m * 1e3:.2f} |")
     tables += ["", f"Fitted colocated profile ({args.profile}): {fitted(eff)}."]
 
     if workers is not None:

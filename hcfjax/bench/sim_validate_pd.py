@@ -308,7 +308,7 @@ def run_pd(args, stage, workers: Workers, gpus, model, model_name: str, requests
     profiles = {"prefill": f"{stem}-prefill.json", "decode": f"{stem}-decode.json"}
     ps = PrefillShapes(pre_cfg.page_size, pre_cfg.chunk, pre_cfg.min_bucket)
     pre_eff = fit(cfg, args.gpu, [(ps.shape_works(*shape), s) for shape, s in pre_points], base)
-    dec_points = [(shp.shape_works(0, 0, True), s) for shp, b, _, d, s in points if d and not b]
+    dec_points = [(shp.shape_works(0, 0, d), s) for shp, b, _, d, s in points if d and not b]
     # the handoff beyond the link (gRPC hops, threads, the first token's way out): a lone request's TTFT less its
     # prefill step and its transfer, as timed above
     lone = dict(pre_points)[ps.shape(1, probe)] + latency + link_bytes(model, pre_cfg.page_size, probe) / bw

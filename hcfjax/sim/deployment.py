@@ -72,6 +72,7 @@ class Pool:
     spf_window_s: float = 0.05
     max_wait_s: float = 2.0
     min_bucket: int = 16  # engine_shapes only: the smallest prefill chunk shape
+    min_decode_rows: int = 8  # engine_shapes only: the smallest decode step (rows per rank)
     chunk: int = 2048  # engine_shapes, PD prefill: the worker's forward chunk (PrefillConfig.chunk)
     efficiency: str | None = None  # this pool's profile (default: the deployment's)
 
@@ -217,6 +218,7 @@ class Deployment:
             token_budget=pool.token_budget,
             min_bucket=pool.min_bucket,
             spec_k=self.spec_k,
+            min_decode_rows=pool.min_decode_rows,
         )
 
     def prefill_shapes_for(self, pool: Pool) -> PrefillShapes:

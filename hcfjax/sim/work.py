@@ -3,9 +3,10 @@
 Two views of the same plan:
 - `actual_works`: a production stack (CUDA graphs over exact batch sizes, FlashMLA-style kernels) computes the rows
   the plan holds, each attending over its own cached length; under attention DP an idle rank runs one mock row.
-- `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: every decode slot of every
-  rank in every decode step, each row attending over the whole page table (max_pages x page_size positions, the
-  XLA reference gathers them all), and prefill rows and chunk lengths bucketed to powers of two.
+- `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: the first N decode slots
+  of every rank in every decode step (N a power of two from min_decode_rows that holds every slot in use), each row
+  attending over the whole page table (max_pages x page_size positions, the XLA reference gathers them all), and
+  prefill rows and chunk lengths bucketed to powers of two.
 - `PrefillShapes.works`: hcfjax's PD prefill worker (hcfjax/pd/prefill.py) computes whole prompts layer by layer
   in fixed batch shapes: rows and lengths bucketed to powers of two, each chunk of a layer attending over the
   batch's whole page table (its width bucketed too).
@@ -54,7 +55,8 @@ def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) 
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
     """The fixed shapes hcfjax's ModelRunner compiles: `ranks` device ranks (1 without a decode plan: every DP rank
-    on one device), `slots` decode rows in all, `keys` positions each row gathers (max_pages x page_size)."""
+    on one device), `slots` decode slots in all, of which a step decodes the first N per rank (N a power of two from
+    min_decode_rows, up to the slots per rank), `keys` positions each row gathers (max_pages x page_size)."""
 
     ranks: int
     slots: int
@@ -63,6 +65,7 @@ class EngineShapes:
     token_budget: int
     min_bucket: int
     spec_k: int = 0
+    min_decode_rows: int = 8
 
     @property
     def step_shapes(self) -> StepShapes:
@@ -77,14 +80,23 @@ class EngineShapes:
                 per_rank[c.req.rank if self.ranks > 1 else 0] += 1
             b = self.step_shapes.rows(max(per_rank))
             t = self.step_shapes.tokens(max(c.n for c in plan.chunks))
-        return self.shape_works(b, t, bool(plan.decode))
+        return self.shape_works(b, t, self.decode_rows(plan))
 
-    def shape_works(self, b: int, t: int, decode: bool) -> list[Work]:
-        """The work of one compiled step shape: b prefill rows per rank of t tokens, with or without decode."""
+    def decode_rows(self, plan: StepPlan) -> int:
+        """Decode rows per rank of the plan's step (0: none): the runner's N for its highest slot in use."""
+        if not plan.decode:
+            return 0
+        per_rank = self.slots // self.ranks
+        need = max(r.slot % per_rank for r in plan.decode) + 1
+        return min(bucket(need, self.min_decode_rows), per_rank)
+
+    def shape_works(self, b: int, t: int, decode_rows: int) -> list[Work]:
+        """The work of one compiled step shape: b prefill rows per rank of t tokens, and decode_rows decode rows per
+        rank (0: no decode part)."""
         works = [Work() for _ in range(self.ranks)]
-        k, s = self.spec_k, self.slots // self.ranks
+        k, s = self.spec_k, decode_rows
         for w in works:
-            if decode:
+            if s:
                 q = k + 1
                 w += Work(tokens=s * q, logits=s * q, dec_pairs=s * q * self.keys, dec_kv=s * self.keys)
                 if k:  # MTP extend over 2k + 1 anchors per depth, then k - 1 one-token chain steps, spread over k
