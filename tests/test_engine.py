@@ -260,11 +260,12 @@ def test_a_restart_loads_its_compiled_steps(tmp_path):
 @pytest.mark.parametrize("spec", [None, "rejection"])
 def test_sampled_request_does_not_depend_on_its_batch(model, spec):
     """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
-    with speculation too (drafts, verification and recovered tokens). Alone it decodes in a 1-row step, in the
-    crowd (slot 2) in a 4-row one."""
+    with speculation too (drafts, verification and recovered tokens). Plain: alone it decodes in a 1-row step, in
+    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots (one program fewer to compile)."""
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     spec = spec and hcfjax.SpeculativeConfig(2, method=spec)
-    config = EngineConfig(max_slots=4, min_decode_rows=1, speculative=spec)  # decode parts of 1, 2 or 4 rows
+    rows = dict(max_slots=8, min_decode_rows=4) if spec else dict(max_slots=4, min_decode_rows=1)
+    config = EngineConfig(**rows, speculative=spec)
     alone = Engine(model, config)
     r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(alone)
