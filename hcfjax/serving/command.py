@@ -202,6 +202,7 @@ def _serve_until_signal(args, started: float) -> int:
         return 2
     announce = announcer(random_label(args.preset, args.scheme))
     announce(f"hcfjax serve: {engine_summary(engine)}")
+    engine_notices_to_stderr()
     common = dict(
         metrics_port=args.metrics_port,
         grace=args.grace,
@@ -228,6 +229,20 @@ def _serve_until_signal(args, started: float) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def engine_notices_to_stderr() -> None:
+    """The engine's notices (a step shape compiled on first use, the background compiles done, a failed step) on
+    stderr, once per process."""
+    import logging
+
+    log = logging.getLogger("hcfjax.engine")
+    if not any(getattr(h, "hcfjax_notices", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("hcfjax serve: %(message)s"))
+        handler.hcfjax_notices = True
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def announcer(label: str | None):

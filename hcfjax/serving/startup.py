@@ -71,7 +71,7 @@ def warm_up(engine, announce) -> float:
     seconds = engine.warmup(progress=CompileProgress(), rest_later=True)
     disk = engine.runner.disk
     loaded = f" ({disk.hits} loaded from the step cache)" if disk is not None and disk.hits else ""
-    later = " (the smaller prefill shapes go on compiling in the background)" if engine.runner.compiling() else ""
+    later = " (the other step shapes go on compiling in the background)" if engine.runner.compiling() else ""
     announce(f"hcfjax serve: {len(engine.runner.executables)} step shapes compiled in {seconds:.1f} s{loaded}{later}")
     return seconds
 
