@@ -62,8 +62,8 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     remote.connect = connect
     plan = decode_plan(**plans["decode"]) if "decode" in plans else None
     engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
-    if args.warmup:
-        announce(f"hcfjax serve: compiled in {engine.warmup():.1f} s")
+    if args.warmup:  # the all-slot decode step now, the decode steps of fewer rows in the background
+        announce(f"hcfjax serve: compiled in {engine.warmup(rest_later=True):.1f} s")
     with until_signal(announce):
         engine.start()
         server = decode_server(engine, remote, args.transport, args.host, args.port, api_key=args.api_key).start()
