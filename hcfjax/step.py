@@ -162,7 +162,7 @@ def step(
             drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
     if dec is not None:
         rows = dec.active.shape[0]  # the first `rows` slots decode
-        part = rows < tok.shape[0]  # (all slots: no slices, which XLA:CPU fails to compile in a speculative plan)
+        part = rows < tok.shape[0]  # all slots: no slices (XLA:CPU crashed on full-width ones, speculative, in a plan)
         head = lambda x: x[:rows] if part else x  # noqa: E731
         put = lambda whole, x: whole.at[:rows].set(x) if part else x  # noqa: E731
     if dec is not None and spec is not None:

@@ -287,3 +287,17 @@ def test_moe_bench_grouped_reference_equals_numpy():
     want = np.concatenate([a[s : s + g] @ b[e] for e, (s, g) in enumerate(zip(np.cumsum(gs) - gs, gs, strict=True))])
     got = np.asarray(grouped_reference(jax.numpy.asarray(a), jax.numpy.asarray(b), jax.numpy.asarray(gs)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_startup_settle_reads_the_runners_background_lines():
+    """bench.startup --settle waits for the runner's log line that ends the background compiles (or says they
+    failed): the patterns match what the runner writes."""
+    import inspect
+
+    from hcfjax.bench.startup import BACKGROUND_DONE, BACKGROUND_FAILED
+    from hcfjax.engine import runner
+
+    src = inspect.getsource(runner)
+    done = "compiled %d more step shapes in the background in %.1f s"
+    assert done in src and BACKGROUND_DONE.search("hcfjax serve: " + done % (9, 17.7))
+    assert BACKGROUND_FAILED in src

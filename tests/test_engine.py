@@ -94,14 +94,16 @@ def test_concurrent_requests_equal_generate(model, eos_ref, config):
 
 def test_engine_under_the_decode_plan(model, plan_ref):
     """Two DP ranks on two devices: each rank's attention over its own slots and pages, experts over EP with the
-    all_to_all exchange, mock rows on the rank with less work; same tokens as generate."""
+    all_to_all exchange, mock rows on the rank with less work; same tokens as generate. Decode steps of 1 and 2
+    rows per rank (min_decode_rows=1): each rank decodes its first rows of its own slots."""
     from sharding.plans import decode_plan
 
-    config = EngineConfig(max_slots=2, dp=2, token_budget=32, balance="fewest_requests")
+    config = EngineConfig(max_slots=2, dp=2, token_budget=32, balance="fewest_requests", min_decode_rows=1)
     engine = Engine(model, config, decode_plan=decode_plan(2))
     reqs = [engine.submit(p, max_new_tokens=10) for p in PROMPTS[:5]]
     run_all(engine)
     assert [collect(engine, r)[0] for r in reqs] == plan_ref
+    assert {decode_key(2), decode_key(4)} <= set(engine.runner.executables)  # 1 and 2 rows on each of 2 ranks
     assert_all_free(engine)
     with pytest.raises(ValueError, match="dp=1"):
         Engine(model, EngineConfig(), decode_plan=decode_plan(2))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import re
 import statistics
 import time
@@ -88,13 +89,13 @@ class Bench:
         pages = alloc.pages_for(length + 64)
         if pages > alloc.num_free:
             raise SystemExit(f"the cache has {alloc.num_free} free pages; this case needs {pages} more")
-        req.rank, req.slot, req.pages = 0, self.sched.free_slots[0].pop(), alloc.allocate(pages)
+        req.rank, req.slot, req.pages = 0, heapq.heappop(self.sched.free_slots[0]), alloc.allocate(pages)
         return req
 
     def _release(self, reqs) -> None:
         for req in reqs:
             self.sched.alloc[0].release(req.pages)
-            self.sched.free_slots[0].append(req.slot)
+            heapq.heappush(self.sched.free_slots[0], req.slot)
 
     def plan(self, case: Case) -> tuple[StepPlan, list[Request]]:
         chunks = []

@@ -279,6 +279,7 @@ def run(args, stage, workers, gpus) -> list[str]:
         balance=config.balance,
         spf_window_s=config.spf_window_s,
         max_wait_s=config.max_wait_s,
+        min_decode_rows=config.min_decode_rows,
     )
     dep = Deployment(
         model=model_name,

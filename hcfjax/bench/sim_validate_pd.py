@@ -255,6 +255,7 @@ def deployment(
         spf_window_s=e.spf_window_s,
         max_wait_s=e.max_wait_s,
         min_bucket=e.min_prefill_bucket,
+        min_decode_rows=e.min_decode_rows,
         efficiency=profiles["decode"],
     )
     return Deployment(

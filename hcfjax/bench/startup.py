@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def _header() -> str:
 
 
 BACKGROUND_DONE = re.compile(r"compiled \d+ more step shapes in the background in [\d.]+ s")
+BACKGROUND_FAILED = "compiling step shapes in the background failed"
 
 
 def start_once(serve_args: list[str], cache: str, timeout: float, settle: bool = False) -> dict:
@@ -64,14 +66,22 @@ def start_once(serve_args: list[str], cache: str, timeout: float, settle: bool =
             raise RuntimeError(f"hcfjax serve exited ({proc.wait()}) before it was ready")
         row["first_request_s"] = _one_request(row["port"])
         if settle and row.get("background"):
-            for line in proc.stdout:
-                print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)
-                if BACKGROUND_DONE.search(line):
-                    row["settled_s"] = time.monotonic() - t0
-                    row["settled_request_s"] = _one_request(row["port"])
-                    break
-                if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"background compiles not done after {timeout:.0f} s")
+            # a server gone quiet (its background compiles failed, or hung) is stopped at the deadline
+            watchdog = threading.Timer(max(timeout - (time.monotonic() - t0), 0), proc.send_signal, [signal.SIGINT])
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)
+                    if BACKGROUND_DONE.search(line):
+                        row["settled_s"] = time.monotonic() - t0
+                        row["settled_request_s"] = _one_request(row["port"])
+                        break
+                    if BACKGROUND_FAILED in line:
+                        raise RuntimeError("the server's background compiles failed")
+            finally:
+                watchdog.cancel()
+            if "settled_s" not in row:
+                raise TimeoutError(f"background compiles not done after {timeout:.0f} s")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

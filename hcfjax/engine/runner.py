@@ -1,8 +1,9 @@
 """The engine's device side: the paged cache and per-slot decode state, and hcfjax.step for every engine iteration
 (its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
-Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each rank, N a power of
-two from min_decode_rows that holds every slot in use there (the scheduler hands out the lowest free slots);
+Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each device rank (without
+a decode plan, one rank holds every DP rank's slots), N a power of two from min_decode_rows that holds every slot in
+use there (the scheduler hands out the lowest free slots);
 rows without a request are inactive. Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the
 scheduler keeps within the token budget. An iteration runs its prefill part and its decode part as two programs, so
 the decode part compiles once per N, not once per prefill shape. `warmup` compiles every program ahead of time,
