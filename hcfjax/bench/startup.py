@@ -48,10 +48,11 @@ def start_once(serve_args: list[str], cache: str, timeout: float, settle: bool =
     cmd = [sys.executable, "-m", "hcfjax.cli", "serve", "--port", "0", "--compile-cache", cache, *serve_args]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    echo = lambda line: print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)  # noqa: E731
     row: dict = {}
     try:
         for line in proc.stdout:
-            print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)
+            echo(line)
             if m := re.search(r"(\d+) step shapes compiled in ([\d.]+) s", line):
                 row["shapes"], row["compile_s"] = int(m[1]), float(m[2])
                 row["background"] = "compiling in the background" in line
@@ -71,7 +72,7 @@ def start_once(serve_args: list[str], cache: str, timeout: float, settle: bool =
             watchdog.start()
             try:
                 for line in proc.stdout:
-                    print(f"  [{time.monotonic() - t0:6.1f} s] {line.rstrip()}", flush=True)
+                    echo(line)
                     if BACKGROUND_DONE.search(line):
                         row["settled_s"] = time.monotonic() - t0
                         row["settled_request_s"] = _one_request(row["port"])

@@ -1,15 +1,15 @@
 """The engine's device side: the paged cache and per-slot decode state, and hcfjax.step for every engine iteration
 (its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
-Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each device rank (without
-a decode plan, one rank holds every DP rank's slots), N a power of two from min_decode_rows that holds every slot in
-use there (the scheduler hands out the lowest free slots);
-rows without a request are inactive. Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the
-scheduler keeps within the token budget. An iteration runs its prefill part and its decode part as two programs, so
-the decode part compiles once per N, not once per prefill shape. `warmup` compiles every program ahead of time,
-several at once, so serving never stops to compile; a shape met without warm-up compiles on first use and is
-logged. The tokens a step samples stay on the device as the next step's input: the host only sends page tables and
-masks, and reads the sampled tokens back one step later (see engine.py).
+Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each device rank
+(without a decode plan, one rank holds every DP rank's slots), N a power of two from min_decode_rows that holds
+every slot in use there (the scheduler hands out the lowest free slots); rows without a request are inactive.
+Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the token budget.
+An iteration runs its prefill part and its decode part as two programs, so the decode part compiles once per N, not
+once per prefill shape. `warmup` compiles every program ahead of time, several at once, so serving never stops to
+compile; a shape met without warm-up compiles on first use and is logged. The tokens a step samples stay on the
+device as the next step's input: the host only sends page tables and masks, and reads the sampled tokens back one
+step later (see engine.py).
 """
 
 from __future__ import annotations
@@ -361,7 +361,7 @@ class ModelRunner:
             index.append((r, per_rank[r]))
             per_rank[r] += 1
         longest = max(c.n for c in chunks)
-        b_local, t = self._compiled_cover(self.shapes.rows(max(per_rank)), self.shapes.tokens(longest))
+        b_local, t = self._prefill_shape(self.shapes.rows(max(per_rank)), self.shapes.tokens(longest))
         rows = [r * b_local + i for r, i in index]
         b = b_local * self.ranks
         tokens, start, n = np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -382,14 +382,19 @@ class ModelRunner:
         sp = SamplingBatch.host(sampling)
         return self._put(PrefillInputs(tokens, start, n, self._table(pages), slot, sp, seed, count)), rows
 
-    def _compiled_cover(self, rows: int, tokens: int) -> tuple[int, int]:
-        """The (rows per rank, tokens) a prefill part of that shape runs as: itself, unless it is still being
-        compiled in the background, then the smallest compiled shape that holds it."""
-        if not self.compiling() or (rows * self.ranks, tokens) in self.executables:
-            return rows, tokens
-        held = [(k[0] // self.ranks, k[1]) for k in list(self.executables) if not is_decode(k)]
-        held = [(b, t) for b, t in held if b >= rows and t >= tokens]
-        return min(held, key=lambda s: (s[0] * s[1], s[1]), default=(rows, tokens))
+    def _prefill_shape(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The (rows per rank, tokens) a prefill part of that shape runs as (`_compiled_cover`)."""
+        b = rows * self.ranks
+        holds = lambda k: not is_decode(k) and k[0] >= b and k[1] >= tokens  # noqa: E731
+        key = self._compiled_cover((b, tokens), holds, size=lambda k: (k[0] * k[1], k[1]))
+        return key[0] // self.ranks, key[1]
+
+    def _compiled_cover(self, key, holds, size):
+        """The step `key` runs as: itself, unless it is still being compiled in the background, then the smallest
+        (by size(k)) compiled step k that holds it (holds(k))."""
+        if not self.compiling() or key in self.executables:
+            return key
+        return min((k for k in list(self.executables) if holds(k)), key=size, default=key)
 
     def _put(self, tree):
         """A step's inputs (numpy arrays) onto the device, or over a plan's ranks by rows, in one transfer."""
@@ -408,13 +413,11 @@ class ModelRunner:
         return self._last_decode[1], rows
 
     def _decode_size(self, need: int) -> int:
-        """Rows per rank of the decode part that holds slots 0 .. need - 1 of every rank: the smallest decode size,
-        unless its step is still being compiled in the background, then the smallest compiled one that holds it."""
-        n = next(s for s in self.decode_sizes if s >= need)
-        if not self.compiling() or decode_key(n * self.ranks) in self.executables:
-            return n
-        held = [k[1] // self.ranks for k in list(self.executables) if is_decode(k) and k[1] // self.ranks >= n]
-        return min(held, default=n)
+        """Rows per rank of the decode part that holds slots 0 .. need - 1 of every rank: the smallest decode size
+        that does (`_compiled_cover`)."""
+        rows = next(s for s in self.decode_sizes if s >= need) * self.ranks
+        holds = lambda k: is_decode(k) and k[1] >= rows  # noqa: E731
+        return self._compiled_cover(decode_key(rows), holds, size=lambda k: k[1])[1] // self.ranks
 
     def _decode_arrays(self, size: int, reqs, rows: list[int]) -> DecodeInputs:
         active, seed = np.zeros(size, bool), np.zeros(size, np.uint32)
