@@ -49,27 +49,45 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether a draw of this request filters the vocabulary (top-k, top-p or min-p on, and not greedy)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingBatch:
-    """SamplingParams of a batch as arrays [B], so one compiled step serves any mix of requests."""
+    """SamplingParams of a batch as arrays [B], so one compiled step serves any mix of requests. `filters` (static:
+    part of a compiled step's signature) says whether the step filters at all: False for a batch in which no row
+    filters, whose step then skips the filters' [B, V] sort without a branch on the device."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
+    filters: bool = dataclasses.field(default=True, metadata={"static": True})
 
     @classmethod
-    def of(cls, params: list[SamplingParams]) -> SamplingBatch:
-        return jax.tree.map(jnp.asarray, cls.host(params))
+    def of(cls, params: list[SamplingParams], filters: bool | None = None) -> SamplingBatch:
+        return jax.tree.map(jnp.asarray, cls.host(params, filters))
 
     @classmethod
-    def host(cls, params: list[SamplingParams]) -> SamplingBatch:
-        """The batch as numpy arrays (to be put on a device with the rest of a step's inputs, in one transfer)."""
+    def host(cls, params: list[SamplingParams], filters: bool | None = None) -> SamplingBatch:
+        """The batch as numpy arrays (to be put on a device with the rest of a step's inputs, in one transfer).
+        filters: whether its step filters (default: whether any row does; True serves any batch)."""
         col = lambda f, dt: np.array([getattr(p, f) for p in params], dt)  # noqa: E731
+        needed = any(p.filters for p in params)
+        if filters is None:
+            filters = needed
+        elif needed and not filters:
+            raise ValueError("a batch in which a row filters needs filters=True")
         return cls(
-            col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32), col("min_p", np.float32)
+            col("temperature", np.float32),
+            col("top_k", np.int32),
+            col("top_p", np.float32),
+            col("min_p", np.float32),
+            filters,
         )
 
 
@@ -77,12 +95,14 @@ def filtered_logprobs(logits: jax.Array, sp: SamplingBatch, branch_free: bool = 
     """Temperature-scaled log-probabilities [B, V] with top-k / top-p / min-p filtered tokens at -inf.
 
     Rows with temperature 0 are returned at temperature 1 (greedy rows only use the argmax). The filters sort the
-    vocabulary per row (a [B, V] sort). branch_free=False skips the sort by a `lax.cond` when no row of the batch
-    filters: cheap on a CPU, but on a GPU a conditional makes the host wait for the device
-    (Options.branch_free_sampling).
+    vocabulary per row (a [B, V] sort), unless the batch says none of its rows filters (sp.filters, known when the
+    step is traced). branch_free=False also skips the sort by a `lax.cond` when no row of the batch filters: cheap
+    on a CPU, but on a GPU a conditional makes the host wait for the device (Options.branch_free_sampling).
     """
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp, axis=-1)
+    if not sp.filters:
+        return logp
     if branch_free:
         return _filter(logp, sp)
     filtering = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)

@@ -301,3 +301,27 @@ def test_startup_settle_reads_the_runners_background_lines():
     done = "compiled %d more step shapes in the background in %.1f s"
     assert done in src and BACKGROUND_DONE.search("hcfjax serve: " + done % (9, 17.7))
     assert BACKGROUND_FAILED in src
+
+
+def test_gpu_gaps_from_trace_planes():
+    """bench.engine_loop's idle reading: time with nothing running on any stream between the first record and the
+    last, with the wider gaps summed per call by the records either side; overlapping records on two streams leave
+    no gap, and a copy counts as the GPU at work."""
+    from types import SimpleNamespace as NS
+
+    from hcfjax.bench.common import gpu_gaps
+
+    ev = lambda name, start, us: NS(name=name, start_ns=start * 1e3, duration_ns=us * 1e3)  # noqa: E731
+    gpu = NS(
+        name="/device:GPU:0",
+        lines=[
+            # call 1: a 0..10, b 12..20 (2 us gap), call 2: a 50..60 (30 us gap), b 60..70
+            NS(name="Stream #1(Compute)", events=[ev("a", 0, 10), ev("b", 12, 8), ev("a", 50, 10), ev("b", 60, 10)]),
+            # a copy at 20..30 closes part of the 30 us gap; c overlaps b on another stream
+            NS(name="Stream #2(Copy)", events=[ev("MemcpyH2D", 20, 10), ev("c", 61, 4)]),
+        ],
+    )
+    idle, pairs = gpu_gaps([gpu], reps=2, min_us=5)
+    assert idle == pytest.approx((2 + 20) * 1e-6 / 2)
+    assert pairs == pytest.approx({("MemcpyH2D", "a"): 10e-6})
+    assert gpu_gaps([NS(name="/host:CPU", lines=[])]) == (0.0, {})

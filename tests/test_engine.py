@@ -260,23 +260,32 @@ def test_a_restart_loads_its_compiled_steps(tmp_path):
 
 
 @pytest.mark.parametrize("spec", [None, "rejection"])
-def test_sampled_request_does_not_depend_on_its_batch(model, spec):
+def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
     """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
     with speculation too (drafts, verification and recovered tokens). Plain: alone it decodes in a 1-row step, in
-    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots (one program fewer to compile)."""
+    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots (one program fewer to compile).
+    With branch-free sampling (a GPU's default) the crowd's greedy requests decode in steps without the filters'
+    sort until the top-p request joins and after it ends, and give generate's tokens (plain)."""
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     spec = spec and hcfjax.SpeculativeConfig(2, method=spec)
     rows = dict(max_slots=8, min_decode_rows=4) if spec else dict(max_slots=4, min_decode_rows=1)
-    config = EngineConfig(**rows, speculative=spec)
+    config = EngineConfig(**rows, speculative=spec, options=Options(branch_free_sampling=True))
     alone = Engine(model, config)
     r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(alone)
     crowd = Engine(model, config)
-    others = [crowd.submit(p, sampling=sp, seed=i, max_new_tokens=12) for i, p in enumerate(PROMPTS[1:3])]
+    keys, run = [], crowd.runner._run
+    crowd.runner._run = lambda key, *a: keys.append(key) or run(key, *a)
+    others = [crowd.submit(p, max_new_tokens=24) for p in PROMPTS[1:3]]
+    for _ in range(4):
+        crowd.step()
     r2 = crowd.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])
     run_all(crowd)
     assert collect(alone, r)[0] == collect(crowd, r2)[0]
-    assert collect(crowd, others[0])[0] != collect(crowd, others[1])[0]
+    decoded = [k[2] for k in keys if k[0] == "decode"]  # with the filters, or not
+    assert decoded[0] is False and decoded[-1] is False and True in decoded
+    if not spec:
+        assert [collect(crowd, o)[0] for o in others] == eos_ref.tokens[1:3]
 
 
 def test_decode_steps_run_the_rows_that_hold_the_slots_in_use(model, eos_ref):
@@ -478,7 +487,9 @@ def test_balance_policies(policy, expected):
 def test_engine_steps_have_no_branch_the_host_decides(model):
     """With Options.branch_free_sampling (auto: on GPUs) no step program holds a conditional, speculative ones
     included: XLA's GPU runtime reads a conditional's predicate back to the host and waits for the stream, so the
-    engine could not prepare step n + 1 while step n runs. Without it (a CPU's default) the sort is skipped by one."""
+    engine could not prepare step n + 1 while step n runs. Without it (a CPU's default) the sort is skipped by one.
+    Branch-free, the runner also has decode steps without the filters: those hold no sort at all (the experts'
+    copies are ordered by a counting sort)."""
     from hcfjax.speculative import SpeculativeConfig
     from hcfjax.step import jitted_step
 
@@ -491,3 +502,8 @@ def test_engine_steps_have_no_branch_the_host_decides(model):
                 text = jitted_step.lower(r.params, r.cfg, r.state, pre, dec, r.spec, r.options).as_text()
                 branches = "stablehlo.if" in text or "stablehlo.case" in text
                 assert branches != branch_free, (branch_free, spec, pre is None)
+            if branch_free:
+                assert r.decode_filters == (True, False)
+                dec = r.idle_decode(filters=False)
+                text = jitted_step.lower(r.params, r.cfg, r.state, None, dec, r.spec, r.options).as_text()
+                assert "stablehlo.sort" not in text and "stablehlo.if" not in text, spec

@@ -6,6 +6,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hcfjax.moe import route
 from hcfjax.random_model import preset_config
@@ -64,3 +66,25 @@ def test_v2_gate_follows_deepseeks_code(gate, norm_topk_prob):
     scaled = not (norm_topk_prob and cfg.num_experts_per_tok > 1)
     # normalised rows sum to 1 (not 16); scaled rows keep the softmax mass times 16
     assert np.allclose(got_w.sum(-1), 1.0, rtol=1e-5) != scaled
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.integers(1, 6),
+    st.integers(1, 70),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1 << 21, 64]),
+)
+def test_counting_sort_orders_copies_as_a_stable_argsort(e, k, n, seed, limit):
+    """hcfjax.moe.by_expert (a decode step's copies ordered by expert without a GPU sort) is argsort(stable) of the
+    expert ids, with an EP plan's padding id (the expert count) last; above the size limit it is the argsort."""
+    from unittest import mock
+
+    from hcfjax import moe
+
+    ids = np.random.default_rng(seed).integers(0, e + 1, n * k).astype(np.int32)  # e: padding
+    sizes = jnp.bincount(jnp.asarray(ids), length=e).astype(jnp.int32)
+    with mock.patch.object(moe, "COUNTING_SORT_MAX", limit):
+        got = moe.by_expert(jnp.asarray(ids), sizes)
+    np.testing.assert_array_equal(np.asarray(got), np.argsort(ids, kind="stable"))

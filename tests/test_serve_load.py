@@ -122,7 +122,7 @@ def test_bench_serve_sweep_search_and_efficiency(tmp_path):
         ["--preset", "tiny-v3", "--scheme", "w4a8c8", "--max-slots", "2", "--prefill-rows", "1", "--min-bucket", "16"]
         + [*SHAPE, "--requests", "3", "--input-scale", "0.004", "--output-scale", "0.003"]
         + ["--sweep", "4,8", "--search", "--search-range", "4,8", "--search-iters", "1"]
-        + ["--efficiency", "--out", str(out), "--md", str(md)]
+        + ["--efficiency", "--profile", "0", "0.2", "--out", str(out), "--md", str(md)]
     )
     got = json.loads(out.read_text())
     runs = got["rates"]
@@ -135,6 +135,14 @@ def test_bench_serve_sweep_search_and_efficiency(tmp_path):
         assert keys <= set(r) and set(r["ttft_s"]) == set(r["tpot_s"]) == {"p50", "p90", "p99"}
         assert r["requests"] == 3 and r["lost"] == 0 and r["finished"] + r["errors"] == 3
         assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["decode_batch"] >= 1
+        # the engine's time by kind of step: every request prefilled and decoded, within the run's wall
+        split = r["step_time"]
+        assert split["decode"]["steps"] > 0 and split["decode"]["prefill_tokens_per_step"] == 0
+        assert split["prefill"]["steps"] + split["mixed"]["steps"] > 0
+        prefilled = sum(k["steps"] * (k["prefill_tokens_per_step"] or 0) for k in split.values())
+        inputs = round((r["total_tok_s"] - r["output_tok_s"]) * r["wall_s"])
+        assert prefilled >= inputs  # every prompt's tokens, at least once (a preemption prefills again)
+        assert 0 < sum(k["seconds"] for k in split.values()) <= r["wall_s"]
     sat, eff = got["saturation"], got["efficiency"]
     assert sat["output_tok_s"] == max(r["output_tok_s"] for r in runs)
     assert eff["batch"] == max(1, round(sat["decode_batch"])) and eff["offline_tok_s"] > 0
@@ -142,4 +150,6 @@ def test_bench_serve_sweep_search_and_efficiency(tmp_path):
     text = md.read_text()
     for column in ("QPM", "total tok/s", "TTFT p50 / p90 / p99", "goodput", "preemptions", "lost", "mean context"):
         assert column in text
+    assert "Engine time over the" in text and "decode-only steps took" in text
+    assert "At 8 req/s: The profiled window (" in text and "holds no GPU kernels" in text  # the last rate's, on a CPU
     assert "random tiny-v3 weights, w4a8c8" in text and len(re.findall(r"^\| \d", text, re.M)) == len(runs)

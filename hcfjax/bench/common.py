@@ -75,6 +75,11 @@ def kernel_times(fn, *args, reps: int = 20, wait=None) -> dict[str, float]:
     Empty where the trace has no GPU kernels (a CPU backend). `wait(outputs)` waits for the calls
     (jax.block_until_ready by default; torch.cuda.synchronize for a torch peer, whose kernels the same CUPTI trace
     records: a torch profiler beside it would fail, as CUPTI takes one subscriber per process)."""
+    return kernel_seconds(traced_planes(fn, *args, reps=reps, wait=wait), reps)
+
+
+def traced_planes(fn, *args, reps: int = 20, wait=None) -> list:
+    """The planes of a jax.profiler trace of `reps` calls of fn(*args) after a warm-up call (see kernel_times)."""
     import glob
     import tempfile
 
@@ -89,7 +94,7 @@ def kernel_times(fn, *args, reps: int = 20, wait=None) -> dict[str, float]:
         finally:
             jax.profiler.stop_trace()
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    return kernel_seconds(data.planes, reps)
+    return list(data.planes)
 
 
 def kernel_time(fn, *args, reps: int = 20, wait=None, show=None) -> float:
@@ -111,19 +116,62 @@ def kernel_seconds(planes, reps: int = 1) -> dict[str, float]:
     calls ran on; a sum over several devices would not be one call's time), copies and memsets left out. Kernel
     records are on the "Stream #N(...)" lines, each on one; the other lines ("XLA Ops", "Framework Ops", ...) repeat
     the same time under other names and are never counted."""
-    best: dict[str, float] = {}
+    per: dict[str, float] = {}
+    for ev in busiest_gpu_events(planes):
+        if not _is_copy(ev.name):
+            per[ev.name] = per.get(ev.name, 0.0) + ev.duration_ns * 1e-9 / reps
+    return per
+
+
+def _is_copy(name: str) -> bool:
+    return any(w in name.lower() for w in ("memcpy", "memset"))
+
+
+def busiest_gpu_events(planes) -> list:
+    """The stream lines' records (kernels, copies, memsets) of the GPU plane with the most kernel time."""
+    best, most = [], 0.0
     for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        per: dict[str, float] = {}
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                for ev in line.events:
-                    if not any(w in ev.name.lower() for w in ("memcpy", "memset")):
-                        per[ev.name] = per.get(ev.name, 0.0) + ev.duration_ns * 1e-9 / reps
-        if sum(per.values()) > sum(best.values()):
-            best = per
+        events = [ev for line in plane.lines if line.name.startswith("Stream") for ev in line.events]
+        busy = sum(ev.duration_ns for ev in events if not _is_copy(ev.name))
+        if busy > most:
+            best, most = events, busy
     return best
+
+
+def gpu_gaps(planes, reps: int = 1, min_us: float = 5.0) -> tuple[float, dict[tuple[str, str], float]]:
+    """Where the GPU stood idle in a trace of `reps` calls: seconds per call between its first record and its last
+    with no kernel, copy or memset running (on any stream), and the gaps of at least `min_us` summed per call by
+    the records either side of them ((last before, first after) -> seconds): a launch gap inside a program sits
+    between two of its kernels, a wait for the host between one call's last kernel and the next call's first."""
+    spans = sorted((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in busiest_gpu_events(planes))
+    if not spans:
+        return 0.0, {}
+    idle, by_pair = 0.0, {}
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = (start - end) * 1e-9
+            idle += gap
+            if gap >= min_us * 1e-6:
+                by_pair[(last, name)] = by_pair.get((last, name), 0.0) + gap / reps
+        if stop >= end:
+            end, last = stop, name
+    return idle / reps, by_pair
+
+
+def longest(kernels: dict[str, float], n: int = 8) -> str:
+    """The n kernels with the most time per step, with their share of the step's kernel time."""
+    total = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{name[:40]} {t * 1e3:.2f} ({t / total:.0%})" for name, t in top)
+
+
+def widest(pairs: dict[tuple[str, str], float], n: int = 6) -> str:
+    """The n pairs of records (before -> after) with the most idle GPU time between them per step."""
+    top = sorted(pairs.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{a[:32]} -> {b[:32]} {t * 1e3:.2f}" for (a, b), t in top) or "none"
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:

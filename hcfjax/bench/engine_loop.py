@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from hcfjax.bench.common import header, kernel_times
+from hcfjax.bench.common import gpu_gaps, header, kernel_seconds, longest, traced_planes, widest
 from hcfjax.engine.request import Status
 
 
@@ -93,16 +93,17 @@ def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, pr
     jax.block_until_ready(engine.runner.state.tok)
     wall = (time.perf_counter() - t0) / steps
     host = {k: v / steps for k, v in timings.seconds.items()}
-    kernels = None
-    if profile:  # the same steps under the profiler: the kernels' seconds per step
+    kernels, gaps = None, None
+    if profile:  # the same steps under the profiler: the kernels' seconds per step, and where the GPU idled
         settled = lambda _: jax.block_until_ready(engine.runner.state.tok)  # noqa: E731
-        kernels = kernel_times(engine.step, reps=steps, wait=settled)
+        planes = traced_planes(engine.step, reps=steps, wait=settled)
+        kernels, gaps = kernel_seconds(planes, steps), gpu_gaps(planes, steps)
     batch_seen = len(engine.scheduler.running)
     for req in reqs:
         engine.abort(req.id)
     while engine.has_work():
         engine.step()
-    return {"batch": batch_seen, "wall": wall, "kernels": kernels, **host}
+    return {"batch": batch_seen, "wall": wall, "kernels": kernels, "gaps": gaps, **host}
 
 
 def main(argv=None) -> None:
@@ -165,13 +166,8 @@ def main(argv=None) -> None:
         )
         if row["kernels"]:  # (under the row, so a run cut short keeps it)
             print(f"  longest kernels per step at batch {row['batch']}, ms: {longest(row['kernels'])}", flush=True)
-
-
-def longest(kernels: dict[str, float], n: int = 8) -> str:
-    """The n kernels with the most time per step, with their share of the step's kernel time."""
-    total = sum(kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:n]
-    return ", ".join(f"{name[:40]} {t * 1e3:.2f} ({t / total:.0%})" for name, t in top)
+            idle, pairs = row["gaps"]
+            print(f"  GPU idle per step: {idle * 1e3:.2f} ms; longest gaps per step, ms: {widest(pairs)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -302,6 +302,14 @@ def parser() -> argparse.ArgumentParser:
         "give the engine's output tokens/s over the offline ones",
     )
     ap.add_argument(
+        "--profile",
+        type=float,
+        nargs=2,
+        metavar=("DELAY", "SECONDS"),
+        help="trace the server's process for SECONDS from DELAY seconds into the last rate's run (jax.profiler) and "
+        "report the GPU's kernels per engine step and how much of the window they cover",
+    )
+    ap.add_argument(
         "--pd",
         choices=["socket", "jax"],
         help="prefill/decode disaggregated instead of colocated: a prefill worker, a decode worker and the router as "
@@ -360,13 +368,23 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if trace_dir := os.environ.get(trace.DIR_VARIABLE):  # the client's marks (hcfjax.trace); PD workers inherit it
         trace.enable(trace_dir)
-    if args.pd and args.efficiency:
-        raise SystemExit("--efficiency needs the engine in this process (colocated, not --pd)")
+    if args.pd and (args.efficiency or args.profile):
+        raise SystemExit("--efficiency and --profile need the engine in this process (colocated, not --pd)")
     if len(args.search_range) != 2 or args.search_range[0] >= args.search_range[1]:
         raise SystemExit(f"--search-range takes LO,HI with LO < HI, got {args.search_range}")
     args.max_model_len = args.max_model_len or production_context(args.input_scale, args.output_scale)
 
-    from hcfjax.bench.serve_load import StepStats, measure, offline_efficiency, saturation, search, table, wait_idle
+    from hcfjax.bench.serve_load import (
+        GpuWindow,
+        StepStats,
+        measure,
+        offline_efficiency,
+        saturation,
+        search,
+        table,
+        time_split,
+        wait_idle,
+    )
     from hcfjax.serving.client import connect, generate
     from hcfjax.sim.sweep import Search
     from hcfjax.sim.workload import SLO
@@ -396,12 +414,19 @@ def main(argv=None) -> None:
     steps = StepStats(engine) if engine else None
     batches = iter(range(1 << 30))
 
+    rates = args.sweep or ([] if args.search else [args.rate])
+    window = None
+
     def run(rate: float, kind: str):
         """One fresh batch at `rate`, after the previous one drained."""
+        nonlocal window
         _, _, prompts, arrivals = requests(rate)
         before = engine.snapshot()["preemptions"] if engine else None
         if steps:
             steps.reset()
+        if args.profile and kind == "sweep" and rate == rates[-1]:
+            window = GpuWindow(engine, *args.profile)
+            window.start()
         record, wall = run_clients(stub, prompts, outs, arrivals, tag=f"bench{next(batches)}-")
         if engine:
             wait_idle(engine)
@@ -411,7 +436,7 @@ def main(argv=None) -> None:
         return done
 
     print(table([]), flush=True)  # the header; each rate's row follows as it finishes
-    runs = [run(rate, "sweep") for rate in (args.sweep or ([] if args.search else [args.rate]))]
+    runs = [run(rate, "sweep") for rate in rates]
     found = None
     if args.search:
         _, probes, found = search(run, Search(*args.search_range, iters=args.search_iters))
@@ -433,11 +458,14 @@ def main(argv=None) -> None:
             f"{sat.result.output_tok_s:,.0f} output tok/s at a mean decode batch of {sat.decode_batch:.1f} "
             f"and a mean context of {sat.mean_context:,.0f} tokens."
         )
+        notes.append(time_split(sat.split, sat.result.wall_s))
     efficiency = None
     if args.efficiency and sat is not None and sat.decode_batch:
         # prefilled in groups of the server's budget: the MoE kernels its steps lowered
         efficiency = offline_efficiency(served.model, sat, options, args.seed, max_prefill_tokens=args.token_budget)
         notes.append(efficiency["said"])
+    if window is not None:
+        notes.append(f"At {rates[-1]:g} req/s: " + window.said())
     if found:
         notes.append(f"Search over {args.search_range[0]:g}-{args.search_range[1]:g} req/s: {found}.")
     heading = describe(args, served, ins, outs, slo, f"{compiles_warm} compiles", compiles_run)

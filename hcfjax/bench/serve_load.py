@@ -5,8 +5,10 @@ search for the highest rate within the SLO (hcfjax.sim.sweep.bisect_rate) over o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,24 +22,51 @@ PERCENTILES = (50, 90, 99)
 
 
 class StepStats:
-    """The decode rows and the context they attend, summed over the engine's steps: wraps engine.runner.dispatch
-    (the engine itself is unchanged; hcfjax.bench.sim_validate observes it the same way)."""
+    """The decode rows and the context they attend, summed over the engine's steps, and the engine's time by kind of
+    step: wraps engine.runner.dispatch and engine._process (the engine itself is unchanged; hcfjax.bench.sim_validate
+    observes it the same way). A step's time runs from the later of its dispatch and the previous step's end to its
+    tokens' arrival on the host: the GPU's time on it while the engine keeps the GPU fed (it dispatches step n + 1
+    before it waits for step n)."""
+
+    KINDS = ("decode", "mixed", "prefill")  # decode rows only, prefill chunks and decode rows, prefill chunks only
 
     def __init__(self, engine):
+        import jax
+
         self.reset()
-        dispatch = engine.runner.dispatch
+        dispatch, process = engine.runner.dispatch, engine._process
+        in_flight = collections.deque()
 
         def observed(plan, *args):
             if plan.decode:
                 self.decode_steps += 1
                 self.decode_rows += len(plan.decode)
                 self.context_tokens += sum(req.length for req in plan.decode)
-            return dispatch(plan, *args)
+            out = dispatch(plan, *args)
+            kind = "prefill" if not plan.decode else "mixed" if plan.chunks else "decode"
+            in_flight.append((kind, sum(c.n for c in plan.chunks), time.perf_counter()))
+            return out
+
+        def processed(d):
+            jax.block_until_ready([x for x in (d.first, d.nxt) if x is not None])
+            done = time.perf_counter()
+            if in_flight:
+                kind, tokens, sent = in_flight.popleft()
+                self.seconds[kind] += done - max(sent, self._last_done)
+                self.count[kind] += 1
+                self.prefill_tokens[kind] += tokens
+            self._last_done = done
+            return process(d)
 
         engine.runner.dispatch = observed
+        engine._process = processed
 
     def reset(self) -> None:
         self.decode_steps = self.decode_rows = self.context_tokens = 0
+        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.count = dict.fromkeys(self.KINDS, 0)
+        self.prefill_tokens = dict.fromkeys(self.KINDS, 0)
+        self._last_done = 0.0
 
     @property
     def decode_batch(self) -> float:
@@ -48,6 +77,32 @@ class StepStats:
     def mean_context(self) -> float:
         """Tokens a decode row attends, averaged over rows."""
         return self.context_tokens / self.decode_rows if self.decode_rows else 0.0
+
+    def split(self) -> dict:
+        """Per kind of step: steps, seconds, mean milliseconds a step, prefill tokens a step."""
+        return {
+            k: {
+                "steps": self.count[k],
+                "seconds": self.seconds[k],
+                "ms_per_step": 1e3 * self.seconds[k] / self.count[k] if self.count[k] else None,
+                "prefill_tokens_per_step": self.prefill_tokens[k] / self.count[k] if self.count[k] else None,
+            }
+            for k in self.KINDS
+        }
+
+
+def time_split(split: dict, wall: float) -> str:
+    """A sentence on where a run's wall time went, by kind of engine step (StepStats.split)."""
+    parts = []
+    for kind, s in split.items():
+        if s["steps"]:
+            tokens = f", {s['prefill_tokens_per_step']:,.0f} prefill tokens" if s["prefill_tokens_per_step"] else ""
+            parts.append(
+                f"{kind} steps {s['seconds']:.1f} s ({s['seconds'] / wall:.0%}; {s['steps']} at "
+                f"{s['ms_per_step']:.2f} ms{tokens})"
+            )
+    busy = sum(s["seconds"] for s in split.values())
+    return f"Engine time over the {wall:.1f} s run: " + "; ".join(parts) + f"; no step in flight {wall - busy:.1f} s."
 
 
 @dataclasses.dataclass
@@ -63,6 +118,7 @@ class RateRun:
     lost: int
     decode_batch: float | None = None
     mean_context: float | None = None
+    split: dict | None = None  # the engine's time by kind of step (StepStats.split)
 
     @property
     def goodput(self) -> float:
@@ -92,6 +148,7 @@ class RateRun:
             "preemptions": r.preemptions,
             "decode_batch": self.decode_batch,
             "mean_context": self.mean_context,
+            "step_time": self.split,
         }
 
     def row(self) -> str:
@@ -147,8 +204,8 @@ def measure(
         slo=slo,
     )
     errors = len(record) - len(ok) - sum(r["finish"] is None for r in record)
-    batch, context = (steps.decode_batch, steps.mean_context) if steps else (None, None)
-    return RateRun(rate, kind, result, errors, lost, batch, context)
+    batch, context, split = (steps.decode_batch, steps.mean_context, steps.split()) if steps else (None, None, None)
+    return RateRun(rate, kind, result, errors, lost, batch, context, split)
 
 
 def wait_idle(engine, timeout: float = 60.0) -> None:
@@ -217,4 +274,64 @@ def offline_efficiency(
         + ("n/a" if ratio is None else f"{ratio:.0%}")
         + "."
     )
+    decode = (sat.split or {}).get("decode", {})
+    if decode.get("ms_per_step") and offline:  # the engine's steps that only decode, against the offline step
+        said += (
+            f" The engine's decode-only steps took {decode['ms_per_step']:.2f} ms against "
+            f"{batch / offline * 1e3:.2f} ms a step offline."
+        )
     return {"batch": batch, "context": prompt + new_tokens // 2, "offline_tok_s": offline, "ratio": ratio, "said": said}
+
+
+class GpuWindow:
+    """A jax.profiler trace of the server's process over a window of a run (from `delay` seconds after start() for
+    `seconds`): the GPU's kernels per engine step and how much of the window they cover, where the time between
+    steps goes when the engine serves clients (their threads and the servers' share the process with its loop)."""
+
+    def __init__(self, engine, delay: float, seconds: float):
+        self.engine, self.delay, self.seconds = engine, delay, seconds
+        self.result: dict | None = None
+        self._thread = threading.Thread(target=self._trace, name="bench-profile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _trace(self) -> None:
+        import glob
+        import tempfile
+
+        import jax
+        from jax.profiler import ProfileData
+
+        from hcfjax.bench.common import gpu_gaps, kernel_seconds
+
+        time.sleep(self.delay)
+        with tempfile.TemporaryDirectory() as d:
+            steps, t0 = self.engine.runner.steps, time.perf_counter()
+            jax.profiler.start_trace(d)
+            time.sleep(self.seconds)
+            jax.profiler.stop_trace()
+            steps, wall = max(1, self.engine.runner.steps - steps), time.perf_counter() - t0
+            planes = list(ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]).planes)
+        kernels = kernel_seconds(planes, steps)
+        idle, pairs = gpu_gaps(planes, steps)
+        self.result = {"steps": steps, "wall": wall, "kernels": kernels, "idle": idle, "gaps": pairs}
+
+    def said(self) -> str:
+        """What the window showed, once the run is over."""
+        from hcfjax.bench.common import longest, widest
+
+        self._thread.join()
+        r = self.result
+        if r is None:
+            return "The profiled window produced no trace."
+        if not r["kernels"]:
+            return f"The profiled window ({r['wall']:.1f} s, {r['steps']} steps) holds no GPU kernels (no GPU)."
+        per_step = r["wall"] / r["steps"]
+        kernels = sum(r["kernels"].values())
+        return (
+            f"Profiled window: {r['wall']:.1f} s, {r['steps']} engine steps ({per_step * 1e3:.2f} ms each); GPU "
+            f"kernels {kernels * 1e3:.2f} ms a step ({kernels / per_step:.0%} of the window), idle between records "
+            f"{r['idle'] * 1e3:.2f} ms a step. Longest kernels a step, ms: {longest(r['kernels'])}. Longest gaps a "
+            f"step, ms: {widest(r['gaps'])}."
+        )

@@ -49,10 +49,12 @@ from hcfjax.sim.work import EngineShapes
 
 def _time_shape(runner, shape: tuple[int, int] | None, reps: int, rows: int | None = None) -> float:
     """Median seconds of one runner step of this prefill shape (None: decode alone) and `rows` decode rows per rank
-    (default: every slot), on inputs that write nothing."""
+    (default: every slot), on inputs that write nothing; the decode part as the workload's requests run it (greedy:
+    without the sampling filters, where the runner has such a step)."""
     import jax
 
-    pre, dec = (None if shape is None else runner.idle_prefill(shape)), runner.idle_decode(rows)
+    pre = None if shape is None else runner.idle_prefill(shape)
+    dec = runner.idle_decode(rows, filters=min(runner.decode_filters))
     times = []
     for i in range(reps + 1):
         t0 = time.perf_counter()

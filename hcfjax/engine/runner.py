@@ -42,10 +42,10 @@ from pallas_kernels import lowering_cache
 log = logging.getLogger("hcfjax.engine")
 
 
-def decode_key(rows: int) -> tuple[str, int]:
-    """The executables' key of the decode part of `rows` rows (all ranks); a prefill part's key is its tokens'
-    shape (rows, tokens)."""
-    return ("decode", rows)
+def decode_key(rows: int, filters: bool = True) -> tuple[str, int, bool]:
+    """The executables' key of the decode part of `rows` rows (all ranks) that samples with the vocabulary filters
+    or without (SamplingBatch.filters); a prefill part's key is its tokens' shape (rows, tokens)."""
+    return ("decode", rows, filters)
 
 
 def is_decode(key) -> bool:
@@ -133,6 +133,9 @@ class ModelRunner:
         self.steps = 0
         spr = self.slots_per_rank
         self.decode_sizes = sorted({min(bucket(n, min_decode_rows), spr) for n in range(1, spr + 1)})  # per rank
+        # a decode step without the sampling filters too, where the filters cost a sort even when no row filters
+        # (branch-free sampling); elsewhere a branch skips it inside the one step
+        self.decode_filters = (True, False) if options.on("branch_free_sampling") else (True,)
         self.executables: dict = {}  # key (decode_key, or a prefill part's shape) -> the compiled step
         self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (key, seconds) of each step compiled on first use
@@ -158,7 +161,7 @@ class ModelRunner:
             self.state, first, _, load = self._run(tuple(pre.tokens.shape), pre, None)
             loads.append(load)
         if dec is not None:
-            self.state, _, nxt, load = self._run(decode_key(dec.active.shape[0]), None, dec)
+            self.state, _, nxt, load = self._run(decode_key(dec.active.shape[0], dec.sp.filters), None, dec)
             loads.append(load)
         self.steps += 1
         loads = [x for x in loads if x is not None]
@@ -170,7 +173,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             fn = self.executables[key] = self._compile(pre, dec)
             self.compiles.append((key, time.perf_counter() - t0))
-            what = f"{key[1]}-row decode" if is_decode(key) else f"{key} prefill"
+            what = f"{key[1]}-row decode{'' if key[2] else ' (no filters)'}" if is_decode(key) else f"{key} prefill"
             log.info("compiled the %s step in %.1f s", what, self.compiles[-1][1])
         return fn(self.params, self.state, pre, dec)
 
@@ -258,12 +261,16 @@ class ModelRunner:
         ends. rest_later: only the decode step of all slots and the prefill shapes no other one holds
         (`StepShapes.maximal`) now, the others in a background thread; until a step is compiled, a step that needs
         it runs padded to the smallest compiled one that holds it. -> the number of programs compiled now."""
-        inputs = {decode_key(n * self.ranks): (None, self.idle_decode(n)) for n in self.decode_sizes}
+        inputs = {
+            decode_key(n * self.ranks, f): (None, self.idle_decode(n, f))
+            for n in self.decode_sizes
+            for f in self.decode_filters
+        }
         for b, t in self.shapes.all() if prefill else []:
             pre = self.idle_prefill((b, t))
             inputs[tuple(pre.tokens.shape)] = (pre, None)
         # the decode steps, then the largest shapes first: their kernels take longest to lower and compile
-        order = lambda k: (0, -k[1]) if is_decode(k) else (1, -k[0] * k[1])  # noqa: E731
+        order = lambda k: (0, -k[1], not k[2]) if is_decode(k) else (1, -k[0] * k[1])  # noqa: E731
         todo = sorted((k for k in inputs if k not in self.executables), key=order)
         later = []
         if rest_later:
@@ -329,15 +336,15 @@ class ModelRunner:
         """A prefill part that writes nothing: `shape` (rows per rank, tokens) rows that end no prompt."""
         b, t = shape[0] * self.ranks, shape[1]
         z = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
-        sp = SamplingBatch.host([SamplingParams()] * b)
+        sp = SamplingBatch.host([SamplingParams()] * b, filters=True)
         drop = np.full(b, self.slots_per_rank, np.int32)
         return self._put(
             PrefillInputs(z(b, t), z(b), z(b), z(b, self.max_pages), drop, sp, z(b).astype(np.uint32), z(b))
         )
 
-    def idle_decode(self, rows: int | None = None) -> DecodeInputs:
+    def idle_decode(self, rows: int | None = None, filters: bool = True) -> DecodeInputs:
         """A decode part that writes nothing: `rows` rows per rank (default: every slot), all inactive."""
-        return self._decode_arrays((rows or self.slots_per_rank) * self.ranks, [], [])
+        return self._decode_arrays((rows or self.slots_per_rank) * self.ranks, [], [], filters)
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -379,7 +386,7 @@ class ModelRunner:
             )
             if c.final:
                 slot[i], count[i] = c.req.slot - self._rank(c.req) * self.slots_per_rank, len(c.req.output)
-        sp = SamplingBatch.host(sampling)
+        sp = SamplingBatch.host(sampling, filters=True)  # (a few rows: one prefill step serves every request)
         return self._put(PrefillInputs(tokens, start, n, self._table(pages), slot, sp, seed, count)), rows
 
     def _prefill_shape(self, rows: int, tokens: int) -> tuple[int, int]:
@@ -405,24 +412,27 @@ class ModelRunner:
         request's row. They change only when a request joins, leaves or takes a new page, so the device copy of
         the last ones is reused while they have not."""
         local = [r.slot - self._rank(r) * self.slots_per_rank for r in plan.decode]
-        n = self._decode_size(max(local) + 1)
+        filters = len(self.decode_filters) == 1 or any(r.sampling.filters for r in plan.decode)
+        n, filters = self._decode_size(max(local) + 1, filters)
         rows = [self._rank(r) * n + i for r, i in zip(plan.decode, local, strict=True)]
-        key = (n, tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode))
+        key = (n, filters, tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode))
         if self._last_decode is None or self._last_decode[0] != key:
-            self._last_decode = (key, self._decode_arrays(n * self.ranks, plan.decode, rows))
+            self._last_decode = (key, self._decode_arrays(n * self.ranks, plan.decode, rows, filters))
         return self._last_decode[1], rows
 
-    def _decode_size(self, need: int) -> int:
-        """Rows per rank of the decode part that holds slots 0 .. need - 1 of every rank: the smallest decode size
-        that does (`_compiled_cover`)."""
+    def _decode_size(self, need: int, filters: bool) -> tuple[int, bool]:
+        """(rows per rank, filters) of the decode part that holds slots 0 .. need - 1 of every rank: the smallest
+        decode size that does, without the filters where no row needs them (`_compiled_cover`; a step with the
+        filters serves any batch)."""
         rows = next(s for s in self.decode_sizes if s >= need) * self.ranks
-        holds = lambda k: is_decode(k) and k[1] >= rows  # noqa: E731
-        return self._compiled_cover(decode_key(rows), holds, size=lambda k: k[1])[1] // self.ranks
+        holds = lambda k: is_decode(k) and k[1] >= rows and (k[2] or not filters)  # noqa: E731
+        key = self._compiled_cover(decode_key(rows, filters), holds, size=lambda k: (k[1], k[2]))
+        return key[1] // self.ranks, key[2]
 
-    def _decode_arrays(self, size: int, reqs, rows: list[int]) -> DecodeInputs:
+    def _decode_arrays(self, size: int, reqs, rows: list[int], filters: bool = True) -> DecodeInputs:
         active, seed = np.zeros(size, bool), np.zeros(size, np.uint32)
         pages: list[list[int]] = [[] for _ in range(size)]
         sampling = [reqs[0].sampling if reqs else SamplingParams()] * size
         for req, i in zip(reqs, rows, strict=True):
             active[i], seed[i], sampling[i], pages[i] = True, req.seed, req.sampling, self._local_pages(req)
-        return self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling), seed))
+        return self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling, filters), seed))
