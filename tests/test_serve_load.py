@@ -139,10 +139,12 @@ def test_bench_serve_sweep_search_and_efficiency(tmp_path):
         split = r["step_time"]
         assert split["decode"]["steps"] > 0 and split["decode"]["prefill_tokens_per_step"] == 0
         assert split["prefill"]["steps"] + split["mixed"]["steps"] > 0
-        prefilled = sum(k["steps"] * (k["prefill_tokens_per_step"] or 0) for k in split.values())
+        kinds = [split[k] for k in ("decode", "mixed", "prefill")]
+        prefilled = sum(k["steps"] * (k["prefill_tokens_per_step"] or 0) for k in kinds)
         inputs = round((r["total_tok_s"] - r["output_tok_s"]) * r["wall_s"])
         assert prefilled >= inputs  # every prompt's tokens, at least once (a preemption prefills again)
-        assert 0 < sum(k["seconds"] for k in split.values()) <= r["wall_s"]
+        assert 0 < sum(k["seconds"] for k in kinds) <= r["wall_s"]
+        assert r["decode_batch"] <= split["decode_rows_run"] <= 2  # the first N slots of the 2 that hold them
     sat, eff = got["saturation"], got["efficiency"]
     assert sat["output_tok_s"] == max(r["output_tok_s"] for r in runs)
     assert eff["batch"] == max(1, round(sat["decode_batch"])) and eff["offline_tok_s"] > 0

@@ -14,16 +14,18 @@ max; inputs are multiplied by --input-scale (default 1: production lengths) and 
 longest input plus the longest output, so nothing is clipped. Prompts are random token ids and outputs ignore eos,
 so every request produces its drawn length.
 
-Every rate is a fresh batch of --requests requests (the same lengths for every rate: one seed), sent once the
-previous batch has drained, to one server compiled once (Engine.warmup() compiles every step shape first, so
-compiles stay out). --sweep runs its rates in order; --search bisects (geometrically) for the highest rate at which
-90% of the requests meet the SLO (TTFT < 2 s and TPOT < 50 ms; hcfjax.sim.workload.SLO) within --search-range, and
-says when a bound of the range was hit. Reported per rate, as a table (and as JSON with --out): QPM, output and
-total tokens/s, TTFT and TPOT p50/p90/p99, goodput (requests per second meeting the SLO), preemptions, requests
-finished / ended in an error / lost (no terminal response: must be 0, else the benchmark exits with an error), and
-the engine's mean decode batch and context. At the rate of the highest output tokens/s (saturation) --efficiency
-also decodes offline at that batch and context in the same process (hcfjax.bench.generate.decode_rate) and gives
-the ratio of the two output tokens/s.
+Every rate is a fresh batch of --requests requests (the same lengths for every rate: one seed), sent by a client
+process of their own (a thread per request) once the previous batch has drained, to one server compiled once
+(Engine.warmup() compiles every step shape first, so compiles stay out). --sweep runs its rates in order; --search
+bisects (geometrically) for the highest rate at which 90% of the requests meet the SLO (TTFT < 2 s and TPOT < 50 ms;
+hcfjax.sim.workload.SLO) within --search-range, and says when a bound of the range was hit. Reported per rate, as a
+table (and as JSON with --out): QPM, output and total tokens/s, TTFT and TPOT p50/p90/p99, goodput (requests per
+second meeting the SLO), preemptions, requests finished / ended in an error / lost (no terminal response: must be 0,
+else the benchmark exits with an error), and the engine's mean decode batch and context. At the rate of the highest
+output tokens/s (saturation) --efficiency also decodes offline at that batch and context in the same process
+(hcfjax.bench.generate.decode_rate) and gives the ratio of the two output tokens/s, with the engine's time split by
+kind of step (decode only, prefill and decode, prefill only). --profile traces a window of the last rate's run and
+reports the GPU's kernels per step.
 
 --pd runs the same workload against prefill/decode disaggregation (hcfjax/pd/): a prefill worker, a decode worker
 and the router as three processes (on one GPU they share it, each worker with 45% of its memory; --pd-gpus 0,1 gives
@@ -110,6 +112,41 @@ def run_clients(stub, prompts, outs, arrivals, tag: str = "bench-") -> tuple[lis
                 time.sleep(delay)
             pool.submit(run_one, stub, prompts[i].tolist(), outs[i], start + arrivals[i], record, f"{tag}{i}")
     return record, max(r["end"] for r in record) - start
+
+
+class ClientProcess:
+    """run_clients in a process of its own, connected to the server's port: a client thread per request, each
+    streaming its tokens, would otherwise take turns with the server's engine loop for this process's interpreter
+    lock, which no real client does. One process serves every rate (spawned once: it imports the client alone)."""
+
+    def __init__(self, port: int):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_client_connect, initargs=(port,))
+
+    def run(self, prompts, outs, arrivals, tag: str) -> tuple[list[dict], float]:
+        return self._pool.submit(_client_run, prompts, outs, arrivals, tag).result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+_client_stub = None
+
+
+def _client_connect(port: int) -> None:
+    global _client_stub
+    from hcfjax.serving.client import connect
+
+    if trace_dir := os.environ.get(trace.DIR_VARIABLE):
+        trace.enable(trace_dir)
+    _, _client_stub = connect("127.0.0.1", port, ready_timeout=30)
+
+
+def _client_run(prompts, outs, arrivals, tag: str) -> tuple[list[dict], float]:
+    return run_clients(_client_stub, prompts, outs, arrivals, tag)
 
 
 def shown_args(argv) -> str:
@@ -392,6 +429,7 @@ def main(argv=None) -> None:
     served = start(args)
     engine, limit, slo = served.engine, served.limit, SLO()
     channel, stub = connect("127.0.0.1", served.port, ready_timeout=30)
+    clients = ClientProcess(served.port)
 
     def requests(rate: float):
         """The workload at this rate: the same lengths (and prompts) for every rate, arrivals scaled."""
@@ -427,7 +465,7 @@ def main(argv=None) -> None:
         if args.profile and kind == "sweep" and rate == rates[-1]:
             window = GpuWindow(engine, *args.profile)
             window.start()
-        record, wall = run_clients(stub, prompts, outs, arrivals, tag=f"bench{next(batches)}-")
+        record, wall = clients.run(prompts, outs, arrivals, tag=f"bench{next(batches)}-")
         if engine:
             wait_idle(engine)
         preempted = engine.snapshot()["preemptions"] - before if engine else None
@@ -442,6 +480,7 @@ def main(argv=None) -> None:
         _, probes, found = search(run, Search(*args.search_range, iters=args.search_iters))
         runs += probes
     channel.close()
+    clients.close()
     compiles_run = engine.snapshot()["compiles"] - compiles_warm if engine else "n/a"
     if engine is not None:
         options = engine.config.options  # the offline decode runs as the engine did

@@ -38,11 +38,12 @@ class StepStats:
         in_flight = collections.deque()
 
         def observed(plan, *args):
+            out = dispatch(plan, *args)
             if plan.decode:
                 self.decode_steps += 1
                 self.decode_rows += len(plan.decode)
+                self.rows_run += jax.tree.leaves(out.nxt)[0].shape[0]
                 self.context_tokens += sum(req.length for req in plan.decode)
-            out = dispatch(plan, *args)
             kind = "prefill" if not plan.decode else "mixed" if plan.chunks else "decode"
             in_flight.append((kind, sum(c.n for c in plan.chunks), time.perf_counter()))
             return out
@@ -62,7 +63,7 @@ class StepStats:
         engine._process = processed
 
     def reset(self) -> None:
-        self.decode_steps = self.decode_rows = self.context_tokens = 0
+        self.decode_steps = self.decode_rows = self.rows_run = self.context_tokens = 0
         self.seconds = dict.fromkeys(self.KINDS, 0.0)
         self.count = dict.fromkeys(self.KINDS, 0)
         self.prefill_tokens = dict.fromkeys(self.KINDS, 0)
@@ -74,13 +75,19 @@ class StepStats:
         return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
 
     @property
+    def decode_rows_run(self) -> float:
+        """Rows per step that decodes that its decode program runs (the first N slots holding every request)."""
+        return self.rows_run / self.decode_steps if self.decode_steps else 0.0
+
+    @property
     def mean_context(self) -> float:
         """Tokens a decode row attends, averaged over rows."""
         return self.context_tokens / self.decode_rows if self.decode_rows else 0.0
 
     def split(self) -> dict:
-        """Per kind of step: steps, seconds, mean milliseconds a step, prefill tokens a step."""
-        return {
+        """Per kind of step: steps, seconds, mean milliseconds a step, prefill tokens a step; and the decode rows
+        run a step."""
+        return {"decode_rows_run": self.decode_rows_run} | {
             k: {
                 "steps": self.count[k],
                 "seconds": self.seconds[k],
@@ -94,15 +101,20 @@ class StepStats:
 def time_split(split: dict, wall: float) -> str:
     """A sentence on where a run's wall time went, by kind of engine step (StepStats.split)."""
     parts = []
-    for kind, s in split.items():
+    for kind in StepStats.KINDS:
+        s = split[kind]
         if s["steps"]:
             tokens = f", {s['prefill_tokens_per_step']:,.0f} prefill tokens" if s["prefill_tokens_per_step"] else ""
             parts.append(
                 f"{kind} steps {s['seconds']:.1f} s ({s['seconds'] / wall:.0%}; {s['steps']} at "
                 f"{s['ms_per_step']:.2f} ms{tokens})"
             )
-    busy = sum(s["seconds"] for s in split.values())
-    return f"Engine time over the {wall:.1f} s run: " + "; ".join(parts) + f"; no step in flight {wall - busy:.1f} s."
+    busy = sum(split[k]["seconds"] for k in StepStats.KINDS)
+    return (
+        f"Engine time over the {wall:.1f} s run: "
+        + "; ".join(parts)
+        + f"; no step in flight {wall - busy:.1f} s. Decode rows run a step: {split['decode_rows_run']:.1f}."
+    )
 
 
 @dataclasses.dataclass
@@ -307,11 +319,11 @@ class GpuWindow:
 
         time.sleep(self.delay)
         with tempfile.TemporaryDirectory() as d:
-            steps, t0 = self.engine.runner.steps, time.perf_counter()
             jax.profiler.start_trace(d)
+            steps, t0 = self.engine.runner.steps, time.perf_counter()
             time.sleep(self.seconds)
-            jax.profiler.stop_trace()
             steps, wall = max(1, self.engine.runner.steps - steps), time.perf_counter() - t0
+            jax.profiler.stop_trace()  # (it writes the trace out: seconds not in the window)
             planes = list(ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]).planes)
         kernels = kernel_seconds(planes, steps)
         idle, pairs = gpu_gaps(planes, steps)
