@@ -83,11 +83,13 @@ class Plan:
         over EP (sharding.ep, opts.ep_exchange). Every rank runs every step; rows without work are mock rows that
         write nothing (and, with_load, add nothing to the expert loads, which are summed over the ranks).
         -> jitted fn(params, state, pre, dec) -> (state, first, next, load), state donated."""
-        from hcfjax.step import DecodeInputs, PrefillInputs, step
+        from hcfjax.step import step
 
         row = P("ep")
-        pre_spec = PrefillInputs(row, row, row, row, row, _rows_sp(), row, row) if with_prefill else None
-        dec_spec = DecodeInputs(row, row, _rows_sp(), row) if with_decode else None
+        # every leaf of a step's inputs is split by rows (one spec for the whole tree: its sampling batch's static
+        # metadata, whether the step filters, may be either)
+        pre_spec = row if with_prefill else None
+        dec_spec = row if with_decode else None
         experts = ep_experts("ep", opts.ep_exchange)
 
         def local(params, state, pre, dec):  # sampling keys come from each row's seed and counter
@@ -102,7 +104,7 @@ class Plan:
     def wrap_decode_steps(self, cfg, params, state, max_new_tokens: int, spec, opts):
         """hcfjax.step.decode_steps under the decode plan: the whole decode loop inside one shard_map (the ranks
         agree on when to stop). -> jitted fn(params, state, dec, stop_ids) -> (tokens, counters, state)."""
-        from hcfjax.step import DecodeInputs, decode_steps
+        from hcfjax.step import decode_steps
 
         row = P("ep")
         experts = ep_experts("ep", opts.ep_exchange)
@@ -112,7 +114,7 @@ class Plan:
 
         st = _state_specs(state)
         counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}
-        specs = (param_specs(params, self), st, DecodeInputs(row, row, _rows_sp(), row), P())
+        specs = (param_specs(params, self), st, row, P())  # the decode inputs split by rows, every leaf
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(row, counters, st))
         return jax.jit(fn, donate_argnums=(1,))
 
@@ -206,13 +208,6 @@ def shard_params(params: dict, plan: Plan) -> dict:
     return jax.tree_util.tree_map_with_path(
         lambda path, x: jax.device_put(x, _param_sharding(plan, path_str(path), x.shape)), params
     )
-
-
-def _rows_sp():
-    from hcfjax.sampling import SamplingBatch
-
-    row = P("ep")
-    return SamplingBatch(row, row, row, row)
 
 
 def _state_specs(state):

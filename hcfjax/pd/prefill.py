@@ -305,7 +305,7 @@ class PrefillWorker:
                     if layerwise and layer + 1 == group[1]:
                         send(*group)
                         group = next(groups, None)
-            sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling))
+            sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling, filters=True))  # one program for any request
             zeros = jnp.zeros(n.shape, jnp.int32)
             pre = PrefillInputs(
                 jnp.asarray(tokens), zeros, n_j, table_j, zeros, sp, jnp.asarray(seed), jnp.asarray(count)
