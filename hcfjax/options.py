@@ -48,6 +48,8 @@ class Options:
         for an all-greedy batch and the filters' sort when no row filters by a `lax.cond`: XLA's GPU runtime runs a
         conditional by reading its predicate back to the host and waiting for the stream, so a step with one returns
         from its dispatch only when the GPU is nearly done, and a server cannot prepare the next step meanwhile.
+        The sort is skipped on the host's word instead: a batch that says no row filters (SamplingBatch.filters)
+        traces a step without it, and the engine keeps a decode program of each kind.
         auto: on GPUs (on a CPU the branch costs nothing and the skipped sort a lot).
     """
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import hcfjax
-from hcfjax.engine import Engine, EngineConfig, FinishReason, InvalidRequest, QueueFull
+from hcfjax.engine import Engine, EngineConfig, EngineStopped, FinishReason, InvalidRequest, QueueFull
 from hcfjax.engine.balance import Balancer, RankLoad
 from hcfjax.engine.pages import OutOfPages, PageAllocator
 from hcfjax.engine.request import Request, Status
@@ -334,6 +334,62 @@ def test_abort_and_shutdown_free_everything(model):
     assert_all_free(engine)
     with pytest.raises(Exception, match="shutting down"):
         engine.submit("x")
+
+
+def test_an_error_that_stops_the_loop_ends_every_request(model):
+    """An error outside a step's dispatch (a device fault that surfaces where the tokens are read) stops the loop:
+    every request held, queued or running, ends with it, the engine is no longer ready, and a new request is
+    refused with it, instead of streams that never end."""
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1))
+    process, told = engine._process, []
+
+    def faulty(d):
+        if engine.steps >= 3:
+            raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+        process(d)
+
+    engine._process = faulty
+    engine.on_failure(told.append)
+    reqs = [engine.submit(p, max_new_tokens=50, stop_token_ids=[]) for p in PROMPTS[1:4]]  # the third waits
+    engine.start()
+    for r in reqs:
+        last = list(engine.stream(r, timeout=60))[-1]
+        assert last.finish == FinishReason.ERROR and "unspecified launch failure" in last.error
+    assert not engine.ready() and told == ["RuntimeError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure"]
+    with pytest.raises(EngineStopped, match="stopped after an error: RuntimeError: CUDA_ERROR_LAUNCH_FAILED"):
+        engine.submit("x")
+    engine.shutdown()
+
+
+def test_steps_compile_from_shapes_while_the_weights_load(model, eos_ref):
+    """Engine(weights=future): the model holds only its params' shapes, the decode step compiles from them, and
+    the engine starts once the weights arrive (from another thread), with generate's tokens. Weights of other
+    shapes are refused at start."""
+    import concurrent.futures
+
+    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), model.params)
+    config = EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1)
+    weights = concurrent.futures.Future()
+    engine = Engine(dataclasses.replace(model, params=shapes), config, weights=weights)
+    assert engine.runner.warmup(prefill=False) == 1  # from the shapes alone
+    threading.Timer(0.2, weights.set_result, (model.params,)).start()
+    reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS[:2]]
+    engine.start()
+    assert engine.model.params is model.params
+    try:
+        assert [collect_live(engine, r) for r in reqs] == eos_ref.tokens[:2]
+    finally:
+        engine.shutdown()
+    other = concurrent.futures.Future()
+    other.set_result(jax.tree.map(lambda x: x[..., :1], model.params))
+    engine = Engine(dataclasses.replace(model, params=shapes), config, weights=other)
+    with pytest.raises(ValueError, match="shapes the steps were compiled for"):
+        engine.start()
+
+
+def collect_live(engine: Engine, req) -> list[int]:
+    return [t for o in engine.stream(req, timeout=120) for t in o.token_ids]
 
 
 def test_bad_requests_are_refused(model):

@@ -13,6 +13,7 @@ import sys
 import threading
 import urllib.request
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -45,12 +46,13 @@ def test_serve_preset_runs_quantised_and_says_random(monkeypatch):
     random model, and its engine holds int4 experts, int8 dense linears and an int8 latent cache; SIGINT ends it."""
     out = Lines()
     monkeypatch.setattr(sys, "stdout", out)
-    made = []
+    made, weights = [], []
 
     class Recorded(hcfjax.engine.Engine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
+            weights.append(kwargs.get("weights"))
 
     monkeypatch.setattr(hcfjax.engine, "Engine", Recorded)
     answers, failure, returned = {}, [], threading.Event()
@@ -85,6 +87,9 @@ def test_serve_preset_runs_quantised_and_says_random(monkeypatch):
     assert answers["usage"]["completion_tokens"] == 3
 
     (engine,) = made
+    # the random weights were made while the engine was built over their shapes, and are in place
+    assert weights[0] is not None and weights[0].done()
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((engine.model.params, engine.runner.params)))
     cache = engine.runner.state.cache
     assert cache.kv.dtype == jnp.int8 and cache.scale is not None
     segments = engine.runner.params["segments"]

@@ -253,6 +253,31 @@ def test_engine_error_stopped_engine_and_health_at_shutdown(model):
     assert_idle(engine, timeout=0)
 
 
+def test_an_engine_that_fails_turns_health_not_serving(model):
+    """An error that stops the engine's loop (not one step's: a device fault, say) ends the call in flight with
+    INTERNAL, turns health NOT_SERVING so an orchestrator restarts the process, and later calls get UNAVAILABLE
+    with the error."""
+    engine = Engine(model, EngineConfig(max_slots=2, max_model_len=64))
+
+    def broken():
+        raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+
+    engine.step = broken  # the loop's iteration itself fails (nothing compiles)
+    server = Server(engine).start()
+    channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
+    try:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        err = rpc_error(lambda: client.generate(stub, "x = 1", max_new_tokens=4))
+        assert err.code() == grpc.StatusCode.INTERNAL and "CUDA_ERROR_LAUNCH_FAILED" in err.details()
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        err = rpc_error(lambda: client.generate(stub, "x = 1", max_new_tokens=4))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped after an error" in err.details()
+    finally:
+        channel.close()
+        server.shutdown(grace=0)
+
+
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out = {}

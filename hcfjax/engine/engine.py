@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -132,13 +132,19 @@ def _live_eplb(model: Model, c: EngineConfig, plan):
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), decode_plan=None, remote=None):
+    def __init__(
+        self, model: Model, config: EngineConfig = EngineConfig(), decode_plan=None, remote=None, weights=None
+    ):
         """decode_plan (sharding.plans.decode_plan): run the dp ranks on the plan's devices, attention data
         parallel and experts over EP; config.dp must equal the plan's size. Without one all ranks share a device.
 
         remote (a PD decode worker, hcfjax.pd.decode): prompts are prefilled elsewhere. Each admitted request (its
         slot and pages reserved) is handed to `remote.start(engine, request)`, which must not block; the prefill's
-        result comes back through `land` (or `land_failed`)."""
+        result comes back through `land` (or `land_failed`).
+
+        weights (a concurrent.futures.Future of model's params, without a plan): model.params holds only their
+        shapes (jax.ShapeDtypeStruct), so `warmup` compiles while the weights load; `start` (or the first step)
+        waits for them."""
         self.model, self.config, self.cfg = model, config, model.cfg
         self.remote = remote
         c = config
@@ -193,6 +199,7 @@ class Engine:
             c.options,
             None if c.executable_cache is None else ExecutableCache(c.executable_cache),
             c.min_decode_rows,
+            weights,
         )
         self.total_pages = c.dp * num_pages
         self.clock = time.monotonic
@@ -205,6 +212,8 @@ class Engine:
         self._pending: Dispatched | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: str | None = None  # why the loop stopped, if an error stopped it
+        self._on_failure: list[Callable[[str], None]] = []
         self.steps = 0
 
     # -- the caller's side (any thread) ----------------------------------------------------------------------------
@@ -239,6 +248,8 @@ class Engine:
         text = TextStream(tok, c.stop_ids, c.stop) if tok is not None else None
         with self._lock:
             if self._stopping:
+                if self.failure:
+                    raise EngineStopped(f"the engine stopped after an error: {self.failure}")
                 raise EngineStopped("the engine is shutting down")
             queued = len(self._inbox) + len(self.scheduler.waiting)
             if queued >= self.config.max_queue:
@@ -302,6 +313,9 @@ class Engine:
 
     # -- the loop (one thread) -------------------------------------------------------------------------------------
     def start(self) -> None:
+        """Starts the loop, once the weights are in (`weights`: they may still be loading)."""
+        if (params := self.runner.take_weights()) is not None:
+            self.model = dataclasses.replace(self.model, params=params)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hcfjax-engine", daemon=True)
             self._thread.start()
@@ -323,14 +337,35 @@ class Engine:
             self._abort_all()
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self._landed or self._runnable()):
-                    self._lock.wait()
-                if self._stopping:
-                    break
-            self.step()
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._inbox or self._aborts or self._landed or self._runnable()):
+                        self._lock.wait()
+                    if self._stopping:
+                        break
+                self.step()
+        except Exception as e:  # noqa: BLE001 - an error outside a step's dispatch (the device failed, say)
+            log.exception("the engine's loop failed: it serves no more requests")
+            self._fail_all(f"{type(e).__name__}: {e}")
+            return
         self._abort_all()
+
+    def _fail_all(self, error: str) -> None:
+        """The loop cannot go on: not ready (health turns NOT_SERVING), new requests refused with the error, and
+        every request held ends with it, from here (the scheduler's state may be what failed)."""
+        with self._lock:
+            self.failure, self._stopping = error, True
+            held = list(self._requests.values())
+            self._requests.clear()
+        for req in held:
+            req.events.put(Output(req.id, [], "", FinishReason.ERROR, req.usage(), error))
+        for tell in self._on_failure:
+            tell(error)
+
+    def on_failure(self, tell: Callable[[str], None]) -> None:
+        """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy."""
+        self._on_failure.append(tell)
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

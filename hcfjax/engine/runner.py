@@ -100,13 +100,19 @@ class ModelRunner:
         options: Options = DEFAULT,
         disk: ExecutableCache | None = None,
         min_decode_rows: int = 8,
+        weights: concurrent.futures.Future | None = None,
     ):
         """shapes: the prefill shapes steps pad to (default: 4 rows of up to 256 tokens). plan (a sharding.plans
         decode plan): the dp ranks on the plan's devices, each with its share of the slots
         and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
         the routed load of every step. options: how the model runs (hcfjax.options). disk: keep compiled steps there
         (hcfjax.engine.executables; steps without a plan). min_decode_rows: the smallest decode part (rows per
-        rank; decode parts are powers of two from here, up to the slots per rank)."""
+        rank; decode parts are powers of two from here, up to the slots per rank). weights: a future of the
+        model's params where model.params holds only their shapes (jax.ShapeDtypeStruct, on the device the steps
+        run on): steps compile from the shapes while the weights load, and the first step waits for them
+        (`take_weights`); not under a plan."""
+        if weights is not None and plan is not None:
+            raise ValueError("weights that load while the steps compile: not under a plan")
         self.model, self.cfg, self.spec, self.plan = model, model.cfg, spec, plan
         self.shapes = shapes or StepShapes(256, 4, whole_prompts=spec is not None, max_len=max_pages * page_size)
         self.options = options
@@ -118,6 +124,7 @@ class ModelRunner:
         cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
         self.state = empty_state(self.cfg, num_slots, cache, spec, model.dtype)
         self.params = model.params
+        self._weights = weights
         self._planned: dict = {}
         self.eplb = eplb
         if plan is None:  # committed to its device from the start, as every step's and install's output will be:
@@ -167,7 +174,20 @@ class ModelRunner:
         loads = [x for x in loads if x is not None]
         return first, nxt, (sum(loads) if loads else None)
 
+    def take_weights(self) -> dict | None:
+        """Waits for the weights that load while the steps compile (`weights`), checks that they have the shapes
+        the steps were compiled for, and returns them; None once they are in, or without them."""
+        if self._weights is None:
+            return None
+        params = self._weights.result()
+        shape = lambda tree: (jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)])  # noqa: E731
+        if shape(params) != shape(self.params):
+            raise ValueError("the loaded weights do not have the shapes the steps were compiled for")
+        self.params, self._weights = params, None
+        return params
+
     def _run(self, key, pre: PrefillInputs | None, dec: DecodeInputs | None):
+        self.take_weights()
         fn = self.executables.get(key)
         if fn is None:  # not warmed up: compile now (a pause every request in flight feels)
             t0 = time.perf_counter()
@@ -323,10 +343,16 @@ class ModelRunner:
                 futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
                 if progress is not None:
                     progress(0, len(todo))
-                for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                    self.executables[futures[done]] = done.result()
-                    if progress is not None:
-                        progress(i + 1, len(todo))
+                pending, finished = set(futures), 0
+                while pending:
+                    # a wait with a timeout: a Ctrl-C that the OS hands to another thread is raised here within
+                    # the timeout, not when the next compile ends
+                    done, pending = concurrent.futures.wait(pending, 0.25, concurrent.futures.FIRST_COMPLETED)
+                    for f in done:
+                        self.executables[futures[f]] = f.result()
+                        finished += 1
+                        if progress is not None:
+                            progress(finished, len(todo))
             except BaseException:  # Ctrl-C or a failed compile: drop the compiles not started, wait for none
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise

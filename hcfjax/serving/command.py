@@ -21,6 +21,7 @@ from hcfjax.serving.config import (
     prefill_config,
     random_label,
     served_model,
+    served_model_and_weights,
     served_model_name,
 )
 from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
@@ -165,9 +166,10 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print("hcfjax serve: interrupted before it was ready", file=sys.stderr, flush=True)
         code = 130
-    if any(t.name.startswith("hcfjax-compile") for t in threading.enumerate()):
+    if any(t.name.startswith(("hcfjax-compile", "hcfjax-weights")) for t in threading.enumerate()):
         # a compile in flight (the warm-up's, or the smaller shapes' in the background after ready) cannot be
-        # interrupted, and the interpreter's exit would wait for it and for the kernels being lowered
+        # interrupted, and the interpreter's exit would wait for it and for the kernels being lowered (or for
+        # a random model's weights being made)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -194,7 +196,8 @@ def _serve_until_signal(args, started: float) -> int:
     from hcfjax.serving.server import serve
 
     try:
-        engine = Engine(served_model(args), engine_config(args))
+        model, weights = served_model_and_weights(args)  # a random model's weights are made while steps compile
+        engine = Engine(model, engine_config(args), weights=weights)
         path = engine.model.path
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
     except (ValueError, NotImplementedError, OSError) as e:

@@ -9,6 +9,8 @@ The jax-heavy config classes are imported inside the functions, so that `hcfjax 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -96,6 +98,29 @@ def load_dtype(name: str):
 def served_model(args: argparse.Namespace) -> Model:
     """--model PATH | --preset NAME, --scheme S, --dtype D, --fp8 M: the model of `hcfjax serve` (every role)."""
     return load_model(args.model, args.preset, args.scheme, args.dtype, args.fp8)
+
+
+def served_model_and_weights(args: argparse.Namespace) -> tuple[Model, concurrent.futures.Future | None]:
+    """served_model(args), and for a random model (--preset) its weights still being made: the model then holds
+    only their shapes (jax.eval_shape of the same build, on the first device), so that the server's steps compile
+    while a thread makes and quantises the weights (hcfjax.engine.Engine's `weights`). A checkpoint is loaded
+    first (None)."""
+    if not args.preset:
+        return served_model(args), None
+    import jax
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hcfjax-weights")
+    weights = pool.submit(lambda: served_model(args).params)
+    pool.shutdown(wait=False)
+    built = {}
+
+    def build():
+        built["model"] = served_model(args)
+        return built["model"].params
+
+    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), jax.eval_shape(build))
+    return dataclasses.replace(built["model"], params=shapes), weights
 
 
 def random_label(preset: str | None, scheme: str | None) -> str | None:

@@ -196,12 +196,17 @@ class Server:
             self.metrics.rejected.labels(code).inc()
 
     def start(self) -> Server:
-        """Starts the engine's loop and the server; health says SERVING."""
+        """Starts the engine's loop and the server; health says SERVING, until shutdown or an error that stops the
+        engine's loop (then NOT_SERVING: the process should be restarted)."""
+        self.engine.on_failure(lambda _: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         self.engine.start()
         self._server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return self
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
 
     def shutdown(self, grace: float = 3.0, stop_engine: bool = True) -> None:
         """Health goes NOT_SERVING and new calls are refused; the engine aborts what is in flight, so each open
