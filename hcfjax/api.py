@@ -18,6 +18,7 @@ from hcfjax.checkpoint import (
     checkpoint_headers,
     load_params,
     mtp_present,
+    params_shapes,
     save_params,
 )
 from hcfjax.config import ModelConfig
@@ -66,13 +67,28 @@ def load(
     return Model(cfg, params, tokenizer, str(path))
 
 
+def load_shapes(
+    path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, fp8: str = "native"
+) -> Model:
+    """The Model `load` returns, with its params as jax.ShapeDtypeStructs on no device: from config.json and the
+    safetensors headers alone, checked as `load` checks them before it reads a tensor (no warning: `load` gives
+    it). A server compiles its steps for these while `load` reads the weights."""
+    path = Path(DEFAULT_MODEL if path is None else path)
+    cfg, headers = read_config(path, mtp, fp8, warn=False)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = checkpoint_dtype(path, headers)
+    tok_file = path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+    return Model(cfg, params_shapes(cfg, jnp.dtype(dtype), mtp is not False), tokenizer, str(path))
+
+
 def read_config(
-    path: Path, mtp: bool | None = None, fp8: str = "native", stacklevel: int = 3
+    path: Path, mtp: bool | None = None, fp8: str = "native", stacklevel: int = 3, warn: bool = True
 ) -> tuple[ModelConfig, dict]:
     """config.json's ModelConfig counting the MTP layers that `load(path, mtp=mtp)` loads, and saying no
     quantisation where `fp8="dequantize"` reads DeepSeek's fp8 weights as floats; and the checkpoint's tensor index
-    (checkpoint_headers). Warns (at `stacklevel`) where config.json names MTP layers the checkpoint lacks and mtp is
-    None."""
+    (checkpoint_headers). Warns (at `stacklevel`; unless not `warn`) where config.json names MTP layers the
+    checkpoint lacks and mtp is None."""
     if fp8 not in FP8_MODES:
         raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
     if not path.is_dir():
@@ -88,11 +104,12 @@ def read_config(
                 f"checkpoint {path} has no MTP layer tensors (config.json says num_nextn_predict_layers="
                 f"{cfg.num_mtp_layers}); mtp=True requires them"
             )
-        warnings.warn(
-            f"checkpoint {path} has no MTP layer tensors though config.json says num_nextn_predict_layers="
-            f"{cfg.num_mtp_layers}: loading the main model alone (speculative decoding needs MTP layers)",
-            stacklevel=stacklevel,
-        )
+        if warn:
+            warnings.warn(
+                f"checkpoint {path} has no MTP layer tensors though config.json says num_nextn_predict_layers="
+                f"{cfg.num_mtp_layers}: loading the main model alone (speculative decoding needs MTP layers)",
+                stacklevel=stacklevel,
+            )
         cfg = _without_mtp(cfg)
     return (_without_mtp(cfg) if mtp is False else cfg), headers
 

@@ -443,11 +443,29 @@ def load_params(
     largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
     params = fill_params(stacked, params_layout, sharding, file_order, stage_bytes=largest)
     _log.info("read %d of %d tensors (%.3g GB) from %s", read["tensors"], len(specs), read["bytes"] / 1e9, path)
+    return _assembled(params, specs, cfg)
+
+
+def params_shapes(cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True) -> dict:
+    """The pytree load_params returns for a checkpoint of `cfg`, as jax.ShapeDtypeStructs (nothing read): what a
+    server compiles its steps for while the weights load."""
+    specs = tensor_specs(cfg, mtp=mtp)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
+    flat = {
+        p: jax.ShapeDtypeStruct(shape, fixed.get(p, np.float32 if fp32 else np_dtype))
+        for p, (shape, fp32) in stacked_shapes(specs).items()
+    }
+    return _assembled(flat, specs, cfg)
+
+
+def _assembled(flat: dict[tuple, object], specs: list[TensorSpec], cfg: ModelConfig) -> dict:
+    """{path: leaf} with each quantised weight's parts joined into its pytree type -> the params pytree."""
     for s in specs:
-        if s.quant and s.path in params:
+        if s.quant and s.path in flat:
             w = s.path[:-1]
-            params[w] = quantized_weight(params, w, s.quant, cfg)
-    return to_pytree(params)
+            flat[w] = quantized_weight(flat, w, s.quant, cfg)
+    return to_pytree(flat)
 
 
 def _is_mtp_name(cfg: ModelConfig, name: str) -> bool:

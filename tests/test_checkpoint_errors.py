@@ -2,6 +2,7 @@
 shards, wrong dtypes, an index that disagrees with its files (or is missing), fp8 scales of the wrong shape."""
 
 import json
+import os
 import struct
 
 import jax
@@ -118,3 +119,20 @@ def test_fp8_scale_beside_a_float_weight(tmp_path):
     index["weight_map"][name + "_scale_inv"] = file
     (dst / INDEX).write_text(json.dumps(index))
     fails_whole(dst, repr(name + "_scale_inv"), repr(name), file, "not fp8")
+
+
+def test_serve_fails_with_the_tensor_while_its_steps_compile(tmp_path):
+    """hcfjax serve compiles its steps while the weights load: a tensor that fails the load (the headers alone look
+    right) ends the command with the error naming it, exit status 2, not a server without weights."""
+    import subprocess
+    import sys
+
+    dst = copy_fixture(tmp_path)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    file = dst / json.loads((dst / INDEX).read_text())["weight_map"][name]
+    edit(file, lambda t: t.__setitem__(name, t[name].astype(np.int32)))
+    cmd = [sys.executable, "-m", "hcfjax.cli", "serve", "--model", str(dst), "--port", "0", "--compile-cache", "off"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error:" in done.stderr and repr(name) in done.stderr and "Traceback" not in done.stderr
+    assert "ready" not in done.stdout

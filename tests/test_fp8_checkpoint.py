@@ -280,3 +280,15 @@ def test_cli_generate_runs_fp8_or_dequantised(random_fp8, capsys, monkeypatch):
         assert cli.main([*args, "--fp8", mode]) == 0
         assert capsys.readouterr().out.startswith("def f(x):")
     assert [m.cfg.quantization and m.cfg.quantization.scheme for m in loaded] == ["fp8", None]
+
+
+def test_fp8_shapes_without_reading_equal_what_loads(random_fp8):
+    """load_shapes of a DeepSeek fp8 checkpoint: Fp8Weights of the stored shapes, or floats with fp8="dequantize"."""
+    from hcfjax.api import load_shapes
+
+    path, _ = random_fp8
+    for mode in ("native", "dequantize"):
+        shapes, loaded = load_shapes(path, fp8=mode), hcfjax.load(path, fp8=mode)
+        leaves = lambda t: [(tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]  # noqa: E731
+        assert jax.tree.structure(shapes.params) == jax.tree.structure(loaded.params), mode
+        assert leaves(shapes.params) == leaves(loaded.params) and shapes.cfg == loaded.cfg, mode

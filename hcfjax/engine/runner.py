@@ -348,6 +348,8 @@ class ModelRunner:
                     # a wait with a timeout: a Ctrl-C that the OS hands to another thread is raised here within
                     # the timeout, not when the next compile ends
                     done, pending = concurrent.futures.wait(pending, 0.25, concurrent.futures.FIRST_COMPLETED)
+                    if self._weights is not None and self._weights.done() and self._weights.exception():
+                        raise self._weights.exception()  # the weights cannot load: no use compiling for them
                     for f in done:
                         self.executables[futures[f]] = f.result()
                         finished += 1

@@ -196,7 +196,7 @@ def _serve_until_signal(args, started: float) -> int:
     from hcfjax.serving.server import serve
 
     try:
-        model, weights = served_model_and_weights(args)  # a random model's weights are made while steps compile
+        model, weights = served_model_and_weights(args)  # the weights load while the steps compile
         engine = Engine(model, engine_config(args), weights=weights)
         path = engine.model.path
         template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
@@ -231,6 +231,9 @@ def _serve_until_signal(args, started: float) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (ValueError, NotImplementedError) as e:  # the weights, loading while the steps compiled, failed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -61,31 +61,43 @@ def load_model(
     dequantised for the other schemes, as it is for "fp8"); `fp8` as hcfjax.load's otherwise. ValueError for a
     path that is not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised to
     another already."""
-    from pathlib import Path
 
     import jax.numpy as jnp
 
     import hcfjax
 
-    if path and preset:
-        raise ValueError("give --model or --preset, not both")
-    if scheme is not None and scheme not in SCHEMES:
-        raise ValueError(f"unknown quantisation scheme {scheme!r} (choose from {list(SCHEMES)})")
+    check_model_args(path, preset, scheme)
     if preset:
         from hcfjax.random_model import preset_config, random_model
 
         model = random_model(preset_config(preset), seed=0, dtype=getattr(jnp, DTYPES.get(dtype, "bfloat16")))
     else:
-        where = Path(path or hcfjax.DEFAULT_MODEL)
-        if not (where / "config.json").is_file():
-            raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
         fp8 = fp8 if scheme in (None, "fp8") else "dequantize"
-        model = hcfjax.load(where, dtype=load_dtype(dtype), fp8=fp8)
+        model = hcfjax.load(checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8)
     if scheme is not None:
         from hcfjax.quantize import is_scheme, quantize_model
 
         model = model if is_scheme(model, scheme) else quantize_model(model, scheme)
     return model
+
+
+def check_model_args(path: str | None, preset: str | None, scheme: str | None) -> None:
+    if path and preset:
+        raise ValueError("give --model or --preset, not both")
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"unknown quantisation scheme {scheme!r} (choose from {list(SCHEMES)})")
+
+
+def checkpoint_dir(path: str | None):
+    """--model's directory (None: the embedded model), checked to hold a config.json."""
+    from pathlib import Path
+
+    import hcfjax
+
+    where = Path(path or hcfjax.DEFAULT_MODEL)
+    if not (where / "config.json").is_file():
+        raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
+    return where
 
 
 def load_dtype(name: str):
@@ -100,27 +112,50 @@ def served_model(args: argparse.Namespace) -> Model:
     return load_model(args.model, args.preset, args.scheme, args.dtype, args.fp8)
 
 
-def served_model_and_weights(args: argparse.Namespace) -> tuple[Model, concurrent.futures.Future | None]:
-    """served_model(args), and for a random model (--preset) its weights still being made: the model then holds
-    only their shapes (jax.eval_shape of the same build, on the first device), so that the server's steps compile
-    while a thread makes and quantises the weights (hcfjax.engine.Engine's `weights`). A checkpoint is loaded
-    first (None)."""
-    if not args.preset:
-        return served_model(args), None
+def served_model_and_weights(args: argparse.Namespace) -> tuple[Model, concurrent.futures.Future]:
+    """served_model(args) being loaded in a thread, and the Model it will be with only its params' shapes
+    (jax.ShapeDtypeStruct, on the first device), so that the server's steps compile while the weights are read (or
+    made, for a random model) and quantised (hcfjax.engine.Engine's `weights`). A bad path, preset or scheme fails
+    here, before anything compiles."""
     import jax
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hcfjax-weights")
     weights = pool.submit(lambda: served_model(args).params)
     pool.shutdown(wait=False)
+    model = model_shapes(args.model, args.preset, args.scheme, args.dtype, args.fp8)
+    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), model.params)
+    return dataclasses.replace(model, params=shapes), weights
+
+
+def model_shapes(
+    path: str | None, preset: str | None = None, scheme: str | None = None, dtype="bfloat16", fp8="native"
+) -> Model:
+    """load_model's Model with its params as jax.ShapeDtypeStructs, without reading or making a weight: a random
+    model's and a quantisation's by jax.eval_shape of the same code, a checkpoint's from its headers
+    (hcfjax.api.load_shapes)."""
+    import jax
+
+    from hcfjax.api import load_shapes
+    from hcfjax.quantize import is_scheme, quantize_model
+
     built = {}
 
-    def build():
-        built["model"] = served_model(args)
-        return built["model"].params
+    def build(params=None):
+        model = built["model"] if params is not None else load_model(None, preset, None, dtype)
+        built["model"] = model = dataclasses.replace(model, params=params) if params is not None else model
+        if scheme is not None and not is_scheme(model, scheme):
+            built["model"] = model = quantize_model(model, scheme)
+        return model.params
 
-    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), jax.eval_shape(build))
-    return dataclasses.replace(built["model"], params=shapes), weights
+    if preset:
+        check_model_args(path, preset, scheme)
+        shapes = jax.eval_shape(build)
+    else:
+        where = checkpoint_dir(path)
+        built["model"] = load_shapes(where, load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize")
+        shapes = jax.eval_shape(build, built["model"].params)
+    return dataclasses.replace(built["model"], params=shapes)
 
 
 def random_label(preset: str | None, scheme: str | None) -> str | None:
