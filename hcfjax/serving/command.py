@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -161,6 +162,9 @@ def run(args) -> int:
     """Ctrl-C before the server is up (loading, compiling) ends the command quietly, exit status 130; once it
     serves, a signal shuts it down without waiting for the smaller shapes still compiling in the background."""
     started = time.monotonic()
+    # as after ready (until_signal), even where the parent had SIGINT ignored (a shell's background job)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = _serve_until_signal(args, started)
     except KeyboardInterrupt:
