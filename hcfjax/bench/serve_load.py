@@ -193,9 +193,9 @@ def _pct(xs: list[float]) -> dict[int, float]:
 def measure(
     rate: float, kind: str, record: list[dict], ins, wall: float, slo: SLO, preemptions: int | None, steps=None
 ) -> RateRun:
-    """A batch's client records (hcfjax.bench.serve.run_one: ttft, tpot, out tokens, finish) -> its RateRun. A request
-    counts as finished when it ended at its length (every request ignores eos), lost when the client saw no terminal
-    response (no record, or a stream that ended without a finish reason)."""
+    """A batch's client records (hcfjax.bench.serve_clients.run_one: ttft, tpot, out tokens, finish) -> its
+    RateRun. A request counts as finished when it ended at its length (every request ignores eos), lost when the
+    client saw no terminal response (no record, or a stream that ended without a finish reason)."""
     n = len(ins)
     ok = [r for r in record if r["finish"] == "length"]
     lost = n - len(record) + sum(r["finish"] is None for r in record)

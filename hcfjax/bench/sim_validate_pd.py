@@ -10,7 +10,7 @@ mode, a prefill instance batching as hcfjax's PrefillWorker does).
   batch shape the workload's prompts can take (rows x chunk, on rows that write nothing).
 - KV link: timed transfers of this model's per-request cache (whole pages, every layer) to a receiver process
   (hcfjax.bench.pd_transfer's) over the run's transport, fitted as latency + bytes / bandwidth.
-- Serving: the benchmark's client (hcfjax.bench.serve.run_clients) against the router, measured as the benchmark
+- Serving: the benchmark's client (hcfjax.bench.serve_clients.run_clients) against the router, measured as the benchmark
   measures.
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from hcfjax import trace
-from hcfjax.bench.serve import launch_role, launch_router, pd_role_args, role_env, run_clients, stop_pd, warm_pd
+from hcfjax.bench.serve import launch_role, launch_router, pd_role_args, role_env, stop_pd
+from hcfjax.bench.serve_clients import run_clients, warm_pd
 from hcfjax.sim.deployment import Deployment, Pool
 
 PREFILL_MEM_FRACTION = 0.85  # the prefill worker has its GPU to itself

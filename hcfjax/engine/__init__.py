@@ -9,12 +9,14 @@ r"""The serving engine: continuous batching over the paged latent cache.
 
 Files, one job each: request.py (lifecycle, Output events), pages.py (page allocator with reference counts),
 scheduler.py (chunked prefill, shortest-prompt-first, decode admission, preemption), balance.py (DP rank choice),
-runner.py (the jitted step and its device state), engine.py (the loop, streaming, overlap of host and device).
+runner.py (the jitted step and its device state), config.py (EngineConfig), engine.py (the loop, streaming,
+overlap of host and device).
 Requests are checked and encoded by hcfjax.frontdoor; their text and stop strings are streamed by
 hcfjax.detokenize.
 """
 
-from hcfjax.engine.engine import Engine, EngineConfig, EngineStopped, QueueFull
+from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
+from hcfjax.engine.engine import Engine
 from hcfjax.engine.request import FinishReason, Output, Request, Status, Usage
 from hcfjax.frontdoor import InvalidRequest
 
