@@ -185,12 +185,13 @@ def shapes_of(tree):
 
 def test_shapes_without_reading_equal_what_loads(tmp_path):
     """What a server compiles for while its weights load (hcfjax serve): hcfjax.api.load_shapes from config.json and
-    the headers, and serving.config.model_shapes with a scheme or a preset by jax.eval_shape, have the structure,
-    shapes, dtypes and config of what load / load_model return: the embedded model in bf16 and, without its MTP
-    layer, in f32; a w4a8c8 checkpoint; the embedded model quantised to w4a8c8 in memory; a random preset in w4a8."""
+    the headers, and serving.config.load_model(shapes_only=True) with a scheme or a preset by jax.eval_shape, have
+    the structure, shapes, dtypes and config of what load / load_model return: the embedded model in bf16 and,
+    without its MTP layer, in f32; a w4a8c8 checkpoint; the embedded model quantised to w4a8c8 in memory; a random
+    preset in w4a8."""
     from hcfjax.api import load_shapes
     from hcfjax.quantize import quantize_model
-    from hcfjax.serving.config import load_model, model_shapes
+    from hcfjax.serving.config import load_model
 
     for kw in (dict(), dict(dtype=jnp.float32, mtp=False)):
         shapes, loaded = load_shapes(**kw), hcfjax.load(**kw)
@@ -200,7 +201,7 @@ def test_shapes_without_reading_equal_what_loads(tmp_path):
     shapes, loaded = load_shapes(tmp_path / "q"), hcfjax.load(tmp_path / "q")
     assert shapes.cfg == loaded.cfg and shapes_of(shapes.params) == shapes_of(loaded.params)
     for args in ((None, None, "w4a8c8"), (None, "tiny-v3", "w4a8"), (str(tmp_path / "q"), None, None)):
-        shapes, loaded = model_shapes(*args), load_model(*args)
+        shapes, loaded = load_model(*args, shapes_only=True), load_model(*args)
         assert shapes.cfg == loaded.cfg and shapes_of(shapes.params) == shapes_of(loaded.params), args
     with pytest.raises(ValueError, match="not a checkpoint directory"):
-        model_shapes(str(tmp_path / "nothing"))
+        load_model(str(tmp_path / "nothing"), shapes_only=True)

@@ -80,10 +80,7 @@ def kernel_times(fn, *args, reps: int = 20, wait=None) -> dict[str, float]:
 
 def traced_planes(fn, *args, reps: int = 20, wait=None) -> list:
     """The planes of a jax.profiler trace of `reps` calls of fn(*args) after a warm-up call (see kernel_times)."""
-    import glob
     import tempfile
-
-    from jax.profiler import ProfileData
 
     wait = wait or jax.block_until_ready
     wait(fn(*args))
@@ -93,8 +90,16 @@ def traced_planes(fn, *args, reps: int = 20, wait=None) -> list:
             wait([fn(*args) for _ in range(reps)])
         finally:
             jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    return list(data.planes)
+        return read_planes(d)
+
+
+def read_planes(directory: str) -> list:
+    """The planes of the jax.profiler trace written under `directory`."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    return list(ProfileData.from_file(glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)[0]).planes)
 
 
 def kernel_time(fn, *args, reps: int = 20, wait=None, show=None) -> float:

@@ -309,13 +309,11 @@ class GpuWindow:
         self._thread.start()
 
     def _trace(self) -> None:
-        import glob
         import tempfile
 
         import jax
-        from jax.profiler import ProfileData
 
-        from hcfjax.bench.common import gpu_gaps, kernel_seconds
+        from hcfjax.bench.common import gpu_gaps, kernel_seconds, read_planes
 
         time.sleep(self.delay)
         with tempfile.TemporaryDirectory() as d:
@@ -324,7 +322,7 @@ class GpuWindow:
             time.sleep(self.seconds)
             steps, wall = max(1, self.engine.runner.steps - steps), time.perf_counter() - t0
             jax.profiler.stop_trace()  # (it writes the trace out: seconds not in the window)
-            planes = list(ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]).planes)
+            planes = read_planes(d)
         kernels = kernel_seconds(planes, steps)
         idle, pairs = gpu_gaps(planes, steps)
         self.result = {"steps": steps, "wall": wall, "kernels": kernels, "idle": idle, "gaps": pairs}

@@ -250,8 +250,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():  # a step (a compile?) outlasted the timeout: end the streams from here
-                for req in list(self._requests.values()):
-                    req.events.put(Output(req.id, [], "", FinishReason.ABORT, req.usage(), "engine shut down"))
+                self._end_streams(FinishReason.ABORT, "engine shut down")
             self._thread = None
         else:
             self._abort_all()
@@ -275,13 +274,16 @@ class Engine:
         """The loop cannot go on: not ready (health turns NOT_SERVING), new requests refused with the error, and
         every request held ends with it, from here (the scheduler's state may be what failed)."""
         with self._lock:
-            self.failure, self._stopping = error, True
-            held = list(self._requests.values())
-            self._requests.clear()
-        for req in held:
-            req.events.put(Output(req.id, [], "", FinishReason.ERROR, req.usage(), error))
+            self.failure, self._stopping = error, True  # (submit adds no request from here)
+        self._end_streams(FinishReason.ERROR, error)
+        self._requests.clear()
         for tell in self._on_failure:
             tell(error)
+
+    def _end_streams(self, reason: FinishReason, error: str) -> None:
+        """Every request's last event, sent from outside the loop's bookkeeping (the loop is stuck or gone)."""
+        for req in list(self._requests.values()):
+            req.events.put(Output(req.id, [], "", reason, req.usage(), error))
 
     def on_failure(self, tell: Callable[[str], None]) -> None:
         """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy."""

@@ -54,31 +54,46 @@ def load_model(
     scheme: str | None = None,
     dtype: str = "bfloat16",
     fp8: str = "native",
+    shapes_only: bool = False,
 ) -> Model:
     """The model `hcfjax serve` serves: the checkpoint at `path` (None: the embedded model), or a random model of
     `preset`'s shape (hcfjax.random_model.PRESETS; seed 0, so every worker of a PD deployment builds the same
     weights), quantised to `scheme` in memory when given (as `hcfjax quantize` does: an fp8 checkpoint is read
     dequantised for the other schemes, as it is for "fp8"); `fp8` as hcfjax.load's otherwise. ValueError for a
     path that is not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised to
-    another already."""
-
+    another already. shapes_only: the same Model with its params as jax.ShapeDtypeStructs, without reading or
+    making a weight (a checkpoint's from its headers, hcfjax.api.load_shapes; the rest by jax.eval_shape)."""
     import jax.numpy as jnp
 
     import hcfjax
+    from hcfjax.api import load_shapes
+    from hcfjax.quantize import is_scheme, quantize_model
 
     check_model_args(path, preset, scheme)
     if preset:
         from hcfjax.random_model import preset_config, random_model
 
-        model = random_model(preset_config(preset), seed=0, dtype=getattr(jnp, DTYPES.get(dtype, "bfloat16")))
+        cfg, floats = preset_config(preset), getattr(jnp, DTYPES.get(dtype, "bfloat16"))
+        make = lambda: random_model(cfg, seed=0, dtype=floats)  # noqa: E731
+        model = _shapes_of(make) if shapes_only else make()
     else:
-        fp8 = fp8 if scheme in (None, "fp8") else "dequantize"
-        model = hcfjax.load(checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8)
-    if scheme is not None:
-        from hcfjax.quantize import is_scheme, quantize_model
-
-        model = model if is_scheme(model, scheme) else quantize_model(model, scheme)
+        read = load_shapes if shapes_only else hcfjax.load
+        model = read(
+            checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize"
+        )
+    if scheme is not None and not is_scheme(model, scheme):
+        quantized = lambda params: quantize_model(dataclasses.replace(model, params=params), scheme)  # noqa: E731
+        model = _shapes_of(quantized, model.params) if shapes_only else quantized(model.params)
     return model
+
+
+def _shapes_of(make, *args) -> Model:
+    """make(*args)'s Model with its params as jax.ShapeDtypeStructs (jax.eval_shape: nothing is computed)."""
+    import jax
+
+    made = []
+    shapes = jax.eval_shape(lambda *a: made.append(make(*a)) or made[0].params, *args)
+    return dataclasses.replace(made[0], params=shapes)
 
 
 def check_model_args(path: str | None, preset: str | None, scheme: str | None) -> None:
@@ -122,40 +137,10 @@ def served_model_and_weights(args: argparse.Namespace) -> tuple[Model, concurren
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hcfjax-weights")
     weights = pool.submit(lambda: served_model(args).params)
     pool.shutdown(wait=False)
-    model = model_shapes(args.model, args.preset, args.scheme, args.dtype, args.fp8)
+    model = load_model(args.model, args.preset, args.scheme, args.dtype, args.fp8, shapes_only=True)
     on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), model.params)
     return dataclasses.replace(model, params=shapes), weights
-
-
-def model_shapes(
-    path: str | None, preset: str | None = None, scheme: str | None = None, dtype="bfloat16", fp8="native"
-) -> Model:
-    """load_model's Model with its params as jax.ShapeDtypeStructs, without reading or making a weight: a random
-    model's and a quantisation's by jax.eval_shape of the same code, a checkpoint's from its headers
-    (hcfjax.api.load_shapes)."""
-    import jax
-
-    from hcfjax.api import load_shapes
-    from hcfjax.quantize import is_scheme, quantize_model
-
-    built = {}
-
-    def build(params=None):
-        model = built["model"] if params is not None else load_model(None, preset, None, dtype)
-        built["model"] = model = dataclasses.replace(model, params=params) if params is not None else model
-        if scheme is not None and not is_scheme(model, scheme):
-            built["model"] = model = quantize_model(model, scheme)
-        return model.params
-
-    if preset:
-        check_model_args(path, preset, scheme)
-        shapes = jax.eval_shape(build)
-    else:
-        where = checkpoint_dir(path)
-        built["model"] = load_shapes(where, load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize")
-        shapes = jax.eval_shape(build, built["model"].params)
-    return dataclasses.replace(built["model"], params=shapes)
 
 
 def random_label(preset: str | None, scheme: str | None) -> str | None:
