@@ -2,9 +2,9 @@
 
 A step runs, in one traced function, a prefill part (chunks of up to Bp prompts, Tc tokens each, written into their
 pages; a chunk that ends its prompt samples the request's first new token into its decode slot, and with speculative
-decoding makes its first drafts) and a decode part (one token, or one speculative step, for every active slot;
-absorbed MLA over the cache). Either part may be absent. Per-slot state (`SlotState`: the cache, each slot's newest
-token, length and rng counter, and its draft state) is carried from step to step.
+decoding makes its first drafts) and a decode part (one token, or one speculative step, for each decode row's
+slot; absorbed MLA over the cache). Either part may be absent. Per-slot state (`SlotState`: the cache, each slot's
+newest token, length and rng counter, and its draft state) is carried from step to step.
 
 Drivers:
 - `hcfjax.generate`: one prefill step for the whole batch, then decode steps in one `lax.while_loop`
@@ -63,13 +63,15 @@ class PrefillInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeInputs:
-    """The decode rows: the first N <= S slots (the engine pads to a bucket that holds every active slot, so a
-    step decodes as few rows as it can; slots from N up are untouched)."""
+    """The decode rows: N <= S rows, row i decoding slot `slot[i]`, or without `slot` the first N slots. The
+    engine packs its decoding requests into the fewest rows a compiled size holds, wherever their slots lie, so a
+    step decodes as few rows as it can; slots no row names are untouched."""
 
     active: jax.Array  # [N] bool
     page_table: jax.Array  # [N, M]
     sp: SamplingBatch  # [N]
     seed: jax.Array  # [N]
+    slot: jax.Array | None = None  # [N] int32 the slot each row decodes (S, none, on inactive rows)
 
 
 def empty_state(cfg: ModelConfig, slots: int, cache: kvcache.KVCache, spec: SpeculativeConfig | None, dtype):
@@ -161,10 +163,7 @@ def step(
         if d is not None:
             drafts = jax.tree.map(lambda s, x: s.at[pre.slot].set(x, mode="drop"), drafts, d)
     if dec is not None:
-        rows = dec.active.shape[0]  # the first `rows` slots decode
-        part = rows < tok.shape[0]  # all slots: no slices (XLA:CPU crashed on full-width ones, speculative, in a plan)
-        head = lambda x: x[:rows] if part else x  # noqa: E731
-        put = lambda whole, x: whole.at[:rows].set(x) if part else x  # noqa: E731
+        head, put = _slot_rows(dec, tok.shape[0])
     if dec is not None and spec is not None:
         no_stops = lambda emitted, n_emit: (n_emit, jnp.zeros(n_emit.shape, bool))  # noqa: E731
         keys = sample_keys(dec.seed, head(count))
@@ -189,6 +188,17 @@ def step(
         count = put(count, head(count) + dec.active)
     load = sum(loads) if with_load else None
     return SlotState(cache, tok, length, count, drafts), first, nxt, load
+
+
+def _slot_rows(dec: DecodeInputs, slots: int):
+    """(head, put): a per-slot array's decode rows, and the array with the rows written back to their slots."""
+    if dec.slot is not None:  # a gather and a scatter that drops the inactive rows (slot S)
+        head = lambda x: x.at[dec.slot].get(mode="fill", fill_value=0)  # noqa: E731
+        return head, lambda whole, x: whole.at[dec.slot].set(x, mode="drop")
+    rows = dec.active.shape[0]  # the first `rows` slots decode
+    if rows == slots:  # all slots: no slices (XLA:CPU crashed on full-width ones, speculative, in a plan)
+        return (lambda x: x), (lambda whole, x: x)
+    return (lambda x: x[:rows]), (lambda whole, x: whole.at[:rows].set(x))
 
 
 STATIC = ("cfg", "spec", "opts", "experts_fn", "with_load")

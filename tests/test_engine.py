@@ -288,31 +288,34 @@ def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
         assert [collect(crowd, o)[0] for o in others] == eos_ref.tokens[1:3]
 
 
-def test_decode_steps_run_the_rows_that_hold_the_slots_in_use(model, eos_ref):
-    """min_decode_rows=1 over 4 slots: a step decodes the first 1, 2 or 4 slots, whichever holds every request
-    decoding (requests take the lowest free slot). Six requests through four slots, then two in slots 0 and 1 (the
-    second ending first), give generate's greedy tokens. (Speculative steps of fewer rows than slots:
-    test_sampled_request_does_not_depend_on_its_batch.)"""
+def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
+    """min_decode_rows=1 over 4 slots: a step decodes 1, 2 or 4 rows, the fewest that hold the requests decoding,
+    wherever their slots are. Six requests through four slots, then a long request left alone in a high slot once
+    the three short ones below it end (one row, reading and writing slot 3), give generate's greedy tokens.
+    (Speculative steps of fewer rows than slots: test_sampled_request_does_not_depend_on_its_batch.)"""
     engine = Engine(model, EngineConfig(max_slots=4, min_decode_rows=1, token_budget=64))
     dispatch, rows = engine.runner.dispatch, []
 
     def seen(plan):
         d = dispatch(plan)
         if d.nxt is not None:
-            rows.append((jax.tree.leaves(d.nxt)[0].shape[0], max(r.slot for r in plan.decode)))
+            rows.append((jax.tree.leaves(d.nxt)[0].shape[0], len(plan.decode), max(r.slot for r in plan.decode)))
         return d
 
     engine.runner.dispatch = seen
     reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS]
     run_all(engine)
     assert [collect(engine, r)[0] for r in reqs] == eos_ref.tokens
+    short = [engine.submit(PROMPTS[i], max_new_tokens=6) for i in (1, 2, 4)]
+    while not rows or rows[-1][1] < 3:  # the three decoding in slots 0-2
+        engine.step()
     long = engine.submit(PROMPTS[0], max_new_tokens=24)
-    engine.step()  # admitted to slot 0; the next to slot 1, ending first: 2 rows, then 1
-    short = engine.submit(PROMPTS[1], max_new_tokens=3)
     run_all(engine)
-    assert collect(engine, long)[0] == eos_ref.tokens[0] and collect(engine, short)[0] == eos_ref.tokens[1][:3]
-    assert all(n == min(s for s in (1, 2, 4) if s > slot) for n, slot in rows)
-    assert {n for n, _ in rows} == {1, 2, 4} and engine.runner.decode_sizes == [1, 2, 4]
+    assert long.slot == -1 and collect(engine, long)[0] == eos_ref.tokens[0]
+    assert [collect(engine, r)[0] for r in short] == [eos_ref.tokens[i][:6] for i in (1, 2, 4)]
+    assert all(n == min(s for s in (1, 2, 4) if s >= k) for n, k, _ in rows)
+    assert (1, 1, 3) in rows  # the long request alone in slot 3
+    assert {n for n, _, _ in rows} == {1, 2, 4} and engine.runner.decode_sizes == [1, 2, 4]
     assert_all_free(engine)
 
 

@@ -76,7 +76,7 @@ class StepStats:
 
     @property
     def decode_rows_run(self) -> float:
-        """Rows per step that decodes that its decode program runs (the first N slots holding every request)."""
+        """Rows per step that decodes that its decode program runs (the compiled size that holds its requests)."""
         return self.rows_run / self.decode_steps if self.decode_steps else 0.0
 
     @property

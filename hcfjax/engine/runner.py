@@ -1,9 +1,9 @@
 """The engine's device side: the paged cache and per-slot decode state, and hcfjax.step for every engine iteration
 (its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
-Decode slots are fixed (dp x max_slots, rank major), and a step decodes the first N slots of each device rank
-(without a decode plan, one rank holds every DP rank's slots), N a power of two from min_decode_rows that holds
-every slot in use there (the scheduler hands out the lowest free slots); rows without a request are inactive.
+Decode slots are fixed (dp x max_slots, rank major). A step packs each device rank's decoding requests into its
+first rows, whatever their slots (without a decode plan, one rank holds every DP rank's slots), N rows per rank, N a
+power of two from min_decode_rows that holds the most any rank has; rows without a request are inactive.
 Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the token budget.
 An iteration runs its prefill part and its decode part as two programs, so the decode part compiles once per N, not
 once per prefill shape. `warmup` compiles every program ahead of time, several at once, so serving never stops to
@@ -436,20 +436,24 @@ class ModelRunner:
         return jax.device_put(tree, None if self.plan is None else self.plan.rows())
 
     def _decode_inputs(self, plan: StepPlan) -> tuple[DecodeInputs, list[int]]:
-        """The decode rows (the first N slots of every rank, active where a request decodes this step) and each
+        """The decode rows (N rows per rank, a rank's requests packed into its first rows, in plan order) and each
         request's row. They change only when a request joins, leaves or takes a new page, so the device copy of
         the last ones is reused while they have not."""
-        local = [r.slot - self._rank(r) * self.slots_per_rank for r in plan.decode]
+        ranks, seen = [self._rank(r) for r in plan.decode], [0] * self.ranks
+        index = []  # each request's place among its rank's
+        for k in ranks:
+            index.append(seen[k])
+            seen[k] += 1
         filters = len(self.decode_filters) == 1 or any(r.sampling.filters for r in plan.decode)
-        n, filters = self._decode_size(max(local) + 1, filters)
-        rows = [self._rank(r) * n + i for r, i in zip(plan.decode, local, strict=True)]
+        n, filters = self._decode_size(max(index) + 1, filters)
+        rows = [k * n + i for k, i in zip(ranks, index, strict=True)]
         key = (n, filters, tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode))
         if self._last_decode is None or self._last_decode[0] != key:
             self._last_decode = (key, self._decode_arrays(n * self.ranks, plan.decode, rows, filters))
         return self._last_decode[1], rows
 
     def _decode_size(self, need: int, filters: bool) -> tuple[int, bool]:
-        """(rows per rank, filters) of the decode part that holds slots 0 .. need - 1 of every rank: the smallest
+        """(rows per rank, filters) of the decode part that holds `need` rows on every rank: the smallest
         decode size that does, without the filters where no row needs them (`_compiled_cover`; a step with the
         filters serves any batch)."""
         rows = next(s for s in self.decode_sizes if s >= need) * self.ranks
@@ -459,8 +463,11 @@ class ModelRunner:
 
     def _decode_arrays(self, size: int, reqs, rows: list[int], filters: bool = True) -> DecodeInputs:
         active, seed = np.zeros(size, bool), np.zeros(size, np.uint32)
+        slot = np.full(size, self.slots_per_rank, np.int32)  # (no slot: the step drops the row's writes)
         pages: list[list[int]] = [[] for _ in range(size)]
         sampling = [reqs[0].sampling if reqs else SamplingParams()] * size
         for req, i in zip(reqs, rows, strict=True):
             active[i], seed[i], sampling[i], pages[i] = True, req.seed, req.sampling, self._local_pages(req)
-        return self._put(DecodeInputs(active, self._table(pages), SamplingBatch.host(sampling, filters), seed))
+            slot[i] = req.slot - self._rank(req) * self.slots_per_rank
+        sp = SamplingBatch.host(sampling, filters)
+        return self._put(DecodeInputs(active, self._table(pages), sp, seed, slot))

@@ -82,8 +82,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.alloc = [PageAllocator(cfg.num_pages, cfg.page_size, base=r * cfg.num_pages) for r in range(cfg.dp)]
-        # heaps: a request takes its rank's lowest free slot, so the slots in use stay packed at the low end and
-        # decode steps run over the fewest rows (the runner's decode buckets)
+        # heaps: a request takes its rank's lowest free slot (the runner packs decode rows whatever the slots)
         self.free_slots = [list(range(r * cfg.max_slots, (r + 1) * cfg.max_slots)) for r in range(cfg.dp)]
         self.balancer = Balancer(cfg.balance, cfg.dp)
         self.waiting: collections.deque[Request] = collections.deque()
