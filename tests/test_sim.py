@@ -160,10 +160,12 @@ def test_actual_and_engine_works():
     assert (w[0].tokens, w[0].pre_pairs, w[0].logits) == (200, 200 * 201 // 2, 0)
     shapes = EngineShapes(ranks=1, slots=32, keys=4160, max_rows=2, token_budget=256, min_bucket=64)
     (e,) = shapes.works(plan)
-    assert e.tokens == 8 + 256 and e.dec_kv == 8 * 4160  # the first 8 slots hold slot 5; the whole page table
+    assert e.tokens == 8 + 256 and e.dec_kv == 8 * 4160  # 8 rows hold the one request; the whole page table
     assert e.pre_pairs == 256 * 4160 and e.logits == 8 + 1
-    a.slot = 20
-    assert [shapes.decode_rows(plan), shapes.decode_rows(_plan([(b, 0, 200, False)], []))] == [32, 0]
+    a.slot = 20  # wherever its slot: the runner packs the decoding requests into the first rows
+    many = [new_request(str(i), 100, 8, 0.0) for i in range(9)]
+    assert [shapes.decode_rows(plan), shapes.decode_rows(_plan([], many))] == [8, 16]
+    assert shapes.decode_rows(_plan([(b, 0, 200, False)], [])) == 0
     step = shapes.step_shapes
     assert step.tokens(65) == 128 and step.tokens(10) == 64 and step.rows(3) == 2
 

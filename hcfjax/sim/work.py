@@ -3,8 +3,8 @@
 Two views of the same plan:
 - `actual_works`: a production stack (CUDA graphs over exact batch sizes, FlashMLA-style kernels) computes the rows
   the plan holds, each attending over its own cached length; under attention DP an idle rank runs one mock row.
-- `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: the first N decode slots
-  of every rank in every decode step (N a power of two from min_decode_rows that holds every slot in use), each row
+- `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: N decode rows on every
+  rank in every decode step (N a power of two from min_decode_rows that holds the rank's decoding requests), each row
   attending over the whole page table (max_pages x page_size positions, the XLA reference gathers them all), and
   prefill rows and chunk lengths bucketed to powers of two.
 - `PrefillShapes.works`: hcfjax's PD prefill worker (hcfjax/pd/prefill.py) computes whole prompts layer by layer
@@ -55,7 +55,7 @@ def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) 
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
     """The fixed shapes hcfjax's ModelRunner compiles: `ranks` device ranks (1 without a decode plan: every DP rank
-    on one device), `slots` decode slots in all, of which a step decodes the first N per rank (N a power of two from
+    on one device), `slots` decode slots in all, of which a step decodes N rows per rank (N a power of two from
     min_decode_rows, up to the slots per rank), `keys` positions each row gathers (max_pages x page_size)."""
 
     ranks: int
@@ -83,12 +83,13 @@ class EngineShapes:
         return self.shape_works(b, t, self.decode_rows(plan))
 
     def decode_rows(self, plan: StepPlan) -> int:
-        """Decode rows per rank of the plan's step (0: none): the runner's N for its highest slot in use."""
+        """Decode rows per rank of the plan's step (0: none): the runner's N for the most requests a rank decodes."""
         if not plan.decode:
             return 0
-        per_rank = self.slots // self.ranks
-        need = max(r.slot % per_rank for r in plan.decode) + 1
-        return min(bucket(need, self.min_decode_rows), per_rank)
+        per_rank = [0] * self.ranks
+        for r in plan.decode:
+            per_rank[r.rank if self.ranks > 1 else 0] += 1
+        return min(bucket(max(per_rank), self.min_decode_rows), self.slots // self.ranks)
 
     def shape_works(self, b: int, t: int, decode_rows: int) -> list[Work]:
         """The work of one compiled step shape: b prefill rows per rank of t tokens, and decode_rows decode rows per
