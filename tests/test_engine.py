@@ -290,9 +290,9 @@ def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
 
 def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
     """min_decode_rows=1 over 4 slots: a step decodes 1, 2 or 4 rows, the fewest that hold the requests decoding,
-    wherever their slots are. Six requests through four slots, then a long request left alone in a high slot once
-    the three short ones below it end (one row, reading and writing slot 3), give generate's greedy tokens.
-    (Speculative steps of fewer rows than slots: test_sampled_request_does_not_depend_on_its_batch.)"""
+    wherever their slots are. Three requests of 4, 6 and 8 tokens decode in slots 0-2 when a long one joins in slot
+    3; once they end, the long one decodes alone (one row, reading and writing slot 3). All give generate's greedy
+    tokens. (Speculative steps of fewer rows than slots: test_sampled_request_does_not_depend_on_its_batch.)"""
     engine = Engine(model, EngineConfig(max_slots=4, min_decode_rows=1, token_budget=64))
     dispatch, rows = engine.runner.dispatch, []
 
@@ -303,18 +303,16 @@ def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
         return d
 
     engine.runner.dispatch = seen
-    reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS]
-    run_all(engine)
-    assert [collect(engine, r)[0] for r in reqs] == eos_ref.tokens
-    short = [engine.submit(PROMPTS[i], max_new_tokens=6) for i in (1, 2, 4)]
+    lengths = {1: 4, 2: 6, 4: 8}  # PROMPTS index: tokens
+    short = [engine.submit(PROMPTS[i], max_new_tokens=n) for i, n in lengths.items()]
     while not rows or rows[-1][1] < 3:  # the three decoding in slots 0-2
         engine.step()
     long = engine.submit(PROMPTS[0], max_new_tokens=24)
     run_all(engine)
     assert long.slot == -1 and collect(engine, long)[0] == eos_ref.tokens[0]
-    assert [collect(engine, r)[0] for r in short] == [eos_ref.tokens[i][:6] for i in (1, 2, 4)]
+    assert [collect(engine, r)[0] for r in short] == [eos_ref.tokens[i][:n] for i, n in lengths.items()]
     assert all(n == min(s for s in (1, 2, 4) if s >= k) for n, k, _ in rows)
-    assert (1, 1, 3) in rows  # the long request alone in slot 3
+    assert (4, 4, 3) in rows and (1, 1, 3) in rows  # the long request among the others in slot 3, then alone
     assert {n for n, _, _ in rows} == {1, 2, 4} and engine.runner.decode_sizes == [1, 2, 4]
     assert_all_free(engine)
 
