@@ -2,6 +2,7 @@
 and with --pd also prefill/decode disaggregated.
 
     python -m hcfjax.bench.sim_validate             # colocated, the serve.md V2-Lite run's settings, a GPU (~3 min)
+    python -m hcfjax.bench.sim_validate --rates 1,4,16  # the same at three rates, served in turn, one calibration
     python -m hcfjax.bench.sim_validate --pd jax --pd-gpus 0,1 --out FILE   # and PD: 2 GPUs, ~6-7 min (cold cache)
     python -m hcfjax.bench.sim_validate --model hcfjax/assets/stdlib-v3 --requests 8 --rate 4 --scale 0.02 \\
         --max-slots 4 --page-size 16 --token-budget 64 --prefill-rows 1 --min-bucket 64 --max-model-len 512 \\
@@ -10,9 +11,9 @@ and with --pd also prefill/decode disaggregated.
 1. Calibrate: time every step shape the engine compiles (ModelRunner, the warm-up's inputs) plus decode-only steps
    at other slot counts (--calib-slots), and fit the efficiency profile's factors (GEMM, routed experts, attention
    compute and memory, per-layer and per-step overhead) to them: least squares on log time.
-2. Serve the benchmark's workload (hcfjax.sim.workload, same seed) through the engine in-process, with
-   hcfjax/bench/serve.py's engine settings, timing tokens as a client receives them; the host's planning and
-   read-back time per step are measured on the way.
+2. Serve the benchmark's workload (hcfjax.sim.workload, same seed; at each of --rates in turn, the same requests
+   with their arrivals scaled) through the engine in-process, with hcfjax/bench/serve.py's engine settings, timing
+   tokens as a client receives them; the host's planning and read-back time per step are measured on the way.
 3. Simulate the same workload with the calibrated profile (engine_shapes: the runner's padded shapes).
 4. With --pd KIND (sim_validate_pd.py): the PD workers of `hcfjax.bench.serve --pd KIND`, the prefill worker
    started first (it compiles while steps 1-2 run). After step 2 the prefill worker's batch shapes are timed in this
@@ -84,9 +85,10 @@ def calibrate(engine, model, args, shapes: EngineShapes) -> list[tuple]:
     return points
 
 
-def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
-    """The workload through the engine (started here), timed as bench/serve.py's client times it; also the
-    host's per-step planning/launch and read-back seconds."""
+def serve(engine, batches) -> tuple[list[dict], dict]:
+    """Each workload of `batches` ((ins, outs, prompts, arrivals), one per rate) through the engine (started here,
+    shut down after), one after another once the previous has drained, timed as bench/serve.py's client times it;
+    -> each batch's metrics, and the host's per-step planning/launch and read-back seconds over all of them."""
     import jax
 
     host = {"dispatch": [], "process": []}
@@ -113,6 +115,15 @@ def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
 
     engine.scheduler.schedule, engine.runner.dispatch, engine._process = schedule, dispatch, process
     engine.start()
+    try:
+        measured = [_serve_batch(engine, *batch) for batch in batches]
+    finally:
+        engine.shutdown()
+    return measured, {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
+
+
+def _serve_batch(engine, ins, outs, prompts, arrivals) -> dict:
+    """One workload through the running engine, a client thread per request; -> its metrics."""
     record: list[dict] = []
 
     def consume(req, t_arrival):
@@ -144,9 +155,7 @@ def serve(engine, args, ins, outs, prompts, arrivals) -> tuple[dict, dict]:
         threads.append(th)
     for th in threads:
         th.join()
-    engine.shutdown()
-    wall = max(r["end"] for r in record) - start
-    return metrics(record, wall), {k: statistics.median(v) if v else 0.0 for k, v in host.items()}
+    return metrics(record, max(r["end"] for r in record) - start)
 
 
 def add_settings(ap: argparse.ArgumentParser) -> None:
@@ -170,6 +179,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="checkpoint directory (default: --preset)")
     ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
     add_settings(ap)
+    ap.add_argument(
+        "--rates",
+        type=lambda s: [float(x) for x in s.split(",") if x],
+        help="colocated: serve and simulate at each of these Poisson rates in turn, one calibration (default: --rate)",
+    )
     ap.add_argument("--calib-slots", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 128])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pd", choices=["socket", "jax"], help="also validate PD over this KV transport")
@@ -206,6 +220,9 @@ def main(argv=None) -> None:
     from hcfjax.bench.serve import pd_configs, pd_gpus, shown_args
 
     args = _parser().parse_args(argv)
+    if args.rates and args.pd:
+        raise SystemExit("--rates is for the colocated validation; with --pd give one --rate")
+    args.rates = args.rates or [args.rate]
     if args.model:
         args.preset = None  # the PD workers load what this process does
     gpus = pd_gpus(args.pd_gpus) if args.pd else None
@@ -244,6 +261,10 @@ def main(argv=None) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
             f.write(text + "\n\n")
+
+
+def _rates(rates: list[float]) -> str:
+    return ", ".join(f"{r:g}" for r in rates)
 
 
 def run(args, stage, workers, gpus) -> list[str]:
@@ -299,8 +320,8 @@ def run(args, stage, workers, gpus) -> list[str]:
             f"the simulator's SchedulerConfig differs from the engine's:\n{sim_cfg}\n{engine.scheduler.cfg}"
         )
     limit = engine.max_model_len
-    ins, outs, prompts, arrivals = workload(args.seed, args.requests, args.rate, args.scale, limit, cfg.vocab_size)
-    wl = Workload(args.requests, args.rate, args.seed, args.scale, limit, cfg.vocab_size)
+    batches = [workload(args.seed, args.requests, rate, args.scale, limit, cfg.vocab_size) for rate in args.rates]
+    loads = [Workload(args.requests, rate, args.seed, args.scale, limit, cfg.vocab_size) for rate in args.rates]
     if workers is not None:
         stage("waiting for the prefill worker to listen")
         workers.prefill_ready()
@@ -309,8 +330,8 @@ def run(args, stage, workers, gpus) -> list[str]:
     t0 = time.perf_counter()
     points = calibrate(engine, model, args, shapes)
     t_cal = time.perf_counter() - t0
-    stage(f"serving {args.requests} requests colocated (in process)")
-    measured, host = serve(engine, args, ins, outs, prompts, arrivals)
+    stage(f"serving {args.requests} requests colocated (in process) at {_rates(args.rates)} req/s")
+    measured, host = serve(engine, batches)
     del engine
     gc.collect()
     stage("fitting and simulating colocated")
@@ -319,11 +340,13 @@ def run(args, stage, workers, gpus) -> list[str]:
     eff = eff.replace(host_dispatch_s=host["dispatch"], host_process_s=host["process"])
     write_profile(args.profile, eff)
     cm = CostModel(cfg, gpu(args.gpu), eff)
-    rows = [("colocated", measured, predicted(simulate(dep.replace(efficiency=args.profile), wl)))]
+    sim_dep = dep.replace(efficiency=args.profile)
+    rows = [("colocated", m, predicted(simulate(sim_dep, wl))) for m, wl in zip(measured, loads, strict=True)]
     what = f"{args.max_slots} slots, page {args.page_size}, budget {args.token_budget}"
     what += f", {args.prefill_rows} prefill rows"
     desc = (
-        f"{header()}; {model_name}; {args.requests} requests, Poisson {args.rate}/s, lengths x {args.scale}; engine: "
+        f"{header()}; {model_name}; {args.requests} requests, Poisson {_rates(args.rates)}/s, lengths x {args.scale}; "
+        f"engine: "
         f"{what}. Colocated: in process, warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes)."
     )
     tables = [
@@ -338,19 +361,18 @@ def run(args, stage, workers, gpus) -> list[str]:
     if workers is not None:
         from hcfjax.bench.sim_validate_pd import run_pd
 
-        row, more, pd_tables = run_pd(
-            args, stage, workers, gpus, model, model_name, (ins, outs, prompts, arrivals), wl, points, host
-        )
+        row, more, pd_tables = run_pd(args, stage, workers, gpus, model, model_name, batches[0], loads[0], points, host)
         rows.append(row)
         desc += more
         tables += pd_tables
 
-    table = ["| deployment | metric | measured | predicted | error |", "|---|---|---|---|---|"]
+    table = ["| deployment | rate (req/s) | metric | measured | predicted | error |", "|---|---|---|---|---|---|"]
     fmt = lambda k, v: f"{v:.3f}" if "TTFT" in k else f"{v:.1f}"
-    for mode, meas, pred in rows:
+    rates = args.rates + args.rates[: len(rows) - len(args.rates)]  # a PD row is at the (one) rate
+    for rate, (mode, meas, pred) in zip(rates, rows, strict=True):
         for k in meas:
             err = (pred[k] - meas[k]) / meas[k] * 100 if meas[k] else float("nan")
-            table.append(f"| {mode} | {k} | {fmt(k, meas[k])} | {fmt(k, pred[k])} | {err:+.1f}% |")
+            table.append(f"| {mode} | {rate:g} | {k} | {fmt(k, meas[k])} | {fmt(k, pred[k])} | {err:+.1f}% |")
     return [desc, "", *tables, "", *table]
 
 
