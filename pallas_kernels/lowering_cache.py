@@ -10,6 +10,12 @@ Mosaic GPU's lowering is Python, so kernels lowered on several threads take turn
 its step shapes (each with its own MoE kernels, a large one taking tens of seconds) would lower them one after
 another. Within `lowering_processes`, a kernel not yet lowered is lowered in a pool of spawned, CPU-only processes
 (`cross_lower` shows that Mosaic GPU lowers without a GPU given the target architecture) and comes back serialized.
+
+A trace waits for each kernel where the program calls it, so the kernels of one program (an expert layer's gate/up
+kernel, then its down kernel) would still lower one after another. A trace within `discovering` first finds them
+all: there `launch` only hands each new kernel to the processes and gives zeros of its outputs' shapes, and the
+program's real trace then waits for kernels that lowered side by side. Such a trace is kept apart from jax's caches
+(a config state in the trace context), so no program keeps its zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import threading
 from collections.abc import Callable, Hashable
 
 import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config
 
 from pallas_kernels.cross_lower import target_arch
 
@@ -28,34 +36,85 @@ _lock = threading.Lock()
 _exported: dict[Hashable, concurrent.futures.Future] = {}
 _CHECKS = (jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),)
 _pool: tuple[concurrent.futures.ProcessPoolExecutor, tuple[int, int]] | None = None
+_discovering = jax_config.bool_state(
+    "hcfjax_kernel_discovery",
+    False,
+    "pallas_kernels.lowering_cache.discovering: launches hand their kernels to the lowering processes and give zeros",
+    include_in_trace_context=True,  # the traces made within have caches of their own
+)
 
 
-def launch(key: Hashable, build: Callable[[], Callable], *args):
+def launch(key: Hashable, build: Callable[[], Callable], *args, out=None):
     """build() -> the kernel (a function of `args`, e.g. a plgpu.kernel); `key` must say everything about it that
     is not in the operands' shapes and dtypes, and build must pickle (a functools.partial of a module-level function
     of static arguments) to be lowered in another process. -> the kernel's outputs. Programs traced on several
-    threads at once (a server's warm-up) wait for the one thread that lowers a kernel."""
+    threads at once (a server's warm-up) wait for the one thread that lowers a kernel. `out`: the outputs' shapes
+    (jax.ShapeDtypeStructs, as the kernel returns them), for `discovering` (else found by tracing the kernel)."""
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     full = (key, avals)
+    discovery = _discovering.value
     with _lock:
         pending = _exported.get(full)
-        mine = pending is None
+        pool = _pool
+        mine = pending is None and (pool is not None or not discovery)
         if mine:
             pending = _exported[full] = concurrent.futures.Future()
-        pool = _pool
+    if discovery:
+        if mine:
+            _submit(pool, full, build, pending)
+        return _zeros(out if out is not None else jax.eval_shape(build(), *avals), args)
     if mine:
-        try:
-            if pool is None:
-                exported = _export(build, avals)
-            else:
-                exported = jax.export.deserialize(pool[0].submit(_export_serialized, build, avals, pool[1]).result())
-            pending.set_result(exported)
-        except BaseException as e:
-            with _lock:
-                del _exported[full]  # a later call tries again
-            pending.set_exception(e)
-            raise
+        if pool is None:
+            _settle(full, pending, lambda: _export(build, avals))
+        else:
+            _submit(pool, full, build, pending)
     return pending.result().call(*args)
+
+
+@contextlib.contextmanager
+def discovering():
+    """Within (this thread): `launch` hands each kernel not yet lowered to the lowering processes (when
+    `lowering_processes` has them; else it lowers nothing) and returns zeros of its outputs' shapes at once. A trace
+    of a program within finds all its kernels; nothing traced within is a program to run."""
+    with _discovering(True):
+        yield
+
+
+def discover(fn, *args) -> None:
+    """Within `lowering_processes`: hands the kernels that the jitted `fn` launches for `args` (arrays or
+    ShapeDtypeStructs) to the processes, all of them, before fn is lowered for real. A trace that fails here
+    (nothing it needs is checked yet) is left to the real one, which reports its error."""
+    if _pool is None:
+        return
+    try:
+        with discovering():
+            fn.trace(*args)
+    except Exception:  # noqa: BLE001 - the real trace raises it again, where it is reported
+        pass
+
+
+def _submit(pool, full, build, pending: concurrent.futures.Future) -> None:
+    """Lowers (key, avals) in the pool; `pending` gets the Exported (or the error) when that ends."""
+    _, avals = full
+    job = pool[0].submit(_export_serialized, build, avals, pool[1])
+    job.add_done_callback(lambda job: _settle(full, pending, lambda: jax.export.deserialize(job.result())))
+
+
+def _settle(full, pending: concurrent.futures.Future, make: Callable[[], jax.export.Exported]) -> None:
+    try:
+        pending.set_result(make())
+    except BaseException as e:
+        with _lock:
+            if _exported.get(full) is pending:
+                del _exported[full]  # a later call tries again
+        pending.set_exception(e)
+
+
+def _zeros(out, args):
+    """Zeros of `out`'s shapes (a tree of ShapeDtypeStructs), made from the arguments so that inside a shard_map
+    they vary over the mesh axes the arguments vary over, as the kernel's outputs would."""
+    seed = sum((a.reshape(-1)[:1].astype(jnp.float32).sum() * 0 for a in args if a.size), jnp.zeros((), jnp.float32))
+    return jax.tree.map(lambda s: jnp.broadcast_to(seed.astype(s.dtype), s.shape), out)
 
 
 def lowered_kernels() -> int:

@@ -323,10 +323,8 @@ def _kernel(spec: KernelSpec, *refs):
     _v3(ctx, wg, dest != PADDING)
 
 
-def _launch_kernel(spec: KernelSpec):
-    """The kernel of one launch, from its spec alone (lowering_cache may build it in another process)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
+def _out_type(spec: KernelSpec) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The kernel's outputs: (out, lse) for the rows it finishes, then (partial, lse) for split rows' slots."""
     out_type = []
     for rows in (spec.batch, spec.slots):
         if rows:
@@ -334,9 +332,16 @@ def _launch_kernel(spec: KernelSpec):
                 jax.ShapeDtypeStruct((rows, spec.t, spec.heads, spec.c), jnp.bfloat16),
                 jax.ShapeDtypeStruct((rows, spec.t, spec.heads), jnp.float32),
             ]
+    return tuple(out_type)
+
+
+def _launch_kernel(spec: KernelSpec):
+    """The kernel of one launch, from its spec alone (lowering_cache may build it in another process)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
     return plgpu.kernel(
         functools.partial(_kernel, spec),
-        out_type=tuple(out_type),
+        out_type=_out_type(spec),
         scratch_types=smem_types(spec),
         grid=(spec.t * (spec.heads // BLOCK) // (2 if spec.pair else 1), spec.units),
         grid_names=("qt", "unit"),
@@ -361,4 +366,4 @@ def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=Non
             return kern()(*args)
     if spec.profile:  # the in-kernel profiler's output is the traced program's, not an exported module's
         return kern()(*args)
-    return lowering_cache.launch(("mla_decode", spec), kern, *args)
+    return lowering_cache.launch(("mla_decode", spec), kern, *args, out=_out_type(spec))

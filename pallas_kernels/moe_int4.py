@@ -172,7 +172,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
             out = kern()(*args)
     else:
-        out = lowering_cache.launch(("moe_int4", body_args), kern, *args)
+        out = lowering_cache.launch(("moe_int4", body_args), kern, *args, out=out_type)
     if t.splits > 1:  # the K splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
         out = out.sum(0)
         out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)

@@ -48,34 +48,61 @@ def test_a_failed_lowering_is_not_cached():
     assert len(calls) == 2
 
 
-def test_kernels_lower_in_worker_processes(monkeypatch):
+def test_kernels_lower_in_worker_processes_all_found_first(monkeypatch):
     """Within lowering_processes a kernel is lowered in a spawned process, not here, into the same program (source
-    locations aside: they name each process's call stack, so both sides leave them out)."""
-    lowerings = []
+    locations aside: they name each process's call stack, so both sides leave them out). `discover` hands both
+    kernels of a program whose second kernel takes the first's output to the processes before the real trace (which
+    would meet the second only once the first had lowered), and the real program holds both kernels, not the
+    discovery's zeros."""
+    lowerings, submitted = [], []
     real = mgpu_core.lower_mgpu_module
     monkeypatch.setattr(mgpu_core, "lower_mgpu_module", lambda *a, **k: lowerings.append(1) or real(*a, **k))
+    submit = lowering_cache._submit
+    monkeypatch.setattr(lowering_cache, "_submit", lambda pool, key, *a: submitted.append(key) or submit(pool, key, *a))
     monkeypatch.setenv("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")  # the worker's
-    e, m, k, n = 4, 40, 256, 128  # a launch no other test lowers
+    e, m, k, n = 4, 40, 256, 128  # launches no other test lowers
+    sds = jax.ShapeDtypeStruct
     args = (
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((e, k // 128, n), jnp.float32),
-        jax.ShapeDtypeStruct((e,), jnp.int32),
+        sds((m, k), jnp.bfloat16),
+        (sds((e, k, k // 2), jnp.uint8), sds((e, k // 128, k), jnp.float32)),  # [m, k] -> [m, k]
+        (sds((e, n, k // 2), jnp.uint8), sds((e, k // 128, n), jnp.float32)),  # [m, k] -> [m, n]
+        sds((e,), jnp.int32),
     )
-    lower = lambda f: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    def two(x, w1, w2, g):
+        return int4_ragged_dot(int4_ragged_dot(x, *w1, g, act="int8"), *w2, g, act="int8")
+
+    lower = lambda: jax.jit(two).trace(*args).lower(lowering_platforms=("cuda",)).as_text()  # noqa: E731
     saved = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", 0)
     jax.clear_caches()  # lowerings cached with the locations of earlier tests
     try:
-        with lowering_cache.lowering_processes(1):
-            apart = lower(lambda x, q, s, g: int4_ragged_dot(x, q, s, g, act="int8"))
-        assert lowerings == [] and apart.count("mosaic_gpu_v2") == 1
+        with lowering_cache.lowering_processes(2):
+            lowering_cache.discover(jax.jit(two), *args)
+            assert len(submitted) == 2  # both kernels, before the real trace
+            apart = lower()
+        assert lowerings == [] and apart.count("mosaic_gpu_v2") == 2 and len(submitted) == 2
         monkeypatch.setattr(lowering_cache, "_exported", {})
         jax.clear_caches()  # (the kernel wrapper's own jit would reuse its trace)
-        here = lower(lambda x, q, s, g: int4_ragged_dot(x, q, s, g, act="int8"))
+        here = lower()
     finally:
         jax.config.update("jax_traceback_in_locations_limit", saved)
-    assert lowerings == [1]
+    assert lowerings == [1, 1]
     # the kernels' modules may differ in the names Mosaic numbers per process (a fresh worker starts from zero)
     blob = re.compile(r'kernel_hash = "(?:[^"\\]|\\.)*", module = "((?:[^"\\]|\\.)*)"')
-    assert len(blob.findall(apart)) == 1 and blob.sub("", here) == blob.sub("", apart)
+    assert len(blob.findall(apart)) == 2 and blob.sub("", here) == blob.sub("", apart)
+
+
+def test_a_discovery_trace_without_processes_lowers_nothing():
+    """Outside lowering_processes, discover is a no-op and a trace within `discovering` registers no kernel (it
+    would otherwise stand for a lowering nobody runs)."""
+    x = jax.ShapeDtypeStruct((24, 256), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((4, 128, 128), jnp.uint8)
+    scale = jax.ShapeDtypeStruct((4, 2, 128), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    before = lowering_cache.lowered_kernels()
+    f = jax.jit(lambda x, q, s, g: int4_ragged_dot(x, q, s, g, act="int8"))
+    lowering_cache.discover(f, x, q, scale, sizes)
+    with lowering_cache.discovering():
+        out = f.trace(x, q, scale, sizes).out_info
+    assert lowering_cache.lowered_kernels() == before and out.shape == (24, 128)

@@ -201,9 +201,8 @@ class ModelRunner:
         """The step for these inputs' shapes (one part or the other), compiled ahead of time: fn(params, state, pre,
         dec)."""
         if self.plan is None:
-            compile_now = lambda: jitted_step.lower(  # noqa: E731
-                self.params, self.cfg, self.state, pre, dec, self.spec, self.options
-            ).compile()
+            args = (self.params, self.cfg, self.state, pre, dec, self.spec, self.options)
+            compile_now = lambda: _compiled(jitted_step, *args)  # noqa: E731
             if self.disk is None:
                 return compile_now()
             key = step_key(("step", self.cfg, self.spec, self.options), (self.params, self.state, pre, dec))
@@ -213,7 +212,7 @@ class ModelRunner:
             self._planned[parts] = self.plan.wrap_step(
                 self.cfg, self.params, self.state, *parts, self.eplb is not None, self.spec, self.options
             )
-        return self._planned[parts].lower(self.params, self.state, pre, dec).compile()
+        return _compiled(self._planned[parts], self.params, self.state, pre, dec)
 
     def rebalance_experts(self, step: int) -> None:
         """Re-places the experts for the loads EPLB has seen (between steps; the compiled steps stay valid)."""
@@ -471,3 +470,10 @@ class ModelRunner:
             slot[i] = req.slot - self._rank(req) * self.slots_per_rank
         sp = SamplingBatch.host(sampling, filters)
         return self._put(DecodeInputs(active, self._table(pages), sp, seed, slot))
+
+
+def _compiled(fn, *args) -> jax.stages.Compiled:
+    """fn (jitted) lowered and compiled for args; during a warm-up its kernels first lower side by side
+    (lowering_cache.discover), where they would otherwise lower one after another as the trace meets them."""
+    lowering_cache.discover(fn, *args)
+    return fn.lower(*args).compile()
