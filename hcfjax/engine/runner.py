@@ -335,8 +335,10 @@ class ModelRunner:
             if self._stop_later.is_set():  # stopped before the thread got here
                 pool.shutdown(wait=False, cancel_futures=True)
         on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
-        # kernels lowered in processes of their own, so the shapes' traces do not take turns lowering them
-        lowering = lowering_cache.lowering_processes(workers) if on_gpu else contextlib.nullcontext()
+        # kernels lowered in processes of their own, so the shapes' traces do not take turns lowering them (as many
+        # as the host allows: a few shapes can launch many distinct kernels)
+        lowerers = max(1, min(os.cpu_count() or 1, 8))
+        lowering = lowering_cache.lowering_processes(lowerers) if on_gpu else contextlib.nullcontext()
         with lowering:
             try:
                 futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
