@@ -263,12 +263,13 @@ def test_a_restart_loads_its_compiled_steps(tmp_path):
 def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
     """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
     with speculation too (drafts, verification and recovered tokens). Plain: alone it decodes in a 1-row step, in
-    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots (one program fewer to compile).
+    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots, and the crowd's prompts prefilled
+    one a step, as the request's is (two programs fewer to compile).
     With branch-free sampling (a GPU's default) the crowd's greedy requests decode in steps without the filters'
     sort until the top-p request joins and after it ends, and give generate's tokens (plain)."""
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     spec = spec and hcfjax.SpeculativeConfig(2, method=spec)
-    rows = dict(max_slots=8, min_decode_rows=4) if spec else dict(max_slots=4, min_decode_rows=1)
+    rows = dict(max_slots=8, min_decode_rows=4, max_prefill_rows=1) if spec else dict(max_slots=4, min_decode_rows=1)
     config = EngineConfig(**rows, speculative=spec, options=Options(branch_free_sampling=True))
     alone = Engine(model, config)
     r = alone.submit(PROMPTS[0], sampling=sp, seed=7, max_new_tokens=12, stop_token_ids=[])

@@ -86,10 +86,12 @@ def test_dynamic_temperature_sharpens_confident_positions():
 
 def test_rejection_end_to_end_matches_the_target_on_a_tiny_vocabulary():
     """Through the whole jitted loop: 1024 rows of one prompt sample a first token at prefill, then a speculative
-    step emits the second. Among rows with the most common first token (about 400 of them), the second token's
+    step emits the second. Among rows with the most common first token (about 570 of them), the second token's
     empirical distribution must match the target's p(. | prompt, first), although the random MTP drafts follow a
-    different distribution (about half of them are rejected)."""
-    cfg = preset_config("tiny-v3", vocab_size=8, num_hidden_layers=2, bos_token_id=None, eos_token_id=None)
+    different distribution (about 40% of them are rejected). The model is narrower than tiny-v3, which runs the rows
+    faster: the distributions are under test, not the width."""
+    narrow = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32)
+    cfg = preset_config("tiny-v3", vocab_size=8, num_hidden_layers=2, bos_token_id=None, eos_token_id=None, **narrow)
     model = random_model(cfg, seed=11, dtype=jnp.float32)
     prompt, n = [1, 5, 2, 7, 3], 1024
     out = hcfjax.generate(
