@@ -184,7 +184,14 @@ def _parser() -> argparse.ArgumentParser:
         type=lambda s: [float(x) for x in s.split(",") if x],
         help="colocated: serve and simulate at each of these Poisson rates in turn, one calibration (default: --rate)",
     )
-    ap.add_argument("--calib-slots", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 128])
+    ap.add_argument(
+        "--calib-slots",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[8],
+        help="also time decode-only steps of engines with these slot counts (their rows idle: they read no cache, "
+        "while the cost model charges each row its page table, so slot counts far beyond the served engine's skew "
+        "the fitted attention factors)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pd", choices=["socket", "jax"], help="also validate PD over this KV transport")
     ap.add_argument("--pd-gpus", metavar="P,D", help="with --pd: the prefill worker on GPU P, the decode worker on D")
