@@ -263,7 +263,7 @@ def test_a_restart_loads_its_compiled_steps(tmp_path):
 def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
     """A seeded request samples the same tokens alone and among others: its keys come from its seed and counter,
     with speculation too (drafts, verification and recovered tokens). Plain: alone it decodes in a 1-row step, in
-    the crowd (slot 2) in a 4-row one. Speculative: both in 4-row steps of 8 slots, and the crowd's prompts prefilled
+    the crowd (slot 2) in a 3-row one. Speculative: both in 4-row steps of 8 slots, and the crowd's prompts prefilled
     one a step, as the request's is (two programs fewer to compile).
     With branch-free sampling (a GPU's default) the crowd's greedy requests decode in steps without the filters'
     sort until the top-p request joins and after it ends, and give generate's tokens (plain)."""
@@ -290,10 +290,11 @@ def test_sampled_request_does_not_depend_on_its_batch(model, eos_ref, spec):
 
 
 def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
-    """min_decode_rows=1 over 4 slots: a step decodes 1, 2 or 4 rows, the fewest that hold the requests decoding,
-    wherever their slots are. Three requests of 4, 6 and 8 tokens decode in slots 0-2 when a long one joins in slot
-    3; once they end, the long one decodes alone (one row, reading and writing slot 3). All give generate's greedy
-    tokens. (Speculative steps of fewer rows than slots: test_sampled_request_does_not_depend_on_its_batch.)"""
+    """min_decode_rows=1 over 4 slots: a step decodes 1, 2, 3 or 4 rows (`decode_bucket`), the fewest that hold the
+    requests decoding, wherever their slots are. Three requests of 4, 6 and 8 tokens decode in slots 0-2 (3 rows)
+    when a long one joins in slot 3; once they end, the long one decodes alone (one row, reading and writing slot 3).
+    All give generate's greedy tokens. (Speculative steps of fewer rows than slots:
+    test_sampled_request_does_not_depend_on_its_batch.)"""
     engine = Engine(model, EngineConfig(max_slots=4, min_decode_rows=1, token_budget=64))
     dispatch, rows = engine.runner.dispatch, []
 
@@ -312,9 +313,9 @@ def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
     run_all(engine)
     assert long.slot == -1 and collect(engine, long)[0] == eos_ref.tokens[0]
     assert [collect(engine, r)[0] for r in short] == [eos_ref.tokens[i][:n] for i, n in lengths.items()]
-    assert all(n == min(s for s in (1, 2, 4) if s >= k) for n, k, _ in rows)
-    assert (4, 4, 3) in rows and (1, 1, 3) in rows  # the long request among the others in slot 3, then alone
-    assert {n for n, _, _ in rows} == {1, 2, 4} and engine.runner.decode_sizes == [1, 2, 4]
+    assert all(n == k for n, k, _ in rows)  # (1 to 4 requests: as many rows)
+    assert (3, 3, 2) in rows and (4, 4, 3) in rows and (1, 1, 3) in rows  # the long one joins in slot 3, then alone
+    assert {n for n, _, _ in rows} == {1, 2, 3, 4} and engine.runner.decode_sizes == [1, 2, 3, 4]
     assert_all_free(engine)
 
 

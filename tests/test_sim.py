@@ -12,6 +12,7 @@ import pytest
 
 from hcfjax.bench.sim_validate_pd import breakdown
 from hcfjax.engine.scheduler import SchedulerConfig
+from hcfjax.engine.shapes import decode_bucket
 from hcfjax.sim import SLO, Deployment, Pool, Workload, simulate
 from hcfjax.sim.config import from_mapping, load_config
 from hcfjax.sim.cost import CostModel, Work, tokens_per_step
@@ -165,6 +166,11 @@ def test_actual_and_engine_works():
     a.slot = 20  # wherever its slot: the runner packs the decoding requests into the first rows
     many = [new_request(str(i), 100, 8, 0.0) for i in range(9)]
     assert [shapes.decode_rows(plan), shapes.decode_rows(_plan([], many))] == [8, 16]
+    crowd = [new_request(str(i), 100, 8, 0.0) for i in range(23)]
+    assert shapes.decode_rows(_plan([], crowd)) == 24  # the runner's decode_bucket: 3 x 8, not 32
+    for least in (1, 4, 8):  # the smallest size of the form 2^k or 3 x 2^k, a multiple of `least`, that holds n
+        sizes = sorted({m for k in range(10) for m in (1 << k, 3 << k) if m % least == 0})
+        assert all(decode_bucket(n, least) == next(m for m in sizes if m >= n) for n in range(1, 300))
     assert shapes.decode_rows(_plan([(b, 0, 200, False)], [])) == 0
     step = shapes.step_shapes
     assert step.tokens(65) == 128 and step.tokens(10) == 64 and step.rows(3) == 2

@@ -28,7 +28,8 @@ class EngineConfig:
     scheme's: int8 for w4a8c8, else the model's dtype), float (the model's dtype) or int8; min_prefill_bucket: the
     smallest prefill chunk shape (chunks are padded to powers of two from here: larger means fewer compiled shapes,
     more padding); min_decode_rows: the fewest rows a decode step runs per rank (a step packs its decoding requests
-    into N rows, N a power of two from here that holds them, or max_slots: one compiled decode step per N).
+    into N rows, N a power of two or three times one from here that holds them (`shapes.decode_bucket`), or
+    max_slots: one compiled decode step per N).
 
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last

@@ -2,8 +2,9 @@
 (its prefill chunks, then its decode rows; under a decode plan, the plan's shard_map of each).
 
 Decode slots are fixed (dp x max_slots, rank major). A step packs each device rank's decoding requests into its
-first rows, whatever their slots (without a decode plan, one rank holds every DP rank's slots), N rows per rank, N a
-power of two from min_decode_rows that holds the most any rank has; rows without a request are inactive.
+first rows, whatever their slots (without a decode plan, one rank holds every DP rank's slots), N rows per rank,
+N the `shapes.decode_bucket` of the most any rank has (a power of two or 3 x one, from min_decode_rows); rows without
+a request are inactive.
 Prefill parts are padded to the shapes of hcfjax.engine.shapes, which the scheduler keeps within the token budget.
 An iteration runs its prefill part and its decode part as two programs, so the decode part compiles once per N, not
 once per prefill shape. `warmup` compiles every program ahead of time, several at once, so serving never stops to
@@ -30,7 +31,7 @@ import numpy as np
 from hcfjax import cache as kvcache
 from hcfjax.engine.executables import ExecutableCache, step_key
 from hcfjax.engine.scheduler import StepPlan
-from hcfjax.engine.shapes import StepShapes
+from hcfjax.engine.shapes import StepShapes, decode_bucket
 from hcfjax.generate import bucket
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
@@ -107,7 +108,7 @@ class ModelRunner:
         and pages. eplb (sharding.eplb.LiveEplb, under a plan): lay the experts out in its physical slots and count
         the routed load of every step. options: how the model runs (hcfjax.options). disk: keep compiled steps there
         (hcfjax.engine.executables; steps without a plan). min_decode_rows: the smallest decode part (rows per
-        rank; decode parts are powers of two from here, up to the slots per rank). weights: a future of the
+        rank; decode parts are `decode_bucket`s from here, up to the slots per rank). weights: a future of the
         model's params where model.params holds only their shapes (jax.ShapeDtypeStruct, on the device the steps
         run on): steps compile from the shapes while the weights load, and the first step waits for them
         (`take_weights`); not under a plan."""
@@ -139,7 +140,7 @@ class ModelRunner:
         self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
         self.steps = 0
         spr = self.slots_per_rank
-        self.decode_sizes = sorted({min(bucket(n, min_decode_rows), spr) for n in range(1, spr + 1)})  # per rank
+        self.decode_sizes = sorted({min(decode_bucket(n, min_decode_rows), spr) for n in range(1, spr + 1)})
         # a decode step without the sampling filters too, where the filters cost a sort even when no row filters
         # (branch-free sampling); elsewhere a branch skips it inside the one step
         self.decode_filters = (True, False) if options.on("branch_free_sampling") else (True,)

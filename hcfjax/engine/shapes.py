@@ -15,6 +15,15 @@ import dataclasses
 from hcfjax.generate import bucket
 
 
+def decode_bucket(n: int, minimum: int = 8) -> int:
+    """Rows of the decode step that holds n requests (per rank): the smallest power of two or three times a power of
+    two that holds them and is a multiple of `minimum` (at least it). Half-octave steps pad less than powers of two
+    alone (23 requests run 24 rows, not 32) for one or two more compiled decode steps per octave."""
+    two = bucket(n, minimum)
+    three = 3 * two // 4
+    return three if three >= max(n, minimum) and three % minimum == 0 else two
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
     token_budget: int

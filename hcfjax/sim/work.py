@@ -4,7 +4,7 @@ Two views of the same plan:
 - `actual_works`: a production stack (CUDA graphs over exact batch sizes, FlashMLA-style kernels) computes the rows
   the plan holds, each attending over its own cached length; under attention DP an idle rank runs one mock row.
 - `EngineShapes.works`: hcfjax's runner (hcfjax/engine/runner.py) computes fixed shapes: N decode rows on every
-  rank in every decode step (N a power of two from min_decode_rows that holds the rank's decoding requests), each row
+  rank in every decode step (N the runner's `decode_bucket` of the rank's decoding requests), each row
   attending over the whole page table (max_pages x page_size positions, the XLA reference gathers them all), and
   prefill rows and chunk lengths bucketed to powers of two.
 - `PrefillShapes.works`: hcfjax's PD prefill worker (hcfjax/pd/prefill.py) computes whole prompts layer by layer
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from hcfjax.engine.scheduler import StepPlan
-from hcfjax.engine.shapes import StepShapes
+from hcfjax.engine.shapes import StepShapes, decode_bucket
 from hcfjax.generate import bucket
 from hcfjax.sim.cost import Work
 
@@ -55,8 +55,9 @@ def actual_works(plan: StepPlan, dp: int, spec_k: int = 0, chunks: bool = True) 
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
     """The fixed shapes hcfjax's ModelRunner compiles: `ranks` device ranks (1 without a decode plan: every DP rank
-    on one device), `slots` decode slots in all, of which a step decodes N rows per rank (N a power of two from
-    min_decode_rows, up to the slots per rank), `keys` positions each row gathers (max_pages x page_size)."""
+    on one device), `slots` decode slots in all, of which a step decodes N rows per rank (the runner's
+    `decode_bucket` from min_decode_rows, up to the slots per rank), `keys` positions each row gathers (max_pages x
+    page_size)."""
 
     ranks: int
     slots: int
@@ -89,7 +90,7 @@ class EngineShapes:
         per_rank = [0] * self.ranks
         for r in plan.decode:
             per_rank[r.rank if self.ranks > 1 else 0] += 1
-        return min(bucket(max(per_rank), self.min_decode_rows), self.slots // self.ranks)
+        return min(decode_bucket(max(per_rank), self.min_decode_rows), self.slots // self.ranks)
 
     def shape_works(self, b: int, t: int, decode_rows: int) -> list[Work]:
         """The work of one compiled step shape: b prefill rows per rank of t tokens, and decode_rows decode rows per
