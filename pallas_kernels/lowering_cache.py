@@ -96,7 +96,11 @@ def discover(fn, *args) -> None:
 def _submit(pool, full, build, pending: concurrent.futures.Future) -> None:
     """Lowers (key, avals) in the pool; `pending` gets the Exported (or the error) when that ends."""
     _, avals = full
-    job = pool[0].submit(_export_serialized, build, avals, pool[1])
+    try:
+        job = pool[0].submit(_export_serialized, build, avals, pool[1])
+    except BaseException as e:  # (a pool shut down meanwhile)
+        _fail(full, pending, e)
+        return
     job.add_done_callback(lambda job: _settle(full, pending, lambda: jax.export.deserialize(job.result())))
 
 
@@ -104,10 +108,15 @@ def _settle(full, pending: concurrent.futures.Future, make: Callable[[], jax.exp
     try:
         pending.set_result(make())
     except BaseException as e:
-        with _lock:
-            if _exported.get(full) is pending:
-                del _exported[full]  # a later call tries again
-        pending.set_exception(e)
+        _fail(full, pending, e)
+
+
+def _fail(full, pending: concurrent.futures.Future, e: BaseException) -> None:
+    """The lowering failed: its waiters get the error, and a later call tries again."""
+    with _lock:
+        if _exported.get(full) is pending:
+            del _exported[full]
+    pending.set_exception(e)
 
 
 def _zeros(out, args):

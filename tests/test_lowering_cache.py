@@ -1,6 +1,7 @@
 """A kernel launch is lowered once per process: two programs that call the same int4 grouped GEMM (lowered for
 CUDA here, on the CPU, without running) lower the Mosaic GPU kernel once and both hold its custom call."""
 
+import concurrent.futures
 import re
 
 import jax
@@ -46,6 +47,18 @@ def test_a_failed_lowering_is_not_cached():
         with pytest.raises(ValueError, match="no kernel"):
             lowering_cache.launch(("broken",), broken, x)
     assert len(calls) == 2
+
+
+def test_a_lowering_the_pool_cannot_take_fails_its_waiters(monkeypatch):
+    """A kernel handed to a pool already shut down (a warm-up ending as another thread traces): whoever waits for it
+    gets the error at once, and the kernel is not kept, so a later call lowers it."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.shutdown()
+    monkeypatch.setattr(lowering_cache, "_exported", {})
+    full, pending = (("shut",), ()), concurrent.futures.Future()
+    lowering_cache._exported[full] = pending
+    lowering_cache._submit((pool, (9, 0)), full, None, pending)
+    assert isinstance(pending.exception(timeout=1), RuntimeError) and full not in lowering_cache._exported
 
 
 def test_kernels_lower_in_worker_processes_all_found_first(monkeypatch):
