@@ -348,13 +348,16 @@ def run(args, stage, workers, gpus) -> list[str]:
     write_profile(args.profile, eff)
     cm = CostModel(cfg, gpu(args.gpu), eff)
     sim_dep = dep.replace(efficiency=args.profile)
-    rows = [("colocated", m, predicted(simulate(sim_dep, wl))) for m, wl in zip(measured, loads, strict=True)]
+    rows = [
+        ("colocated", rate, m, predicted(simulate(sim_dep, wl)))
+        for rate, m, wl in zip(args.rates, measured, loads, strict=True)
+    ]
     what = f"{args.max_slots} slots, page {args.page_size}, budget {args.token_budget}"
     what += f", {args.prefill_rows} prefill rows"
     desc = (
         f"{header()}; {model_name}; {args.requests} requests, Poisson {_rates(args.rates)}/s, lengths x {args.scale}; "
-        f"engine: "
-        f"{what}. Colocated: in process, warm-up {warm:.0f} s, calibration {t_cal:.0f} s ({len(points)} step shapes)."
+        f"engine: {what}. Colocated: in process, warm-up {warm:.0f} s, calibration {t_cal:.0f} s "
+        f"({len(points)} step shapes)."
     )
     tables = [
         "Colocated calibration (step shapes: prefill rows x chunk, decode rows per rank; measured vs the fitted model):"
@@ -369,14 +372,13 @@ def run(args, stage, workers, gpus) -> list[str]:
         from hcfjax.bench.sim_validate_pd import run_pd
 
         row, more, pd_tables = run_pd(args, stage, workers, gpus, model, model_name, batches[0], loads[0], points, host)
-        rows.append(row)
+        rows.append((row[0], args.rates[0], *row[1:]))  # (--pd takes one rate)
         desc += more
         tables += pd_tables
 
     table = ["| deployment | rate (req/s) | metric | measured | predicted | error |", "|---|---|---|---|---|---|"]
     fmt = lambda k, v: f"{v:.3f}" if "TTFT" in k else f"{v:.1f}"
-    rates = args.rates + args.rates[: len(rows) - len(args.rates)]  # a PD row is at the (one) rate
-    for rate, (mode, meas, pred) in zip(rates, rows, strict=True):
+    for mode, rate, meas, pred in rows:
         for k in meas:
             err = (pred[k] - meas[k]) / meas[k] * 100 if meas[k] else float("nan")
             table.append(f"| {mode} | {rate:g} | {k} | {fmt(k, meas[k])} | {fmt(k, pred[k])} | {err:+.1f}% |")
