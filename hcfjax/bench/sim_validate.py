@@ -179,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="checkpoint directory (default: --preset)")
     ap.add_argument("--preset", default="v2-lite", help="a random model of this preset when --model is not given")
     add_settings(ap)
+    ap.set_defaults(scheme=None)  # the unquantised model, as the simulator's deployment has it (quant=None)
     ap.add_argument(
         "--rates",
         type=lambda s: [float(x) for x in s.split(",") if x],
