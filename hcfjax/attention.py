@@ -20,6 +20,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import apply_rope, rms_norm
 from hcfjax.options import DEFAULT, Options, on_gpu
+from hcfjax.quant import linear
 from pallas_kernels.mla_decode import MlaPlan, kernel_applies, mla_decode, mla_decode_reference, mla_plan
 
 
@@ -63,36 +64,40 @@ def with_decode_plan(
     return dataclasses.replace(ctx, plan=plan)
 
 
-def per_head(x: jax.Array, w, heads: int) -> jax.Array:
+def per_head(x: jax.Array, w, heads: int, opts: Options = DEFAULT) -> jax.Array:
     """x [B, T, I] through a per-head projection -> [B, T, H, K]: w [I, H, K], or an Fp8Weight of [I, H*K] (one
     fp8 linear, its output split into heads)."""
     if isinstance(w, Fp8Weight):
-        return (x @ w).reshape(*x.shape[:-1], heads, -1)
+        return linear(x, w, opts).reshape(*x.shape[:-1], heads, -1)
     return jnp.einsum("BTI,IHK->BTHK", x, w)
 
 
-def out_proj(out: jax.Array, w, cfg: ModelConfig) -> jax.Array:
+def out_proj(out: jax.Array, w, cfg: ModelConfig, opts: Options = DEFAULT) -> jax.Array:
     """Attention output [B, T, H, V] through o [H*V, D] (an array or an Fp8Weight) -> [B, T, D]."""
     if isinstance(w, Fp8Weight):
-        return out.reshape(*out.shape[:-2], -1) @ w
+        return linear(out.reshape(*out.shape[:-2], -1), w, opts)
     return jnp.einsum("BTHV,HVD->BTD", out, w.reshape(cfg.num_attention_heads, cfg.v_head_dim, -1))
 
 
-def project_q(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def project_q(
+    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT
+) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped)."""
     h = cfg.num_attention_heads
     if cfg.q_lora_rank:
-        q = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.rms_norm_eps)
-        q = per_head(q, p["q_b"], h)
+        q = rms_norm(linear(x, p["q_a"], opts), p["q_a_norm"], cfg.rms_norm_eps)
+        q = per_head(q, p["q_b"], h, opts)
     else:
-        q = per_head(x, p["q"], h)
+        q = per_head(x, p["q"], h, opts)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, positions, cfg.rope)
 
 
-def project_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def project_kv(
+    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT
+) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> c_kv [B, T, C] (normed latent), k_pe [B, T, R] (roped, shared by all heads)."""
-    kv = x @ p["kv_a"]
+    kv = linear(x, p["kv_a"], opts)
     ckv = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
     return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope)
 
@@ -298,8 +303,8 @@ def mla(
     written to the pages first and the keys are every cached position below kv_len (chunked prefill, decode and
     speculative verification are all this one case).
     """
-    q_nope, q_pe = project_q(p, cfg, x, positions)
-    ckv, kpe = project_kv(p, cfg, x, positions)
+    q_nope, q_pe = project_q(p, cfg, x, positions, opts)
+    ckv, kpe = project_kv(p, cfg, x, positions, opts)
     if ctx is None:
         key_pos = positions[:, None, :]  # [B, 1, S=T]
         mask = key_pos <= positions[:, :, None]
@@ -308,13 +313,13 @@ def mla(
         ctx = dataclasses.replace(ctx, cache=cache)
         if absorbed:
             out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
-            return out_proj(out, p["o"], cfg), ctx
+            return out_proj(out, p["o"], cfg, opts), ctx
         if opts.prefill_attention_mode() == "fused":
             impl = "cudnn" if on_gpu() else None
             out = attend_expanded_fused(p, cfg, q_nope, q_pe, ckv, kpe, ctx, layer, positions, impl)
         else:
             out = attend_expanded_paged(p, cfg, q_nope, q_pe, ctx, layer, positions)
-        return out_proj(out, p["o"], cfg), ctx
+        return out_proj(out, p["o"], cfg, opts), ctx
     attend = attend_absorbed if absorbed else attend_expanded
     out = attend(p, cfg, q_nope, q_pe, ckv, kpe, mask)  # [B, T, H, V]
-    return out_proj(out, p["o"], cfg), ctx
+    return out_proj(out, p["o"], cfg, opts), ctx

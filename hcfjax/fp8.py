@@ -10,11 +10,14 @@ and experts). It holds the checkpoint's tensors as shipped:
 Activations are quantised dynamically per token and B-channel group, as DeepSeek's `act_quant`: s = amax / 448 (the
 e4m3 maximum), x / s rounded to e4m3 (scale_fmt "ue8m0": s rounded up to a power of two). The product is DeepSeek's
 `fp8_gemm`: per K block b, the fp8 x fp8 dot accumulated in f32, times the token's scale of group b and the weight's
-scale of block (n // B, b), summed over the blocks. The dots are `lax.dot_general` / `lax.ragged_dot` with
-float8_e4m3fn operands and preferred_element_type f32, so that XLA may run them on fp8 tensor cores. A loop over the
-K blocks carries one [M, N] f32 sum: no [K/B, M, N] partial products (a prefill chunk's would not fit). DeepSeek's
-shapes are whole blocks along K; elsewhere (small test models) the last block is partial, quantised by itself and
-zero-padded for the product.
+scale of block (n // B, b), summed over the blocks. Where opts.mode("moe") takes the kernel (a GPU, whole K
+blocks), that is pallas_kernels/moe_fp8.py: per K block one fp8 wgmma, promoted to the f32 sum with both scales,
+for the experts (`ragged_dot`, `gated_ragged_dot`) and the dense linears (`matmul`: one expert). Elsewhere the same
+sum in XLA (the reference): `lax.dot_general` / `lax.ragged_dot` with float8_e4m3fn operands and
+preferred_element_type f32, in a loop over the K blocks that carries one [M, N] f32 sum (no [K/B, M, N] partial
+products: a prefill chunk's would not fit). XLA runs each block as its own GEMM of K = 128, 3-12x slower than bf16
+on the H200, so the reference is for CPUs and checks. DeepSeek's shapes are whole blocks along K; elsewhere (small
+test models) the last block is partial, quantised by itself and zero-padded for the product.
 
 Dimension letters: M rows (tokens), K in, N out, E experts, B block.
 """
@@ -27,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from hcfjax.options import DEFAULT, Options
 
 BLOCK = 128  # DeepSeek's weight blocks (128 x 128) and activation groups (1 x 128)
 E4M3_MAX = 448.0
@@ -58,7 +63,7 @@ class Fp8Weight:
         return len(self.shape)
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
-        """x @ w, so that `x @ p["gate"]` in the model runs an fp8 layer unchanged."""
+        """x @ w on the reference (the model calls `hcfjax.quant.linear`, which takes its options)."""
         return matmul(x, self)
 
 
@@ -127,12 +132,33 @@ def _sum_blocks(k: int, partial) -> jax.Array:
     return lax.fori_loop(1, -(-k // BLOCK), lambda i, y: y + partial(i), partial(0))
 
 
-def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
+def kernel_mode(opts: Options, w: Fp8Weight) -> str:
+    """opts.mode("moe") for this weight: the kernel takes whole 128-channel K blocks and N in 64-row tiles."""
+    from pallas_kernels.moe_fp8 import supports
+
+    return opts.mode("moe", supports(w.k, w.n))
+
+
+def _kernel_x(x: jax.Array, w: Fp8Weight) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> the kernel's tokens: e4m3 [M, K] and scales K-block-major [K/B, M] (one fused pass)."""
+    xq, xs = quantize_act(x, w.scale_fmt)
+    return xq, xs.T
+
+
+def matmul(x: jax.Array, w: Fp8Weight, opts: Options = DEFAULT) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype (one unstacked weight): DeepSeek's fp8_gemm."""
     if w.q.ndim != 2:
         raise ValueError(f"fp8 matmul takes one [N, K] weight, got q {w.q.shape} (stacked weights: ragged_dot)")
     lead = x.shape[:-1]
-    xq, xs = quantize_act(x.reshape(-1, w.k), w.scale_fmt)  # [M, K] e4m3, [M, K/B] f32
+    x2 = x.reshape(-1, w.k)
+    mode = kernel_mode(opts, w)
+    if mode != "reference":
+        from pallas_kernels.moe_fp8 import fp8_ragged_dot
+
+        one = jnp.full((1,), x2.shape[0], jnp.int32)
+        y = fp8_ragged_dot(*_kernel_x(x2, w), w.q[None], w.scale_inv[None], one, interpret=mode == "interpret")
+        return y.reshape(*lead, w.n).astype(x.dtype)
+    xq, xs = quantize_act(x2, w.scale_fmt)  # [M, K] e4m3, [M, K/B] f32
     xq, wq = _pad_k(xq), _pad_k(w.q)
 
     def partial(i):
@@ -144,11 +170,31 @@ def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     return _sum_blocks(w.k, partial).reshape(*lead, w.n).astype(x.dtype)
 
 
-def ragged_dot(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array) -> jax.Array:
+def gated_matmul(x: jax.Array, gate: Fp8Weight, up: Fp8Weight, opts: Options = DEFAULT) -> jax.Array:
+    """silu(x @ gate) * (x @ up) (a dense or shared-expert MLP's first half): one fused kernel where it runs."""
+    mode = kernel_mode(opts, gate) if gate.q.shape == up.q.shape and gate.q.ndim == 2 else "reference"
+    if mode == "reference":
+        return jax.nn.silu(matmul(x, gate, opts)) * matmul(x, up, opts)
+    from pallas_kernels.moe_fp8 import fp8_gated_ragged_dot
+
+    x2 = x.reshape(-1, gate.k)
+    one = jnp.full((1,), x2.shape[0], jnp.int32)
+    pairs = [(w.q[None], w.scale_inv[None]) for w in (gate, up)]
+    y = fp8_gated_ragged_dot(*_kernel_x(x2, gate), *pairs, one, interpret=mode == "interpret")
+    return y.reshape(*x.shape[:-1], gate.n).astype(x.dtype)
+
+
+def ragged_dot(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, opts: Options = DEFAULT) -> jax.Array:
     """The `jax.lax.ragged_dot` contract over fp8 experts: x [M, K] rows sorted by expert, w: Fp8Weight of
-    [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0) -> [M, N] in x's dtype. Per K block one
-    `lax.ragged_dot` of e4m3 operands (as the int8 experts run, pallas_kernels/quant_reference.py), scaled per row by
-    its token's group scale and its expert's block scales."""
+    [E, K, N], group_sizes [E] (sum <= M; rows past the sum give 0) -> [M, N] in x's dtype. On the kernel where
+    opts.mode("moe") says so; else per K block one `lax.ragged_dot` of e4m3 operands (as the int8 experts run,
+    pallas_kernels/quant_reference.py), scaled per row by its token's group scale and its expert's block scales."""
+    mode = kernel_mode(opts, w)
+    if mode != "reference":
+        from pallas_kernels.moe_fp8 import fp8_ragged_dot
+
+        y = fp8_ragged_dot(*_kernel_x(x, w), w.q, w.scale_inv, group_sizes, interpret=mode == "interpret")
+        return y.astype(x.dtype)
     e, m = w.q.shape[0], x.shape[0]
     xq, xs = quantize_act(x, w.scale_fmt)  # [M, K], [M, K/B]
     xq, wq = _pad_k(xq), _pad_k(w.q)
@@ -164,6 +210,18 @@ def ragged_dot(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array) -> jax.Array:
         return acc * lax.dynamic_index_in_dim(xs, i, axis=-1) * jnp.repeat(ws, BLOCK, axis=-1)[:, : w.n]
 
     return _sum_blocks(w.k, partial).astype(x.dtype)
+
+
+def gated_ragged_dot(x: jax.Array, gate: Fp8Weight, up: Fp8Weight, group_sizes: jax.Array, opts=DEFAULT):
+    """silu(ragged_dot(x, gate)) * ragged_dot(x, up) over fp8 experts: one fused kernel where it runs."""
+    mode = kernel_mode(opts, gate) if gate.q.shape == up.q.shape else "reference"
+    if mode == "reference":
+        return jax.nn.silu(ragged_dot(x, gate, group_sizes, opts)) * ragged_dot(x, up, group_sizes, opts)
+    from pallas_kernels.moe_fp8 import fp8_gated_ragged_dot
+
+    pairs = [(w.q, w.scale_inv) for w in (gate, up)]
+    y = fp8_gated_ragged_dot(*_kernel_x(x, gate), *pairs, group_sizes, interpret=mode == "interpret")
+    return y.astype(x.dtype)
 
 
 def nbytes(w: Fp8Weight) -> int:

@@ -23,7 +23,8 @@ def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, 
     mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
     w = next((seg["mlp"]["experts"]["gate"] for seg in params["segments"] if "experts" in seg["mlp"]), None)
     if isinstance(w, fp8.Fp8Weight):
-        return f"{mla}, jnp fp8 block-scaled experts (XLA fp8 dots)"
+        on = fp8.kernel_mode(opts, w) != "reference"
+        return f"{mla}, {'Pallas fp8 block-scaled GEMM' if on else 'jnp fp8 block-scaled experts (XLA fp8 dots)'}"
     if not isinstance(w, quant.QWeight) or w.bits != 4:
         return f"{mla}, XLA ragged_dot experts"
     x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)

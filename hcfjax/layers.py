@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax.config import RopeConfig
+from hcfjax.options import DEFAULT, Options
+from hcfjax.quant import gated_linear, linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,7 +63,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)).  x [..., D]; gate/up [D, F]; down [F, D]."""
-    h = jax.nn.silu(x @ p["gate"]) * (x @ p["up"])
-    return h @ p["down"]
+def mlp(p: dict, x: jax.Array, opts: Options = DEFAULT) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up)).  x [..., D]; gate/up [D, F]; down [F, D] (arrays, QWeights or
+    Fp8Weights: `hcfjax.quant.linear`)."""
+    return linear(gated_linear(x, p["gate"], p["up"], opts), p["down"], opts)

@@ -60,7 +60,7 @@ def decoder_layer(
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if not is_moe:
-        return x + mlp(p["mlp"], h), ctx
+        return x + mlp(p["mlp"], h, opts), ctx
     if with_load is not False:
         y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts)
         return x + y, ctx, load

@@ -116,7 +116,7 @@ def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=Fals
     weights, ids = route(p, cfg, flat)
     out = (experts_fn or experts)(p["experts"], flat, weights, ids, opts)
     if "shared" in p:
-        out = out + mlp(p["shared"], flat)
+        out = out + mlp(p["shared"], flat, opts)
     if with_load is not False:
         real = None if with_load is True else jnp.repeat(with_load.reshape(-1), ids.shape[-1]).astype(jnp.int32)
         load = jnp.bincount(ids.reshape(-1), real, length=cfg.n_routed_experts).astype(jnp.int32)  # [E]

@@ -27,7 +27,8 @@ class Options:
     mla_qk8: the MLA kernel's Q.K over an int8 cache on the int8 tensor cores, the queries quantised per head (faster
         on long rows, less exact: opt-in).
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
-    moe: the int4 expert GEMMs (w4a16, w4a8): auto / kernel / interpret / reference, as for mla.
+    moe: the grouped-GEMM kernels: the int4 experts (w4a16, w4a8) and fp8 block-scaled weights (experts and dense
+        linears, pallas_kernels/moe_fp8.py): auto / kernel / interpret / reference, as for mla.
     int4_digits: w4a16 with few rows per expert runs as two int8 digits on the w4a8 kernel where that pays.
     fused_gate_up: the int4 activation modes whose gate/up + SiLU run as one fused kernel (else two kernel calls);
         w4a16 still runs fused where its int8 digits pay.
@@ -112,7 +113,7 @@ class Options:
     def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_INT4_KERNEL=0|1 (0: reference
-        experts), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged,
+        experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged,
         HCFJAX_PREFILL_ATTENTION=auto|fused|blocked. overrides win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:

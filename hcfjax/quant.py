@@ -141,7 +141,7 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, x_q=None, opts: Options 
     kernel where opts.mode("moe") says so, else the jnp reference; int8 QWeights -> the reference; fp8 weights ->
     hcfjax.fp8.ragged_dot. x_q: quantize_int8(x), when the caller made it (int8 activations use it)."""
     if isinstance(w, fp8.Fp8Weight):
-        return fp8.ragged_dot(x, w, group_sizes)
+        return fp8.ragged_dot(x, w, group_sizes, opts)
     if not isinstance(w, QWeight):
         return lax.ragged_dot(x, w, group_sizes)
     mode = _int4_mode(opts, x, w)
@@ -178,6 +178,8 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
     quantize_int8_groups gives it (int8, [F/128, M'] scales), written by the fused w4a8 kernel itself where that
     pays (moe_int4_tiling.quant_out_pays: decode, up to ~32 rows per expert), else quantised after it: a down
     projection's x_q."""
+    if isinstance(gate, fp8.Fp8Weight) and isinstance(up, fp8.Fp8Weight) and not quant_out:
+        return fp8.gated_ragged_dot(x, gate, up, group_sizes, opts)
     same = isinstance(up, QWeight) and isinstance(gate, QWeight) and gate.bits == up.bits and gate.act == up.act
     mode = _int4_mode(opts, x, gate) if same else "reference"
     if mode != "reference" and gate.q.shape == up.q.shape and gate.group == up.group:
@@ -204,6 +206,21 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
             return out if in_kernel or not quant_out else quantize_int8_groups(out)
     h = jax.nn.silu(ragged_dot(x, gate, group_sizes, x_q, opts)) * ragged_dot(x, up, group_sizes, x_q, opts)
     return quantize_int8_groups(h) if quant_out else h
+
+
+def linear(x: jax.Array, w, opts: Options = DEFAULT) -> jax.Array:
+    """x [..., K] @ W [K, N] for any weight of a dense layer: fp8 weights on the fp8 kernel where opts.mode("moe")
+    takes it (`hcfjax.fp8.matmul`), QWeights and arrays by their matmul."""
+    if isinstance(w, fp8.Fp8Weight):
+        return fp8.matmul(x, w, opts)
+    return x @ w
+
+
+def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT) -> jax.Array:
+    """silu(x @ gate) * (x @ up), the first half of a SwiGLU MLP: fp8 weights fused in one kernel where it runs."""
+    if isinstance(gate, fp8.Fp8Weight) and isinstance(up, fp8.Fp8Weight):
+        return fp8.gated_matmul(x, gate, up, opts)
+    return jax.nn.silu(x @ gate) * (x @ up)
 
 
 def nbytes(w) -> int:

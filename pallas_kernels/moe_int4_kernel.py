@@ -181,20 +181,9 @@ def kernel_body(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups
 
         def rows_out(o_smem, ni, tile, off, count, width=t.bn):
             """The block's rows of o_smem [n_out, bm, bn] -> out. Only rows [off, off + count) of the tile are this
-            block's (the others belong to the neighbouring groups' blocks). A TMA box has a static size, so they go out
-            as a ladder of power-of-two row counts (count's binary digits), each from the smem row after the last (rows
-            of bn x 2 >= 128 bytes, or bn int8 bytes: every start stays TMA-aligned)."""
-            start, rows = off, 1 << (t.bm.bit_length() - 1)
-            while rows:
-
-                @pl.when(count & rows != 0)
-                def _(start=start, rows=rows):
-                    for i in range(o_smem.shape[0]):
-                        dst = o_gmem.at[pl.ds(tile + start, rows), pl.ds(i * n_cols + ni * t.bn + row0, width)]
-                        plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
-
-                start, rows = start + (count & rows), rows // 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            block's (the others belong to the neighbouring groups' blocks): `store_rows`."""
+            cols = [pl.ds(i * n_cols + ni * t.bn + row0, width) for i in range(o_smem.shape[0])]
+            store_rows(o_smem, o_gmem, cols, tile, off, count, t.bm)
 
         def store_quantized(accs, ni, tile, off, count):
             """qout: per row, each 128 channels of the SiLU product (bf16-rounded, as the reference quantises its bf16
@@ -257,7 +246,7 @@ def kernel_body(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups
 
         def finish(accs, o_tile=None):
             if nw == 2 and not partial:
-                accs = _silu_mul(accs, t.tiles)
+                accs = silu_mul(accs, t.tiles)
             if qout:
                 store_quantized(accs, ni, tile, off, count)
             else:
@@ -345,6 +334,27 @@ def kernel_body(act, g, ksteps, nw, m, n_experts, t: Tiling, fast: bool, xgroups
         lo = nb
 
 
+def store_rows(o_smem, o_gmem, cols, tile, off, count, bm: int):
+    """Rows [off, off + count) of o_smem [n_out, bm, width] -> o_gmem's rows from tile + off, output i at the columns
+    cols[i] (a pl.ds of width). A TMA box has a static size, so the rows go out as a ladder of power-of-two row counts
+    (count's binary digits), each from the smem row after the last (rows of width x 2 >= 128 bytes, or width int8
+    bytes: every start stays TMA-aligned)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    start, rows = off, 1 << (bm.bit_length() - 1)
+    while rows:
+
+        @pl.when(count & rows != 0)
+        def _(start=start, rows=rows):
+            for i in range(o_smem.shape[0]):
+                dst = o_gmem.at[pl.ds(tile + start, rows), cols[i]]
+                plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(start, rows)], dst)
+
+        start, rows = start + (count & rows), rows // 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _to_int8(src, dst, fast: bool):
     """dst[...] = src[...] as int8, for a [rows, cols] smem tile of bf16 integers in [-127, 127]. On the GPU through
     inline Mosaic GPU code: written in Pallas, this conversion ran Mosaic's layout search out of fuel in the gate/up
@@ -406,6 +416,6 @@ def _pair_sum(a, fast: bool):
     return run(a)
 
 
-def _silu_mul(accs, tiles: int) -> list:
+def silu_mul(accs, tiles: int) -> list:
     """silu(gate) * up in f32, over the gate tiles (the first `tiles` accumulators) and the up tiles after them."""
     return [gt * up / (1.0 + jnp.exp(-gt)) for gt, up in zip(accs[:tiles], accs[tiles:], strict=True)]

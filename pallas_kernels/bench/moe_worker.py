@@ -172,10 +172,11 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
                 checked = (lambda *a: post(f(*a))) if post else f  # what is compared (quant_out: not its pad rows)
                 y = checked(*args)
                 r["check"] = c = _errors(y, refs[act] if ref is None else ref)
-                smem = smem_bytes(act, tiling, nw=nw)
                 c["repeats"] = repeats_exactly(checked, args, y)  # a race shows as outputs that change between runs
                 ok = c["finite"] and c["max_rel"] < CHECK_TOL and c["repeats"]
-                c.update(ok=ok, tiling=tiling_label(tiling), smem=smem)
+                c["ok"] = ok
+                if act != "fp8":  # (the fp8 kernel's tiling is its own: moe_fp8.default_tiling)
+                    c.update(tiling=tiling_label(tiling), smem=smem_bytes(act, tiling, nw=nw))
             timers = (f, _device_timer(f, args))  # jitted: an unjitted row (XLA-only, unfused) ran op by op
             _time_row(r, *timers, args)
         except Exception as ex:  # noqa: BLE001 - reported in its row, the others still run
@@ -261,6 +262,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         del wu
     refs.clear()  # free the f32 references (and the dequantised tokens) before the bf16 rows
     del x_rows_f32
+    _fp8_rows(row, x, w, gs, f32_dot, touched, interpret, refs)
 
     def passes(x, q, sc, gs):  # w4a8's quantised tokens and scales (w4a16's wrapper does no XLA work)
         return kernel_operands(x, ((q, sc),), gs, "int8", default_tiling("int8", m, n, kg, e).bm)[3:]
@@ -278,6 +280,35 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
             _emit("BEGIN", spec, what=f"{r['name']} (round {k + 1})")
             _time_row(r, f, timer, args)
             _emit("ROW", spec, row=r)  # replaces the row's earlier report
+
+
+def _fp8_rows(row, x, w, gs, f32_dot, touched: float, interpret: bool, refs: dict) -> None:
+    """DeepSeek's fp8 layout (e4m3 weights with 128 x 128 block scales, tokens in 1 x 128 groups, quantised by the
+    caller) on pallas_kernels.moe_fp8, checked against its exactly-quantised product in f32; gate/up shapes also
+    run the fused gate + up + SiLU kernel. The weights' bytes count e4m3 values and f32 block scales."""
+    import jax
+    import jax.numpy as jnp
+
+    from hcfjax import fp8
+    from pallas_kernels.moe_fp8 import fp8_gated_ragged_dot, fp8_ragged_dot
+
+    m, k = x.shape
+    wq = fp8.quantize(w)
+    xq, xs = fp8.quantize_act(x)
+    xf = xq.astype(jnp.float32) * jnp.repeat(xs, 128, axis=1)
+    refs["fp8"] = f32_dot(xf, fp8.dequantize(wq), gs)
+    nbytes = fp8.nbytes(wq) * touched
+    one = functools.partial(fp8_ragged_dot, interpret=interpret)
+    row("fp8 block-scaled kernel, x quantised by the caller", one, xq, xs.T, wq.q, wq.scale_inv, gs, nbytes=nbytes,
+        int8=True, act="fp8")  # fmt: skip
+    if k > w.shape[-1]:  # a gate/up shape
+        up = fp8.quantize(w[:, ::-1])
+        ref = jax.nn.silu(refs["fp8"]) * f32_dot(xf, fp8.dequantize(up), gs)
+        fused = functools.partial(fp8_gated_ragged_dot, interpret=interpret)
+        pairs = ((wq.q, wq.scale_inv), (up.q, up.scale_inv))
+        row("fp8 gate+up+SiLU fused, x quantised by the caller", fused, xq, xs.T, *pairs, gs, nbytes=2 * nbytes,
+            int8=True, act="fp8", ref=ref, mult=2)  # fmt: skip
+    refs.clear()
 
 
 def _peers(spec: str, x, w, gs, done: list) -> None:

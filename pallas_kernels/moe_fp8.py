@@ -1,0 +1,210 @@
+"""fp8 block-scaled grouped GEMM (DeepSeek's fp8 weights as shipped): a Mosaic GPU (Hopper) kernel, its wrapper and
+the plain-jnp reference.
+
+The function is DeepSeek's fp8_gemm over experts, ragged_dot(x, W, group_sizes), with
+    x  quantised by the caller per row and 128 channels: xq [M, K] float8_e4m3fn and xs [K/128, M'] f32 (M' >= M;
+       K-block-major, so one pipeline step's scales of a token tile are contiguous)
+    W  q [E, N, K] float8_e4m3fn (output-major, as the checkpoint stores it) and s [E, N/128, K/128] f32 (the
+       checkpoint's `weight_scale_inv`): W[k, n] = q[n, k] * s[n // 128, k // 128]
+    out[m, n] = sum over K blocks b of (xq[m, b] . q[e(m), n, b]) * xs[b, m] * s[e(m), n // 128, b]
+rows sorted by expert, rows past sum(group_sizes) zero. A dense linear is the one-expert case (E = 1).
+
+Kernel layout (as moe_int4.py's, whose token-block machinery it shares): the product is computed transposed,
+out^T = W^T x^T, so a 64-row weight tile is wgmma's A operand and the token tile, read K-major, its B operand (8-bit
+wgmma needs both K-major), and a decode block of a few rows costs a 16-column MMA, not a 64-row one.
+  grid (N/bn, token blocks); each CTA finds its expert and token tile from group_sizes (`block_info`) and runs a
+  pipeline over the K blocks of 128. A step TMA-loads the weight tile [bn, 128] e4m3 (per weight), the token tile
+  [bm, 128] e4m3 and the tile's token scales of that block; per 64-row weight tile one fp8 wgmma (K = 128, both
+  operands from shared memory) into a fresh f32 accumulator; the block's partial then joins the running f32 sum times
+  its tokens' scales (per column) and its weight scale (one scalar: bn <= 128 rows lie in one 128-row block, read
+  from global memory at the step's start so that the load overlaps the MMA). This is DeepSeek's per-block
+  promotion: no block's partial is ever scaled in fp8 or summed before its scales apply.
+  The gated form runs gate and up against one token tile and writes silu(gate) * up (f32, rounded to bf16 once).
+  The f32 tile goes out through a transposed bf16 smem tile and TMA stores of the block's rows (`store_rows`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import lowering_cache
+from pallas_kernels.moe_int4_kernel import silu_mul, smem_transforms, store_rows
+from pallas_kernels.moe_int4_tiling import BN, ROW_ALIGN, block_info, num_blocks, xs_block
+
+BLOCK = 128  # DeepSeek's weight blocks (128 x 128) and activation groups (1 x 128): one wgmma's K
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiling:
+    bm: int  # token rows per block: the wgmma N, a multiple of 16 in [16, 256]
+    bn: int = BN  # weight rows per CTA: 64 or 128 (inside one 128-row scale block)
+    stages: int = 4  # pipeline steps in flight
+
+
+def default_tiling(m: int, e: int, nw: int) -> Fp8Tiling:
+    """Token blocks about as wide as a group's rows (the mean over the groups that can have rows), in multiples of
+    16: a decode block of a few routed rows runs 16 columns. Each running sum and each step's partial are bm / 2
+    registers a thread per 64-row tile: bm <= 128 with one weight, <= 64 with gate and up (four tiles)."""
+    rows = m / max(min(m, e), 1)
+    bm = -(-int(rows + ROW_ALIGN - 1) // 16) * 16
+    return Fp8Tiling(bm=min(max(bm, 16), 128 if nw == 1 else 64))
+
+
+def supports(k: int, n: int) -> bool:
+    """Whether the kernel takes a [K -> N] product: whole 128-channel blocks along K, N in 64-row tiles."""
+    return k % BLOCK == 0 and n % BN == 0
+
+
+def _check(xq, xs, weights, group_sizes, t: Fp8Tiling):
+    m, k = xq.shape
+    if xq.dtype != FP8:
+        raise ValueError(f"xq must be float8_e4m3fn, got {xq.dtype}")
+    if xs.dtype != jnp.float32 or xs.ndim != 2 or xs.shape[0] != k // BLOCK or xs.shape[1] < m:
+        raise ValueError(f"xs must be f32 [K/128={k // BLOCK}, M' >= {m}], got {xs.dtype} {xs.shape}")
+    for q, s in weights:
+        e, n, k2 = q.shape
+        if q.dtype != FP8 or k2 != k:
+            raise ValueError(f"q must be float8_e4m3fn [E, N, K={k}], got {q.dtype} {q.shape}")
+        if s.shape != (e, -(-n // BLOCK), k // BLOCK) or s.dtype != jnp.float32:
+            raise ValueError(f"s must be f32 [E, N/128, K/128] = {(e, -(-n // BLOCK), k // BLOCK)}, got {s.shape}")
+        if not supports(k, n):
+            raise ValueError(f"the kernel needs K (={k}) a multiple of {BLOCK} and N (={n}) of {BN}")
+        if group_sizes.shape != (e,):
+            raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
+    if weights[0][0].shape != weights[-1][0].shape:
+        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
+    if t.bn not in (64, 128) or weights[0][0].shape[1] % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
+        raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
+
+
+def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *refs):
+    """One CTA: its token block against bn weight rows of its expert, over the K blocks (the module's docstring)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
+    x_ref, xs_ref, o_ref = refs[2 * nw :]
+    sizes = [gs_ref[i] for i in range(n_experts)]
+    ni, mi = lax.axis_index("n"), lax.axis_index("m")
+    e, tile, off, count = block_info(sizes, mi, m, t.bm)
+    tile = pl.multiple_of(tile, ROW_ALIGN)
+    tiles, nb = t.bn // BN, ni * t.bn // BLOCK  # 64-row tiles per weight; the CTA's row block of the scales
+    col = plgpu.Layout.WGMMA.reduce(0)
+
+    def zero():
+        return plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
+
+    def store(accs):
+        def scope(o_smem):  # [1, bm, bn] bf16
+            for h, out in enumerate(accs):
+                o_smem.at[0, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            store_rows(o_smem, o_ref, [pl.ds(ni * t.bn, t.bn)], tile, off, count, t.bm)
+
+        pl.run_scoped(scope, plgpu.SMEM((1, t.bm, t.bn), jnp.bfloat16))
+
+    def step(idx, *smems_and_carry):
+        *smems, accs = smems_and_carry
+        w_smems, x_smem, xs_smem = smems[:nw], smems[nw], smems[nw + 1]
+        kb = idx[0]
+        w_scales = [s_refs[i][e, nb, kb] for i in range(nw)]  # issued before the MMAs, used after them
+        xt = x_smem.transpose((1, 0))  # [128, bm]: K-major B
+
+        def partials(*rs):  # each tile's partial of this K block, all wgmmas issued before the one wait
+            for i in range(nw):
+                for h in range(tiles):
+                    plgpu.wgmma(rs[i * tiles + h], w_smems[i].at[pl.ds(h * BN, BN)], xt)
+            return tuple(r[...] for r in rs)
+
+        parts = pl.run_scoped(partials, *[plgpu.ACC((BN, t.bm), jnp.float32)] * (nw * tiles))
+        sx = lax.broadcast_in_dim(plgpu.load(xs_smem.at[0, pl.ds(0, t.bm)], layout=col), (BN, t.bm), [1])
+        out = [accs[a] + parts[a] * (sx * w_scales[a // tiles]) for a in range(nw * tiles)]
+        plgpu.commit_smem()  # the generic reads of the slot's scales ordered before its refill by TMA
+        return tuple(out)
+
+    fp8_tile = smem_transforms(BLOCK, 1)
+    in_specs = [plgpu.BlockSpec((t.bn, BLOCK), lambda k: (ni, k), transforms=fp8_tile)] * nw
+    in_specs += [
+        plgpu.BlockSpec((pl.Element(t.bm), BLOCK), lambda k: (tile, k), transforms=fp8_tile),
+        plgpu.BlockSpec((1, pl.Element(xs_block(t.bm))), lambda k: (k, tile)),
+    ]
+
+    @pl.when(jnp.logical_and(e >= 0, e < n_experts))
+    def _():
+        pipeline = plgpu.emit_pipeline(
+            step, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages, init_carry=(zero(),) * (nw * tiles)
+        )
+        accs = pipeline(*[w.at[e] for w in w_refs], x_ref, xs_ref)
+        store(silu_mul(accs, tiles) if nw == 2 else accs)
+
+    @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
+    def _():
+        store([zero()] * tiles)
+
+
+def _kernel(body_args, out_type, grid):
+    """The kernel of one launch, from static arguments only (lowering_cache may build it in another process)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        functools.partial(_body, *body_args),
+        out_type=out_type,
+        grid=grid,
+        grid_names=("n", "m"),
+        kernel_name=f"moe_fp8{'_gated' if body_args[0] == 2 else ''}",  # in profiles, ncu
+    )
+
+
+def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None):
+    """The kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (m, k), (e, n, _), nw = xq.shape, weights[0][0].shape, len(weights)
+    t = tiling or default_tiling(m, e, nw)
+    _check(xq, xs, weights, group_sizes, t)
+    rows = max(t.bm, -(-m // ROW_ALIGN) * ROW_ALIGN)  # whole 8-row tiles, one block at least (the TMA's box)
+    cols = -(-(m + xs_block(t.bm) + ROW_ALIGN) // 4) * 4  # a step's scale block stays in bounds; 16-byte rows
+    args = [group_sizes.astype(jnp.int32)]
+    for q, s in weights:
+        args += [q, s]
+    args += [jnp.pad(xq, ((0, rows - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, max(cols - xs.shape[1], 0))))]
+    out_type = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+    body_args = (nw, k // BLOCK, m, e, t)
+    kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm)))
+    if interpret:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
+            out = kern()(*args)
+    else:
+        out = lowering_cache.launch(("moe_fp8", body_args), kern, *args, out=out_type)
+    return out[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def fp8_ragged_dot(xq, xs, q, s, group_sizes, interpret: bool = False, tiling: Fp8Tiling | None = None):
+    """ragged_dot of fp8 tokens (xq [M, K] e4m3, xs [K/128, M'] f32) over fp8 experts (q [E, N, K] e4m3, s [E, N/128,
+    K/128] f32), group_sizes [E] -> [M, N] bf16, on the Mosaic GPU kernel (`interpret`: its interpreter, any
+    backend)."""
+    return _run(xq, xs, ((q, s),), group_sizes, interpret, tiling)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def fp8_gated_ragged_dot(xq, xs, gate, up, group_sizes, interpret: bool = False, tiling: Fp8Tiling | None = None):
+    """silu(ragged_dot(x, Wg)) * ragged_dot(x, Wu) in one kernel, gate and up (q, s) pairs as in fp8_ragged_dot: an
+    expert's gate/up projection, the product formed in f32 and rounded to bf16 once."""
+    return _run(xq, xs, (tuple(gate), tuple(up)), group_sizes, interpret, tiling)
+
+
+def fp8_ragged_dot_reference(xq, xs, q, s, group_sizes):
+    """The kernel's function in plain jnp, in f32 (the scales are constant over each block, so dequantising first
+    is the same sum): -> [M, N] f32."""
+    m, k = xq.shape
+    x = xq.astype(jnp.float32) * jnp.repeat(xs[:, :m].T, BLOCK, axis=1)
+    n = q.shape[1]
+    w = q.astype(jnp.float32) * jnp.repeat(jnp.repeat(s, BLOCK, axis=1), BLOCK, axis=2)[:, :n, :k]
+    return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes, precision=lax.Precision.HIGHEST)
