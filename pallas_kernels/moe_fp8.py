@@ -21,6 +21,9 @@ wgmma needs both K-major), and a decode block of a few rows costs a 16-column MM
   promotion: no block's partial is ever scaled in fp8 or summed before its scales apply.
   The gated form runs gate and up against one token tile and writes silu(gate) * up (f32, rounded to bf16 once).
   The f32 tile goes out through a transposed bf16 smem tile and TMA stores of the block's rows (`store_rows`).
+  Split-K (Fp8Tiling.splits > 1, calls of few output tiles: a decode step's dense linears): a third grid axis gives
+  each CTA a slice of the K blocks, and it stores f32 partials (gate and up side by side, before SiLU) to
+  [splits, M, nw N], which the wrapper sums in one XLA fusion.
 """
 
 from __future__ import annotations
@@ -45,15 +48,28 @@ class Fp8Tiling:
     bm: int  # token rows per block: the wgmma N, a multiple of 16 in [16, 256]
     bn: int = BN  # weight rows per CTA: 64 or 128 (inside one 128-row scale block)
     stages: int = 4  # pipeline steps in flight
+    splits: int = 1  # K splits (split-K): CTAs per output tile, each over 1/splits of the K blocks, writing f32
+    # partials [splits, M, nw N] that the wrapper sums (then forms gate/up's SiLU product)
 
 
-def default_tiling(m: int, e: int, nw: int) -> Fp8Tiling:
+SMS = 132  # streaming multiprocessors of an H100 / H200
+CTAS_PER_SM = 2  # a CTA's pipeline takes about 100 KiB of the SM's 228 KiB of shared memory
+MIN_SPLIT_STEPS = 8  # K blocks per split at least: the pipeline's fill and drain amortised
+
+
+def default_tiling(m: int, e: int, nw: int, n: int = 0, k: int = 0) -> Fp8Tiling:
     """Token blocks about as wide as a group's rows (the mean over the groups that can have rows), in multiples of
     16: a decode block of a few routed rows runs 16 columns. Each running sum and each step's partial are bm / 2
-    registers a thread per 64-row tile: bm <= 128 with one weight, <= 64 with gate and up (four tiles)."""
+    registers a thread per 64-row tile: bm <= 128 with one weight, <= 64 with gate and up (four tiles).
+    Split-K where the output tiles are too few to fill the SMs' CTA slots (a decode step's dense linears: V3's q_a
+    is 24 tiles of 64 rows, kv_a 9): as many splits (up to 8, each of at least 8 K blocks) as stay within them,
+    since a memory-bound CTA streams its weight rows one K block after another."""
     rows = m / max(min(m, e), 1)
-    bm = -(-int(rows + ROW_ALIGN - 1) // 16) * 16
-    return Fp8Tiling(bm=min(max(bm, 16), 128 if nw == 1 else 64))
+    bm = min(max(-(-int(rows + ROW_ALIGN - 1) // 16) * 16, 16), 128 if nw == 1 else 64)
+    tiles = (n // BN) * max(min(m, e), 1) * -(-int(rows + ROW_ALIGN - 1) // bm)
+    kb = k // BLOCK
+    fits = [s for s in (2, 4, 8) if kb % s == 0 and kb // s >= MIN_SPLIT_STEPS and tiles * s <= SMS * CTAS_PER_SM]
+    return Fp8Tiling(bm=bm, splits=max(fits, default=1))
 
 
 def supports(k: int, n: int) -> bool:
@@ -81,6 +97,8 @@ def _check(xq, xs, weights, group_sizes, t: Fp8Tiling):
         raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
     if t.bn not in (64, 128) or weights[0][0].shape[1] % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
         raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
+    if t.splits < 1 or (k // BLOCK) % t.splits:
+        raise ValueError(f"tiling {t}: the splits must divide the {k // BLOCK} K blocks")
 
 
 def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *refs):
@@ -91,28 +109,35 @@ def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *r
     w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
     x_ref, xs_ref, o_ref = refs[2 * nw :]
     sizes = [gs_ref[i] for i in range(n_experts)]
-    ni, mi = lax.axis_index("n"), lax.axis_index("m")
+    ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
     e, tile, off, count = block_info(sizes, mi, m, t.bm)
     tile = pl.multiple_of(tile, ROW_ALIGN)
     tiles, nb = t.bn // BN, ni * t.bn // BLOCK  # 64-row tiles per weight; the CTA's row block of the scales
     col = plgpu.Layout.WGMMA.reduce(0)
+    partial = t.splits > 1  # f32 partials of each weight (no SiLU) into this split's [M, nw N]
+    o_gmem, o_dtype = (o_ref.at[lax.axis_index("k")], jnp.float32) if partial else (o_ref, jnp.bfloat16)
+    n_out, n_cols = (nw, o_gmem.shape[1] // nw) if partial else (1, o_gmem.shape[1])
 
     def zero():
         return plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
 
     def store(accs):
-        def scope(o_smem):  # [1, bm, bn] bf16
-            for h, out in enumerate(accs):
-                o_smem.at[0, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(jnp.bfloat16)
+        def scope(o_smem):  # [n_out, bm, bn]
+            for i in range(n_out):
+                for h, out in enumerate(accs[i * tiles : (i + 1) * tiles]):
+                    if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
+                        out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                    o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
             plgpu.commit_smem()
-            store_rows(o_smem, o_ref, [pl.ds(ni * t.bn, t.bn)], tile, off, count, t.bm)
+            cols = [pl.ds(i * n_cols + ni * t.bn, t.bn) for i in range(n_out)]
+            store_rows(o_smem, o_gmem, cols, tile, off, count, t.bm)
 
-        pl.run_scoped(scope, plgpu.SMEM((1, t.bm, t.bn), jnp.bfloat16))
+        pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
 
     def step(idx, *smems_and_carry):
         *smems, accs = smems_and_carry
         w_smems, x_smem, xs_smem = smems[:nw], smems[nw], smems[nw + 1]
-        kb = idx[0]
+        kb = k0 + idx[0]
         w_scales = [s_refs[i][e, nb, kb] for i in range(nw)]  # issued before the MMAs, used after them
         xt = x_smem.transpose((1, 0))  # [128, bm]: K-major B
 
@@ -129,10 +154,10 @@ def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *r
         return tuple(out)
 
     fp8_tile = smem_transforms(BLOCK, 1)
-    in_specs = [plgpu.BlockSpec((t.bn, BLOCK), lambda k: (ni, k), transforms=fp8_tile)] * nw
+    in_specs = [plgpu.BlockSpec((t.bn, BLOCK), lambda k: (ni, k0 + k), transforms=fp8_tile)] * nw
     in_specs += [
-        plgpu.BlockSpec((pl.Element(t.bm), BLOCK), lambda k: (tile, k), transforms=fp8_tile),
-        plgpu.BlockSpec((1, pl.Element(xs_block(t.bm))), lambda k: (k, tile)),
+        plgpu.BlockSpec((pl.Element(t.bm), BLOCK), lambda k: (tile, k0 + k), transforms=fp8_tile),
+        plgpu.BlockSpec((1, pl.Element(xs_block(t.bm))), lambda k: (k0 + k, tile)),
     ]
 
     @pl.when(jnp.logical_and(e >= 0, e < n_experts))
@@ -141,11 +166,11 @@ def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *r
             step, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages, init_carry=(zero(),) * (nw * tiles)
         )
         accs = pipeline(*[w.at[e] for w in w_refs], x_ref, xs_ref)
-        store(silu_mul(accs, tiles) if nw == 2 else accs)
+        store(silu_mul(accs, tiles) if nw == 2 and not partial else accs)
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
-        store([zero()] * tiles)
+        store([zero()] * tiles * n_out)
 
 
 def _kernel(body_args, out_type, grid):
@@ -156,7 +181,7 @@ def _kernel(body_args, out_type, grid):
         functools.partial(_body, *body_args),
         out_type=out_type,
         grid=grid,
-        grid_names=("n", "m"),
+        grid_names=("n", "m", "k"),
         kernel_name=f"moe_fp8{'_gated' if body_args[0] == 2 else ''}",  # in profiles, ncu
     )
 
@@ -166,7 +191,7 @@ def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     (m, k), (e, n, _), nw = xq.shape, weights[0][0].shape, len(weights)
-    t = tiling or default_tiling(m, e, nw)
+    t = tiling or default_tiling(m, e, nw, n, k)
     _check(xq, xs, weights, group_sizes, t)
     rows = max(t.bm, -(-m // ROW_ALIGN) * ROW_ALIGN)  # whole 8-row tiles, one block at least (the TMA's box)
     cols = -(-(m + xs_block(t.bm) + ROW_ALIGN) // 4) * 4  # a step's scale block stays in bounds; 16-byte rows
@@ -174,14 +199,21 @@ def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None
     for q, s in weights:
         args += [q, s]
     args += [jnp.pad(xq, ((0, rows - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, max(cols - xs.shape[1], 0))))]
-    out_type = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
-    body_args = (nw, k // BLOCK, m, e, t)
-    kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm)))
+    out_type = (
+        jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+        if t.splits == 1
+        else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
+    )
+    body_args = (nw, k // BLOCK // t.splits, m, e, t)
+    kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
             out = kern()(*args)
     else:
         out = lowering_cache.launch(("moe_fp8", body_args), kern, *args, out=out_type)
+    if t.splits > 1:  # the splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
+        out = out.sum(0)
+        out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
     return out[:m]
 
 

@@ -190,7 +190,7 @@ def test_speculative_engine_equals_plain_greedy(model, eos_ref):
     spec = hcfjax.SpeculativeConfig(2)
     accepted = []
     for ranks in (1, 2):
-        config = EngineConfig(max_slots=2 // ranks, dp=ranks, token_budget=32, speculative=spec)
+        config = EngineConfig(max_slots=2 // ranks, dp=ranks, token_budget=32, speculative=spec, min_prefill_bucket=32)
         engine = Engine(model, config, decode_plan(2) if ranks == 2 else None)
         reqs = [engine.submit(p, max_new_tokens=24) for p in PROMPTS[:3]]
         run_all(engine)

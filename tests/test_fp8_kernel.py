@@ -25,10 +25,10 @@ def _close(y, want):
 
 
 @pytest.mark.usefixtures("reset_interpreter")
-@pytest.mark.parametrize("tiling", [None, Fp8Tiling(32, 128, 2)])
+@pytest.mark.parametrize("tiling", [None, Fp8Tiling(32, 128, 2), Fp8Tiling(16, 64, 2, splits=3)])
 def test_kernel_runs_each_expert_as_deepseeks_fp8_gemm(tiling):
     """Empty expert, groups not multiples of the token block, rows past the groups (zeros), more K blocks than
-    pipeline stages, blocks of different scales; the one-weight and the gated (silu(gate) * up) kernels."""
+    pipeline stages, blocks of different scales, split-K; the one-weight and the gated (silu(gate) * up) kernels."""
     rng = np.random.default_rng(3)
     e, n, k = 3, 128, 384
     (gq, gs), (uq, us) = (random_fp8_weight(rng, n, k, lead=(e,)) for _ in range(2))
@@ -85,10 +85,15 @@ def test_model_layers_take_the_kernel_where_options_say(monkeypatch):
 
 
 def test_tiling_and_errors():
-    """Token blocks follow the rows per expert (16 for decode's few, up to 128 / 64 gated); bad operands are
-    rejected with the reason."""
-    assert default_tiling(384, 64, 2).bm == 16
-    assert default_tiling(4096, 1, 1).bm == 128 and default_tiling(4096, 1, 2).bm == 64
+    """Token blocks follow the rows per expert (16 for decode's few, up to 128 / 64 gated); K splits where the
+    output tiles are few (V3's q_a and kv_a in decode), none where they fill the SMs; bad operands are rejected
+    with the reason."""
+    assert default_tiling(384, 64, 2, 1408, 2048) == Fp8Tiling(16)
+    assert default_tiling(4096, 1, 1, 1536, 7168).bm == 128 and default_tiling(4096, 1, 2, 1536, 7168).bm == 64
+    assert default_tiling(64, 1, 1, 1536, 7168).splits == 4  # 24 tiles, 56 K blocks: 14 a split
+    assert default_tiling(64, 1, 1, 576, 7168).splits == 4  # 9 tiles; 8 splits would leave 7 K blocks each
+    assert default_tiling(64, 1, 1, 7168, 16384).splits == 2  # o_proj: 112 tiles
+    assert default_tiling(2048, 256, 2, 2048, 7168).splits == 1
     q = jnp.zeros((1, 128, 256), jnp.float8_e4m3fn)
     s = jnp.ones((1, 1, 2), jnp.float32)
     xq, xs, one = jnp.zeros((4, 256), jnp.float8_e4m3fn), jnp.ones((2, 4), jnp.float32), jnp.array([4], jnp.int32)
@@ -103,11 +108,11 @@ def test_tiling_and_errors():
 @pytest.mark.parametrize("gated", [False, True])
 def test_lowers_for_hopper_at_deepseek_v3_shapes(gated):
     """Mosaic GPU lowers the kernels for sm_90 (layouts, shared memory) at V3's expert shapes in decode (256
-    experts, 8 routed rows each) and a dense prefill linear."""
+    experts, 8 routed rows each), a dense prefill linear and a dense decode one (split-K)."""
     from pallas_kernels.cross_lower import lower_for_hopper
 
     sd = jax.ShapeDtypeStruct
-    for m, e, k, n in [(2048, 256, 7168, 2048), (4096, 1, 7168, 1536)]:
+    for m, e, k, n in [(2048, 256, 7168, 2048), (4096, 1, 7168, 1536), (64, 1, 7168, 1536)]:  # the last split-K
         xq, xs = sd((m, k), jnp.float8_e4m3fn), sd((k // 128, m), jnp.float32)
         q, s, gs = sd((e, n, k), jnp.float8_e4m3fn), sd((e, n // 128, k // 128), jnp.float32), sd((e,), jnp.int32)
         if gated:

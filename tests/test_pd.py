@@ -338,7 +338,7 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
     (pre, pre_addr), (dec, dec_addr) = worker(), worker()
     pre.start()  # the decode worker is not up yet
     heard = []
-    router = Router([pre_addr], [dec_addr], health_interval_s=3600, health_timeout_s=2.0, api_key="sesame")
+    router = Router([pre_addr], [dec_addr], health_interval_s=3600, health_timeout_s=10.0, api_key="sesame")
     server = RouterServer(router, on_ready=lambda ready, address: heard.append((ready, address))).start()
     try:
         assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
