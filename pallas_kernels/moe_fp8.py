@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import lowering_cache
+from pallas_kernels.moe_int4 import run_grouped
 from pallas_kernels.moe_int4_kernel import silu_mul, smem_transforms, store_rows
 from pallas_kernels.moe_int4_tiling import BN, ROW_ALIGN, block_info, num_blocks, xs_block
 
@@ -188,8 +188,6 @@ def _kernel(body_args, out_type, grid):
 
 def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None):
     """The kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     (m, k), (e, n, _), nw = xq.shape, weights[0][0].shape, len(weights)
     t = tiling or default_tiling(m, e, nw, n, k)
     _check(xq, xs, weights, group_sizes, t)
@@ -206,15 +204,7 @@ def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None
     )
     body_args = (nw, k // BLOCK // t.splits, m, e, t)
     kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
-    if interpret:
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
-            out = kern()(*args)
-    else:
-        out = lowering_cache.launch(("moe_fp8", body_args), kern, *args, out=out_type)
-    if t.splits > 1:  # the splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
-        out = out.sum(0)
-        out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
-    return out[:m]
+    return run_grouped(("moe_fp8", body_args), kern, args, out_type, interpret, t.splits, nw)[:m]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))

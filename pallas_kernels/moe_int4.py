@@ -134,8 +134,6 @@ def _kernel(body_args, out_type, grid):
 def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=False):
     """The kernel over weights = ((q, scale),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16, or with quant_out
     (int8 [M, N], scales [N/128, M'] with M' >= M + HS_PAD)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     for q, scale in weights:
         _check(x, q, scale, group_sizes, act)
     if len(weights) == 2 and weights[0][0].shape != weights[1][0].shape:
@@ -168,17 +166,28 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
         )
     body_args = (act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out)
     kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
+    out = run_grouped(("moe_int4", body_args), kern, args, out_type, interpret, t.splits, nw)
+    if quant_out:
+        return out[0][:m], out[1]  # the scales keep their padding rows: the down projection's blocks read past M
+    return out[:m]  # [M, N] (a slice only when M < bm)
+
+
+def run_grouped(key, kern, args, out_type, interpret: bool, splits: int, nw: int):
+    """A grouped-GEMM kernel's launch (the int4 and fp8 kernels'): kern() run by Mosaic GPU's interpreter, or
+    lowered once per process under `key` (lowering_cache); with split-K (splits > 1) its f32 partials [splits, M,
+    nw N] summed, and gate/up's SiLU product formed, in one XLA fusion -> [M, N] bf16."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
     if interpret:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=4)):
             out = kern()(*args)
     else:
-        out = lowering_cache.launch(("moe_int4", body_args), kern, *args, out=out_type)
-    if t.splits > 1:  # the K splits' f32 partials summed (and gate/up's SiLU product formed) in one XLA fusion
-        out = out.sum(0)
-        out = (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
-    if quant_out:
-        return out[0][:m], out[1]  # the scales keep their padding rows: the down projection's blocks read past M
-    return out[:m]  # [M, N] (a slice only when M < bm)
+        out = lowering_cache.launch(key, kern, *args, out=out_type)
+    if splits == 1:
+        return out
+    out = out.sum(0)
+    n = out.shape[1] // nw
+    return (jax.nn.silu(out[:, :n]) * out[:, n:] if nw == 2 else out).astype(jnp.bfloat16)
 
 
 def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):

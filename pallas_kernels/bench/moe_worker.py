@@ -292,7 +292,7 @@ def _fp8_rows(row, x, w, gs, f32_dot, touched: float, interpret: bool, refs: dic
     from hcfjax import fp8
     from pallas_kernels.moe_fp8 import fp8_gated_ragged_dot, fp8_ragged_dot
 
-    m, k = x.shape
+    k = x.shape[1]
     wq = fp8.quantize(w)
     xq, xs = fp8.quantize_act(x)
     xf = xq.astype(jnp.float32) * jnp.repeat(xs, 128, axis=1)
