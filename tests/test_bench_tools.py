@@ -307,10 +307,10 @@ def test_startup_settle_reads_the_runners_background_lines():
 def test_gpu_gaps_from_trace_planes():
     """bench.engine_loop's idle reading: time with nothing running on any stream between the first record and the
     last, with the wider gaps summed per call by the records either side; overlapping records on two streams leave
-    no gap, and a copy counts as the GPU at work."""
+    no gap, and a copy counts as the GPU at work; `record_counts` counts the kernels and copies per call."""
     from types import SimpleNamespace as NS
 
-    from hcfjax.bench.common import gpu_gaps
+    from hcfjax.bench.common import gpu_gaps, record_counts
 
     ev = lambda name, start, us: NS(name=name, start_ns=start * 1e3, duration_ns=us * 1e3)  # noqa: E731
     gpu = NS(
@@ -326,3 +326,5 @@ def test_gpu_gaps_from_trace_planes():
     assert idle == pytest.approx((2 + 20) * 1e-6 / 2)
     assert pairs == pytest.approx({("MemcpyH2D", "a"): 10e-6})
     assert gpu_gaps([NS(name="/host:CPU", lines=[])]) == (0.0, {})
+    # the same records counted per call: 5 kernels over 2 calls, one 10 us copy
+    assert record_counts([gpu], reps=2) == pytest.approx({"kernels": 2.5, "copies": 0.5, "copy_s": 5e-6})

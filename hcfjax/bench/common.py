@@ -132,6 +132,18 @@ def _is_copy(name: str) -> bool:
     return any(w in name.lower() for w in ("memcpy", "memset"))
 
 
+def record_counts(planes, reps: int = 1) -> dict[str, float]:
+    """Per call, from the busiest GPU plane: how many kernels ran ("kernels"), how many copies and memsets
+    ("copies") and the seconds those took ("copy_s"); copies are GPU time that `kernel_seconds` leaves out."""
+    events = busiest_gpu_events(planes)
+    copies = [ev for ev in events if _is_copy(ev.name)]
+    return {
+        "kernels": (len(events) - len(copies)) / reps,
+        "copies": len(copies) / reps,
+        "copy_s": sum(ev.duration_ns for ev in copies) * 1e-9 / reps,
+    }
+
+
 def busiest_gpu_events(planes) -> list:
     """The stream lines' records (kernels, copies, memsets) of the GPU plane with the most kernel time."""
     best, most = [], 0.0

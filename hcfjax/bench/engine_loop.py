@@ -22,7 +22,16 @@ import time
 import jax
 import numpy as np
 
-from hcfjax.bench.common import gpu_gaps, header, kernel_seconds, longest, traced_planes, widest
+from hcfjax.bench.common import (
+    busiest_gpu_events,
+    gpu_gaps,
+    header,
+    kernel_seconds,
+    longest,
+    record_counts,
+    traced_planes,
+    widest,
+)
 from hcfjax.engine.request import Status
 
 
@@ -71,7 +80,19 @@ def output_room(batch: int, context: int, steps: int, budget: int) -> int:
     return batch * -(-context // budget) + 2 * steps + 64
 
 
-def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, profile: bool, rng) -> dict:
+def write_records(path: str, planes) -> None:
+    """Every record of the busiest GPU plane in start order, as tab-separated name, start (us from the first) and
+    duration (us): the sequence of a step's launches, to see which small kernels and copies it runs."""
+    events = sorted(busiest_gpu_events(planes), key=lambda ev: ev.start_ns)
+    t0 = events[0].start_ns if events else 0
+    with open(path, "w") as f:
+        for ev in events:
+            f.write(f"{ev.name}\t{(ev.start_ns - t0) / 1e3:.1f}\t{ev.duration_ns / 1e3:.1f}\n")
+
+
+def loop_case(
+    engine, timings: Timings, batch: int, context: int, steps: int, profile: bool, rng, records: str | None = None
+) -> dict:
     """One batch through the engine's loop: seconds per iteration (wall, GPU kernels, and the host's parts). The
     engine compiles what the batch's prefill needs on first use (no warm-up: only the shapes used) and is empty
     again after."""
@@ -93,17 +114,19 @@ def loop_case(engine, timings: Timings, batch: int, context: int, steps: int, pr
     jax.block_until_ready(engine.runner.state.tok)
     wall = (time.perf_counter() - t0) / steps
     host = {k: v / steps for k, v in timings.seconds.items()}
-    kernels, gaps = None, None
+    kernels, gaps, counts = None, None, None
     if profile:  # the same steps under the profiler: the kernels' seconds per step, and where the GPU idled
         settled = lambda _: jax.block_until_ready(engine.runner.state.tok)  # noqa: E731
         planes = traced_planes(engine.step, reps=steps, wait=settled)
-        kernels, gaps = kernel_seconds(planes, steps), gpu_gaps(planes, steps)
+        kernels, gaps, counts = kernel_seconds(planes, steps), gpu_gaps(planes, steps), record_counts(planes, steps)
+        if records:
+            write_records(records.format(batch=batch), planes)
     batch_seen = len(engine.scheduler.running)
     for req in reqs:
         engine.abort(req.id)
     while engine.has_work():
         engine.step()
-    return {"batch": batch_seen, "wall": wall, "kernels": kernels, "gaps": gaps, **host}
+    return {"batch": batch_seen, "wall": wall, "kernels": kernels, "gaps": gaps, "counts": counts, **host}
 
 
 def main(argv=None) -> None:
@@ -122,6 +145,10 @@ def main(argv=None) -> None:
     ap.add_argument("--token-budget", type=int, default=512, help="of the prompts' prefill (small: quick to compile)")
     ap.add_argument("--profile", action="store_true", help="also the GPU kernels' time per iteration")
     ap.add_argument("--offline", action="store_true", help="also generate's offline decode at each batch")
+    ap.add_argument(
+        "--records",
+        help="with --profile: write the profiled steps' GPU records to this file ('{batch}' in it: one file per batch)",
+    )
     args = ap.parse_args(argv)
 
     model = load_model(None, args.preset, args.scheme)
@@ -149,7 +176,7 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for batch in args.batches:
-        row = loop_case(engine, timings, batch, args.context, args.steps, args.profile, rng)
+        row = loop_case(engine, timings, batch, args.context, args.steps, args.profile, rng, args.records)
         covered = f"{sum(row['kernels'].values()) / row['wall']:.0%}" if row["kernels"] else "n/a"
         offline = "n/a | n/a"
         if args.offline:  # (beside the engine's cache: both fit at these sizes)
@@ -168,6 +195,12 @@ def main(argv=None) -> None:
             print(f"  longest kernels per step at batch {row['batch']}, ms: {longest(row['kernels'])}", flush=True)
             idle, pairs = row["gaps"]
             print(f"  GPU idle per step: {idle * 1e3:.2f} ms; longest gaps per step, ms: {widest(pairs)}", flush=True)
+            n = row["counts"]
+            print(
+                f"  per step: {n['kernels']:.0f} kernels, {n['copies']:.0f} copies and memsets "
+                f"({n['copy_s'] * 1e3:.2f} ms)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
