@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,10 +86,13 @@ def run(args) -> str:
     opts = args.options
     n_mtp = (args.mtp_modules or args.speculative) if args.speculative else 0
     cfg = preset_config(args.preset, num_nextn_predict_layers=n_mtp)
+    t0 = time.perf_counter()
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     n_params = sum(x.size for x in jax.tree.leaves(model.params))
     if args.scheme != "bf16":
         model = quantize_model(model, args.scheme)
+    jax.block_until_ready(model.params)
+    print(f"[random {args.preset} in {args.scheme}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     if args.speculative:
         return spec_step.table(model, args.preset, args.scheme, n_params, args, opts, header())
     cache_dtype = default_cache_dtype(model)

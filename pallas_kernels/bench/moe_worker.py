@@ -70,18 +70,22 @@ def grouped_reference(a, b, gs):
 
     m, k = a.shape
     window = max(8, -(-int(np.max(np.asarray(gs))) // 8) * 8)
-    starts = jnp.cumsum(gs) - gs
-    a = jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))
-    out = jnp.zeros((m + window, b.shape[-1]), jnp.float32)
 
-    def one(out, e):
-        rows = jax.lax.dynamic_slice(a, (starts[e], 0), (window, k))
-        y = jnp.dot(rows, b[e].astype(jnp.float32), precision="highest")
-        held = jax.lax.dynamic_slice(out, (starts[e], 0), y.shape)
-        y = jnp.where((jnp.arange(window) < gs[e])[:, None], y, held)
-        return jax.lax.dynamic_update_slice(out, y, (starts[e], 0)), None
+    def product(a, b, gs):  # (the operands are arguments: closed over, jit would embed them as constants)
+        starts = jnp.cumsum(gs) - gs
+        a = jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))
 
-    return jax.jit(lambda out: jax.lax.scan(one, out, jnp.arange(b.shape[0]))[0][:m])(out)
+        def one(out, e):
+            rows = jax.lax.dynamic_slice(a, (starts[e], 0), (window, k))
+            y = jnp.dot(rows, b[e].astype(jnp.float32), precision="highest")
+            held = jax.lax.dynamic_slice(out, (starts[e], 0), y.shape)
+            y = jnp.where((jnp.arange(window) < gs[e])[:, None], y, held)
+            return jax.lax.dynamic_update_slice(out, y, (starts[e], 0)), None
+
+        out = jnp.zeros((m + window, b.shape[-1]), jnp.float32)
+        return jax.lax.scan(one, out, jnp.arange(b.shape[0]))[0][:m]
+
+    return jax.jit(product)(a, b, gs)
 
 
 def _errors(y, ref) -> dict:
