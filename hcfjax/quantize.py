@@ -18,9 +18,11 @@ attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,9 +64,25 @@ def _quantize_weight(w, spec, group_size: int):
     """The stacked weight w [..., K, N...] (the params' shape: per-head outputs split) quantised as spec.quant says."""
     if spec.quant == fp8.QUANT:
         n, k = spec.shape  # the checkpoint's [out, in]
-        return fp8.quantize(w.reshape(*w.shape[: len(spec.index)], k, n))
-    bits, act = spec.quant
-    return quantize(w, bits, act, group_size)
+        w = w.reshape(*w.shape[: len(spec.index)], k, n)
+    return _quantize_slices(w, spec.quant, group_size)
+
+
+def _quantize_slices(w, how, group_size: int):
+    """w [..., K, N] quantised one leading slice at a time (a layer's experts), each slice by one compiled program:
+    the float temporaries (an f32 copy and its blocks) are one slice's, not the stack's, which for a layer stack of
+    experts would not fit beside the model on a GPU."""
+    if w.ndim <= 3:
+        return _quantize_one(w, how, group_size)
+    parts = [_quantize_one(w[i], how, group_size) for i in range(w.shape[0])]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "group_size"))
+def _quantize_one(w, how, group_size: int):
+    if how == fp8.QUANT:
+        return fp8.quantize(w)
+    return quantize(w, how[0], how[1], group_size)
 
 
 def _copy_tree(tree):
