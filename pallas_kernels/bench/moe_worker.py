@@ -64,14 +64,21 @@ def grouped_reference(a, b, gs):
     """The grouped product in f32 at full precision: rows of a [M, K] in groups of gs [E] (in order) times b [E, K,
     N], one expert at a time over a window of the largest group's rows. XLA's own f32 ragged_dot is a masked dense
     product over every expert ([M, E * K] at 256 experts: more memory than a GPU has)."""
-    import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    m, k = a.shape
     window = max(8, -(-int(np.max(np.asarray(gs))) // 8) * 8)
+    return _grouped_program(window)(a, b, gs)
 
-    def product(a, b, gs):  # (the operands are arguments: closed over, jit would embed them as constants)
+
+@functools.cache
+def _grouped_program(window: int):
+    """grouped_reference's program for groups of at most `window` rows, compiled once per shape for all of a
+    case's references (the operands are arguments: closed over, jit would embed them as constants)."""
+    import jax
+    import jax.numpy as jnp
+
+    def product(a, b, gs):
+        m, k = a.shape
         starts = jnp.cumsum(gs) - gs
         a = jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))
 
@@ -85,7 +92,7 @@ def grouped_reference(a, b, gs):
         out = jnp.zeros((m + window, b.shape[-1]), jnp.float32)
         return jax.lax.scan(one, out, jnp.arange(b.shape[0]))[0][:m]
 
-    return jax.jit(product)(a, b, gs)
+    return jax.jit(product)
 
 
 def _errors(y, ref) -> dict:
