@@ -235,11 +235,11 @@ def nbytes(w: Fp8Weight) -> int:
 # absorbed query and output (DeepSeek's own inference code dequantises it there). Embeddings, norms, routers, LM
 # heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
 LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
-QUANT = (8, "fp8")  # checkpoint.TensorSpec.quant of an Fp8Weight's `q`
+QUANT = (8, "fp8")  # tensor_specs.TensorSpec.quant of an Fp8Weight's `q`
 
 
 def checkpoint_specs(specs: list) -> list:
-    """The name table (checkpoint.TensorSpec) of a DeepSeek fp8 checkpoint loaded as fp8: each LINEARS `X.weight`
+    """The name table (tensor_specs.TensorSpec) of a DeepSeek fp8 checkpoint loaded as fp8: each LINEARS `X.weight`
     [N, K] is e4m3 and `X.weight_scale_inv` f32 [N/B, K/B], both kept as stored, at params paths (..., 'q') and
     (..., 'scale_inv') of one Fp8Weight."""
     out = []

@@ -5,7 +5,7 @@ params = {
   "segments": [ {layer params stacked over a run of layers of one kind}, ... ],   # cfg.layer_segments
   "mtp": [ {"enorm", "hnorm", "eh_proj" [2D, D], "layer": {...}, "head_norm", "head" [D, V]}, ... ],
 }
-A layer is {"attn_norm", "mlp_norm", "attn": {...}, "mlp": {...}} (checkpoint.layer_specs lists every leaf).
+A layer is {"attn_norm", "mlp_norm", "attn": {...}, "mlp": {...}} (tensor_specs.layer_specs lists every leaf).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from hcfjax.attention import CacheContext, mla, with_decode_plan
-from hcfjax.checkpoint import stacked_shapes, tensor_specs, to_pytree
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp, rms_norm
 from hcfjax.moe import moe
 from hcfjax.options import DEFAULT, Options
+from hcfjax.tensor_specs import stacked_shapes, tensor_specs, to_pytree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8, fp8).
 
-What each scheme does (config.QUANT_SCHEMES; checkpoint.QUANTIZABLE names the linears):
+What each scheme does (config.QUANT_SCHEMES; tensor_specs.QUANTIZABLE names the linears):
   w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
   w4a8    routed experts int4, per-token dynamic int8 activations; everything else as it was.
   w4a8c8  w4a8 experts; the other `x @ W` linears (dense and shared-expert MLPs, MLA's q_a/kv_a down projections,
@@ -27,20 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import fp8
-from hcfjax.checkpoint import (
-    SHARD_BYTES,
-    get_path,
-    ignored_tensor,
-    match_sources,
-    quantized_specs,
-    read_weight,
-    scale_part,
-    tensor_specs,
-)
+from hcfjax.checkpoint import SHARD_BYTES, ignored_tensor, match_sources, read_weight
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
 from hcfjax.quant import quantize
 from hcfjax.safetensors_files import Planned, write_shards
+from hcfjax.tensor_specs import get_path, quantized_specs, scale_part, tensor_specs
 
 
 def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:

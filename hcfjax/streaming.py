@@ -1,6 +1,6 @@
 """Stacked params filled in place on the devices that hold them, one checkpoint tensor at a time.
 
-A param stacks the layers of a segment (and the experts of a layer) along leading dims (checkpoint.stacked_shapes);
+A param stacks the layers of a segment (and the experts of a layer) along leading dims (tensor_specs.stacked_shapes);
 a sharding may split any dim, stacking dims included (experts over EP). Filling one param:
   1. its device array is allocated under its sharding (zeros);
   2. for each position p inside one device's block of the stacking dims, every local device receives the tensor at

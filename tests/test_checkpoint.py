@@ -11,8 +11,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hcfjax
-from hcfjax.checkpoint import FP8_BLOCK, CheckpointError, dequantize_fp8, get_path, tensor_specs
+from hcfjax.checkpoint import FP8_BLOCK, CheckpointError, dequantize_fp8
 from hcfjax.config import ConfigError, ModelConfig
+from hcfjax.tensor_specs import get_path, tensor_specs
 from tests.conftest import FIXTURES, rel_err
 
 

@@ -19,11 +19,12 @@ from safetensors.numpy import save_file
 
 import hcfjax
 from hcfjax import fp8
-from hcfjax.checkpoint import FP8_BLOCK, dequantize_fp8, quantized_specs, tensor_specs
+from hcfjax.checkpoint import FP8_BLOCK, dequantize_fp8
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quantize import quantize_checkpoint, quantize_model
 from hcfjax.random_model import PRESETS
 from hcfjax.safetensors_files import read_index, read_tensor
+from hcfjax.tensor_specs import quantized_specs, tensor_specs
 from tests.conftest import FIXTURES
 from tests.test_checkpoint import fp8_copy
 

@@ -17,10 +17,11 @@ from safetensors.numpy import load_file, save_file
 
 import hcfjax
 from hcfjax import fp8
-from hcfjax.checkpoint import CheckpointError, get_path, tensor_specs
+from hcfjax.checkpoint import CheckpointError
 from hcfjax.cli import main as cli_main
 from hcfjax.random_model import preset_config, random_model
 from hcfjax.safetensors_files import read_index, read_tensor
+from hcfjax.tensor_specs import get_path, tensor_specs
 from tests.test_checkpoint import quantize_fp8_blocks
 from tests.test_fp8 import V3_FP8_BLOCK
 

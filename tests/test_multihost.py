@@ -6,8 +6,8 @@ import socket
 import subprocess
 import sys
 
-from hcfjax.checkpoint import tensor_specs
 from hcfjax.config import ModelConfig
+from hcfjax.tensor_specs import tensor_specs
 from tests.conftest import FIXTURES
 
 

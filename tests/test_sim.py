@@ -128,9 +128,9 @@ def test_weight_bytes_per_gpu_are_what_the_plans_place_on_a_device():
     import jax
     import jax.numpy as jnp
 
-    from hcfjax.checkpoint import tensor_specs
     from hcfjax.model import init_params
     from hcfjax.sim.weights import count, main_weights, mtp_weights
+    from hcfjax.tensor_specs import tensor_specs
     from sharding.plans import decode_plan, prefill_plan
 
     cfg = model_config("tiny-v3")

@@ -104,7 +104,7 @@ def main_weights(c: ModelConfig) -> list[Weights]:
 
 def mtp_weights(c: ModelConfig, modules: int | None = None) -> list[Weights]:
     """`modules` MTP modules (default: the config's) as hcfjax holds them: a decoder layer, enorm / hnorm, the
-    combiner eh_proj [2D -> D], and its own head norm and LM head (checkpoint.tensor_specs); the embedding is the
+    combiner eh_proj [2D -> D], and its own head norm and LM head (tensor_specs.tensor_specs); the embedding is the
     main model's."""
     n = c.num_mtp_layers if modules is None else modules
     if n == 0:
