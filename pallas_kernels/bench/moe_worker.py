@@ -153,6 +153,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
     # x in 128-channel groups, as the gate/up kernel's quant_out writes it (scales padded as that kernel leaves them)
     xg, xgs = quantize_int8_groups(x)
     x_groups = (xg, jnp.pad(xgs, ((0, 0), (0, _hs_rows(m) - m))))
+    _emit("BEGIN", spec, what="f32 references")  # (each event restarts the hang timer: the first compile is long)
     refs = {
         "bf16": f32_dot(x.astype(jnp.float32), wf, gs),
         "int8": f32_dot(x_rows_f32, wf, gs),
@@ -273,6 +274,7 @@ def _case(spec: str, sweep: bool, interpret: bool, skip: dict, jnp_refs: bool, d
         del wu
     refs.clear()  # free the f32 references (and the dequantised tokens) before the bf16 rows
     del x_rows_f32
+    _emit("BEGIN", spec, what="fp8 weights and reference")
     _fp8_rows(row, x, w, gs, f32_dot, touched, interpret, refs)
 
     def passes(x, q, sc, gs):  # w4a8's quantised tokens and scales (w4a16's wrapper does no XLA work)
