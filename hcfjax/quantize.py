@@ -63,7 +63,8 @@ def _quantize_weight(w, spec, group_size: int):
 def _quantize_slices(w, how, group_size: int):
     """w [..., K, N] quantised one leading slice at a time (a layer's experts), each slice by one compiled program:
     the float temporaries (an f32 copy and its blocks) are one slice's, not the stack's, which for a layer stack of
-    experts would not fit beside the model on a GPU."""
+    experts would not fit beside the model on a GPU. A stack of single weights ([L, K, N]) goes whole: its
+    temporaries are a few layers' dense weights."""
     if w.ndim <= 3:
         return _quantize_one(w, how, group_size)
     parts = [_quantize_one(w[i], how, group_size) for i in range(w.shape[0])]
