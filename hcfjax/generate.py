@@ -23,7 +23,7 @@ from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import SpeculativeConfig
-from hcfjax.step import PAD, DecodeInputs, PrefillInputs, decode_steps, empty_state, jitted_step
+from hcfjax.step import PAD, DecodeInputs, PrefillInputs, decode_steps, empty_state, step_program
 
 
 @dataclasses.dataclass
@@ -79,7 +79,12 @@ def forward(model: Model, tokens) -> jax.Array:
     return _forward(model.params, model.cfg, tokens)
 
 
-_decode = jax.jit(decode_steps, static_argnames=("cfg", "max_new_tokens", "spec", "opts"), donate_argnames=("state",))
+@functools.cache
+def _decode(xla: tuple):
+    """decode_steps jitted with these XLA compiler options (as step_program)."""
+    static = ("cfg", "max_new_tokens", "spec", "opts")
+    return jax.jit(decode_steps, static_argnames=static, donate_argnames=("state",), compiler_options=dict(xla) or None)
+
 
 MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests)
 
@@ -169,14 +174,17 @@ def generate(
                 jnp.asarray(seeds[part]),
                 jnp.asarray(zeros[part]),
             )
-            state, first, *_ = jitted_step(params, cfg, state, pre, None, speculative, options)
+            state, first, *_ = step_program(options.compiler_options(prefill=True))(
+                params, cfg, state, pre, None, speculative, options
+            )
     first.block_until_ready()
     t1 = time.perf_counter()
 
     active = np.arange(b) < b_real
     if decode_plan is None:
         dec = DecodeInputs(jnp.asarray(active), jnp.asarray(page_table), sp, jnp.asarray(seeds))
-        out, counts, _ = _decode(model.params, cfg, state, dec, stop_arr, max_new_tokens, speculative, options)
+        decode = _decode(options.compiler_options())
+        out, counts, _ = decode(model.params, cfg, state, dec, stop_arr, max_new_tokens, speculative, options)
     else:
         put = lambda x: jax.device_put(jnp.asarray(x), decode_plan.rows())  # noqa: E731
         local_table = page_table - (np.arange(b) // (b // ranks) * (b // ranks) * pages)[:, None]

@@ -24,9 +24,20 @@ def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
     return opts.grouped_down_input and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
 
 
+def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
+    """x [N, D] @ w [D, E] in float32, as the sum of the partial products of `width`-wide slices of D. With few
+    rows the product is a single [N, E] output tile, which a GEMM without split-K (cuBLAS in a decode step,
+    Options.xla_gemm) computes on one CTA down the whole of D; the partial products run side by side."""
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    (n, d), e = x.shape, w.shape[-1]
+    if d % width or d == width:
+        return x @ w
+    return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e)).sum(0)
+
+
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Top-k expert choice per token.  x [N, D] -> (weights [N, K] f32, expert ids [N, K] int32)."""
-    logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # [N, E]
+    logits = router_logits(x, p["router"])  # [N, E]
     n, e = logits.shape
     g = cfg.n_group
     if cfg.scoring_func == "sigmoid":

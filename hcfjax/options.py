@@ -18,6 +18,7 @@ SWITCH = ("auto", True, False)  # auto: on a GPU backend only
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
 PREFILL_ATTENTION = ("auto", "fused", "blocked")
+XLA_GEMMS = ("auto", "cublas", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,13 @@ class Options:
         The sort is skipped on the host's word instead: a batch that says no row filters (SamplingBatch.filters)
         traces a step without it, and the engine keeps a decode program of each kind.
         auto: on GPUs (on a CPU the branch costs nothing and the skipped sort a lot).
+    xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
+        cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
+        weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
+        Triton fusion only after a copy of it, and the copies of every dense weight cost about a tenth of a
+        V2-Lite decode step. auto: cublas for decode-only programs, XLA's default for those with a prefill part
+        (whose products are large enough that the copies matter little). A jit compiler option
+        (`compiler_options`), not a traced branch.
     """
 
     mla: str = "auto"
@@ -66,6 +74,7 @@ class Options:
     two_rows: bool | str = "auto"
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
+    xla_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
@@ -78,6 +87,8 @@ class Options:
             raise ValueError(
                 f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"
             )
+        if self.xla_gemm not in XLA_GEMMS:
+            raise ValueError(f"Options.xla_gemm must be one of {XLA_GEMMS}, got {self.xla_gemm!r}")
         if self.ep_exchange not in EXCHANGES:
             raise ValueError(f"Options.ep_exchange must be one of {EXCHANGES}, got {self.ep_exchange!r}")
         if not set(self.fused_gate_up) <= set(INT4_ACTS):
@@ -106,6 +117,12 @@ class Options:
             return "fused" if on_gpu() else "blocked"
         return self.prefill_attention
 
+    def compiler_options(self, prefill: bool = False) -> tuple[tuple[str, object], ...]:
+        """XLA compiler options for a program run with these options, with a prefill part or decode only
+        (jax.jit's compiler_options, as sorted items so that they can key a cache); none on other backends."""
+        cublas = self.xla_gemm == "cublas" or (self.xla_gemm == "auto" and not prefill)
+        return (("xla_gpu_enable_triton_gemm", False),) if cublas and on_gpu() else ()
+
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)
 
@@ -114,7 +131,8 @@ class Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_INT4_KERNEL=0|1 (0: reference
         experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged,
-        HCFJAX_PREFILL_ATTENTION=auto|fused|blocked. overrides win over the environment."""
+        HCFJAX_PREFILL_ATTENTION=auto|fused|blocked, HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the
+        environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
             got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
@@ -127,6 +145,8 @@ class Options:
         if environ.get("HCFJAX_PREFILL_ATTENTION"):
             got["prefill_attention"] = environ["HCFJAX_PREFILL_ATTENTION"]
             source["prefill_attention"] = "HCFJAX_PREFILL_ATTENTION"
+        if environ.get("HCFJAX_XLA_GEMM"):
+            got["xla_gemm"], source["xla_gemm"] = environ["HCFJAX_XLA_GEMM"], "HCFJAX_XLA_GEMM"
         if environ.get("HCFJAX_EP_EXCHANGE"):
             got["ep_exchange"], source["ep_exchange"] = environ["HCFJAX_EP_EXCHANGE"], "HCFJAX_EP_EXCHANGE"
         try:

@@ -22,6 +22,7 @@ not depend on its batch, its rank, or which driver runs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -202,7 +203,16 @@ def _slot_rows(dec: DecodeInputs, slots: int):
 
 
 STATIC = ("cfg", "spec", "opts", "experts_fn", "with_load")
-jitted_step = jax.jit(step, static_argnames=STATIC, donate_argnames=("state",))
+
+
+@functools.cache
+def step_program(xla: tuple = ()):
+    """`step` jitted with these XLA compiler options (`Options.compiler_options()`, which the caller's opts ask
+    for: they are fixed per jit, not traced)."""
+    return jax.jit(step, static_argnames=STATIC, donate_argnames=("state",), compiler_options=dict(xla) or None)
+
+
+jitted_step = step_program()
 
 
 def decode_steps(

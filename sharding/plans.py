@@ -99,7 +99,9 @@ class Plan:
         st = _state_specs(state)
         specs = (param_specs(params, self), st, pre_spec, dec_spec)
         out = (st, row if with_prefill else None, row if with_decode else None, P() if with_load else None)
-        return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out), donate_argnums=(1,))
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out)
+        xla = dict(opts.compiler_options(prefill=with_prefill)) or None
+        return jax.jit(fn, donate_argnums=(1,), compiler_options=xla)
 
     def wrap_decode_steps(self, cfg, params, state, max_new_tokens: int, spec, opts):
         """hcfjax.step.decode_steps under the decode plan: the whole decode loop inside one shard_map (the ranks
@@ -116,7 +118,7 @@ class Plan:
         counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}
         specs = (param_specs(params, self), st, row, P())  # the decode inputs split by rows, every leaf
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(row, counters, st))
-        return jax.jit(fn, donate_argnums=(1,))
+        return jax.jit(fn, donate_argnums=(1,), compiler_options=dict(opts.compiler_options()) or None)
 
 
 def _devices(n: int, devices=None):

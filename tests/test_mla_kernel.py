@@ -330,6 +330,27 @@ def test_options_from_the_environment():
         Options.from_env({"HCFJAX_MLA": "bogus"})
     with pytest.raises(ValueError, match="HCFJAX_PREFILL_ATTENTION"):
         Options.from_env({"HCFJAX_PREFILL_ATTENTION": "flash"})
+    assert Options.from_env({"HCFJAX_XLA_GEMM": "triton"}).xla_gemm == "triton"
+    with pytest.raises(ValueError, match="HCFJAX_XLA_GEMM"):
+        Options.from_env({"HCFJAX_XLA_GEMM": "cutlass"})
+
+
+def test_xla_gemm_compiler_options(monkeypatch):
+    """Options.xla_gemm becomes a GPU compiler option: auto takes cuBLAS for decode-only programs only; no option on
+    other backends, whatever it says."""
+    from hcfjax import options
+    from hcfjax.options import Options
+
+    assert Options(xla_gemm="cublas").compiler_options() == Options().compiler_options() == ()
+    monkeypatch.setattr(options, "on_gpu", lambda: True)
+    cublas = (("xla_gpu_enable_triton_gemm", False),)
+    got = {
+        g: (Options(xla_gemm=g).compiler_options(), Options(xla_gemm=g).compiler_options(prefill=True))
+        for g in ("auto", "cublas", "triton")
+    }
+    assert got == {"auto": (cublas, ()), "cublas": (cublas, cublas), "triton": ((), ())}
+    with pytest.raises(ValueError, match="xla_gemm"):
+        Options(xla_gemm="cutlass")
 
 
 def test_qk8_switch_reaches_the_kernel_for_int8_caches_only(monkeypatch):

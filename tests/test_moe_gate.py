@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hcfjax.moe import route
+from hcfjax.moe import route, router_logits
 from hcfjax.random_model import preset_config
 
 
@@ -88,3 +88,13 @@ def test_counting_sort_orders_copies_as_a_stable_argsort(e, k, n, seed, limit):
     with mock.patch.object(moe, "COUNTING_SORT_MAX", limit):
         got = moe.by_expert(jnp.asarray(ids), sizes)
     np.testing.assert_array_equal(np.asarray(got), np.argsort(ids, kind="stable"))
+
+
+@pytest.mark.parametrize("d", [96, 128, 384, 1024])
+def test_router_logits_in_slices_are_the_product(d):
+    """router_logits sums the products of 128-wide slices of D: the float32 product x @ w all the same."""
+    rng = np.random.default_rng(d)
+    x, w = rng.standard_normal((5, d), np.float32), rng.standard_normal((d, 16), np.float32)
+    got = np.asarray(router_logits(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w)))  # bf16 activations, as the model's
+    want = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -113,7 +113,9 @@ def run(args) -> str:
         f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; "
         + (f"{kernels}; " if "Pallas" in kernels else "")
         + f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
-        f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}.",
+        f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}, "
+        f"XLA's products in decode: {'cuBLAS' if opts.compiler_options() else 'XLA default (Triton)'}, "
+        f"in prefill: {'cuBLAS' if opts.compiler_options(prefill=True) else 'XLA default (Triton)'}.",
         "",
         ceilings_line(torch_bw, xla_bw, flops),
         "",

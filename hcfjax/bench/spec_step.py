@@ -38,7 +38,7 @@ from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
-from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, jitted_step
+from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, step_program
 
 LABEL = "forced acceptance (benchmark only)"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's monitoring event per XLA compile
@@ -82,6 +82,7 @@ def prefilled(model: Model, batch: int, context: int, room: int, opts: Options, 
     seeds = jnp.asarray(rng.integers(0, 2**32, batch, dtype=np.uint32))
     zeros, lengths = jnp.zeros(batch, jnp.int32), jnp.full(batch, context, jnp.int32)
     group = max(g for g in range(1, batch + 1) if batch % g == 0 and (g == 1 or g * context <= max_tokens))
+    prefill = step_program(opts.compiler_options(prefill=True))
     for r0 in range(0, batch, group):
         part = slice(r0, r0 + group)
         pre = PrefillInputs(
@@ -94,7 +95,7 @@ def prefilled(model: Model, batch: int, context: int, room: int, opts: Options, 
             seeds[part],
             zeros[part],
         )
-        state, *_ = jitted_step(model.params, cfg, state, pre, None, None, opts)
+        state, *_ = prefill(model.params, cfg, state, pre, None, None, opts)
     return state, DecodeInputs(jnp.ones(batch, bool), table, sp, seeds)
 
 
@@ -119,7 +120,8 @@ def speculative_state(state: SlotState, model: Model, k: int, seed: int = 0) -> 
 def time_steps(model: Model, state: SlotState, dec: DecodeInputs, spec, opts: Options, steps: int):
     """Seconds per decode step and tokens emitted per row per step, over `steps` steps of one compiled executable
     (after WARM_STEPS); RuntimeError if anything compiles while they run."""
-    compiled = jitted_step.lower(model.params, model.cfg, state, None, dec, spec, opts).compile()
+    program = step_program(opts.compiler_options())
+    compiled = program.lower(model.params, model.cfg, state, None, dec, spec, opts).compile()
     emitted = []
     with counting_compiles() as compiles:
         for _ in range(WARM_STEPS):

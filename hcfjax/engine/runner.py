@@ -37,7 +37,7 @@ from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
-from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, jitted_step
+from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, step_program
 from pallas_kernels import lowering_cache
 
 log = logging.getLogger("hcfjax.engine")
@@ -201,9 +201,10 @@ class ModelRunner:
     def _compile(self, pre: PrefillInputs | None, dec: DecodeInputs | None):
         """The step for these inputs' shapes (one part or the other), compiled ahead of time: fn(params, state, pre,
         dec)."""
+        xla = self.options.compiler_options(prefill=pre is not None)
         if self.plan is None:
             args = (self.params, self.cfg, self.state, pre, dec, self.spec, self.options)
-            compile_now = lambda: _compiled(jitted_step, *args)  # noqa: E731
+            compile_now = lambda: _compiled(step_program(xla), *args)  # noqa: E731
             if self.disk is None:
                 return compile_now()
             key = step_key(("step", self.cfg, self.spec, self.options), (self.params, self.state, pre, dec))
