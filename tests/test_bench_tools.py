@@ -328,3 +328,15 @@ def test_gpu_gaps_from_trace_planes():
     assert gpu_gaps([NS(name="/host:CPU", lines=[])]) == (0.0, {})
     # the same records counted per call: 5 kernels over 2 calls, one 10 us copy
     assert record_counts([gpu], reps=2) == pytest.approx({"kernels": 2.5, "copies": 0.5, "copy_s": 5e-6})
+
+
+def test_layer_scan_bench_runs_every_program(capsys):
+    """The layer-scan bench compiles and times each GEMM choice and the unrolled loop, and they compute the same."""
+    from hcfjax.bench import layer_scan
+
+    layer_scan.main(["--layers", "2", "--rows", "4"])
+    rows = [
+        line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and " s | " in line
+    ]
+    assert [r[0][2:] for r in rows] == list(layer_scan.VARIANTS)
+    assert all(float(r[-1].rstrip(" |")) < 0.05 for r in rows)
