@@ -1,5 +1,5 @@
 """How the model runs, as opposed to what it computes: kernel or reference per op, the kernels' variants, the EP
-exchange and the shape of the decode loop.
+exchange, the shape of the decode loop and the library behind XLA's own products.
 
 One frozen, hashable object is passed down explicitly to every traced function that branches on it, so it is part
 of every jit cache key (a static argument). Library code never reads the environment; the CLI builds Options from
