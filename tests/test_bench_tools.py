@@ -340,3 +340,28 @@ def test_layer_scan_bench_runs_every_program(capsys):
     ]
     assert [r[0][2:] for r in rows] == list(layer_scan.VARIANTS)
     assert all(float(r[-1].rstrip(" |")) < 0.05 for r in rows)
+
+
+def test_records_summary_per_kernel_and_gaps(tmp_path, capsys):
+    """bench.records: launches and busy time per name and step, each gap charged to the launch after it, and the
+    host's long gaps between steps apart."""
+    from hcfjax.bench import records
+
+    path = tmp_path / "rec.tsv"
+    step = [("a", 0.0, 10.0), ("memcpy128", 12.0, 2.0), ("a", 15.0, 10.0), ("b", 25.0, 5.0)]  # gaps 2 and 1 us
+    rows = step + [(n, s + 1000.0, d) for n, s, d in step]  # 970 us of host between the steps
+    path.write_text("".join(f"{n}\t{s}\t{d}\n" for n, s, d in reversed(rows)))
+    per, between = records.summarise(records.read_records(str(path)), max_gap_us=50)
+    assert {n: (e.count, e.busy_us, e.gap_us) for n, e in per.items()} == {
+        "a": (4, 40.0, 2.0),
+        "memcpy128": (2, 4.0, 4.0),
+        "b": (2, 10.0, 0.0),
+    }
+    assert between == 970.0
+    records.main([str(path), "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "per step: 4 launches, 0.027 ms busy, 0.003 ms of gaps between them; 0.485 ms idle" in out
+    assert "| a | 2.0 | 20.0 | 74.1% | 1.0 |" in out
+    path.write_text("a 1 2\n")
+    with pytest.raises(ValueError, match="rec.tsv:1: expected name, start and duration"):
+        records.read_records(str(path))
