@@ -147,7 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--offline", action="store_true", help="also generate's offline decode at each batch")
     ap.add_argument(
         "--records",
-        help="with --profile: write the profiled steps' GPU records to this file ('{batch}' in it: one file per batch)",
+        help="with --profile: write the profiled steps' GPU records to this file ('{batch}' in it: one file per batch; "
+        "`python -m hcfjax.bench.records FILE --steps N` sums them per kernel)",
     )
     args = ap.parse_args(argv)
 
