@@ -162,20 +162,28 @@ def gpu_gaps(planes, reps: int = 1, min_us: float = 5.0) -> tuple[float, dict[tu
     with no kernel, copy or memset running (on any stream), and the gaps of at least `min_us` summed per call by
     the records either side of them ((last before, first after) -> seconds): a launch gap inside a program sits
     between two of its kernels, a wait for the host between one call's last kernel and the next call's first."""
-    spans = sorted((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in busiest_gpu_events(planes))
-    if not spans:
-        return 0.0, {}
+    spans = [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in busiest_gpu_events(planes)]
     idle, by_pair = 0.0, {}
+    for gap_ns, last, name in idle_gaps(spans):
+        gap = gap_ns * 1e-9
+        idle += gap
+        if gap >= min_us * 1e-6:
+            by_pair[(last, name)] = by_pair.get((last, name), 0.0) + gap / reps
+    return idle / reps, by_pair
+
+
+def idle_gaps(spans):
+    """(start, stop, name) records (any order, any one time unit) -> (gap, the record that ended last before it,
+    the record after it) for each stretch in which none of them runs, in time order."""
+    spans = sorted(spans)
+    if not spans:
+        return
     end, last = spans[0][1], spans[0][2]
     for start, stop, name in spans[1:]:
         if start > end:
-            gap = (start - end) * 1e-9
-            idle += gap
-            if gap >= min_us * 1e-6:
-                by_pair[(last, name)] = by_pair.get((last, name), 0.0) + gap / reps
+            yield start - end, last, name
         if stop >= end:
             end, last = stop, name
-    return idle / reps, by_pair
 
 
 def longest(kernels: dict[str, float], n: int = 8) -> str:

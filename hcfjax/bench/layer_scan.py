@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcfjax.bench.common import header
+from hcfjax.bench.common import header, timed
 
 VARIANTS = {  # name: (compiler options, scan unroll)
     "XLA default (Triton GEMM fusions)": ((), 1),
@@ -39,16 +39,6 @@ def layer_stack(x, wq, wo, wi, unroll):
         return x + h * 0.5 + g[:, : x.shape[1]].astype(x.dtype) * 1e-4, None
 
     return jax.lax.scan(layer, x, (wq, wo, wi), unroll=unroll)[0]
-
-
-def seconds(fn, *args, reps: int = 30) -> float:
-    """Median wall time of fn(*args) over reps calls, each waited for."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def main(argv=None) -> None:
@@ -75,7 +65,7 @@ def main(argv=None) -> None:
         hlo = compiled.as_text()
         out = np.asarray(compiled(x, wq, wo, wi), np.float32)
         ref = out if ref is None else ref
-        t = seconds(compiled, x, wq, wo, wi)
+        t = timed(compiled, x, wq, wo, wi, reps=30)
         print(
             f"| {name} | {took:.1f} s | {t * 1e6:,.1f} us | {nbytes / t / 1e12:.2f} TB/s | {hlo.count('fusion-start')} "
             f"| {hlo.count('calls=%dynamic-slice-fusion')} | {np.max(np.abs(out - ref)):.3g} |",

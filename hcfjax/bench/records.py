@@ -14,6 +14,8 @@ import argparse
 import collections
 import dataclasses
 
+from hcfjax.bench.common import idle_gaps
+
 
 @dataclasses.dataclass
 class Launches:
@@ -37,18 +39,15 @@ def read_records(path: str) -> list[tuple[str, float, float]]:
 def summarise(rows, max_gap_us: float = 50.0) -> tuple[dict[str, Launches], float]:
     """-> (Launches per name, the idle microseconds in gaps longer than max_gap_us)."""
     per: dict[str, Launches] = collections.defaultdict(Launches)
-    between, end = 0.0, None
-    for name, start, dur in rows:
-        entry = per[name]
-        entry.count += 1
-        entry.busy_us += dur
-        if end is not None and start > end:
-            gap = start - end
-            if gap > max_gap_us:
-                between += gap
-            else:
-                entry.gap_us += gap
-        end = start + dur if end is None else max(end, start + dur)
+    for name, _, dur in rows:
+        per[name].count += 1
+        per[name].busy_us += dur
+    between = 0.0
+    for gap, _, name in idle_gaps((start, start + dur, name) for name, start, dur in rows):
+        if gap > max_gap_us:
+            between += gap
+        else:
+            per[name].gap_us += gap
     return dict(per), between
 
 
