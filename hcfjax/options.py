@@ -117,11 +117,16 @@ class Options:
             return "fused" if on_gpu() else "blocked"
         return self.prefill_attention
 
+    def xla_gemm_mode(self, prefill: bool = False) -> str:
+        """xla_gemm resolved for a program with a prefill part or decode only: 'cublas', or 'default' (XLA's own
+        choice: Triton GEMM fusions on GPUs; always, on other backends)."""
+        cublas = self.xla_gemm == "cublas" or (self.xla_gemm == "auto" and not prefill)
+        return "cublas" if cublas and on_gpu() else "default"
+
     def compiler_options(self, prefill: bool = False) -> tuple[tuple[str, object], ...]:
         """XLA compiler options for a program run with these options, with a prefill part or decode only
-        (jax.jit's compiler_options, as sorted items so that they can key a cache); none on other backends."""
-        cublas = self.xla_gemm == "cublas" or (self.xla_gemm == "auto" and not prefill)
-        return (("xla_gpu_enable_triton_gemm", False),) if cublas and on_gpu() else ()
+        (jax.jit's compiler_options, as sorted items so that they can key a cache)."""
+        return (("xla_gpu_enable_triton_gemm", False),) if self.xla_gemm_mode(prefill) == "cublas" else ()
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

@@ -342,6 +342,7 @@ def test_xla_gemm_compiler_options(monkeypatch):
     from hcfjax.options import Options
 
     assert Options(xla_gemm="cublas").compiler_options() == Options().compiler_options() == ()
+    assert Options(xla_gemm="cublas").xla_gemm_mode() == "default"
     monkeypatch.setattr(options, "on_gpu", lambda: True)
     cublas = (("xla_gpu_enable_triton_gemm", False),)
     got = {
@@ -349,6 +350,7 @@ def test_xla_gemm_compiler_options(monkeypatch):
         for g in ("auto", "cublas", "triton")
     }
     assert got == {"auto": (cublas, ()), "cublas": (cublas, cublas), "triton": ((), ())}
+    assert [Options().xla_gemm_mode(), Options().xla_gemm_mode(prefill=True)] == ["cublas", "default"]
     with pytest.raises(ValueError, match="xla_gemm"):
         Options(xla_gemm="cutlass")
 

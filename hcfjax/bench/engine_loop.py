@@ -170,10 +170,9 @@ def main(argv=None) -> None:
     print(f"[{compiled} decode programs compiled in {time.perf_counter() - t0:.0f} s]", flush=True)
     timings = Timings(engine)
     print(f"## `python -m hcfjax.bench.engine_loop` (preset {args.preset}, random weights, {args.scheme or 'bf16'})")
-    gemm = "cuBLAS" if config.options.compiler_options() else "XLA default (Triton)"
     print(
         f"\n{header()}; context {args.context}; {config.max_slots} slots; {args.steps} iterations timed; "
-        f"XLA's products in decode: {gemm}\n"
+        f"XLA's products (Options.xla_gemm) in decode: {config.options.xla_gemm_mode()}\n"
     )
     print(
         "| batch | engine loop (ms / step) | GPU kernels / wall | plan | dispatch | wait for tokens | process | "

@@ -114,8 +114,8 @@ def run(args) -> str:
         + (f"{kernels}; " if "Pallas" in kernels else "")
         + f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
         f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}, "
-        f"XLA's products in decode: {'cuBLAS' if opts.compiler_options() else 'XLA default (Triton)'}, "
-        f"in prefill: {'cuBLAS' if opts.compiler_options(prefill=True) else 'XLA default (Triton)'}.",
+        f"XLA's products (Options.xla_gemm) in decode: {opts.xla_gemm_mode()}, in prefill: "
+        f"{opts.xla_gemm_mode(prefill=True)}.",
         "",
         ceilings_line(torch_bw, xla_bw, flops),
         "",
