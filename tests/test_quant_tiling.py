@@ -102,6 +102,18 @@ def test_default_tilings_fit_the_sm(act):
     assert block_widths(Tiling(80, 128, 2)) == (80,)
 
 
+def test_fused_kernel_takes_one_block_where_the_mean_fits():
+    """At 64 rows per expert (V3's gate/up shape) the fused kernel takes each expert's rows in one 80-row block, the
+    few experts past 72 rows a second, narrow one, where blocks sized for the spread (48 rows) took two per expert;
+    the single-weight kernel (128 weight rows per CTA: half the CTAs) keeps them, and so do more rows per expert."""
+    from pallas_kernels.moe_int4_tiling import default_tiling
+
+    for e in (8, 32, 256):
+        assert default_tiling("int8", 64 * e, 2048, 56, e, nw=2).bm == 80
+        assert default_tiling("int8", 64 * e, 2048, 56, e, nw=1).bm == 48
+    assert default_tiling("int8", 80 * 8, 2048, 56, 8, nw=2).bm == 64  # 80 + 8 rows: two blocks of the spread's size
+
+
 def test_w4a8_unpacks_a_step_first_only_where_registers_allow():
     """A w4a8 step unpacks all its tiles before its wgmmas (so ptxas need not serialise them) only where every A
     operand fits beside the accumulators: the fused decode kernel at 16 experts x 128 rows (bm = 16) does, at 8
