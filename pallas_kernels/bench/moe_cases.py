@@ -18,7 +18,8 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
     kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per SM);
     otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or with
-    the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM). Then the
+    the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM); 80-row
+    blocks (both kernels: one block per expert where the default's spread margin takes two). Then the
     default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each tile unpacked
     just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other choice of
     Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one compute
@@ -35,6 +36,11 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
         alts += [dict(bn=64), dict(bn=256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64), dict(bm=48)] if nw == 1 else []
+        # one block per expert up to 72 rows: the most the registers allow a CTA of 128 rows of one weight, or of 64
+        # rows of both (one compute warpgroup, or two sharing the token tile)
+        alts += [dict(bm=80)] if nw == 1 else [dict(bm=80, bn=64, wgs=1), dict(bm=80, bn=64), dict(bm=48, bn=64)]
+        if nw == 1 and act == "int8":  # two compute warpgroups of 64 weight rows each, one block per expert
+            alts += [dict(bm=80, bn=64, wgs=2), dict(bm=96, bn=64, wgs=2)]
         if act == "int8":  # the other choice of compute warpgroups per CTA (one, or two sharing each token tile)
             alts += [dict(wgs=1)] if d.wgs > 1 else [dict(wgs=2, bn=d.bn)] if n % (2 * d.bn) == 0 else []
     out = [default_tiling(act, m, n, kg, e, nw, **a) for a in alts if n % a.get("bn", 64) == 0]

@@ -3,7 +3,9 @@ dependency of the project).
 
 - `torch._grouped_mm`: bf16 x bf16 (CUTLASS), the weights as the bench draws them;
 - `torch._scaled_grouped_mm`: fp8 e4m3 x fp8 e4m3 with a scale per token row and per expert output column (row-wise
-  scaling, CUTLASS), the tokens and weights quantised beforehand (as the "x quantised by the caller" kernel rows).
+  scaling, CUTLASS), the tokens and weights quantised beforehand (as the "x quantised by the caller" kernel rows);
+- the same fp8 product for gate and up at once (each expert's two weights side by side, [K, 2N]: one launch, as a
+  user would run it) and SiLU(gate) * up: the peer of the fused gate/up kernel rows.
 
 Each expert's rows are padded to a multiple of ALIGN (the fp8 kernel's group alignment; the bf16 one gets the same
 layout), the padding counted in neither bytes nor FLOPs. Each peer is checked against the f32 product of the same
@@ -65,13 +67,13 @@ def peer_rows(x, w, gs, timed, kernel_timer=None, need_cuda: bool = True) -> lis
     wait = lambda _: sync()  # noqa: E731
     out = []
 
-    def row(name, fn, nbytes, int8, tol):
-        r = dict(name=name, nbytes=nbytes, int8=int8, mult=1)
+    def row(name, fn, nbytes, int8, tol, want=ref, mult=1):
+        r = dict(name=name, nbytes=nbytes, int8=int8, mult=mult)
         try:
             y = fn()
             sync()
-            d = (y.float() - ref)[index >= 0]
-            real = ref[index >= 0]
+            d = (y.float() - want)[index >= 0]
+            real = want[index >= 0]
             r["check"] = c = dict(
                 max_rel=float(d.abs().max() / real.abs().max()),
                 rel=float(d.norm() / real.norm()),
@@ -99,6 +101,19 @@ def peer_rows(x, w, gs, timed, kernel_timer=None, need_cuda: bool = True) -> lis
     nbytes = touched * (k * n + n * 4)
     row(f"torch _scaled_grouped_mm fp8 row-wise (peer, x quantised by the caller, groups padded to {ALIGN})", fp8,
         nbytes, True, FP8_TOL)  # fmt: skip
+    if k <= n:  # a down shape: no gate/up
+        return out
+    # gate and up: the bench's weight twice, side by side (the fused kernel rows' second weight has the same size)
+    wq2 = torch.cat([wq, wq], -1).transpose(-2, -1).contiguous().transpose(-2, -1)
+    sw2 = torch.cat([sw, sw], -1).contiguous()
+
+    def fp8_gated():
+        y = torch._scaled_grouped_mm(aq, wq2, sa, sw2, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+
+    gated_ref = torch.nn.functional.silu(ref) * ref
+    row(f"torch _scaled_grouped_mm fp8 gate|up in one product + SiLU (peer, groups padded to {ALIGN})", fp8_gated,
+        2 * nbytes, True, FP8_TOL, gated_ref, mult=2)  # fmt: skip
     return out
 
 
