@@ -26,7 +26,8 @@ class StepStats:
     step: wraps engine.runner.dispatch and engine._process (the engine itself is unchanged; hcfjax.bench.sim_validate
     observes it the same way). A step's time runs from the later of its dispatch and the previous step's end to its
     tokens' arrival on the host: the GPU's time on it while the engine keeps the GPU fed (it dispatches step n + 1
-    before it waits for step n)."""
+    before it waits for step n). A step whose requests had all finished before its tokens came (the one dispatched
+    beside a request's last, which the engine drops) is not counted: it runs after the clients' wall time."""
 
     KINDS = ("decode", "mixed", "prefill")  # decode rows only, prefill chunks and decode rows, prefill chunks only
 
@@ -51,11 +52,13 @@ class StepStats:
         def processed(d):
             jax.block_until_ready([x for x in (d.first, d.nxt) if x is not None])
             done = time.perf_counter()
+            live = any(not c.req.done for c in d.plan.chunks) or any(not req.done for req, *_ in d.decode_rows)
             if in_flight:
                 kind, tokens, sent = in_flight.popleft()
-                self.seconds[kind] += done - max(sent, self._last_done)
-                self.count[kind] += 1
-                self.prefill_tokens[kind] += tokens
+                if live:
+                    self.seconds[kind] += done - max(sent, self._last_done)
+                    self.count[kind] += 1
+                    self.prefill_tokens[kind] += tokens
             self._last_done = done
             return process(d)
 
