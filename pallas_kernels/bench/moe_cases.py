@@ -17,15 +17,14 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
     decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
     kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per SM);
-    otherwise (nw = 1 only): 64 weight rows with larger token blocks (the other side of the registers' trade) or with
-    the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM); 80-row
-    blocks (both kernels: one block per expert where the default's spread margin takes two). Then the
-    default tiling with A through smem (nw = 1: what the registers path gains) and, for w4a8, with each tile unpacked
-    just before its wgmmas (what unpacking a step's tiles first gains), in prefill with the other choice of
-    Tiling.narrow (a group's last block at the narrowest width that holds its rows) and of Tiling.wgs (one compute
-    warpgroup per CTA, or two sharing each token tile). (Persistent CTAs were slower in every regime timed;
-    docs/kernels.md
-    says more.)"""
+    otherwise, for one weight: 64 weight rows with larger token blocks (the other side of the registers' trade) or
+    with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM);
+    for both kernels 80-row blocks (one block per expert up to 72 rows), for w4a8 also on two compute warpgroups of
+    64 rows, and the fused kernel's 48-row blocks. Then the default tiling with A through smem (nw = 1: what the
+    registers path gains) and, for w4a8, with each tile unpacked just before its wgmmas (what unpacking a step's
+    tiles first gains), in prefill with the other choice of Tiling.narrow (a group's last block at the narrowest width
+    that holds its rows) and of Tiling.wgs (one compute warpgroup per CTA, or two sharing each token tile).
+    (Persistent CTAs were slower in every regime timed; docs/kernels.md says more.)"""
     import dataclasses
 
     from pallas_kernels.moe_int4_tiling import default_tiling
