@@ -87,12 +87,12 @@ def peer_rows(x, w, gs, timed, kernel_timer=None, need_cuda: bool = True) -> lis
             r["error"] = f"{type(ex).__name__}: {str(ex)[:600]}"
         out.append(r)
 
-    w_cm = wt.transpose(-2, -1).contiguous().transpose(-2, -1)  # [E, K, N], K contiguous (column-major per expert)
+    w_cm = column_major(wt)
     bf16 = lambda: torch._grouped_mm(a, w_cm, offs=offs)  # noqa: E731
     row(f"torch _grouped_mm bf16 (peer, groups padded to {ALIGN})", bf16, touched * k * n * 2, False, 1e-2)
     aq, sa = fp8_rowwise(a, -1)
-    wq, sw = fp8_rowwise(wt, 1)  # per expert and output column
-    wq = wq.transpose(-2, -1).contiguous().transpose(-2, -1)
+    wq_rows, sw = fp8_rowwise(wt, 1)  # per expert and output column
+    wq = column_major(wq_rows)
     sw = sw.contiguous()
 
     def fp8():
@@ -104,7 +104,7 @@ def peer_rows(x, w, gs, timed, kernel_timer=None, need_cuda: bool = True) -> lis
     if k <= n:  # a down shape: no gate/up
         return out
     # gate and up: the bench's weight twice, side by side (the fused kernel rows' second weight has the same size)
-    wq2 = torch.cat([wq, wq], -1).transpose(-2, -1).contiguous().transpose(-2, -1)
+    wq2 = column_major(torch.cat([wq_rows.view(torch.uint8)] * 2, -1).view(wq_rows.dtype))  # (bytes: cat of e4m3)
     sw2 = torch.cat([sw, sw], -1).contiguous()
 
     def fp8_gated():
@@ -115,6 +115,11 @@ def peer_rows(x, w, gs, timed, kernel_timer=None, need_cuda: bool = True) -> lis
     row(f"torch _scaled_grouped_mm fp8 gate|up in one product + SiLU (peer, groups padded to {ALIGN})", fp8_gated,
         2 * nbytes, True, FP8_TOL, gated_ref, mult=2)  # fmt: skip
     return out
+
+
+def column_major(w):
+    """w [E, K, N] with K contiguous (column-major per expert), the layout the grouped GEMMs take."""
+    return w.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def _reference(a, w, ends):
