@@ -207,11 +207,11 @@ def default_tiling(
       its expert's weights again). Otherwise the smallest multiple of 16 that fits an expert's rows with two standard
       deviations of uniform routing's spread (Poisson) and the 8-row alignment in as few blocks as the register
       budget (REGS) allows: power-of-two blocks wasted up to half the MMAs (128 +- 11 rows took two 128-row blocks).
-      Except the fused kernel where an average expert's rows fit the largest block: one block of that size, the
-      experts with more rows taking a second, narrow one (Tiling.narrow), where two blocks sized for the spread
-      streamed every expert's weights twice (H200, V3's gate/up shape, 8 experts x 512 rows, kernel time: bm = 48
-      96.4 us, bm = 80 with two compute warpgroups 65.5, with one 64.7; the single-weight kernel at bn = 128 has
-      half the CTAs and was slower there).
+      Except the fused w4a8 kernel where an average expert's rows fit the largest block: one block of that size on
+      one compute warpgroup, the experts with more rows taking a second, narrow one (Tiling.narrow), where two
+      blocks sized for the spread streamed every expert's weights twice (H200, V3's gate/up shape, 8 experts x 512
+      rows, kernel time: bm = 48 96.4 us; bm = 80 64.7 us, 65.5 on two compute warpgroups; the single-weight kernel
+      at bn = 128 has half the CTAs and was slower there).
     - bn: 128 (two wgmma M tiles share each token tile: half the token bytes per MMA) unless the registers would
       then force token blocks below 64 rows.
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
@@ -248,8 +248,8 @@ def default_tiling(
             bn_ = BN
         nb = math.ceil(need / cap(bn_))
         bm = min(cap(bn_), -(-math.ceil(need / nb) // 16) * 16)
-        if nw == 2 and nb > 1 and mu + ROW_ALIGN <= cap(bn_):  # the mean fits one block: see the docstring
-            bm = cap(bn_)
+        if act == "int8" and nw == 2 and nb > 1 and mu + ROW_ALIGN <= cap(bn_):  # the mean fits one block (below)
+            bm, auto_wgs = cap(bn_), False
     if gps is None:
         gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
     if auto_wgs and act == "int8" and nw == 2 and bm >= 80 and k_groups >= 32 and n % (2 * bn_) == 0:
