@@ -19,6 +19,7 @@ EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
 PREFILL_ATTENTION = ("auto", "fused", "blocked")
 XLA_GEMMS = ("auto", "cublas", "triton")
+CUBLAS_GEMMS = (("xla_gpu_enable_triton_gemm", False),)  # the compiler options that put XLA's products on cuBLAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Options:
     def compiler_options(self, prefill: bool = False) -> tuple[tuple[str, object], ...]:
         """XLA compiler options for a program run with these options, with a prefill part or decode only
         (jax.jit's compiler_options, as sorted items so that they can key a cache)."""
-        return (("xla_gpu_enable_triton_gemm", False),) if self.xla_gemm_mode(prefill) == "cublas" else ()
+        return CUBLAS_GEMMS if self.xla_gemm_mode(prefill) == "cublas" else ()
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax.bench.common import header, timed
+from hcfjax.options import CUBLAS_GEMMS
 
 VARIANTS = {  # name: (compiler options, scan unroll)
     "XLA default (Triton GEMM fusions)": ((), 1),
-    "cuBLAS (xla_gpu_enable_triton_gemm=false)": ((("xla_gpu_enable_triton_gemm", False),), 1),
+    "cuBLAS (xla_gpu_enable_triton_gemm=false)": (CUBLAS_GEMMS, 1),
     "layers unrolled": ((), True),
 }
 
