@@ -225,6 +225,9 @@ def mla_decode(
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     heads = -(-h // BLOCK) * BLOCK
+    # Fewer heads than one tile (V2-Lite's 16): the kernel loads and stores only those rows, so nothing is padded
+    # here or sliced after (KernelSpec.q_heads); other counts are padded to whole tiles.
+    q_heads = h if h < BLOCK and h % 8 == 0 else 0
     if f16 is None:
         f16 = quant and not qk8
     qs = None
@@ -232,9 +235,10 @@ def mla_decode(
         qn, qp, qs = quantize_queries(q_nope, q_pe)
     else:  # (no-ops for bf16 queries; with f16 the kernel converts them)
         qn, qp = q_nope.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)
-    if heads != h:
+    if heads != h and not q_heads:
         qn = jnp.pad(qn, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
+    if heads != h:  # (the qk8 scales always: the kernel reads a tile's row vector)
         qs = None if qs is None else jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, heads - h)))
     if plan is None:
         plan = mla_plan(
@@ -271,12 +275,14 @@ def mla_decode(
         qk8=qk8,
         f16=f16,
         profile=profile,
+        q_heads=q_heads,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
     if plan.mode == "direct":
         out, lse = outs
     elif plan.mode == "dense":
-        out, lse = combine_dense(*outs, plan.count, plan.max_units)
+        o_part, lse_part = outs
+        out, lse = combine_dense(o_part, lse_part[..., : spec.io_heads], plan.count, plan.max_units)
     else:
         out, lse = combine(spec, *outs, plan.first, plan.count, plan.max_units)
     out = out[:, :, :h].astype(q_nope.dtype)

@@ -324,12 +324,13 @@ def _kernel(spec: KernelSpec, *refs):
 
 
 def _out_type(spec: KernelSpec) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The kernel's outputs: (out, lse) for the rows it finishes, then (partial, lse) for split rows' slots."""
+    """The kernel's outputs: (out, lse) for the rows it finishes, then (partial, lse) for split rows' slots (outputs
+    of spec.io_heads heads, lse of spec.heads)."""
     out_type = []
     for rows in (spec.batch, spec.slots):
         if rows:
             out_type += [
-                jax.ShapeDtypeStruct((rows, spec.t, spec.heads, spec.c), jnp.bfloat16),
+                jax.ShapeDtypeStruct((rows, spec.t, spec.io_heads, spec.c), jnp.bfloat16),
                 jax.ShapeDtypeStruct((rows, spec.t, spec.heads), jnp.float32),
             ]
     return tuple(out_type)

@@ -116,11 +116,15 @@ class Cta:
 
         q_bar = self.bars["q"]
         if issue:
-            heads = pl.ds(self.h0, BLOCK)
-            plgpu.copy_gmem_to_smem(self.ins["q_nope"].at[self.b, self.t, heads], self.q_in[0], q_bar.at[0])
-            plgpu.copy_gmem_to_smem(self.ins["q_pe"].at[self.b, self.t, heads], self.q_in[1], q_bar.at[0])
-            if self.spec.qk8:
-                plgpu.copy_gmem_to_smem(self.ins["qs"].at[self.b, self.t, :, heads], self.qs, q_bar.at[0])
+            rows = self.spec.tile_rows  # (with q_heads, the tile's other rows are never stored: KernelSpec)
+            heads = pl.ds(self.h0, rows)
+            for name, dst in zip(("q_nope", "q_pe"), self.q_in, strict=True):
+                dst = dst if rows == BLOCK else dst.at[pl.ds(0, rows)]
+                plgpu.copy_gmem_to_smem(self.ins[name].at[self.b, self.t, heads], dst, q_bar.at[0])
+            if self.spec.qk8:  # (the scales are padded to whole tiles)
+                plgpu.copy_gmem_to_smem(
+                    self.ins["qs"].at[self.b, self.t, :, pl.ds(self.h0, BLOCK)], self.qs, q_bar.at[0]
+                )
         plgpu.barrier_wait(q_bar.at[0])
         if self.spec.f16:  # bf16 -> fp16 in place, a [64, 64] tile at a time (all of it read, then written)
             for src, dst, shift in zip(self.q_in, self.q, (1.0, ROPE_SHIFT), strict=True):
@@ -135,10 +139,11 @@ class Cta:
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        half = self.spec.c // 2
-        heads, cols = pl.ds(self.h0, BLOCK), pl.ds(w * half, half)
+        half, rows = self.spec.c // 2, self.spec.tile_rows
+        heads, cols = pl.ds(self.h0, rows), pl.ds(w * half, half)
         o_half = self.o_smem.at[w]
         o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
+        o_rows = o_half if rows == BLOCK else o_half.at[pl.ds(0, rows)]
         if lse is not None:
             self.rows.at[3][...] = lse
         plgpu.commit_smem()
@@ -151,9 +156,9 @@ class Cta:
 
             @pl.when(on)
             def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
-                plgpu.copy_smem_to_gmem(o_half, o_ref.at[idx, self.t, heads, cols])
+                plgpu.copy_smem_to_gmem(o_rows, o_ref.at[idx, self.t, heads, cols])
                 if lse is not None:
-                    plgpu.copy_smem_to_gmem(self.rows.at[3], l_ref.at[idx, self.t, heads])
+                    plgpu.copy_smem_to_gmem(self.rows.at[3], l_ref.at[idx, self.t, pl.ds(self.h0, BLOCK)])
 
         plgpu.wait_smem_to_gmem(0)
 

@@ -84,6 +84,12 @@ class KernelSpec:
     f16: bool = False
     # Mosaic GPU's in-kernel profiler: "DIR[:RANGES]" (`profile_params`), or "" for none (bench.timeline)
     profile: str = ""
+    # Heads of q and of the outputs where they are fewer than one 64-row tile (a multiple of 8; 0: `heads`): the CTA
+    # loads Q into the first q_heads rows of its tile and stores only those rows, so the wrapper pads nothing and
+    # slices nothing (V2-Lite's 16 heads). The other rows hold whatever smem held; a row of S, P and O depends only
+    # on its own row of Q, so they never reach the stored rows. The lse outputs keep `heads` rows (a tile's row
+    # vector).
+    q_heads: int = 0
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -96,6 +102,18 @@ class KernelSpec:
             raise ValueError("f16 needs an int8 cache")
         if self.f16 and self.qk8:  # (qk8's queries are int8; its latent measured slower in fp16)
             raise ValueError("f16 and qk8 do not go together")
+        if self.q_heads and not (self.heads == BLOCK and 0 < self.q_heads < BLOCK and self.q_heads % 8 == 0):
+            raise ValueError(f"q_heads must be a multiple of 8 below {BLOCK} with one head tile, got {self.q_heads}")
+
+    @property
+    def io_heads(self) -> int:
+        """Heads of q and of the outputs' rows."""
+        return self.q_heads or self.heads
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of a head tile that are loaded and stored."""
+        return self.q_heads or BLOCK
 
     def register_split(self) -> tuple[int, int, int]:
         return self.registers or REGISTERS[(self.quant, self.qk8)]

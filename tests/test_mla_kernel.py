@@ -431,16 +431,20 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor,qk8,pair",
+    "b,ctx,dtype,layer,minor,qk8,pair,h",
     [
-        (128, 4096, "bf16", False, False, False, None),
-        (4, 4096, "int8", True, True, False, None),
-        (2, 256, "int8", True, False, False, None),
-        (32, 4096, "bf16", False, False, False, False),
-        (128, 4096, "int8", False, False, True, None),  # int8 Q.K: int8 Q in smem, three int32 accumulators
+        (128, 4096, "bf16", False, False, False, None, 128),
+        (4, 4096, "int8", True, True, False, None, 128),
+        (2, 256, "int8", True, False, False, None, 128),
+        (32, 4096, "bf16", False, False, False, False, 128),
+        (128, 4096, "int8", False, False, True, None, 128),  # int8 Q.K: int8 Q in smem, three int32 accumulators
+        # V2-Lite's 16 heads at the engine's batch (the sparse merge): Q and the outputs as 16 of a tile's rows
+        # (KernelSpec.q_heads), in the kernel and in the combine kernel
+        (64, 2048, "int8", True, False, False, None, 16),
+        (64, 2048, "int8", False, False, True, None, 16),
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, monkeypatch):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, monkeypatch):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
     # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
     # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
@@ -468,7 +472,7 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, monkey
     lead = (2,) if layer else ()
     kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     sc = None if dtype == "bf16" else S(lead + ((b * n, 2, page) if minor else (b * n, page, 2)), jnp.float32)
-    qn, qp = S((b, 1, 128, c), jnp.bfloat16), S((b, 1, 128, R), jnp.bfloat16)
+    qn, qp = S((b, 1, h, c), jnp.bfloat16), S((b, 1, h, R), jnp.bfloat16)
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
@@ -476,7 +480,7 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, monkey
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
     assert "mosaic_gpu" in text
-    assert ("cluster_block_id" in text) == (pair is None)
+    assert ("cluster_block_id" in text) == (pair is None and h == 128)
     want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
     want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
     want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else set()
