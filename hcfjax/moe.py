@@ -76,8 +76,8 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
     flat = ids.reshape(-1)  # [N*K]
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-    order = by_expert(flat, group_sizes)
+    group_sizes = expert_counts(flat, num_experts)  # [E]
+    order, pos = by_expert(flat, num_experts)
     token = order // k  # source token of each sorted copy
     xs = x[token]  # [N*K, D]
     x_q = None
@@ -91,27 +91,36 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     else:
         h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, opts=opts)  # silu(xs gate) * (xs up) [N*K, F]
         y = ragged_dot(h, p["down"], group_sizes, opts=opts)  # [N*K, D]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+    # Each token's K copies gathered back from their sorted rows and summed with the routing weights: one fusion,
+    # where a scatter-add into zeros is three kernels (zeros, the weights' gather, the scatter).
+    copies = y[pos].reshape(n, k, -1).astype(jnp.float32)
+    return (copies * weights[..., None]).sum(1).astype(x.dtype)
 
 
-COUNTING_SORT_MAX = 1 << 21  # copies x experts up to which by_expert ranks by a one-hot prefix sum
+def expert_counts(flat: jax.Array, num_experts: int) -> jax.Array:
+    """Copies routed to each expert [E] int32 (ids past the last expert, an EP plan's padding, are not counted): a
+    one-hot sum, one reduction, where `jnp.bincount` is a scatter-add into zeros (two kernels)."""
+    return (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)).sum(0, dtype=jnp.int32)
 
 
-def by_expert(flat: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The copies' indices [N*K] in the order of their experts, stable, ids past the last expert (an EP plan's
-    padding rows) last: `argsort(flat, stable=True)` where those ids are equal. For a decode step's few copies it
-    is a counting sort (each copy's rank among its expert's from a one-hot prefix sum, placed after the experts
-    before it): a fusion or two, where a GPU sort is several kernels of tens of microseconds per layer."""
-    m, e = flat.shape[0], group_sizes.shape[0]
-    if m * (e + 1) > COUNTING_SORT_MAX:
-        return jnp.argsort(flat, stable=True)
-    key = jnp.minimum(flat, e)  # padding: one group after the experts
-    counts = jnp.concatenate([group_sizes, (m - group_sizes.sum(dtype=jnp.int32))[None]]).astype(jnp.int32)
-    onehot = (key[:, None] == jnp.arange(e + 1, dtype=key.dtype)).astype(jnp.int32)  # [M, E + 1]
-    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), key[:, None], axis=1)[:, 0] - 1
-    start = jnp.cumsum(counts) - counts  # first sorted position of each group
-    return jnp.zeros(m, jnp.int32).at[start[key] + rank].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
+PAIRWISE_SORT_MAX = 4096  # copies up to which by_expert ranks them pairwise
+
+
+def by_expert(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The copies [M] sorted by expert, stably, ids past the last expert (an EP plan's padding) last: (order [M], the
+    copy at each sorted position, which is `argsort(flat, stable=True)` where padding ids are equal; pos [M], each
+    copy's sorted position, its inverse). For a decode step's few copies each position is counted pairwise (copies
+    with a smaller id, or the same id and a smaller index: one [M, M] reduction) and inverted by one scatter, where a
+    GPU sort is several kernels of tens of microseconds per layer."""
+    m = flat.shape[0]
+    idx = jnp.arange(m, dtype=jnp.int32)
+    key = jnp.minimum(flat, num_experts)
+    if m <= PAIRWISE_SORT_MAX:
+        before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (idx[None, :] < idx[:, None]))
+        pos = before.sum(1, dtype=jnp.int32)
+        return jnp.zeros(m, jnp.int32).at[pos].set(idx, unique_indices=True), pos
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    return order, jnp.zeros(m, jnp.int32).at[order].set(idx, unique_indices=True)
 
 
 def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=False, opts: Options = DEFAULT):
