@@ -142,6 +142,17 @@ def _num_sms(num_sms):
     return num_sms if num_sms is not None else getattr(jax.devices()[0], "core_count", 132) or 132
 
 
+def head_tiles(h: int, t: int, qk8: bool = False) -> tuple[int, int, int]:
+    """How the kernel lays out h query heads of t tokens: (heads padded to whole 64-row tiles, q_heads, stack).
+    Fewer heads than a tile (V2-Lite's 16, a multiple of 8) are loaded and stored as they are (KernelSpec.q_heads),
+    and when the t tokens' heads fit one tile together they share it (KernelSpec.stack; not with qk8), so a row's
+    cache is read once for all its tokens."""
+    heads = -(-h // BLOCK) * BLOCK
+    q_heads = h if h < BLOCK and h % 8 == 0 else 0
+    stack = t if q_heads and t > 1 and t * q_heads <= BLOCK and not qk8 else 1
+    return heads, q_heads, stack
+
+
 def mla_plan(
     lengths,
     max_pages: int,
@@ -159,10 +170,10 @@ def mla_plan(
 
     Work units are cut by `split_schedule` (about one wave of `num_sms` SMs, at least `min_blocks_per_split` 64-token
     blocks per unit, or exactly `blocks_per_split`)."""
-    heads = -(-heads // BLOCK) * BLOCK
+    heads, _, stack = head_tiles(heads, t)  # (qk8's unstacked tokens run more CTAs over the same work list)
     vis = visible_keys(jnp.asarray(lengths).astype(jnp.int32), t, positions)
     max_blocks = max_pages * page_size // BLOCK_KV
-    q_tiles = t * (heads // BLOCK)
+    q_tiles = t // stack * (heads // BLOCK)
     return make_plan(vis, max_blocks, q_tiles, _num_sms(num_sms), min_blocks_per_split, blocks_per_split)
 
 
@@ -224,10 +235,9 @@ def mla_decode(
         # Index the whole cache in the kernel (page + layer * P) instead of slicing out a layer copy.
         pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
         kv_pages = kv_pages.reshape(-1, ps, c + r)
-    heads = -(-h // BLOCK) * BLOCK
-    # Fewer heads than one tile (V2-Lite's 16): the kernel loads and stores only those rows, so nothing is padded
-    # here or sliced after (KernelSpec.q_heads); other counts are padded to whole tiles.
-    q_heads = h if h < BLOCK and h % 8 == 0 else 0
+    # Fewer heads than one tile (V2-Lite's 16) are not padded here nor sliced after; other counts are padded to
+    # whole tiles (head_tiles).
+    heads, q_heads, stack = head_tiles(h, t, qk8)
     if f16 is None:
         f16 = quant and not qk8
     qs = None
@@ -276,15 +286,22 @@ def mla_decode(
         f16=f16,
         profile=profile,
         q_heads=q_heads,
+        stack=stack,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
+
+    def per_token(lse):  # [N, T', heads] -> [N, T, io_heads] (stacked tokens: one row of the kernel's lse holds all)
+        if stack == 1:
+            return lse[..., : spec.io_heads]
+        return lse[:, 0, : t * q_heads].reshape(lse.shape[0], t, q_heads)
+
     if plan.mode == "direct":
-        out, lse = outs
+        out, lse = outs[0], per_token(outs[1])
     elif plan.mode == "dense":
-        o_part, lse_part = outs
-        out, lse = combine_dense(o_part, lse_part[..., : spec.io_heads], plan.count, plan.max_units)
+        out, lse = combine_dense(outs[0], per_token(outs[1]), plan.count, plan.max_units)
     else:
         out, lse = combine(spec, *outs, plan.first, plan.count, plan.max_units)
+        lse = per_token(lse)
     out = out[:, :, :h].astype(q_nope.dtype)
     return (out, lse[:, :, :h]) if return_lse else out
 

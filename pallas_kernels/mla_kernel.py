@@ -294,8 +294,9 @@ def _kernel(spec: KernelSpec, *refs):
     work = ins["work"]
     # This CTA's work unit (mla_schedule): row b, blocks [blk0, blk0 + n_blk), where the output goes.
     b, blk0, n_blk, dest = work[0, unit], work[1, unit], work[2, unit], work[3, unit]
-    t = lax.div(qt, n_ht)
-    vis = ins["vis"][b, t]
+    t = lax.div(qt, n_ht) * spec.stack
+    vis_tokens = tuple(ins["vis"][b, t + k] for k in range(spec.stack))
+    vis = functools.reduce(jnp.maximum, vis_tokens)
     start = blk0 * BLOCK_KV
     n_steps = jnp.minimum(lax.div(jnp.maximum(vis - start, 0) + (BLOCK_KV - 1), BLOCK_KV), n_blk)
     ctx = Cta(
@@ -317,6 +318,7 @@ def _kernel(spec: KernelSpec, *refs):
         h0=lax.rem(qt, n_ht) * BLOCK,
         start=start,
         vis=vis,
+        vis_tokens=vis_tokens,
         n_steps=n_steps,
         dest=dest,
     )
@@ -325,13 +327,13 @@ def _kernel(spec: KernelSpec, *refs):
 
 def _out_type(spec: KernelSpec) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The kernel's outputs: (out, lse) for the rows it finishes, then (partial, lse) for split rows' slots (outputs
-    of spec.io_heads heads, lse of spec.heads)."""
+    of spec.io_heads heads, lse of spec.heads, the tokens stacked into one row with spec.stack)."""
     out_type = []
     for rows in (spec.batch, spec.slots):
         if rows:
             out_type += [
                 jax.ShapeDtypeStruct((rows, spec.t, spec.io_heads, spec.c), jnp.bfloat16),
-                jax.ShapeDtypeStruct((rows, spec.t, spec.heads), jnp.float32),
+                jax.ShapeDtypeStruct((rows, spec.lse_tokens, spec.heads), jnp.float32),
             ]
     return tuple(out_type)
 
@@ -344,7 +346,7 @@ def _launch_kernel(spec: KernelSpec):
         functools.partial(_kernel, spec),
         out_type=_out_type(spec),
         scratch_types=smem_types(spec),
-        grid=(spec.t * (spec.heads // BLOCK) // (2 if spec.pair else 1), spec.units),
+        grid=(spec.lse_tokens * (spec.heads // BLOCK) // (2 if spec.pair else 1), spec.units),
         grid_names=("qt", "unit"),
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=3,

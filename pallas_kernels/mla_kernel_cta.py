@@ -33,10 +33,11 @@ class Cta:
     scales: object  # [2, 2, 64] f32 int8 scales per slot, or None
     bars: dict
     b: object
-    t: object
+    t: object  # the CTA's (first) query token
     h0: object
     start: object
-    vis: object
+    vis: object  # keys visible to the CTA's queries (with stacked tokens, the most any of them sees)
+    vis_tokens: tuple  # with stacked tokens, each one's visible keys (spec.stack scalars)
     n_steps: object
     dest: object
 
@@ -108,7 +109,13 @@ class Cta:
 
         key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
         key = key + (self.start + i * BLOCK_KV)
-        return jnp.where(key < self.vis, s * (self.spec.sm_scale * LOG2E) if scaled else s, -jnp.inf)
+        limit = self.vis
+        if self.spec.stack > 1:  # each stacked token's rows at its own visible keys
+            row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+            limit = self.vis_tokens[0]
+            for k, vis in enumerate(self.vis_tokens[1:], 1):
+                limit = jnp.where(row >= k * self.spec.q_heads, vis, limit)
+        return jnp.where(key < limit, s * (self.spec.sm_scale * LOG2E) if scaled else s, -jnp.inf)
 
     def load_q(self, issue: bool):
         import jax.experimental.pallas as pl
@@ -118,9 +125,10 @@ class Cta:
         if issue:
             rows = self.spec.tile_rows  # (with q_heads, the tile's other rows are never stored: KernelSpec)
             heads = pl.ds(self.h0, rows)
-            for name, dst in zip(("q_nope", "q_pe"), self.q_in, strict=True):
-                dst = dst if rows == BLOCK else dst.at[pl.ds(0, rows)]
-                plgpu.copy_gmem_to_smem(self.ins[name].at[self.b, self.t, heads], dst, q_bar.at[0])
+            for k in range(self.spec.stack):  # (stacked tokens: token t + k in rows [k * rows, (k + 1) * rows))
+                for name, dst in zip(("q_nope", "q_pe"), self.q_in, strict=True):
+                    dst = dst if rows == BLOCK else dst.at[pl.ds(k * rows, rows)]
+                    plgpu.copy_gmem_to_smem(self.ins[name].at[self.b, self.t + k, heads], dst, q_bar.at[0])
             if self.spec.qk8:  # (the scales are padded to whole tiles)
                 plgpu.copy_gmem_to_smem(
                     self.ins["qs"].at[self.b, self.t, :, pl.ds(self.h0, BLOCK)], self.qs, q_bar.at[0]
@@ -143,7 +151,6 @@ class Cta:
         heads, cols = pl.ds(self.h0, rows), pl.ds(w * half, half)
         o_half = self.o_smem.at[w]
         o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
-        o_rows = o_half if rows == BLOCK else o_half.at[pl.ds(0, rows)]
         if lse is not None:
             self.rows.at[3][...] = lse
         plgpu.commit_smem()
@@ -156,9 +163,12 @@ class Cta:
 
             @pl.when(on)
             def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
-                plgpu.copy_smem_to_gmem(o_rows, o_ref.at[idx, self.t, heads, cols])
-                if lse is not None:
-                    plgpu.copy_smem_to_gmem(self.rows.at[3], l_ref.at[idx, self.t, pl.ds(self.h0, BLOCK)])
+                for k in range(self.spec.stack):
+                    o_rows = o_half if rows == BLOCK else o_half.at[pl.ds(k * rows, rows)]
+                    plgpu.copy_smem_to_gmem(o_rows, o_ref.at[idx, self.t + k, heads, cols])
+                if lse is not None:  # (stacked: one row of the lse output holds every token's)
+                    lse_at = l_ref.at[idx, lax.div(self.t, self.spec.stack), pl.ds(self.h0, BLOCK)]
+                    plgpu.copy_smem_to_gmem(self.rows.at[3], lse_at)
 
         plgpu.wait_smem_to_gmem(0)
 

@@ -90,6 +90,11 @@ class KernelSpec:
     # on its own row of Q, so they never reach the stored rows. The lse outputs keep `heads` rows (a tile's row
     # vector).
     q_heads: int = 0
+    # Query tokens per CTA: with q_heads, the T tokens of a row stacked in one tile (token s in rows [s * q_heads,
+    # (s + 1) * q_heads), each row masked at its own token's visible keys), so the row's cache is read once for all
+    # of them (MTP verification at 16 heads). 1 or T; the lse outputs are then [.., 1, heads] with the rows stacked
+    # the same way.
+    stack: int = 1
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -104,6 +109,10 @@ class KernelSpec:
             raise ValueError("f16 and qk8 do not go together")
         if self.q_heads and not (self.heads == BLOCK and 0 < self.q_heads < BLOCK and self.q_heads % 8 == 0):
             raise ValueError(f"q_heads must be a multiple of 8 below {BLOCK} with one head tile, got {self.q_heads}")
+        if self.stack != 1 and not (self.stack == self.t and self.q_heads and self.t * self.q_heads <= BLOCK):
+            raise ValueError(f"stack must be 1 or T with T x q_heads <= {BLOCK}, got {self.stack}")
+        if self.stack != 1 and self.qk8:  # (each token's query scales would land mid-row)
+            raise ValueError("qk8 queries are not stacked")
 
     @property
     def io_heads(self) -> int:
@@ -114,6 +123,11 @@ class KernelSpec:
     def tile_rows(self) -> int:
         """Rows of a head tile that are loaded and stored."""
         return self.q_heads or BLOCK
+
+    @property
+    def lse_tokens(self) -> int:
+        """Query tokens along the lse outputs' second axis (1 when stacked)."""
+        return self.t // self.stack
 
     def register_split(self) -> tuple[int, int, int]:
         return self.registers or REGISTERS[(self.quant, self.qk8)]
@@ -169,7 +183,8 @@ def smem_types(spec: KernelSpec):
             collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals
         )
     bars = [
-        plgpu.Barrier(num_arrivals=3 if spec.qk8 else 2, num_barriers=1),  # Q: latent and rope copies (qk8: scales)
+        # Q: the latent and rope copies of each stacked token (qk8: and the scales)
+        plgpu.Barrier(num_arrivals=3 if spec.qk8 else 2 * spec.stack, num_barriers=1),
         plgpu.Barrier(num_barriers=6),  # part loaded, [slot * 3 + part]
         consumed,
         plgpu.Barrier(num_barriers=3),  # P ready per slot, 1/l

@@ -40,7 +40,7 @@ def combine_dense(o, lse, count, max_units: int):
 COMBINE_STAGES = 4  # partial tiles in flight per merging CTA
 
 
-def _combine_body(max_units, n_ht, rows, cw, first_ref, count_ref, op_ref, lp_ref, out_ref, lse_ref, scratch, bars):
+def _combine_body(spec, max_units, cw, first_ref, count_ref, op_ref, lp_ref, out_ref, lse_ref, scratch, bars):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -48,9 +48,12 @@ def _combine_body(max_units, n_ht, rows, cw, first_ref, count_ref, op_ref, lp_re
     lse_bar, tile_bar = bars
     ns = COMBINE_STAGES
     b, qt, cb = lax.axis_index("row"), lax.axis_index("qt"), lax.axis_index("col")
-    t, h0 = lax.div(qt, n_ht), lax.rem(qt, n_ht) * BLOCK
-    heads, cols = pl.ds(h0, rows), pl.ds(cb * cw, cw)  # (rows < BLOCK: the tile's other rows are never stored)
-    tile_rows = (lambda ref: ref) if rows == BLOCK else (lambda ref: ref.at[pl.ds(0, rows)])
+    n_ht, rows, stack = spec.heads // BLOCK, spec.tile_rows, spec.stack
+    # The tile's query token (stacked: its first) and heads; rows < BLOCK: the tile's other rows are never stored.
+    tok, h0 = lax.div(qt, n_ht), lax.rem(qt, n_ht) * BLOCK
+    t, heads, cols = tok * stack, pl.ds(h0, rows), pl.ds(cb * cw, cw)
+    # Token t + k's rows of a tile (KernelSpec.stack)
+    tile_rows = (lambda ref, k: ref) if rows == BLOCK else (lambda ref, k: ref.at[pl.ds(k * rows, rows)])
     n = count_ref[b]
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -58,7 +61,7 @@ def _combine_body(max_units, n_ht, rows, cw, first_ref, count_ref, op_ref, lp_re
     def _():
         s0 = first_ref[b]
         # All of the row's lse in one TMA (max_units rows; rows past the row's own are ignored, past the end zeros).
-        plgpu.copy_gmem_to_smem(lp_ref.at[pl.ds(s0, max_units), t, pl.ds(h0, BLOCK)], lse_smem, lse_bar.at[0])
+        plgpu.copy_gmem_to_smem(lp_ref.at[pl.ds(s0, max_units), tok, pl.ds(h0, BLOCK)], lse_smem, lse_bar.at[0])
         plgpu.barrier_wait(lse_bar.at[0])
         lse_k = lambda k: plgpu.load(lse_smem.at[k], layout=row)  # noqa: E731
         m = lax.fori_loop(0, n, lambda k, m: jnp.maximum(m, lse_k(k)), jnp.full((BLOCK,), -jnp.inf, jnp.float32))
@@ -67,7 +70,9 @@ def _combine_body(max_units, n_ht, rows, cw, first_ref, count_ref, op_ref, lp_re
 
         def issue(k):
             slot = lax.rem(k, ns)
-            plgpu.copy_gmem_to_smem(op_ref.at[s0 + k, t, heads, cols], tile_rows(tiles.at[slot]), tile_bar.at[slot])
+            for j in range(stack):
+                dst = tile_rows(tiles.at[slot], j)
+                plgpu.copy_gmem_to_smem(op_ref.at[s0 + k, t + j, heads, cols], dst, tile_bar.at[slot])
 
         for k in range(ns):
             pl.when(k < n)(functools.partial(issue, k))
@@ -90,20 +95,22 @@ def _combine_body(max_units, n_ht, rows, cw, first_ref, count_ref, op_ref, lp_re
         out_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_tile.dtype)
         lse_row[...] = jnp.where(tot > 0, m + jnp.log(jnp.maximum(tot, 1e-30)), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_rows(out_tile), out_ref.at[b, t, heads, cols])
+        for j in range(stack):
+            plgpu.copy_smem_to_gmem(tile_rows(out_tile, j), out_ref.at[b, t + j, heads, cols])
 
         @pl.when(cb == 0)
         def _():
-            plgpu.copy_smem_to_gmem(lse_row, lse_ref.at[b, t, pl.ds(h0, BLOCK)])
+            plgpu.copy_smem_to_gmem(lse_row, lse_ref.at[b, tok, pl.ds(h0, BLOCK)])
 
         plgpu.wait_smem_to_gmem(0)
 
 
 def combine(spec, out, lse, o_part, lse_part, first, count, max_units: int):
-    """Merges rows with two or more units from their partial slots (o_part [U, T, H, C] bf16, lse_part [U, T, H'];
-    row b's are first[b] .. first[b] + count[b] - 1) into out [B, T, H, C] and lse [B, T, H'] in place: the other
-    rows keep what the attention kernel wrote. H = spec.io_heads, H' = spec.heads (the lse keeps whole tiles). One
-    CTA per (row, query token x head tile, 128 columns)."""
+    """Merges rows with two or more units from their partial slots (o_part [U, T, H, C] bf16, lse_part [U, T', H'];
+    row b's are first[b] .. first[b] + count[b] - 1) into out [B, T, H, C] and lse [B, T', H'] in place: the other
+    rows keep what the attention kernel wrote. H = spec.io_heads, H' = spec.heads (the lse keeps whole tiles; with
+    stacked tokens, spec.stack, one lse row holds every token's and T' = 1). One CTA per (row, query token x head
+    tile, 128 columns), or per (row, 128 columns) for all of a row's stacked tokens."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -116,12 +123,12 @@ def combine(spec, out, lse, o_part, lse_part, first, count, max_units: int):
         plgpu.SMEM((BLOCK, cw), jnp.bfloat16, transforms=t128),
         plgpu.SMEM((BLOCK,), jnp.float32),
     )
-    bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=COMBINE_STAGES))
+    bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=spec.stack, num_barriers=COMBINE_STAGES))
 
     def body(first_ref, count_ref, op_ref, lp_ref, out_ref, lse_ref):
         pl.run_scoped(
             lambda scr, brs: _combine_body(
-                max_units, n_ht, spec.tile_rows, cw, first_ref, count_ref, op_ref, lp_ref, out_ref, lse_ref, scr, brs
+                spec, max_units, cw, first_ref, count_ref, op_ref, lp_ref, out_ref, lse_ref, scr, brs
             ),
             scratch,
             bars,
@@ -130,7 +137,7 @@ def combine(spec, out, lse, o_part, lse_part, first, count, max_units: int):
     kern = pl.kernel(
         body,
         out_type=(),
-        mesh=plgpu.Mesh(grid=(out.shape[0], spec.t * n_ht, spec.c // cw), grid_names=("row", "qt", "col")),
+        mesh=plgpu.Mesh(grid=(out.shape[0], spec.lse_tokens * n_ht, spec.c // cw), grid_names=("row", "qt", "col")),
         compiler_params=plgpu.CompilerParams(),
         interpret=plgpu.InterpretGPUParams(num_tma_threads_per_device=8) if spec.interpret else False,
     )

@@ -141,6 +141,31 @@ def test_int8_kernel_matches_reference(f16):
     check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, f16=f16, blocks_per_split=3, zero_latent=True)
 
 
+@pytest.mark.parametrize(
+    "t,quant,kw", [(4, False, dict(mode="direct")), (2, True, dict(blocks_per_split=3, mode="dense"))]
+)
+def test_stacked_tokens_match_reference(t, quant, kw):
+    # T tokens of 16 heads share one 64-row tile (KernelSpec.stack): each token's rows masked at its own visible keys
+    # (the row's last T positions, causal), written to the output directly or through the merged partials.
+    check_kernel(61 + t, [70, 190, 1][: 2 + quant], t, 16, max_pages=4, quant=quant, **kw)
+
+
+def test_stacked_tokens_through_the_combine_kernel():
+    # T=3 x 16 heads stacked, 20 ragged rows over 8 SMs: the combine kernel merges all of a row's tokens at once.
+    lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 14))
+    check_kernel(47, lengths, 3, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
+
+
+def test_head_tiles_stack_tokens_that_fit_one_tile():
+    assert M.head_tiles(16, 1) == (64, 16, 1)
+    assert M.head_tiles(16, 4) == (64, 16, 4)  # 64 rows
+    assert M.head_tiles(16, 5) == (64, 16, 1)  # 80 rows: a tile per token
+    assert M.head_tiles(16, 3, qk8=True) == (64, 16, 1)
+    assert M.head_tiles(32, 2) == (64, 32, 2)
+    assert M.head_tiles(12, 2) == (64, 0, 1)  # not a multiple of 8: padded
+    assert M.head_tiles(128, 2) == (128, 0, 1)
+
+
 @pytest.mark.parametrize("lat,rope", [(1e-4, 1e-4), (1e-3, 1.0)])
 def test_int8_kernel_in_fp16_keeps_the_scales_range(lat, rope):
     # Version 3 converts the int8 cache into fp16 (f16). Small scales: P times the latent scales would go subnormal
@@ -431,20 +456,23 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor,qk8,pair,h",
+    "b,ctx,dtype,layer,minor,qk8,pair,h,t",
     [
-        (128, 4096, "bf16", False, False, False, None, 128),
-        (4, 4096, "int8", True, True, False, None, 128),
-        (2, 256, "int8", True, False, False, None, 128),
-        (32, 4096, "bf16", False, False, False, False, 128),
-        (128, 4096, "int8", False, False, True, None, 128),  # int8 Q.K: int8 Q in smem, three int32 accumulators
+        (128, 4096, "bf16", False, False, False, None, 128, 1),
+        (4, 4096, "int8", True, True, False, None, 128, 1),
+        (2, 256, "int8", True, False, False, None, 128, 1),
+        (32, 4096, "bf16", False, False, False, False, 128, 1),
+        (128, 4096, "int8", False, False, True, None, 128, 1),  # int8 Q.K: int8 Q in smem, three int32 accumulators
         # V2-Lite's 16 heads at the engine's batch (the sparse merge): Q and the outputs as 16 of a tile's rows
         # (KernelSpec.q_heads), in the kernel and in the combine kernel
-        (64, 2048, "int8", True, False, False, None, 16),
-        (64, 2048, "int8", False, False, True, None, 16),
+        (64, 2048, "int8", True, False, False, None, 16, 1),
+        (64, 2048, "int8", False, False, True, None, 16, 1),
+        # MTP verification at 16 heads: 3 tokens stacked in one tile (KernelSpec.stack), through the combine kernel
+        (64, 2048, "int8", True, False, False, None, 16, 3),
+        (32, 4096, "bf16", False, False, False, None, 16, 2),
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, monkeypatch):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, monkeypatch):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
     # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
     # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
@@ -472,7 +500,7 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, mon
     lead = (2,) if layer else ()
     kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     sc = None if dtype == "bf16" else S(lead + ((b * n, 2, page) if minor else (b * n, page, 2)), jnp.float32)
-    qn, qp = S((b, 1, h, c), jnp.bfloat16), S((b, 1, h, R), jnp.bfloat16)
+    qn, qp = S((b, t, h, c), jnp.bfloat16), S((b, t, h, R), jnp.bfloat16)
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
