@@ -74,19 +74,16 @@ def test_v2_gate_follows_deepseeks_code(gate, norm_topk_prob):
     st.integers(1, 6),
     st.integers(1, 70),
     st.integers(0, 2**32 - 1),
-    st.sampled_from([1 << 21, 64]),
+    st.booleans(),
 )
-def test_pairwise_sort_orders_copies_as_a_stable_argsort(e, k, n, seed, limit):
-    """hcfjax.moe.by_expert (a decode step's copies ordered by expert without a GPU sort) is argsort(stable) of the
-    expert ids, with an EP plan's padding ids (the expert count and above) last, and pos its inverse; above the size
-    limit it is the argsort. expert_counts is the bincount of the real ids."""
-    from unittest import mock
-
+def test_pairwise_sort_orders_copies_as_a_stable_argsort(e, k, n, seed, pairwise):
+    """hcfjax.moe.by_expert (a decode step's copies ordered by expert without a GPU sort, or an argsort) is
+    argsort(stable) of the expert ids, with an EP plan's padding ids (the expert count and above) last, and pos its
+    inverse. expert_counts is the bincount of the real ids."""
     from hcfjax import moe
 
     ids = np.random.default_rng(seed).integers(0, e + 3, n * k).astype(np.int32)  # e and above: padding
-    with mock.patch.object(moe, "PAIRWISE_SORT_MAX", limit):
-        order, pos = moe.by_expert(jnp.asarray(ids), e)
+    order, pos = moe.by_expert(jnp.asarray(ids), e, pairwise)
     np.testing.assert_array_equal(np.asarray(order), np.argsort(np.minimum(ids, e), kind="stable"))
     np.testing.assert_array_equal(np.asarray(order)[np.asarray(pos)], np.arange(n * k))
     counts = moe.expert_counts(jnp.asarray(ids), e)
