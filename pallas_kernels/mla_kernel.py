@@ -3,7 +3,8 @@ wrapper, mla_schedule.py builds its work list, mla_merge.py merges the rows it s
 warpgroups' schedule and the launch; mla_kernel_spec.py the kernel's static description and shared memory,
 mla_kernel_cta.py one CTA's refs and the operations its warpgroups share.
 
-Attention: one CTA = 64 heads of one query token over one work unit (a row's block range), three warpgroups: WG0
+Attention: one CTA = 64 heads of one query token over one work unit (a row's block range; below 64 heads, the real
+heads' rows of the tile, or all of a row's query tokens stacked in it: KernelSpec.q_heads, stack), three warpgroups: WG0
 and WG1 compute, WG2 loads. A cache block (64 tokens) sits in one of two smem slots, as three parts with a barrier
 each: A = latent columns [0, C/2), B = [C/2, C), R = rope columns [C, C+R). A and B are V's two column halves; R is
 dead after Q.K and holds the block's softmax P ([64, 64] in the MMAs' 16-bit type, the same 128-byte swizzle as V,
