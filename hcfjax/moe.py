@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from hcfjax.cache import quantize_int8
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
-from hcfjax.options import DEFAULT, Options, on_gpu
+from hcfjax.options import DEFAULT, Options
 from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations, ragged_dot
 
 
@@ -77,7 +77,7 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     num_experts = p["gate"].shape[0]
     flat = ids.reshape(-1)  # [N*K]
     group_sizes = expert_counts(flat, num_experts)  # [E]
-    order, pos = by_expert(flat, num_experts)
+    order, pos = by_expert(flat, num_experts, flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing"))
     token = order // k  # source token of each sorted copy
     xs = x[token]  # [N*K, D]
     x_q = None
@@ -103,23 +103,21 @@ def expert_counts(flat: jax.Array, num_experts: int) -> jax.Array:
     return (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)).sum(0, dtype=jnp.int32)
 
 
-PAIRWISE_SORT_MAX = 4096  # copies up to which by_expert ranks them pairwise on a GPU
+PAIRWISE_SORT_MAX = 4096  # copies up to which experts() orders them pairwise (Options.sort_free_routing)
 
 
-def by_expert(flat: jax.Array, num_experts: int, pairwise: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def by_expert(flat: jax.Array, num_experts: int, pairwise: bool) -> tuple[jax.Array, jax.Array]:
     """The copies [M] sorted by expert, stably, ids past the last expert (an EP plan's padding) last: (order [M], the
     copy at each sorted position, which is `argsort(flat, stable=True)` where padding ids are equal; pos [M], each
     copy's sorted position, its inverse).
 
-    `pairwise` (default: up to PAIRWISE_SORT_MAX copies on a GPU) counts each position pairwise (copies with a
-    smaller id, or the same id and a smaller index: one [M, M] reduction) and inverts it by one scatter, where a GPU
-    sort is several kernels of tens of microseconds per layer. A CPU sorts M copies faster than it makes M^2
-    comparisons (0.4 against 25 ms at M = 3072), so there it is an argsort."""
+    `pairwise` counts each position pairwise (copies with a smaller id, or the same id and a smaller index: one
+    [M, M] reduction) and inverts it by one scatter, where a GPU sort is several kernels of tens of microseconds per
+    layer; else an argsort (a CPU's choice: it sorts M copies faster than it makes M^2 comparisons, 0.4 against
+    25 ms at M = 3072)."""
     m = flat.shape[0]
     idx = jnp.arange(m, dtype=jnp.int32)
     key = jnp.minimum(flat, num_experts)
-    if pairwise is None:
-        pairwise = m <= PAIRWISE_SORT_MAX and on_gpu()
     if pairwise:
         before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (idx[None, :] < idx[:, None]))
         pos = before.sum(1, dtype=jnp.int32)

@@ -54,6 +54,10 @@ class Options:
         The sort is skipped on the host's word instead: a batch that says no row filters (SamplingBatch.filters)
         traces a step without it, and the engine keeps a decode program of each kind.
         auto: on GPUs (on a CPU the branch costs nothing and the skipped sort a lot).
+    sort_free_routing: a step's expert copies (up to moe.PAIRWISE_SORT_MAX) are put in expert order without a sort:
+        each copy's position counted pairwise in one [M, M] reduction, where a GPU sort is several kernels of tens of
+        microseconds a layer. auto: on GPUs (a CPU sorts a few thousand copies in a fiftieth of the comparisons'
+        time).
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -75,13 +79,14 @@ class Options:
     two_rows: bool | str = "auto"
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
+    sort_free_routing: bool | str = "auto"
     xla_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        for name in ("unroll_decode", "two_rows", "branch_free_sampling"):
+        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -106,10 +111,10 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows / branch_free_sampling resolved for this backend."""
+        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing resolved for this backend."""
         value = getattr(self, switch)
         if value == "auto":
-            return switch in ("two_rows", "branch_free_sampling") and on_gpu()
+            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing") and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:

@@ -547,14 +547,14 @@ def test_engine_steps_have_no_branch_the_host_decides(model):
     """With Options.branch_free_sampling (auto: on GPUs) no step program holds a conditional, speculative ones
     included: XLA's GPU runtime reads a conditional's predicate back to the host and waits for the stream, so the
     engine could not prepare step n + 1 while step n runs. Without it (a CPU's default) the sort is skipped by one.
-    Branch-free, the runner also has decode steps without the filters: those hold no sort at all (the experts'
-    copies are ordered by a counting sort)."""
+    Branch-free, the runner also has decode steps without the filters: those hold no sort at all with
+    Options.sort_free_routing (auto: on GPUs), which orders the experts' copies pairwise."""
     from hcfjax.speculative import SpeculativeConfig
     from hcfjax.step import jitted_step
 
     for branch_free in (True, False):
         for spec in (None, SpeculativeConfig(2)):
-            opts = Options(branch_free_sampling=branch_free)
+            opts = Options(branch_free_sampling=branch_free, sort_free_routing=branch_free)
             config = EngineConfig(max_slots=2, token_budget=16, max_prefill_rows=1, speculative=spec, options=opts)
             r = Engine(model, config).runner
             for pre, dec in ((r.idle_prefill((1, 16)), None), (None, r.idle_decode())):
