@@ -123,11 +123,11 @@ class Cta:
 
         q_bar = self.bars["q"]
         if issue:
-            rows = self.spec.tile_rows  # (with q_heads, the tile's other rows are never stored: KernelSpec)
-            heads = pl.ds(self.h0, rows)
-            for k in range(self.spec.stack):  # (stacked tokens: token t + k in rows [k * rows, (k + 1) * rows))
+            # (with q_heads, the tile's other rows are never stored; stacked tokens: token t + k in its own rows)
+            heads = pl.ds(self.h0, self.spec.tile_rows)
+            for k in range(self.spec.stack):
                 for name, dst in zip(("q_nope", "q_pe"), self.q_in, strict=True):
-                    dst = dst if rows == BLOCK else dst.at[pl.ds(k * rows, rows)]
+                    dst = self.spec.token_rows(dst, k)
                     plgpu.copy_gmem_to_smem(self.ins[name].at[self.b, self.t + k, heads], dst, q_bar.at[0])
             if self.spec.qk8:  # (the scales are padded to whole tiles)
                 plgpu.copy_gmem_to_smem(
@@ -147,8 +147,8 @@ class Cta:
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        half, rows = self.spec.c // 2, self.spec.tile_rows
-        heads, cols = pl.ds(self.h0, rows), pl.ds(w * half, half)
+        half = self.spec.c // 2
+        heads, cols = pl.ds(self.h0, self.spec.tile_rows), pl.ds(w * half, half)
         o_half = self.o_smem.at[w]
         o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
         if lse is not None:
@@ -164,8 +164,7 @@ class Cta:
             @pl.when(on)
             def _(o_ref=o_ref, l_ref=l_ref, idx=idx):
                 for k in range(self.spec.stack):
-                    o_rows = o_half if rows == BLOCK else o_half.at[pl.ds(k * rows, rows)]
-                    plgpu.copy_smem_to_gmem(o_rows, o_ref.at[idx, self.t + k, heads, cols])
+                    plgpu.copy_smem_to_gmem(self.spec.token_rows(o_half, k), o_ref.at[idx, self.t + k, heads, cols])
                 if lse is not None:  # (stacked: one row of the lse output holds every token's)
                     lse_at = l_ref.at[idx, lax.div(self.t, self.spec.stack), pl.ds(self.h0, BLOCK)]
                     plgpu.copy_smem_to_gmem(self.rows.at[3], lse_at)

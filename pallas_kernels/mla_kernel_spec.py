@@ -124,6 +124,13 @@ class KernelSpec:
         """Rows of a head tile that are loaded and stored."""
         return self.q_heads or BLOCK
 
+    def token_rows(self, ref, k: int = 0):
+        """Stacked token k's rows of a head tile's smem ref [64, ...]: the whole ref, or with q_heads its rows
+        [k * q_heads, (k + 1) * q_heads)."""
+        import jax.experimental.pallas as pl
+
+        return ref.at[pl.ds(k * self.q_heads, self.q_heads)] if self.q_heads else ref
+
     @property
     def lse_tokens(self) -> int:
         """Query tokens along the lse outputs' second axis (1 when stacked)."""

@@ -48,12 +48,10 @@ def _combine_body(spec, max_units, cw, first_ref, count_ref, op_ref, lp_ref, out
     lse_bar, tile_bar = bars
     ns = COMBINE_STAGES
     b, qt, cb = lax.axis_index("row"), lax.axis_index("qt"), lax.axis_index("col")
-    n_ht, rows, stack = spec.heads // BLOCK, spec.tile_rows, spec.stack
-    # The tile's query token (stacked: its first) and heads; rows < BLOCK: the tile's other rows are never stored.
+    n_ht, stack = spec.heads // BLOCK, spec.stack
+    # The tile's query token (stacked: its first) and heads; with q_heads the tile's other rows are never stored.
     tok, h0 = lax.div(qt, n_ht), lax.rem(qt, n_ht) * BLOCK
-    t, heads, cols = tok * stack, pl.ds(h0, rows), pl.ds(cb * cw, cw)
-    # Token t + k's rows of a tile (KernelSpec.stack)
-    tile_rows = (lambda ref, k: ref) if rows == BLOCK else (lambda ref, k: ref.at[pl.ds(k * rows, rows)])
+    t, heads, cols = tok * stack, pl.ds(h0, spec.tile_rows), pl.ds(cb * cw, cw)
     n = count_ref[b]
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -71,7 +69,7 @@ def _combine_body(spec, max_units, cw, first_ref, count_ref, op_ref, lp_ref, out
         def issue(k):
             slot = lax.rem(k, ns)
             for j in range(stack):
-                dst = tile_rows(tiles.at[slot], j)
+                dst = spec.token_rows(tiles.at[slot], j)
                 plgpu.copy_gmem_to_smem(op_ref.at[s0 + k, t + j, heads, cols], dst, tile_bar.at[slot])
 
         for k in range(ns):
@@ -96,7 +94,7 @@ def _combine_body(spec, max_units, cw, first_ref, count_ref, op_ref, lp_ref, out
         lse_row[...] = jnp.where(tot > 0, m + jnp.log(jnp.maximum(tot, 1e-30)), -jnp.inf)
         plgpu.commit_smem()
         for j in range(stack):
-            plgpu.copy_smem_to_gmem(tile_rows(out_tile, j), out_ref.at[b, t + j, heads, cols])
+            plgpu.copy_smem_to_gmem(spec.token_rows(out_tile, j), out_ref.at[b, t + j, heads, cols])
 
         @pl.when(cb == 0)
         def _():
