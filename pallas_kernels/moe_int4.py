@@ -71,6 +71,7 @@ from pallas_kernels.moe_int4_tiling import (
     check_tiling,
     default_tiling,
     digits_pay,
+    k_steps,
     num_blocks,
     xs_block,
 )
@@ -164,7 +165,7 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
             jax.ShapeDtypeStruct((rows, n), jnp.int8),
             jax.ShapeDtypeStruct((n // QGROUP, _hs_rows(m)), jnp.float32),
         )
-    body_args = (act, g, k // g // t.gps // t.splits, nw, m, e, t, t.inline, xgroups, quant_out)
+    body_args = (act, g, k_steps(t, k // g), nw, m, e, t, t.inline, xgroups, quant_out)
     kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
     out = run_grouped(("moe_int4", body_args), kern, args, out_type, interpret, t.splits, nw)
     if quant_out:

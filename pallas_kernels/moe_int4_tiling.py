@@ -30,7 +30,8 @@ class Tiling:
     bm: int  # token rows per block: the wgmma N, a multiple of 16 in [16, 256]
     bn: int  # weight rows (output features) per CTA: 64, 128 or 256
     stages: int  # pipeline steps in flight
-    gps: int = 1  # K groups per pipeline step (one TMA per operand per step)
+    gps: int = 1  # K groups per pipeline step (one TMA per operand per step); where gps does not divide the K groups
+    # the last step's TMAs run past K and land zeros (weights, scales and tokens alike), which add nothing
     a_regs: bool = True  # unpacked weights go to wgmma from registers; False: through smem, as the first version did
     inline: bool = True  # unpack with int4_unpack's inline_mgpu bit tricks; False: the same values from int16 ops
     # (widening conversions, as the first version; the interpreter's only way)
@@ -51,6 +52,13 @@ class Tiling:
     def tiles(self) -> int:
         """64-row weight tiles per compute warpgroup."""
         return self.bn // self.wgs // BN
+
+
+def k_steps(t: Tiling, k_groups: int) -> int:
+    """Pipeline steps of one K split: ceil(k_groups / gps), the last one partial where gps does not divide them (K =
+    1408, V2-Lite's down projection, is 11 groups: five steps of two and one of one, not eleven of one). Split-K
+    needs the splits to divide the steps evenly (`check_tiling`)."""
+    return -(-k_groups // t.gps) // t.splits
 
 
 NARROW_WIDTHS = 5  # block widths of a narrow tiling at most: each is a copy of the kernel's pipeline and epilogue
@@ -213,7 +221,10 @@ def default_tiling(
       rows, kernel time: bm = 48 96.4 us; bm = 80 64.7 us, 65.5 on two compute warpgroups; the single-weight kernel
       at bn = 128 has half the CTAs and was slower there).
     - bn: 128 (two wgmma M tiles share each token tile: half the token bytes per MMA) unless the registers would
-      then force token blocks below 64 rows.
+      then force token blocks below 64 rows; 256 for one weight in decode with fewer than 8 K steps and CTAs enough
+      for two waves at 256, where a CTA's fixed costs (finding its block among E + 1 groups, the pipeline's fill,
+      the epilogue) weigh against its few loads (H200, V2-Lite's down shape, 64 experts x 384 rows, K = 1408: 52.9
+      -> 44.1 us of kernel time).
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
     - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
@@ -251,7 +262,10 @@ def default_tiling(
         if act == "int8" and nw == 2 and nb > 1 and mu + ROW_ALIGN <= cap(bn_):  # the mean fits one block (below)
             bm, auto_wgs = cap(bn_), False
     if gps is None:
-        gps = 2 if bm <= 32 and k_groups % 2 == 0 else 1
+        gps = 2 if bm <= 32 and k_groups > 1 else 1
+    short = -(-k_groups // gps) < 8 and (n // 256) * min(m, e) >= 2 * sms  # few K steps, CTAs for 2 waves still
+    if bn is None and nw == 1 and wgs == 1 and bm <= 32 and n % 256 == 0 and short:
+        bn_ = 256  # half the CTAs, each paying its fixed costs once for twice the weight rows
     if auto_wgs and act == "int8" and nw == 2 and bm >= 80 and k_groups >= 32 and n % (2 * bn_) == 0:
         wgs = 2
     # w4a8 unpacks a step's tiles before its wgmmas where all their A operands fit in registers beside the
@@ -266,7 +280,8 @@ def default_tiling(
     def stages(ctas):  # the deepest pipeline that fits ctas CTAs per SM (1 KiB per CTA is the system's, 1 KiB slack)
         budget = SMEM_PER_SM // ctas - 2048 - _fixed_bytes(act, t, g, nw) - out_tile
         return max(
-            [1] + [s for s in range(1, min(8, k_groups // gps) + 1) if _pipe_bytes(act, t, g, nw, stages=s) <= budget]
+            [1]
+            + [s for s in range(1, min(8, k_steps(t, k_groups)) + 1) if _pipe_bytes(act, t, g, nw, stages=s) <= budget]
         )
 
     # As many CTAs per SM as the registers allow, with at least 3 stages (2 if even 2 CTAs leave no room for 3);
@@ -282,7 +297,8 @@ def default_tiling(
             s for s in (1, 2, 4) if s == 1 or (bm <= 32 and k_groups % (s * gps) == 0 and k_groups // (s * gps) >= 8)
         ]
         splits = max(s for s in fits if s == 1 or tiles * s <= ctas * sms)
-    return dataclasses.replace(t, stages=max(2, min(stages(ctas), k_groups // (gps * splits))), splits=splits)
+    t = dataclasses.replace(t, splits=splits)
+    return dataclasses.replace(t, stages=max(2, min(stages(ctas), k_steps(t, k_groups))))
 
 
 def quant_out_pays(act: str, m: int, n: int, k_groups: int, e: int, g: int = 128) -> bool:
@@ -303,8 +319,11 @@ def check_tiling(t: Tiling, act, n, k_groups, g, nw, interpret, xgroups=False, q
         raise ValueError(f"bm must be a multiple of 16 in [16, 256], got {t.bm}")
     if t.bn not in (64, 128, 256) or n % t.bn:
         raise ValueError(f"bn must be 64, 128 or 256 and divide N={n}, got {t.bn}")
-    if k_groups % (t.gps * t.splits) or t.stages < 1:
-        raise ValueError(f"gps={t.gps} x splits={t.splits} must divide the {k_groups} K groups; stages={t.stages} >= 1")
+    if (t.splits > 1 and k_groups % (t.gps * t.splits)) or t.gps > k_groups or t.stages < 1:
+        raise ValueError(
+            f"gps={t.gps} (at most the {k_groups} K groups) x splits={t.splits} must divide them where splits > 1;"
+            f" stages={t.stages} >= 1"
+        )
     if interpret and t.a_regs:
         raise ValueError("GPU interpret mode has no wgmma with A in registers: use a_regs=False")
     if (xgroups or qout) and (t.splits != 1 or act != "int8"):

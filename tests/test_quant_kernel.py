@@ -59,6 +59,7 @@ KERNEL_CASES = [  # k, n, sizes, tiling (bm, bn, stages[, extra])
     (128, 64, [70, 1, 0, 9], (48, 64, 3, {"narrow": True})),
     (128, 64, [3, 2], (16, 64, 2)),  # M < bm (x padded to one block)
     (512, 256, [9, 30, 0, 2], (32, 256, 2, {"gps": 2})),  # four 64-row tiles, two K groups per step
+    (384, 128, [9, 30, 0, 2], (16, 128, 2, {"gps": 2})),  # three K groups in two steps: the last past K, zeros
     # A through smem, unpacked with int16 ops, each tile just before its wgmmas
     (256, 128, [5, 0, 20, 3], (16, 64, 4, {"a_regs": False, "inline": False, "unpack_first": False})),
     (256, 128, [5, 0, 20, 3], (16, 128, 1, {"splits": 2})),  # split-K: f32 partials of two K halves, summed after
@@ -216,7 +217,7 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     """w4a8 gate/up with quant_out: the kernel writes the SiLU product as int8 per row and 128 channels with its
     scales (no XLA pass before the down projection), exactly quantize_int8_groups of its own bf16 product (an empty
     group, a partial block, rows past the groups, two groups per N tile); the down projection takes those per-group
-    scales and matches the reference given the same operands."""
+    scales and matches the reference given the same operands, also over an odd number of K groups two per step."""
     from hcfjax.quant import quantize_int8_groups
     from pallas_kernels.moe_int4 import HS_PAD, int4_gated_ragged_dot, int4_gated_reference, int4_ragged_dot
     from pallas_kernels.moe_int4_tiling import Tiling
@@ -245,3 +246,13 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     assert not np.asarray(y, np.float32)[sum(sizes) :].any()
     per_token = np.asarray(quant.ragged_dot_reference(h, qd, gs), np.float32)  # finer scales, the same product
     np.testing.assert_allclose(ref, per_token, atol=0.03 * np.abs(per_token).max())
+    # three K groups in two pipeline steps (V2-Lite's down projection is eleven): the last step's TMAs run past K
+    # for the weights, their scales, the tokens and the tokens' per-group scales, and must add nothing
+    h3 = jnp.concatenate([h, h[:, :128]], axis=1)
+    hq3, hs3 = quantize_int8_groups(h3)
+    hs3 = jnp.pad(hs3, ((0, 0), (0, HS_PAD)))
+    qd3 = quant.quantize(jax.random.normal(kd, (e, 3 * 128, k)) / 4, 4, "int8")
+    t3 = Tiling(16, 128, 2, gps=2)
+    y3 = int4_ragged_dot(h3, qd3.q, qd3.scale, gs, act="int8", interpret=True, tiling=t3, x_q=(hq3, hs3))
+    ref3 = np.asarray(quant.ragged_dot_reference(h3, qd3, gs, x_q=(hq3, hs3)), np.float32)
+    np.testing.assert_allclose(np.asarray(y3, np.float32), ref3, atol=1e-2 * np.abs(ref3).max(), rtol=1e-2)

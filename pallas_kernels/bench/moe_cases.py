@@ -46,7 +46,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     out += [dataclasses.replace(d, a_regs=False)] if nw == 1 else []
     out += [dataclasses.replace(d, unpack_first=False)] if act == "int8" else []
     out += [dataclasses.replace(d, narrow=not d.narrow)] if d.bm > 32 else []
-    out = [t for t in out if kg % (t.gps * t.splits) == 0]  # K = 1408 (V2-Lite's down projection): 11 groups
+    out = [t for t in out if t.splits == 1 or kg % (t.gps * t.splits) == 0]  # K = 1408 (V2-Lite's down): 11 groups
     return [t for i, t in enumerate(out) if t != d and t not in out[:i]]
 
 
