@@ -89,6 +89,18 @@ def test_int8_quantisation_round_trip():
     assert float(jnp.max(jnp.abs(back - x) / s[..., None])) <= 0.5 + 1e-5  # within half a quantisation step
 
 
+def test_int8_entry_is_each_part_quantised_alone():
+    """quantize_entry's one reduction over both parts (k_pe padded with zeros) gives quantize_int8's values and
+    scales bit for bit, also for an all-zero rope part and parts of very different magnitudes."""
+    key_c, key_r = jax.random.split(jax.random.key(3))
+    ckv = jax.random.normal(key_c, (4, 3, 512)) * jnp.array([1e-3, 1.0, 300.0])[:, None]
+    kpe = jax.random.normal(key_r, (4, 3, 64)) * jnp.array([50.0, 1e-4, 0.0])[:, None]
+    entry, scales = kvcache.quantize_entry(ckv, kpe)
+    (qc, sc), (qr, sr) = kvcache.quantize_int8(ckv), kvcache.quantize_int8(kpe)
+    np.testing.assert_array_equal(np.asarray(entry), np.asarray(jnp.concatenate([qc, qr], axis=-1)))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(jnp.stack([sc, sr], axis=-1)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
 def test_cache_entries_are_computed_before_their_scatter(v3_model, dtype):
     """Each scatter into the cache takes its entries from an optimization_barrier, so XLA cannot fuse the entries'
