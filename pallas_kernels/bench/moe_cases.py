@@ -15,7 +15,7 @@ CHECK_TOL = 2e-2  # max |kernel - ref| / max |ref|: a few bf16 roundings of the 
 
 def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list:
     """Alternatives to the default tiling worth timing next to it (what the next tuning step would choose from):
-    decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64 or 256 weight rows per CTA (the fused
+    decode: one K group per step with 1, 2 or 4 K splits, two with 1 or 2, 64, 128 or 256 weight rows per CTA (the fused
     kernel, nw = 2: 64 rows, also with stages for 2 CTAs per SM, and 128 rows with the deep pipeline of one CTA per SM);
     otherwise, for one weight: 64 weight rows with larger token blocks (the other side of the registers' trade) or
     with the same ones (more CTAs per SM), 64- and 48-row token blocks (less padding per expert, more CTAs per SM);
@@ -32,7 +32,7 @@ def sweep_tilings(act: str, e: int, m: int, k: int, n: int, nw: int = 1) -> list
     kg, d = k // 128, default_tiling(act, m, n, k // 128, e, nw)
     if d.bm <= 32:
         alts = [dict(gps=1, splits=s) for s in (1, 2, 4)] + [dict(gps=2, splits=s) for s in (1, 2)]
-        alts += [dict(bn=64), dict(bn=256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
+        alts += [dict(bn=b) for b in (64, 128, 256)] if nw == 1 else [dict(bn=64), dict(bn=64, ctas=2), dict(ctas=1)]
     else:  # bn=64 alone takes the larger token blocks its registers allow; with bm: more CTAs per SM
         alts = [dict(bn=64), dict(bn=64, bm=d.bm), dict(bm=64), dict(bm=48)] if nw == 1 else []
         # one block per expert up to 72 rows: the most the registers allow a CTA of 128 rows of one weight, or of 64
