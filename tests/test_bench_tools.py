@@ -362,6 +362,15 @@ def test_records_summary_per_kernel_and_gaps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "per step: 4 launches, 0.027 ms busy, 0.003 ms of gaps between them; 0.485 ms idle" in out
     assert "| a | 2.0 | 20.0 | 74.1% | 1.0 |" in out
+    # one span from a record named like "a" to the next, the middle one of three spans; the first launch's idle
+    # is not counted (it follows the span before), the host's 970 us shows as 0
+    assert records.span(records.read_records(str(path)), "a") == [("a", 0.0, 10.0), ("b", 0.0, 5.0)]
+    assert records.span(rows, "b") == [("b", 0.0, 5.0), ("a", 0.0, 10.0), ("memcpy128", 2.0, 2.0), ("a", 1.0, 10.0)]
+    assert records.span(rows, "none") == []
+    records.main([str(path), "--steps", "2", "--between", "memcpy"])
+    out = capsys.readouterr().out
+    assert "from one memcpy to the next: 4 launches, 27.0 us busy, 1.0 us idle" in out
+    assert "| 1 | a | 10.0 | 1.0 |" in out
     path.write_text("a 1 2\n")
     with pytest.raises(ValueError, match="rec.tsv:1: expected name, start and duration"):
         records.read_records(str(path))

@@ -2,10 +2,13 @@
 launches and microseconds per step, and the idle time before its launches (what the GPU waited between the end of
 the previous record and this one), the largest first.
 
-    python -m hcfjax.bench.records FILE --steps N [--top 40] [--max-gap-us 50]
+    python -m hcfjax.bench.records FILE --steps N [--top 40] [--max-gap-us 50] [--between NAME]
 
 Gaps longer than --max-gap-us are the host between steps, not a step's own launches: they are left out of the
-per-name gaps and summed apart.
+per-name gaps and summed apart. --between NAME also lists one span of launches in order, from a record whose name
+holds NAME to the next such record (e.g. `--between mla_decode`: one layer, from one attention kernel to the next),
+a span of the most common length from the middle of the file, each launch with its duration and the GPU idle before
+it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,25 @@ def summarise(rows, max_gap_us: float = 50.0) -> tuple[dict[str, Launches], floa
     return dict(per), between
 
 
+def span(rows, marker: str, max_gap_us: float = 50.0) -> list[tuple[str, float, float]]:
+    """(name, gap before us, duration us) of the launches from one record whose name holds `marker` up to the next
+    one: of the spans with the most common number of launches (a layer, not the one across a step's end), the
+    middle one; [] with fewer than two markers. A gap longer than max_gap_us (the host between steps) shows as 0."""
+    at = [i for i, (name, _, _) in enumerate(rows) if marker in name]
+    if len(at) < 2:
+        return []
+    sizes = [b - a for a, b in zip(at, at[1:], strict=False)]
+    common = collections.Counter(sizes).most_common(1)[0][0]
+    typical = [k for k, size in enumerate(sizes) if size == common]
+    k = typical[(len(typical) - 1) // 2]
+    out, end = [], None
+    for name, start, dur in rows[at[k] : at[k + 1]]:
+        gap = 0.0 if end is None or start - end > max_gap_us else max(start - end, 0.0)
+        out.append((name, gap, dur))
+        end = start + dur if end is None else max(end, start + dur)
+    return out
+
+
 def table(per: dict[str, Launches], between: float, steps: int, top: int) -> str:
     busy = sum(e.busy_us for e in per.values()) / steps
     gaps = sum(e.gap_us for e in per.values()) / steps
@@ -77,11 +99,24 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, required=True, help="the steps the file holds (engine_loop's --steps)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--max-gap-us", type=float, default=50.0)
+    ap.add_argument("--between", help="also list the launches from one record whose name holds this to the next")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
-    per, between = summarise(read_records(args.file), args.max_gap_us)
+    rows = read_records(args.file)
+    per, between = summarise(rows, args.max_gap_us)
     print(table(per, between, args.steps, args.top))
+    if args.between:
+        launches = span(rows, args.between, args.max_gap_us)
+        if not launches:
+            raise SystemExit(f"fewer than two records named like {args.between!r} in {args.file}")
+        busy, idle = sum(d for *_, d in launches), sum(g for _, g, _ in launches)
+        print(
+            f"\nfrom one {args.between} to the next: {len(launches)} launches, {busy:.1f} us busy, {idle:.1f} us idle"
+        )
+        print("\n| # | kernel | us | idle before, us |\n|---|---|---|---|")
+        for i, (name, gap, dur) in enumerate(launches):
+            print(f"| {i} | {name[:70]} | {dur:.1f} | {gap:.1f} |")
 
 
 if __name__ == "__main__":
