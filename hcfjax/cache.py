@@ -78,8 +78,8 @@ def write(
 def quantize_entry(ckv: jax.Array, kpe: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The int8 cache entry of c_kv [..., C] and k_pe [..., R] (R <= C): (int8 [..., C + R], scales [..., 2] f32),
     each part `quantize_int8`'s. Both parts' scales come from one reduction over [..., 2, C], k_pe padded with zeros
-    (which leave its max |value| as it is). Reduced apart and stacked, the scales took XLA's GPU backend a 7.7 us
-    fusion a layer for 64 rows on the H200 and the entry another 2.8 us; this way one 2.1 us fusion makes both."""
+    (which leave its max |value| as it is): XLA's GPU backend then makes the scales and the entry in one fusion,
+    where two reductions stacked took two slower ones (docs/results.md, "Generation")."""
     c, r = ckv.shape[-1], kpe.shape[-1]
     rope = jnp.pad(kpe.astype(jnp.float32), [(0, 0)] * (kpe.ndim - 1) + [(0, c - r)])
     both = jnp.stack([ckv.astype(jnp.float32), rope], axis=-2)  # [..., 2, C]

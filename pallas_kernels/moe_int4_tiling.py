@@ -223,8 +223,7 @@ def default_tiling(
     - bn: 128 (two wgmma M tiles share each token tile: half the token bytes per MMA) unless the registers would
       then force token blocks below 64 rows; 256 for one weight in decode with fewer than 8 K steps and CTAs enough
       for two waves at 256, where a CTA's fixed costs (finding its block among E + 1 groups, the pipeline's fill,
-      the epilogue) weigh against its few loads (H200, V2-Lite's down shape, 64 experts x 384 rows, K = 1408: 52.9
-      -> 44.1 us of kernel time).
+      the epilogue) weigh against its few loads (V2-Lite's down projection, docs/kernels.md).
     - stages: as deep as fits the CTAs per SM that the registers allow (4 in decode: 4 stages keep ~30 KiB of weights
       in flight per CTA; 2 in prefill, one CTA's MMAs overlapping the other's unpacking).
     - ctas: the CTAs per SM the stages are sized for (default: as many as the registers allow, see below).
