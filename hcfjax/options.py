@@ -29,8 +29,9 @@ class Options:
     mla_qk8: the MLA kernel's Q.K over an int8 cache on the int8 tensor cores, the queries quantised per head (faster
         on long rows, less exact: opt-in).
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
-    moe: the grouped-GEMM kernels: the int4 experts (w4a16, w4a8) and fp8 block-scaled weights (experts and dense
-        linears, pallas_kernels/moe_fp8.py): auto / kernel / interpret / reference, as for mla.
+    moe: the GEMM kernels: the int4 experts (w4a16, w4a8), fp8 block-scaled weights (experts and dense linears,
+        pallas_kernels/moe_fp8.py) and the dense int8 per-channel linears of w4a8c8 / w8a8 (the latter only where
+        their shapes suit the kernel, `quant.int8_kernel_mode`): auto / kernel / interpret / reference, as for mla.
     int4_digits: w4a16 with few rows per expert runs as two int8 digits on the w4a8 kernel where that pays.
     fused_gate_up: the int4 activation modes whose gate/up + SiLU run as one fused kernel (else two kernel calls);
         w4a16 still runs fused where its int8 digits pay.

@@ -210,17 +210,53 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
 
 def linear(x: jax.Array, w, opts: Options = DEFAULT) -> jax.Array:
     """x [..., K] @ W [K, N] for any weight of a dense layer: fp8 weights on the fp8 kernel where opts.mode("moe")
-    takes it (`hcfjax.fp8.matmul`), QWeights and arrays by their matmul."""
+    takes it (`hcfjax.fp8.matmul`), int8 per-channel weights on the dense int8 kernel where it takes them
+    (`int8_kernel_mode`), QWeights and arrays otherwise by their matmul."""
     if isinstance(w, fp8.Fp8Weight):
         return fp8.matmul(x, w, opts)
+    mode = int8_kernel_mode(x, w, opts)
+    if mode != "reference":
+        return _int8_kernel(x, (w,), mode)
     return x @ w
 
 
 def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT) -> jax.Array:
-    """silu(x @ gate) * (x @ up), the first half of a SwiGLU MLP: fp8 weights fused in one kernel where it runs."""
+    """silu(x @ gate) * (x @ up), the first half of a SwiGLU MLP: fp8 and int8 per-channel weights fused in one
+    kernel where it runs."""
     if isinstance(gate, fp8.Fp8Weight) and isinstance(up, fp8.Fp8Weight):
         return fp8.gated_matmul(x, gate, up, opts)
+    mode = int8_kernel_mode(x, gate, opts) if isinstance(up, QWeight) and up.q.shape == gate.q.shape else "reference"
+    if mode != "reference":
+        return _int8_kernel(x, (gate, up), mode)
     return jax.nn.silu(x @ gate) * (x @ up)
+
+
+def int8_kernel_mode(x: jax.Array, w, opts: Options = DEFAULT) -> str:
+    """opts.mode("moe") for a dense layer's int8 per-channel weight with int8 activations (w4a8c8's and w8a8's
+    linears; pallas_kernels.moe_fp8.int8_matmul) where the kernel suits the call: whole 128-channel K blocks, N in
+    64-row tiles, and up to INT8_MAX_ROWS rows (decode steps; a prefill chunk's products stay on XLA's int8 GEMMs).
+    Unlike the experts, a forced kernel mode does not force it elsewhere: the same computation runs on XLA there,
+    so a model whose small linears the kernel cannot take still runs its experts on the kernel."""
+    from pallas_kernels.moe_fp8 import INT8_MAX_ROWS, supports
+
+    if not (isinstance(w, QWeight) and w.bits == 8 and w.act == "int8" and w.q.ndim == 2):
+        return "reference"
+    if not (supports(w.k, w.n) and math.prod(x.shape[:-1]) <= INT8_MAX_ROWS):
+        return "reference"
+    return opts.mode("moe")
+
+
+def _int8_kernel(x: jax.Array, weights: tuple, mode: str) -> jax.Array:
+    """x [..., K] through the dense int8 kernel: one weight, or gate and up with the SiLU product -> [..., N]."""
+    from pallas_kernels.moe_fp8 import int8_gated_matmul, int8_matmul
+
+    xq, xs = quantize_int8(x.reshape(-1, x.shape[-1]))
+    interpret = mode == "interpret"
+    if len(weights) == 1:
+        y = int8_matmul(xq, xs, weights[0].q, weights[0].scale, interpret=interpret)
+    else:
+        y = int8_gated_matmul(xq, xs, *[(w.q, w.scale) for w in weights], interpret=interpret)
+    return y.reshape(*x.shape[:-1], weights[0].n).astype(x.dtype)
 
 
 def nbytes(w) -> int:

@@ -1,5 +1,6 @@
-"""fp8 block-scaled grouped GEMM (DeepSeek's fp8 weights as shipped): a Mosaic GPU (Hopper) kernel, its wrapper and
-the plain-jnp reference.
+"""8-bit GEMMs on Hopper's 8-bit tensor cores, Mosaic GPU kernels with their wrappers and plain-jnp references: the
+fp8 block-scaled grouped GEMM (DeepSeek's fp8 weights as shipped), and the dense int8 per-channel linear (the int8
+linears of w4a8c8 and w8a8, section at the end).
 
 The function is DeepSeek's fp8_gemm over experts, ragged_dot(x, W, group_sizes), with
     x  quantised by the caller per row and 128 channels: xq [M, K] float8_e4m3fn and xs [K/128, M'] f32 (M' >= M;
@@ -24,6 +25,14 @@ wgmma needs both K-major), and a decode block of a few rows costs a 16-column MM
   Split-K (Fp8Tiling.splits > 1, calls of few output tiles: a decode step's dense linears): a third grid axis gives
   each CTA a slice of the K blocks, and it stores f32 partials (gate and up side by side, before SiLU) to
   [splits, M, nw N], which the wrapper sums in one XLA fusion.
+
+The dense int8 linear (`int8_matmul`, `int8_gated_matmul`):
+    xq [M, K] int8 with per-row scales xs [M] f32 (quantize_int8), W as q [N, K] int8 with per-output-channel
+    scales s [N] f32 (hcfjax.quant's int8 QWeight): out[m, n] = (xq[m] . q[n]) * xs[m] * s[n]
+  The same transposed product, over token blocks of consecutive rows (no groups). Both scales are constant over
+  K, so one int32 accumulator per 64-row tile runs over the whole K loop (|sum| <= K 127^2 < 2^31 up to K =
+  133,000): the int8 wgmmas of every step accumulate in place, and the scales (copied into smem while the loop
+  runs) apply once after it. Split-K as above, any number of splits: the last split's loads past K land zeros.
 """
 
 from __future__ import annotations
@@ -114,25 +123,10 @@ def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *r
     tile = pl.multiple_of(tile, ROW_ALIGN)
     tiles, nb = t.bn // BN, ni * t.bn // BLOCK  # 64-row tiles per weight; the CTA's row block of the scales
     col = plgpu.Layout.WGMMA.reduce(0)
-    partial = t.splits > 1  # f32 partials of each weight (no SiLU) into this split's [M, nw N]
-    o_gmem, o_dtype = (o_ref.at[lax.axis_index("k")], jnp.float32) if partial else (o_ref, jnp.bfloat16)
-    n_out, n_cols = (nw, o_gmem.shape[1] // nw) if partial else (1, o_gmem.shape[1])
+    store = functools.partial(_store, o_ref=o_ref, nw=nw, t=t, ni=ni, tile=tile, off=off, count=count)
 
     def zero():
         return plgpu.layout_cast(jnp.zeros((BN, t.bm), jnp.float32), plgpu.Layout.WGMMA)
-
-    def store(accs):
-        def scope(o_smem):  # [n_out, bm, bn]
-            for i in range(n_out):
-                for h, out in enumerate(accs[i * tiles : (i + 1) * tiles]):
-                    if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
-                        out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-                    o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
-            plgpu.commit_smem()
-            cols = [pl.ds(i * n_cols + ni * t.bn, t.bn) for i in range(n_out)]
-            store_rows(o_smem, o_gmem, cols, tile, off, count, t.bm)
-
-        pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
 
     def step(idx, *smems_and_carry):
         *smems, accs = smems_and_carry
@@ -165,12 +159,37 @@ def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *r
         pipeline = plgpu.emit_pipeline(
             step, grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages, init_carry=(zero(),) * (nw * tiles)
         )
-        accs = pipeline(*[w.at[e] for w in w_refs], x_ref, xs_ref)
-        store(silu_mul(accs, tiles) if nw == 2 and not partial else accs)
+        store(pipeline(*[w.at[e] for w in w_refs], x_ref, xs_ref))
 
     @pl.when(e == n_experts)  # rows past sum(group_sizes): zeros
     def _():
-        store([zero()] * tiles * n_out)
+        store([zero()] * tiles * nw)
+
+
+def _store(accs, *, o_ref, nw: int, t: Fp8Tiling, ni, tile, off, count):
+    """A CTA's f32 tiles (per weight, per 64-row tile) -> rows [off, off + count) of its block (from row tile) of
+    the output: bf16 [M, N], gate/up's SiLU product formed first; with split-K this split's f32 partials of each
+    weight, [M, nw N] of o_ref [splits, M, nw N]."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    tiles, partial = t.bn // BN, t.splits > 1
+    o_gmem, o_dtype = (o_ref.at[lax.axis_index("k")], jnp.float32) if partial else (o_ref, jnp.bfloat16)
+    n_out, n_cols = (nw, o_gmem.shape[1] // nw) if partial else (1, o_gmem.shape[1])
+    if nw == 2 and not partial:
+        accs = silu_mul(accs, tiles)
+
+    def scope(o_smem):  # [n_out, bm, bn]
+        for i in range(n_out):
+            for h, out in enumerate(accs[i * tiles : (i + 1) * tiles]):
+                if partial:  # Mosaic infers a transposed store's layout for 16-bit values only; f32 is cast
+                    out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                o_smem.at[i, :, pl.ds(h * BN, BN)].transpose((1, 0))[...] = out.astype(o_dtype)
+        plgpu.commit_smem()
+        cols = [pl.ds(i * n_cols + ni * t.bn, t.bn) for i in range(n_out)]
+        store_rows(o_smem, o_gmem, cols, tile, off, count, t.bm)
+
+    pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
 
 
 def _kernel(body_args, out_type, grid):
@@ -230,3 +249,155 @@ def fp8_ragged_dot_reference(xq, xs, q, s, group_sizes):
     n = q.shape[1]
     w = q.astype(jnp.float32) * jnp.repeat(jnp.repeat(s, BLOCK, axis=1), BLOCK, axis=2)[:, :n, :k]
     return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes, precision=lax.Precision.HIGHEST)
+
+
+# int8 weights per output channel (w4a8c8 / w8a8's dense linears).
+
+INT8_MAX_ROWS = 1024  # dense int8 linears of more rows (prefill chunks) stay on XLA's int8 GEMMs
+MIN_INT8_SPLIT_STEPS = 4  # K blocks per split at least, for the dense int8 kernel's split-K
+
+
+def int8_tiling(m: int, nw: int, n: int, k: int) -> Fp8Tiling:
+    """A dense int8 call's tiling: token blocks of the rows rounded up to 16 (at most 128, 64 with gate and up), 64
+    weight rows a CTA, and split-K where a CTA per SM is more than the output tiles' weights: as many splits as keep
+    that within the SMs, each of 4 K blocks at least (a decode step's linears are a few output tiles over many K
+    blocks: V2-Lite's kv_a at 64 rows is 9 tiles over 16). More splits, or two CTAs an SM, measured slower: the
+    partials' sum is a pass over [splits, M, N] f32 (docs/kernels.md). A split count need not divide the K blocks:
+    the last split's loads past K land zeros, which add nothing."""
+    bm = min(max(-(-m // 16) * 16, 16), 128 if nw == 1 else 64)
+    tiles, kb = n // BN * -(-m // bm) * nw, k // BLOCK
+    splits = 1
+    for s in range(2, kb + 1):
+        steps = -(-kb // s)
+        if steps >= MIN_INT8_SPLIT_STEPS and (s - 1) * steps < kb and tiles * s <= SMS:
+            splits = s
+    return Fp8Tiling(bm=bm, bn=BN, stages=min(4, -(-kb // splits)), splits=splits)
+
+
+def _check_int8(xq, xs, weights, t: Fp8Tiling):
+    m, k = xq.shape
+    if xq.dtype != jnp.int8 or xs.shape != (m,) or xs.dtype != jnp.float32:
+        raise ValueError(
+            f"tokens must be int8 [M, K] with f32 [M] scales, got {xq.dtype} {xq.shape}, {xs.dtype} {xs.shape}"
+        )
+    for q, s in weights:
+        if q.dtype != jnp.int8 or q.ndim != 2 or q.shape[1] != k:
+            raise ValueError(f"q must be int8 [N, K={k}], got {q.dtype} {q.shape}")
+        if s.size != q.shape[0] or s.dtype != jnp.float32:
+            raise ValueError(f"s must be f32 per output channel ({q.shape[0]} values), got {s.dtype} {s.shape}")
+        if not supports(k, q.shape[0]):
+            raise ValueError(f"the kernel needs K (={k}) a multiple of {BLOCK} and N (={q.shape[0]}) of {BN}")
+    if weights[0][0].shape != weights[-1][0].shape:
+        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
+    if t.bn not in (64, 128) or weights[0][0].shape[0] % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
+        raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
+    if not 1 <= t.splits <= k // BLOCK or (t.splits - 1) * -(-(k // BLOCK) // t.splits) >= k // BLOCK:
+        raise ValueError(f"tiling {t}: each of the splits needs one of the {k // BLOCK} K blocks at least")
+
+
+def _int8_body(nw: int, ksteps: int, m: int, t: Fp8Tiling, *refs):
+    """One CTA of the dense int8 kernel: token block mi (rows [mi bm, mi bm + bm)) against bn weight rows, over its
+    split's K blocks, the wgmmas accumulating in int32 in place; the per-row and per-channel scales apply once after
+    the loop (copied into smem while it runs)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    w_refs, s_refs = refs[0 : 2 * nw : 2], refs[1 : 2 * nw : 2]
+    x_ref, xs_ref, o_ref = refs[2 * nw :]
+    ni, mi, k0 = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k") * ksteps
+    tile = pl.multiple_of(mi * t.bm, 16)
+    tiles = t.bn // BN
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def step(acc_refs, idx, *smems):
+        xt = smems[nw].transpose((1, 0))  # [128, bm]: K-major B
+        for i in range(nw):
+            for h in range(tiles):
+                plgpu.wgmma(acc_refs[i * tiles + h], smems[i].at[pl.ds(h * BN, BN)], xt)
+        plgpu.wgmma_wait(0)  # the step's slots are refilled after the body
+
+    int8_tile = smem_transforms(BLOCK, 1)
+    in_specs = [plgpu.BlockSpec((t.bn, BLOCK), lambda k: (ni, k0 + k), transforms=int8_tile)] * nw
+    in_specs.append(plgpu.BlockSpec((t.bm, BLOCK), lambda k: (mi, k0 + k), transforms=int8_tile))
+
+    def scope(ws_smem, xs_smem, bars):
+        for i in range(nw):  # the scales land while the loop runs
+            plgpu.copy_gmem_to_smem(s_refs[i].at[pl.ds(ni * t.bn, t.bn)], ws_smem.at[i], bars.at[i])
+        plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(tile, t.bm)], xs_smem, bars.at[nw])
+
+        def loop(*acc_refs):
+            plgpu.emit_pipeline(
+                functools.partial(step, acc_refs), grid=(ksteps,), in_specs=in_specs, max_concurrent_steps=t.stages
+            )(*w_refs, x_ref)
+            return tuple(r[...] for r in acc_refs)
+
+        sums = pl.run_scoped(loop, *[plgpu.ACC((BN, t.bm), jnp.int32)] * (nw * tiles))
+        for i in range(nw + 1):
+            plgpu.barrier_wait(bars.at[i])
+        xs = lax.broadcast_in_dim(plgpu.load(xs_smem, layout=col), (BN, t.bm), [1])
+        accs = []
+        for a, v in enumerate(sums):
+            ws = plgpu.load(ws_smem.at[a // tiles, pl.ds((a % tiles) * BN, BN)], layout=row)
+            accs.append(v.astype(jnp.float32) * lax.broadcast_in_dim(ws, (BN, t.bm), [0]) * xs)
+        _store(accs, o_ref=o_ref, nw=nw, t=t, ni=ni, tile=tile, off=0, count=jnp.minimum(t.bm, m - tile))
+
+    pl.run_scoped(
+        scope,
+        plgpu.SMEM((nw, t.bn), jnp.float32),
+        plgpu.SMEM((t.bm,), jnp.float32),
+        plgpu.Barrier(num_barriers=nw + 1),
+    )
+
+
+def _int8_kernel(body_args, out_type, grid):
+    """The dense int8 kernel of one launch, from static arguments only (as `_kernel`)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        functools.partial(_int8_body, *body_args),
+        out_type=out_type,
+        grid=grid,
+        grid_names=("n", "m", "k"),
+        kernel_name=f"dense_int8{'_gated' if body_args[0] == 2 else ''}",
+    )
+
+
+def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
+    """The dense int8 kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
+    (m, k), (n, _), nw = xq.shape, weights[0][0].shape, len(weights)
+    t = tiling or int8_tiling(m, nw, n, k)
+    _check_int8(xq, xs, weights, t)
+    rows = -(-m // t.bm) * t.bm  # whole token blocks: each block's rows and scales load in bounds
+    args = []
+    for q, s in weights:
+        args += [q, s.reshape(n)]
+    args += [jnp.pad(xq, ((0, rows - m), (0, 0))), jnp.pad(xs, (0, rows - m))]
+    out_type = (
+        jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+        if t.splits == 1
+        else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
+    )
+    body_args = (nw, -(-(k // BLOCK) // t.splits), m, t)
+    kern = functools.partial(_int8_kernel, body_args, out_type, (n // t.bn, rows // t.bm, t.splits))
+    return run_grouped(("dense_int8", body_args), kern, args, out_type, interpret, t.splits, nw)[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def int8_matmul(xq, xs, q, s, interpret: bool = False, tiling: Fp8Tiling | None = None):
+    """A dense int8 linear: xq [M, K] int8 with per-row scales xs [M] f32 (quantize_int8) times W stored as q [N, K]
+    int8 with per-output-channel scales s ([N] or [1, N] f32) -> [M, N] bf16, on the Mosaic GPU kernel (`interpret`:
+    its interpreter, any backend)."""
+    return _run_int8(xq, xs, ((q, s),), interpret, tiling)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def int8_gated_matmul(xq, xs, gate, up, interpret: bool = False, tiling: Fp8Tiling | None = None):
+    """silu(x @ Wg) * (x @ Wu) in one kernel, gate and up (q, s) pairs as in int8_matmul (a SwiGLU MLP's first half:
+    the product formed in f32 and rounded to bf16 once)."""
+    return _run_int8(xq, xs, (tuple(gate), tuple(up)), interpret, tiling)
+
+
+def int8_matmul_reference(xq, xs, q, s):
+    """int8_matmul's function in plain jnp: the exact int32 products, then both scales, in f32 -> [M, N] f32."""
+    acc = lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * xs[:, None] * s.reshape(1, -1)
