@@ -22,6 +22,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp, rms_norm
 from hcfjax.moe import moe
 from hcfjax.options import DEFAULT, Options
+from hcfjax.quant import linear
 from hcfjax.tensor_specs import stacked_shapes, tensor_specs, to_pytree
 
 
@@ -196,7 +197,7 @@ def mtp_module(
     """
     e = rms_norm(embed_table[next_tokens], p["enorm"], cfg.rms_norm_eps)
     h = rms_norm(h_prev, p["hnorm"], cfg.rms_norm_eps)
-    x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]
+    x = linear(jnp.concatenate([e, h], axis=-1), p["eh_proj"], opts)
     layer = cfg.num_hidden_layers + k
     x, ctx = decoder_layer(
         p["layer"], cfg, x, positions, ctx, layer, cfg.is_moe_layer(layer), absorbed, experts_fn, opts=opts

@@ -241,7 +241,7 @@ def int8_kernel_mode(x: jax.Array, w, opts: Options = DEFAULT) -> str:
 
     if not (isinstance(w, QWeight) and w.bits == 8 and w.act == "int8" and w.q.ndim == 2):
         return "reference"
-    if not (supports(w.k, w.n) and math.prod(x.shape[:-1]) <= INT8_MAX_ROWS):
+    if not (supports(w.k, w.n) and 0 < math.prod(x.shape[:-1]) <= INT8_MAX_ROWS):
         return "reference"
     return opts.mode("moe")
 

@@ -192,16 +192,17 @@ def _store(accs, *, o_ref, nw: int, t: Fp8Tiling, ni, tile, off, count):
     pl.run_scoped(scope, plgpu.SMEM((n_out, t.bm, t.bn), o_dtype))
 
 
-def _kernel(body_args, out_type, grid):
-    """The kernel of one launch, from static arguments only (lowering_cache may build it in another process)."""
+def _kernel(body, name: str, body_args, out_type, grid):
+    """The kernel of one launch (`body` and its static arguments, the first of them the weights' count), from
+    static arguments only (lowering_cache may build it in another process)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     return plgpu.kernel(
-        functools.partial(_body, *body_args),
+        functools.partial(body, *body_args),
         out_type=out_type,
         grid=grid,
         grid_names=("n", "m", "k"),
-        kernel_name=f"moe_fp8{'_gated' if body_args[0] == 2 else ''}",  # in profiles, ncu
+        kernel_name=f"{name}{'_gated' if body_args[0] == 2 else ''}",  # in profiles, ncu
     )
 
 
@@ -222,7 +223,9 @@ def _run(xq, xs, weights, group_sizes, interpret: bool, tiling: Fp8Tiling | None
         else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
     )
     body_args = (nw, k // BLOCK // t.splits, m, e, t)
-    kern = functools.partial(_kernel, body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits))
+    kern = functools.partial(
+        _kernel, _body, "moe_fp8", body_args, out_type, (n // t.bn, num_blocks(m, e, t.bm), t.splits)
+    )
     return run_grouped(("moe_fp8", body_args), kern, args, out_type, interpret, t.splits, nw)[:m]
 
 
@@ -259,11 +262,11 @@ MIN_INT8_SPLIT_STEPS = 4  # K blocks per split at least, for the dense int8 kern
 
 def int8_tiling(m: int, nw: int, n: int, k: int) -> Fp8Tiling:
     """A dense int8 call's tiling: token blocks of the rows rounded up to 16 (at most 128, 64 with gate and up), 64
-    weight rows a CTA, and split-K where a CTA per SM is more than the output tiles' weights: as many splits as keep
-    that within the SMs, each of 4 K blocks at least (a decode step's linears are a few output tiles over many K
-    blocks: V2-Lite's kv_a at 64 rows is 9 tiles over 16). More splits, or two CTAs an SM, measured slower: the
-    partials' sum is a pass over [splits, M, N] f32 (docs/kernels.md). A split count need not divide the K blocks:
-    the last split's loads past K land zeros, which add nothing."""
+    weight rows a CTA, and split-K where the output tiles leave SMs idle (a decode step's linears are a few output
+    tiles over many K blocks: V2-Lite's kv_a at 64 rows is 9 tiles over 16): as many splits as keep the CTAs, each
+    weight tile counted (gate and up count twice), within one an SM, each split 4 K blocks at least. More splits,
+    or two CTAs an SM, measured slower: the partials' sum is a pass over [splits, M, N] f32 (docs/kernels.md). A
+    split count need not divide the K blocks: the last split's loads past K land zeros, which add nothing."""
     bm = min(max(-(-m // 16) * 16, 16), 128 if nw == 1 else 64)
     tiles, kb = n // BN * -(-m // bm) * nw, k // BLOCK
     splits = 1
@@ -349,19 +352,6 @@ def _int8_body(nw: int, ksteps: int, m: int, t: Fp8Tiling, *refs):
     )
 
 
-def _int8_kernel(body_args, out_type, grid):
-    """The dense int8 kernel of one launch, from static arguments only (as `_kernel`)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.kernel(
-        functools.partial(_int8_body, *body_args),
-        out_type=out_type,
-        grid=grid,
-        grid_names=("n", "m", "k"),
-        kernel_name=f"dense_int8{'_gated' if body_args[0] == 2 else ''}",
-    )
-
-
 def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
     """The dense int8 kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
     (m, k), (n, _), nw = xq.shape, weights[0][0].shape, len(weights)
@@ -378,7 +368,9 @@ def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
         else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
     )
     body_args = (nw, -(-(k // BLOCK) // t.splits), m, t)
-    kern = functools.partial(_int8_kernel, body_args, out_type, (n // t.bn, rows // t.bm, t.splits))
+    kern = functools.partial(
+        _kernel, _int8_body, "dense_int8", body_args, out_type, (n // t.bn, rows // t.bm, t.splits)
+    )
     return run_grouped(("dense_int8", body_args), kern, args, out_type, interpret, t.splits, nw)[:m]
 
 
