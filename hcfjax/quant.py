@@ -233,15 +233,16 @@ def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT) -> jax.Array:
 
 def int8_kernel_mode(x: jax.Array, w, opts: Options = DEFAULT) -> str:
     """opts.mode("moe") for a dense layer's int8 per-channel weight with int8 activations (w4a8c8's and w8a8's
-    linears; pallas_kernels.moe_fp8.int8_matmul) where the kernel suits the call: whole 128-channel K blocks, N in
-    64-row tiles, and up to INT8_MAX_ROWS rows (decode steps; a prefill chunk's products stay on XLA's int8 GEMMs).
+    linears; pallas_kernels.moe_fp8.int8_matmul) where the kernel suits the call: bf16 tokens (it writes bf16),
+    whole 128-channel K blocks, N in 64-row tiles, and up to INT8_MAX_ROWS rows (decode steps; a prefill chunk's
+    products stay on XLA's int8 GEMMs).
     Unlike the experts, a forced kernel mode does not force it elsewhere: the same computation runs on XLA there,
     so a model whose small linears the kernel cannot take still runs its experts on the kernel."""
     from pallas_kernels.moe_fp8 import INT8_MAX_ROWS, supports
 
     if not (isinstance(w, QWeight) and w.bits == 8 and w.act == "int8" and w.q.ndim == 2):
         return "reference"
-    if not (supports(w.k, w.n) and 0 < math.prod(x.shape[:-1]) <= INT8_MAX_ROWS):
+    if x.dtype != jnp.bfloat16 or not (supports(w.k, w.n) and 0 < math.prod(x.shape[:-1]) <= INT8_MAX_ROWS):
         return "reference"
     return opts.mode("moe")
 

@@ -66,7 +66,7 @@ def test_model_linears_take_the_kernel_where_options_say():
     """quant.linear and quant.gated_linear run int8 per-channel weights on the kernel (interpreted) where the options
     say and the shapes suit it, with the same per-row quantisation as XLA's path: the one-weight product is that
     path's bits, the gated one its f32 function rounded once. Elsewhere (bf16 weights, K not whole 128-channel
-    blocks, more than INT8_MAX_ROWS rows, CPUs by default) XLA's path."""
+    blocks, more than INT8_MAX_ROWS rows, float32 tokens, CPUs by default) XLA's path."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(3, 7, 256)), jnp.bfloat16)
     g, u = (quant.quantize(jnp.asarray(rng.normal(size=(256, 128)) * 0.05), bits=8, act="int8") for _ in range(2))
@@ -76,7 +76,8 @@ def test_model_linears_take_the_kernel_where_options_say():
     assert (
         quant.int8_kernel_mode(x[..., :192], quant.quantize(jnp.ones((192, 128)), 8, "int8"), INTERPRET) == "reference"
     )
-    assert quant.int8_kernel_mode(jnp.zeros((INT8_MAX_ROWS + 1, 256)), g, INTERPRET) == "reference"
+    assert quant.int8_kernel_mode(jnp.zeros((INT8_MAX_ROWS + 1, 256), jnp.bfloat16), g, INTERPRET) == "reference"
+    assert quant.int8_kernel_mode(x.astype(jnp.float32), g, INTERPRET) == "reference"  # the kernel writes bf16
     np.testing.assert_array_equal(np.asarray(quant.linear(x, g, INTERPRET)), np.asarray(quant.linear(x, g)))
     xq, xs = quant.quantize_int8(x.reshape(-1, 256))
     want = _silu(_exact(xq, xs, g.q, g.scale)) * _exact(xq, xs, u.q, u.scale)
