@@ -102,12 +102,17 @@ def _check(xq, xs, weights, group_sizes, t: Fp8Tiling):
             raise ValueError(f"the kernel needs K (={k}) a multiple of {BLOCK} and N (={n}) of {BN}")
         if group_sizes.shape != (e,):
             raise ValueError(f"group_sizes must be [E={e}], got {group_sizes.shape}")
-    if weights[0][0].shape != weights[-1][0].shape:
-        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
-    if t.bn not in (64, 128) or weights[0][0].shape[1] % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
-        raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
+    _check_pair_and_blocks(weights, weights[0][0].shape[1], t)
     if t.splits < 1 or (k // BLOCK) % t.splits:
         raise ValueError(f"tiling {t}: the splits must divide the {k // BLOCK} K blocks")
+
+
+def _check_pair_and_blocks(weights, n: int, t: Fp8Tiling):
+    """Both kernels: gate and up of one shape, and the tiling's blocks within the MMAs' limits and dividing N."""
+    if weights[0][0].shape != weights[-1][0].shape:
+        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
+    if t.bn not in (64, 128) or n % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
+        raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
 
 
 def _body(nw: int, ksteps: int, m: int, n_experts: int, t: Fp8Tiling, gs_ref, *refs):
@@ -271,10 +276,18 @@ def int8_tiling(m: int, nw: int, n: int, k: int) -> Fp8Tiling:
     tiles, kb = n // BN * -(-m // bm) * nw, k // BLOCK
     splits = 1
     for s in range(2, kb + 1):
-        steps = -(-kb // s)
-        if steps >= MIN_INT8_SPLIT_STEPS and (s - 1) * steps < kb and tiles * s <= SMS:
+        if (split_steps(kb, s) or 0) >= MIN_INT8_SPLIT_STEPS and tiles * s <= SMS:
             splits = s
-    return Fp8Tiling(bm=bm, bn=BN, stages=min(4, -(-kb // splits)), splits=splits)
+    return Fp8Tiling(bm=bm, bn=BN, stages=min(4, split_steps(kb, splits)), splits=splits)
+
+
+def split_steps(kb: int, splits: int) -> int | None:
+    """The K blocks each of `splits` splits of kb K blocks runs (the last split's loads past K land zeros), or None
+    where some split would have none."""
+    if splits < 1:
+        return None
+    steps = -(-kb // splits)
+    return steps if (splits - 1) * steps < kb else None
 
 
 def _check_int8(xq, xs, weights, t: Fp8Tiling):
@@ -290,11 +303,8 @@ def _check_int8(xq, xs, weights, t: Fp8Tiling):
             raise ValueError(f"s must be f32 per output channel ({q.shape[0]} values), got {s.dtype} {s.shape}")
         if not supports(k, q.shape[0]):
             raise ValueError(f"the kernel needs K (={k}) a multiple of {BLOCK} and N (={q.shape[0]}) of {BN}")
-    if weights[0][0].shape != weights[-1][0].shape:
-        raise ValueError(f"gate and up differ: {weights[0][0].shape} vs {weights[-1][0].shape}")
-    if t.bn not in (64, 128) or weights[0][0].shape[0] % t.bn or t.bm % 16 or not 16 <= t.bm <= 256:
-        raise ValueError(f"tiling {t}: bn 64 or 128 dividing N, bm a multiple of 16 in [16, 256]")
-    if not 1 <= t.splits <= k // BLOCK or (t.splits - 1) * -(-(k // BLOCK) // t.splits) >= k // BLOCK:
+    _check_pair_and_blocks(weights, weights[0][0].shape[0], t)
+    if split_steps(k // BLOCK, t.splits) is None:
         raise ValueError(f"tiling {t}: each of the splits needs one of the {k // BLOCK} K blocks at least")
 
 
@@ -367,7 +377,7 @@ def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
         if t.splits == 1
         else jax.ShapeDtypeStruct((t.splits, rows, nw * n), jnp.float32)
     )
-    body_args = (nw, -(-(k // BLOCK) // t.splits), m, t)
+    body_args = (nw, split_steps(k // BLOCK, t.splits), m, t)
     kern = functools.partial(
         _kernel, _int8_body, "dense_int8", body_args, out_type, (n // t.bn, rows // t.bm, t.splits)
     )
