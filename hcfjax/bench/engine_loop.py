@@ -50,6 +50,7 @@ class Timings:
                 t0 = time.perf_counter()
                 out = fn(*args)
                 self.seconds[part] += time.perf_counter() - t0
+                self.calls[part] += 1
                 return out
 
             return call
@@ -66,6 +67,12 @@ class Timings:
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = dict.fromkeys(self.PARTS, 0)
+
+    def per_iteration(self) -> dict[str, float]:
+        """Seconds of each part per loop iteration (an iteration plans once)."""
+        n = max(1, self.calls["plan"])
+        return {k: v / n for k, v in self.seconds.items()}
 
 
 def decoding(engine) -> bool:
@@ -88,6 +95,15 @@ def write_records(path: str, planes) -> None:
     with open(path, "w") as f:
         for ev in events:
             f.write(f"{ev.name}\t{(ev.start_ns - t0) / 1e3:.1f}\t{ev.duration_ns / 1e3:.1f}\n")
+
+
+def kernel_differences(engine: dict[str, float], offline: dict[str, float], n: int = 10) -> str:
+    """The n kernel names whose time per step differs most between the engine's step and the offline one (engine
+    minus offline, ms; a name only one side runs counts fully), then the sums of both sides."""
+    diff = {k: engine.get(k, 0.0) - offline.get(k, 0.0) for k in engine.keys() | offline.keys()}
+    top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:n]
+    sums = f"all kernels {sum(engine.values()) * 1e3:.2f} against {sum(offline.values()) * 1e3:.2f}"
+    return ", ".join(f"{k[:40]} {v * 1e3:+.3f}" for k, v in top) + f"; {sums}"
 
 
 def loop_case(
@@ -130,7 +146,7 @@ def loop_case(
 
 
 def main(argv=None) -> None:
-    from hcfjax.bench.generate import decode_rate
+    from hcfjax.bench.generate import decode_kernels, decode_rate
     from hcfjax.engine import Engine, EngineConfig
     from hcfjax.serving.config import SCHEMES, load_model
 
@@ -182,13 +198,15 @@ def main(argv=None) -> None:
     for batch in args.batches:
         row = loop_case(engine, timings, batch, args.context, args.steps, args.profile, rng, args.records)
         covered = f"{sum(row['kernels'].values()) / row['wall']:.0%}" if row["kernels"] else "n/a"
-        offline = "n/a | n/a"
+        offline, offline_kernels = "n/a | n/a", None
         if args.offline:  # (beside the engine's cache: both fit at these sizes)
-            stats, _ = decode_rate(
+            stats, gen = decode_rate(
                 model, batch, args.context, 2 * args.steps, config.options, rng, max_prefill_tokens=args.context
             )
             step = 1 / stats["decode_tokens_per_s"] * batch
             offline = f"{step * 1e3:.2f} | {step / row['wall']:.0%}"
+            if args.profile:
+                offline_kernels = decode_kernels(gen, 2 * args.steps)
         ms = lambda k, row=row: f"{row[k] * 1e3:.2f}"  # noqa: E731
         print(
             f"| {row['batch']} | {ms('wall')} | {covered} | {ms('plan')} | {ms('dispatch')} | {ms('wait')} | "
@@ -205,6 +223,8 @@ def main(argv=None) -> None:
                 f"({n['copy_s'] * 1e3:.2f} ms)",
                 flush=True,
             )
+        if row["kernels"] and offline_kernels:
+            print(f"  engine against offline, ms per step: {kernel_differences(row['kernels'], offline_kernels)}")
 
 
 if __name__ == "__main__":

@@ -195,17 +195,21 @@ def floor_cells(floor: float | None, took: float, fmt: str) -> str:
     return f"{floor * 1e3:{fmt}} ms | {floor / took:.0%}"
 
 
+def decode_kernels(gen, new_tokens: int) -> dict[str, float]:
+    """Seconds per decode step by kernel name of generate's offline decode: a trace of gen(new_tokens) less one of
+    gen(1) (the prefill and the first token), over its new_tokens - 1 steps."""
+    sync = lambda _: None  # noqa: E731 (generate returns host values)
+    whole = kernel_times(lambda: gen(new_tokens), reps=1, wait=sync)
+    first = kernel_times(lambda: gen(1), reps=1, wait=sync)
+    return {k: (v - first.get(k, 0.0)) / (new_tokens - 1) for k, v in whole.items()}
+
+
 def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:
     """Table rows: the decode's kernels per step (a trace of gen(new_tokens) less one of gen(1), the prefill and the
     first token), the `top` longest, then all of them against the step's wall time; and the `top` kernels' names."""
-    sync = lambda _: None  # noqa: E731 (generate returns host values)
-    whole = kernel_times(lambda: gen(new_tokens), reps=1, wait=sync)
-    if not whole:
+    per = {k: v for k, v in decode_kernels(gen, new_tokens).items() if v > 0}
+    if not per:
         return [f"| {batch} | (no GPU kernels in the trace) | | |"], []
-    prefill = kernel_times(lambda: gen(1), reps=1, wait=sync)
-    steps = new_tokens - 1
-    per = {k: (v - prefill.get(k, 0.0)) / steps for k, v in whole.items()}
-    per = {k: v for k, v in per.items() if v > 0}
     longest = sorted(per.items(), key=lambda kv: -kv[1])[:top]
     rows = [f"| {batch} | {name[:60]} | {t * 1e6:,.1f} | {t / step:.1%} |" for name, t in longest]
     total = sum(per.values())

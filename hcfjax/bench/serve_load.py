@@ -64,6 +64,9 @@ class StepStats:
 
         engine.runner.dispatch = observed
         engine._process = processed
+        from hcfjax.bench.engine_loop import Timings
+
+        self.host = Timings(engine)  # the loop thread's own time, per iteration
 
     def reset(self) -> None:
         self.decode_steps = self.decode_rows = self.rows_run = self.context_tokens = 0
@@ -71,6 +74,8 @@ class StepStats:
         self.count = dict.fromkeys(self.KINDS, 0)
         self.prefill_tokens = dict.fromkeys(self.KINDS, 0)
         self._last_done = 0.0
+        if hasattr(self, "host"):
+            self.host.reset()
 
     @property
     def decode_batch(self) -> float:
@@ -90,7 +95,7 @@ class StepStats:
     def split(self) -> dict:
         """Per kind of step: steps, seconds, mean milliseconds a step, prefill tokens a step; and the decode rows
         run a step."""
-        return {"decode_rows_run": self.decode_rows_run} | {
+        kinds = {
             k: {
                 "steps": self.count[k],
                 "seconds": self.seconds[k],
@@ -99,10 +104,15 @@ class StepStats:
             }
             for k in self.KINDS
         }
+        host = {f"host_{k}_ms": 1e3 * v for k, v in self.host.per_iteration().items()}
+        return {"decode_rows_run": self.decode_rows_run} | host | kinds
 
 
 def time_split(split: dict, wall: float) -> str:
-    """A sentence on where a run's wall time went, by kind of engine step (StepStats.split)."""
+    """A sentence on where a run's wall time went, by kind of engine step (StepStats.split), and the loop thread's
+    own time an iteration: its plan, dispatch, wait for a step's tokens and their processing (engine_loop.Timings)."""
+    from hcfjax.bench.engine_loop import Timings
+
     parts = []
     for kind in StepStats.KINDS:
         s = split[kind]
@@ -116,7 +126,10 @@ def time_split(split: dict, wall: float) -> str:
     return (
         f"Engine time over the {wall:.1f} s run: "
         + "; ".join(parts)
-        + f"; no step in flight {wall - busy:.1f} s. Decode rows run a step: {split['decode_rows_run']:.1f}."
+        + f"; no step in flight {wall - busy:.1f} s. Decode rows run a step: {split['decode_rows_run']:.1f}. "
+        + "The loop's host work an iteration (ms): "
+        + ", ".join(f"{k} {split[f'host_{k}_ms']:.2f}" for k in Timings.PARTS if f"host_{k}_ms" in split)
+        + "."
     )
 
 
