@@ -86,7 +86,18 @@ def _decode(xla: tuple):
     return jax.jit(decode_steps, static_argnames=static, donate_argnames=("state",), compiler_options=dict(xla) or None)
 
 
-MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests)
+MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests, or a batch's padding)
+ROW_MULTIPLE = 8  # a batch of several rows decodes in a multiple of this many rows per rank (see padded_rows)
+
+
+def padded_rows(b_real: int, ranks: int) -> int:
+    """Rows a batch of b_real prompts decodes in over `ranks` ranks: the same number on every rank, a multiple of
+    ROW_MULTIPLE where a rank has more than one. XLA's GPU products over a row count that is not a multiple of 8
+    fall back to slower kernels; the mock rows that fill the batch skip the routed experts and write nothing."""
+    per_rank = -(-b_real // ranks)
+    if per_rank > 1:
+        per_rank = -(-per_rank // ROW_MULTIPLE) * ROW_MULTIPLE
+    return per_rank * ranks
 
 
 def generate(
@@ -145,7 +156,7 @@ def generate(
     n_layers = cfg.num_hidden_layers + (len(model.params["mtp"]) if speculative else 0)
 
     ranks = 1 if decode_plan is None else decode_plan.ranks
-    b = -(-b_real // ranks) * ranks  # mock rows give every rank the same number
+    b = padded_rows(b_real, ranks)
     rows, per_req = ids + [MOCK_PROMPT] * (b - b_real), per_req + [SamplingParams()] * (b - b_real)
     lengths = np.array([len(p) for p in rows], np.int32)
     t = bucket(int(lengths.max()))
@@ -211,6 +222,7 @@ def generate(
     n_prompt = int(lengths[:b_real].sum())
     stats = {
         "batch": b_real,
+        "rows": b,  # (padded_rows)
         "prompt_tokens": n_prompt,
         "new_tokens": n_new,
         "prefill_s": t1 - t0,

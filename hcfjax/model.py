@@ -52,20 +52,22 @@ def decoder_layer(
     experts_fn=None,
     with_load=False,
     opts: Options = DEFAULT,
+    real=None,
 ):
     """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D].
 
     Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load (True, or a bool mask
-    [B, T] of the tokens to count)."""
+    [B, T] of the tokens to count). real: a bool mask [B, T] of the tokens whose output counts, or None (all):
+    the others skip the routed experts (moe.moe)."""
     h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed, opts)
     x = x + h
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if not is_moe:
         return x + mlp(p["mlp"], h, opts), ctx
     if with_load is not False:
-        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts)
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts, real)
         return x + y, ctx, load
-    return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts), ctx
+    return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts, real=real), ctx
 
 
 def run_layers(
@@ -79,10 +81,11 @@ def run_layers(
     with_load=False,
     unroll: int | bool = 1,
     opts: Options = DEFAULT,
+    real=None,
 ):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
-    layer on the side of the forward). unroll: lax.scan's, per run of layers."""
+    layer on the side of the forward). unroll: lax.scan's, per run of layers. real: decoder_layer's."""
     loads = []
     if absorbed:
         ctx = with_decode_plan(cfg, ctx, positions, opts)  # one MLA kernel plan for every layer (when it runs)
@@ -92,8 +95,9 @@ def run_layers(
         def body(carry, xs, is_moe=is_moe, collect=collect):
             x, ctx = carry
             p, layer = xs
+            load_mask = with_load if collect else False
             x, ctx, *load = decoder_layer(
-                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, with_load if collect else False, opts
+                p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, load_mask, opts, real
             )
             return (x, ctx), (load[0] if collect else None)
 
@@ -132,12 +136,15 @@ def hidden_states(
     experts_fn=None,
     with_load=False,
     opts: Options = DEFAULT,
+    real=None,
 ):
     """tokens [B, T] at positions [B, T] -> (final-normed hidden [B, T, D], ctx).
 
     experts_fn: how routed experts run (default local; sharding/ep.py gives the expert-parallel one).
     with_load: also return the tokens routed to each expert of every MoE layer [n_moe_layers, E]; True counts every
     token, a bool mask [B, T] only its tokens (so padding and mock rows do not count).
+    real: a bool mask [B, T] of the tokens whose output the caller reads, or None (all): the others (a prefill
+    chunk's padding, a decode step's inactive rows) skip the routed experts.
 
     Decode forwards (absorbed) unroll the layer loops where opts.unroll_decode says so, and one query token (batch-1
     decode) runs as two identical rows where `two_rows` does."""
@@ -145,7 +152,7 @@ def hidden_states(
     if two_rows(tokens, ctx, experts_fn, opts):
         return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load, unroll, opts)
     x, ctx, *load = run_layers(
-        params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load, unroll, opts
+        params, cfg, embed(params, tokens), positions, ctx, absorbed, experts_fn, with_load, unroll, opts, real
     )
     return (final_hidden(params, cfg, x), ctx, *load)
 

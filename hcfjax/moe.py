@@ -92,8 +92,10 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
         h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, opts=opts)  # silu(xs gate) * (xs up) [N*K, F]
         y = ragged_dot(h, p["down"], group_sizes, opts=opts)  # [N*K, D]
     # Each token's K copies gathered back from their sorted rows and summed with the routing weights: one fusion,
-    # where a scatter-add into zeros is three kernels (zeros, the weights' gather, the scatter).
+    # where a scatter-add into zeros is three kernels (zeros, the weights' gather, the scatter). Copies routed past
+    # the last expert (padding) lie outside every group, where the products leave any value: they count zero.
     copies = y[pos].reshape(n, k, -1).astype(jnp.float32)
+    copies = jnp.where((ids < num_experts)[..., None], copies, 0.0)
     return (copies * weights[..., None]).sum(1).astype(x.dtype)
 
 
@@ -126,18 +128,32 @@ def by_expert(flat: jax.Array, num_experts: int, pairwise: bool) -> tuple[jax.Ar
     return order, jnp.zeros(m, jnp.int32).at[order].set(idx, unique_indices=True)
 
 
-def moe(p: dict, cfg: ModelConfig, x: jax.Array, experts_fn=None, with_load=False, opts: Options = DEFAULT):
+def moe(
+    p: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    experts_fn=None,
+    with_load=False,
+    opts: Options = DEFAULT,
+    real: jax.Array | None = None,
+):
     """x [..., D] -> routed experts + shared experts (and, with_load, tokens routed to each expert [E] for EPLB).
 
     with_load: False, True (count every token) or a bool mask [...] of the tokens to count (padding rows of a
     batch route too, but must not count as load).
+    real: a bool mask [...] of the tokens that are not padding (a decode step's inactive rows, a prefill chunk's
+    padded tokens), or None (all are). With the local experts, padding tokens go to no expert: the grouped
+    products skip their copies, and their routed output is zero.
 
     experts_fn(p, x, weights, ids, opts) runs the routed experts (default: all experts local, `experts`); an
     expert-parallel plan passes its own (sharding/ep.py) with the same contract."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(p, cfg, flat)
-    out = (experts_fn or experts)(p["experts"], flat, weights, ids, opts)
+    routed = ids
+    if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last
+        routed = jnp.where(real.reshape(-1, 1), ids, p["experts"]["gate"].shape[0])
+    out = (experts_fn or experts)(p["experts"], flat, weights, routed, opts)
     if "shared" in p:
         out = out + mlp(p["shared"], flat, opts)
     if with_load is not False:

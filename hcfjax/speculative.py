@@ -337,8 +337,9 @@ def spec_step(
     # 1. target forward over [last, drafts]
     toks = jnp.concatenate([d.last[:, None], d.drafts], axis=1)  # [B, k+1]
     pos = d.pos[:, None] + jnp.arange(k + 1)
-    ctx = CacheContext(cache, page_table, d.pos + k + 1, jnp.broadcast_to(live[:, None], toks.shape))
-    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn, opts=opts)
+    rows = jnp.broadcast_to(live[:, None], toks.shape)  # (rows that do not step skip the routed experts)
+    ctx = CacheContext(cache, page_table, d.pos + k + 1, rows)
+    h, ctx = hidden_states(params, cfg, toks, pos, ctx, absorbed=True, experts_fn=experts_fn, opts=opts, real=rows)
     # 2. verification
     lg = logits(params, h)
     branch_free = opts.on("branch_free_sampling")

@@ -123,8 +123,9 @@ def prefill_layer(p, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, pag
     for prompts of n [B] tokens: the layer-major prefill of the PD prefill worker. -> (x, cache)."""
     t = x.shape[1]
     pos = jnp.broadcast_to(start + jnp.arange(t)[None], x.shape[:2])
-    ctx = CacheContext(cache, page_table, jnp.minimum(start + t, n), pos < n[:, None])
-    x, ctx = decoder_layer(p, cfg, x, pos, ctx, layer, is_moe, absorbed=False, opts=opts)
+    real = pos < n[:, None]
+    ctx = CacheContext(cache, page_table, jnp.minimum(start + t, n), real)
+    x, ctx = decoder_layer(p, cfg, x, pos, ctx, layer, is_moe, absorbed=False, opts=opts, real=real)
     return x, ctx.cache
 
 
@@ -156,7 +157,7 @@ def step(
         real = jnp.arange(t)[None] < pre.n[:, None]
         ctx = CacheContext(cache, pre.page_table, pre.start + pre.n, real)
         counted = real if with_load else False
-        h, ctx, *loads = hidden_states(params, cfg, pre.tokens, pos, ctx, False, experts_fn, counted, opts)
+        h, ctx, *loads = hidden_states(params, cfg, pre.tokens, pos, ctx, False, experts_fn, counted, opts, real)
         first, d, cache = finish_prefill(params, cfg, h, pre, ctx.cache, spec, opts, experts_fn)
         tok = tok.at[pre.slot].set(first, mode="drop")
         length = length.at[pre.slot].set(pre.start + pre.n, mode="drop")
@@ -179,7 +180,8 @@ def step(
         t, n = head(tok), head(length)
         ctx = CacheContext(cache, dec.page_table, n + 1, dec.active[:, None])
         counted = dec.active[:, None] if with_load else False
-        h, ctx, *load = hidden_states(params, cfg, t[:, None], n[:, None], ctx, True, experts_fn, counted, opts)
+        active = dec.active[:, None]
+        h, ctx, *load = hidden_states(params, cfg, t[:, None], n[:, None], ctx, True, experts_fn, counted, opts, active)
         loads += load
         cache = ctx.cache
         branch_free = opts.on("branch_free_sampling")

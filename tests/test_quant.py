@@ -259,3 +259,32 @@ def test_gated_ragged_dot_dispatch(monkeypatch, act, fused):
         gl = jnp.array([200, 200], jnp.int32)
         hq, hs = quant.gated_ragged_dot(xl, w, w, gl, x_q=quantize_int8(xl), quant_out=True, opts=opts)
         assert calls == [("fused", True, False)] and hq.dtype == jnp.int8 and hs.shape[0] == 1
+
+
+@pytest.mark.parametrize("mode", ["reference", "interpret", "rows past the groups hold NaN"])
+def test_padding_tokens_skip_the_experts(mode, monkeypatch):
+    """A batch's padding (moe.moe's real mask False: a prefill chunk's padded tokens, a decode step's inactive rows)
+    is routed past the last expert: its copies are in no group, so the grouped products (the reference, and the
+    int4 kernels run by their interpreter) skip them. The real tokens' outputs are exactly those of the real tokens
+    alone; the padding's routed output is zero, whatever the products leave in rows past the groups (a GPU kernel
+    leaves them unwritten: NaN here)."""
+    from hcfjax import moe
+    from hcfjax.options import Options
+
+    if mode.startswith("rows"):
+        down = moe.ragged_dot
+
+        def nan_past_groups(h, w, group_sizes, *args, **kwargs):
+            y = down(h, w, group_sizes, *args, **kwargs)
+            return jnp.where(jnp.arange(y.shape[0])[:, None] < group_sizes.sum(), y, jnp.nan)
+
+        monkeypatch.setattr(moe, "ragged_dot", nan_past_groups)
+        mode = "reference"
+    (p, x, ids, weights), _ = _w4a8_experts(f=128)
+    real = np.array([True, False, True, True, False, True])
+    opts = Options(moe=mode)
+    got = np.asarray(moe.experts(p, x, weights, jnp.where(real[:, None], ids, 4), opts), np.float32)
+    alone = np.asarray(moe.experts(p, x[real], weights[real], ids[real], opts), np.float32)
+    np.testing.assert_array_equal(got[real], alone)
+    np.testing.assert_array_equal(got[~real], 0.0)
+    assert np.abs(alone).min(1).max() > 0  # (real rows are not zero themselves)
