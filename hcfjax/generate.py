@@ -87,15 +87,17 @@ def _decode(xla: tuple):
 
 
 MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests, or a batch's padding)
-ROW_MULTIPLE = 8  # a batch of several rows decodes in a multiple of this many rows per rank (see padded_rows)
+ROW_MULTIPLE = 8  # a batch of several rows decodes in a multiple of this many rows on one device (padded_rows)
 
 
 def padded_rows(b_real: int, ranks: int) -> int:
-    """Rows a batch of b_real prompts decodes in over `ranks` ranks: the same number on every rank, a multiple of
-    ROW_MULTIPLE where a rank has more than one. XLA's GPU products over a row count that is not a multiple of 8
-    fall back to slower kernels; the mock rows that fill the batch skip the routed experts and write nothing."""
+    """Rows a batch of b_real prompts decodes in over `ranks` ranks: the same number on every rank; on one device, a
+    multiple of ROW_MULTIPLE where there is more than one. XLA's GPU products over a row count that is not a
+    multiple of 8 fall back to slower kernels, and the mock rows that fill the batch skip the routed experts and
+    write nothing. Under a decode plan the mock rows would travel the expert-parallel exchange: no more than the
+    plan needs there."""
     per_rank = -(-b_real // ranks)
-    if per_rank > 1:
+    if ranks == 1 and per_rank > 1:
         per_rank = -(-per_rank // ROW_MULTIPLE) * ROW_MULTIPLE
     return per_rank * ranks
 

@@ -18,6 +18,7 @@ from tests.engine_helpers import stop_across_tokens
 def test_ragged_batch_equals_each_prompt_alone(v3_model):
     prompts = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]
     together = hcfjax.generate(v3_model, prompts, max_new_tokens=6, stop_token_ids=[])
+    assert together.stats["rows"] == 8  # padded with mock rows (generate.padded_rows), which change nothing
     for p, toks in zip(prompts, together.tokens, strict=False):
         alone = hcfjax.generate(v3_model, [p], max_new_tokens=6, stop_token_ids=[])
         assert alone.tokens[0] == toks
