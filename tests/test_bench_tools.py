@@ -219,6 +219,17 @@ def test_engine_step_cases_and_floors():
     assert floor_s(model.cfg, model.params, Case(1, 512, 0), jnp.bfloat16, None, None) is None
 
 
+def test_kernel_differences_rank_by_size_either_way():
+    """engine_loop's engine-against-offline list: the largest differences first whichever side is longer, a kernel
+    only one side runs counted whole, and both sides' sums."""
+    from hcfjax.bench.engine_loop import kernel_differences
+
+    engine = {"mla": 1.45e-3, "gemm_24_rows": 0.1e-3, "moe": 1.65e-3}
+    offline = {"mla": 1.3e-3, "wmma_23_rows": 0.5e-3, "moe": 1.65e-3}
+    said = kernel_differences(engine, offline, n=3)
+    assert said == "wmma_23_rows -0.500, mla +0.150, gemm_24_rows +0.100; all kernels 3.20 against 3.45"
+
+
 def test_engine_loop_times_a_decoding_batch():
     """bench.engine_loop drives the engine's own loop: every request of the batch decodes in the timed steps, the
     host's parts add up to no more than the wall time, and the engine is empty again for the next batch."""

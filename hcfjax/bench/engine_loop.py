@@ -11,7 +11,8 @@ under the profiler, whose GPU kernel records give the kernels' time per step: co
 launch gaps and host work the device waits for). The host's part of an iteration is split into the plan
 (`Scheduler.schedule`), the dispatch (inputs and the jitted calls' launch) and the processing of the previous step's
 tokens (after they are on the host; the wait for them is counted apart). Offline: bench.generate.decode_rate at the
-same batch and context, generate's decode loop.
+same batch and context, generate's decode loop; with --profile too, the kernels whose time per step differs most
+between the engine's step and generate's.
 """
 
 from __future__ import annotations
