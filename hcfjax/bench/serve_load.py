@@ -34,7 +34,6 @@ class StepStats:
     def __init__(self, engine):
         import jax
 
-        self.reset()
         dispatch, process = engine.runner.dispatch, engine._process
         in_flight = collections.deque()
 
@@ -66,7 +65,8 @@ class StepStats:
         engine._process = processed
         from hcfjax.bench.engine_loop import Timings
 
-        self.host = Timings(engine)  # the loop thread's own time, per iteration
+        self.host = Timings(engine)  # the loop thread's own time, per iteration (wraps the wrappers above)
+        self.reset()
 
     def reset(self) -> None:
         self.decode_steps = self.decode_rows = self.rows_run = self.context_tokens = 0
@@ -74,8 +74,7 @@ class StepStats:
         self.count = dict.fromkeys(self.KINDS, 0)
         self.prefill_tokens = dict.fromkeys(self.KINDS, 0)
         self._last_done = 0.0
-        if hasattr(self, "host"):
-            self.host.reset()
+        self.host.reset()
 
     @property
     def decode_batch(self) -> float:
