@@ -153,6 +153,13 @@ def head_tiles(h: int, t: int, qk8: bool = False) -> tuple[int, int, int]:
     return heads, q_heads, stack
 
 
+def transposes(q_heads: int, stack: int, qk8: bool = False) -> bool:
+    """Whether the kernel runs transposed by default (KernelSpec.transposed): for tiles of at most 16 query rows. At
+    16 heads it measured 1.13-1.15x the padded tile with an int8 cache and level with bf16; with 3 x 16 stacked rows
+    it was 0.84x (int8) and 0.67x (bf16) (docs/kernels.md)."""
+    return bool(q_heads) and not qk8 and q_heads * stack <= 16
+
+
 def mla_plan(
     lengths,
     max_pages: int,
@@ -200,6 +207,7 @@ def mla_decode(
     qk8=False,
     profile="",
     f16=None,
+    transposed=None,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -219,7 +227,9 @@ def mla_decode(
     head here (`quantize_queries`: a scale per head for each of the latent's halves and the rope, as the cache
     quantises each token). `f16` (int8 caches without qk8; default on there): the kernel converts the cache, and the
     queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16). `profile`: "DIR[:RANGES]" builds the kernel
-    with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline).
+    with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline). `transposed` (None: wherever
+    a tile holds at most 16 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
+    does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -238,6 +248,10 @@ def mla_decode(
     # Fewer heads than one tile (V2-Lite's 16) are not padded here nor sliced after; other counts are padded to
     # whole tiles (head_tiles).
     heads, q_heads, stack = head_tiles(h, t, qk8)
+    if transposed and not (q_heads and not qk8):
+        raise ValueError(f"transposed needs fewer than {BLOCK} heads (a multiple of 8) and no qk8, got {h} heads")
+    if transposed is None:
+        transposed = transposes(q_heads, stack, qk8)
     if f16 is None:
         f16 = quant and not qk8
     qs = None
@@ -287,6 +301,7 @@ def mla_decode(
         profile=profile,
         q_heads=q_heads,
         stack=stack,
+        transposed=transposed,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
 

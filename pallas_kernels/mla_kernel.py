@@ -42,6 +42,11 @@ Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's 
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
 
+Transposed tiles (`KernelSpec.transposed`, tiles of at most 16 query rows by default: V2-Lite's 16 heads): the same
+schedule with the MMAs turned around, S^T = K Q^T [64 keys, q_rows] and O^T = V^T P^T [C/2, q_rows] per warpgroup,
+the softmax down S^T's columns, P^T staged as [q_rows, 64] in the rope part; the padded rows of a 64-row tile cost
+nothing.
+
 Outputs: a unit writes its normalized bf16 rows and lse either straight to the output (the row's only unit) or to
 its partial slot, as the work list says (mla_schedule.DIRECT / slot).
 """
@@ -77,20 +82,25 @@ __all__ = ["REGISTERS", "KernelSpec", "attention", "check_registers", "profile_p
 _LN2 = math.log(2.0)
 
 
-def _pv(acc, p_smem, v_smem, interpret: bool):
-    """acc + P @ V with P, V in smem. On the GPU the accumulator is fed to wgmma in place (pl.run_state, which waits
-    for the MMA); GPU interpret mode has no run_state, so there it is a fresh accumulator added in registers."""
+def _pv(acc, p_smem, v_smem, spec: KernelSpec):
+    """acc + P @ V with P, V in smem (transposed: acc^T + V^T @ P^T, P^T staged as [q_rows, 64]). On the GPU the
+    accumulator is fed to wgmma in place (pl.run_state, which waits for the MMA); GPU interpret mode has no run_state,
+    so there it is a fresh accumulator added in registers."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if interpret:
+    if spec.transposed:
+        a, b = v_smem.transpose((1, 0)), p_smem.transpose((1, 0))
+    else:
+        a, b = p_smem, v_smem
+    if spec.interpret:
 
         def fresh(r):
-            plgpu.wgmma(r, p_smem, v_smem)
+            plgpu.wgmma(r, a, b)
             return r[...]
 
         return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda r: plgpu.wgmma(r, p_smem, v_smem))(plgpu.ACC.init(acc))
+    return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
 
 
 def _finish(m, den):
@@ -101,14 +111,24 @@ def _finish(m, den):
     return inv_l, lse
 
 
-def _init(half):
+def _init(spec: KernelSpec):
+    """A warpgroup's output half (O, or O^T when transposed) and the running max and sum, one per query row."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    row = plgpu.Layout.WGMMA.reduce(1)
-    m0 = plgpu.layout_cast(jnp.full((BLOCK,), -1e30, jnp.float32), row)
-    l0 = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row)
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
+    n, half = spec.q_rows, spec.c // 2
+    vec = _query_layout(spec)
+    m0 = plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), vec)
+    l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), vec)
+    shape = (half, n) if spec.transposed else (n, half)
+    acc0 = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     return acc0, m0, l0
+
+
+def _query_layout(spec: KernelSpec):
+    """The layout of a vector with one value per query row: S's rows, or S^T's columns when transposed."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.Layout.WGMMA.reduce(0 if spec.transposed else 1)
 
 
 def _v3(ctx: Cta, wg, active):
@@ -118,10 +138,10 @@ def _v3(ctx: Cta, wg, active):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     spec, bars = ctx.spec, ctx.bars
-    half = spec.c // 2
-    row = plgpu.Layout.WGMMA.reduce(1)
+    row = _query_layout(spec)
     regs = spec.register_split()
-    b = lambda x, s: lax.broadcast_in_dim(x, s, [0])  # noqa: E731
+    key_axis = 0 if spec.transposed else 1  # S's axis over the block's keys (the softmax's)
+    b = lambda x, s: lax.broadcast_in_dim(x, s, [1 - key_axis])  # noqa: E731  (a query-row vector onto S or O)
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
     # leader computes P, the loader the first half and the rope (docs/kernels.md; 451 -> 400 us at
     # 128 x 4096).
@@ -148,38 +168,42 @@ def _v3(ctx: Cta, wg, active):
                 # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
                 # it ran 1.2% slower with bf16 parts). sm_scale > 0: KernelSpec checks.
                 if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
-                    sc_v, sc_k = ctx.latent_scale(slot)
+                    sc_v, sc_k = ctx.latent_scale(slot, s.shape)
                     if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
                         s = s * sc_k
                 s = ctx.masked(s, i, scaled=spec.quant and not spec.qk8)
                 if spec.quant:
-                    m_new = jnp.maximum(m, s.max(axis=1))
+                    m_new = jnp.maximum(m, s.max(axis=key_axis))
                     p = jnp.exp2(s - b(m_new, s.shape))
                 else:
-                    m_new = jnp.maximum(m, s.max(axis=1) * log2_scale)
+                    m_new = jnp.maximum(m, s.max(axis=key_axis) * log2_scale)
                     p = jnp.exp2(s * log2_scale - b(m_new, s.shape))
                 alpha = jnp.exp2(m - m_new)
-                den = den * alpha + p.sum(axis=1)
+                den = den * alpha + p.sum(axis=key_axis)
                 # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
                 # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
-                p_smem = ctx.parts[R].at[slot]
-                p_smem[...] = (p * sc_v if spec.quant else p).astype(p_smem.dtype)
-                ctx.rows.at[slot][...] = alpha
+                p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
+                p_smem = _p_tile(ctx, slot)
+                if spec.transposed:  # P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma
+                    p_smem.transpose((1, 0))[...] = p
+                else:
+                    p_smem[...] = p
+                ctx.query_vector(slot)[...] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bars["sig"].at[slot])
             if spec.qk8:  # V's first half, converted after this block's Q.K
                 with scope("wait_v"):
                     plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
             with scope("pv"):
-                acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec.interpret)
+                acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc, m_new, den
 
-        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, _init(half))
+        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, _init(spec))
         inv_l, lse = _finish(m, den)
         if spec.f16:  # P went out times P_SCALE
             inv_l = inv_l * (1.0 / P_SCALE)
-        ctx.rows.at[2][...] = inv_l
+        ctx.query_vector(2)[...] = inv_l
         plgpu.commit_smem()
         plgpu.barrier_arrive(bars["sig"].at[2])
         ctx.store(acc, inv_l, 0, lse)
@@ -213,14 +237,14 @@ def _v3(ctx: Cta, wg, active):
             with scope("wait_p"):
                 plgpu.barrier_wait(bars["sig"].at[slot])
             with scope("pv"):
-                alpha = plgpu.load(ctx.rows.at[slot], layout=row)
-                acc = _pv(acc * b(alpha, acc.shape), ctx.parts[R].at[slot], ctx.parts[B].at[slot], spec.interpret)
+                alpha = plgpu.load(ctx.query_vector(slot), layout=row)
+                acc = _pv(acc * b(alpha, acc.shape), _p_tile(ctx, slot), ctx.parts[B].at[slot], spec)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc
 
-        acc = lax.fori_loop(0, ctx.n_steps, step, _init(half)[0])
+        acc = lax.fori_loop(0, ctx.n_steps, step, _init(spec)[0])
         plgpu.barrier_wait(bars["sig"].at[2])
-        ctx.store(acc, plgpu.load(ctx.rows.at[2], layout=row), 1)
+        ctx.store(acc, plgpu.load(ctx.query_vector(2), layout=row), 1)
 
     def issue_block(i):
         slot = lax.rem(i, 2)
@@ -269,6 +293,14 @@ def _v3(ctx: Cta, wg, active):
         @pl.loop(jnp.maximum(ctx.n_steps - 2, 0), ctx.n_steps)
         def _(i):
             plgpu.barrier_wait(bars["consumed"].at[lax.rem(i, 2)])
+
+
+def _p_tile(ctx: Cta, slot):
+    """Where a block's P goes: its slot's rope part, [64, 64], or its first q_rows rows for P^T when transposed."""
+    import jax.experimental.pallas as pl
+
+    p_smem = ctx.parts[R].at[slot]
+    return p_smem.at[pl.ds(0, ctx.spec.q_rows)] if ctx.spec.transposed else p_smem
 
 
 def _kernel(spec: KernelSpec, *refs):

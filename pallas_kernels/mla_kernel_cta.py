@@ -48,8 +48,8 @@ class Cta:
         return table[self.b, j], lax.rem(tok, self.spec.page_size)
 
     def scores(self, slot: int | jax.Array, order):
-        """S = Q . K^T [64 heads, 64 tokens] of the block in `slot`, f32: one wgmma per part in `order`, each issued
-        once its part has landed."""
+        """S = Q . K^T [64 heads, 64 tokens] of the block in `slot`, f32 (transposed: S^T = K . Q^T [64 tokens,
+        q_rows]): one wgmma per part in `order`, each issued once its part has landed."""
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -58,10 +58,15 @@ class Cta:
                 plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
                 col, w = self.spec.part(p)
                 q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col, w)]
-                plgpu.wgmma(s_ref, q, self.parts[p].at[slot].transpose((1, 0)))
+                k = self.parts[p].at[slot]
+                if self.spec.transposed:  # (the tile's first q_rows rows)
+                    plgpu.wgmma(s_ref, k, q.at[pl.ds(0, self.spec.q_rows)].transpose((1, 0)))
+                else:
+                    plgpu.wgmma(s_ref, q, k.transpose((1, 0)))
             return s_ref[...]
 
-        return pl.run_scoped(body, plgpu.ACC((BLOCK, BLOCK_KV)))
+        shape = (BLOCK_KV, self.spec.q_rows) if self.spec.transposed else (BLOCK, BLOCK_KV)
+        return pl.run_scoped(body, plgpu.ACC(shape))
 
     def scores_i8(self, slot, fast: bool, factor: float = 1.0):
         """qk8: S [64 heads, 64 tokens] f32 of the block in `slot` from int8 Q and the landed int8 block, one int32
@@ -107,11 +112,12 @@ class Cta:
         """Scores of block i in the log2 domain (`scaled`; else as they are), -inf past the query's visible keys."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        key = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+        key_axis = 0 if self.spec.transposed else 1  # (S^T: the keys down its rows, the query rows across)
+        key = plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
         key = key + (self.start + i * BLOCK_KV)
         limit = self.vis
         if self.spec.stack > 1:  # each stacked token's rows at its own visible keys
-            row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+            row = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - key_axis, layout=plgpu.Layout.WGMMA)
             limit = self.vis_tokens[0]
             for k, vis in enumerate(self.vis_tokens[1:], 1):
                 limit = jnp.where(row >= k * self.spec.q_heads, vis, limit)
@@ -150,9 +156,13 @@ class Cta:
         half = self.spec.c // 2
         heads, cols = pl.ds(self.h0, self.spec.tile_rows), pl.ds(w * half, half)
         o_half = self.o_smem.at[w]
-        o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
+        if self.spec.transposed:  # acc is O^T [C/2, q_rows]: stored transposed into the staging's first q_rows rows
+            o_rows = o_half.at[pl.ds(0, self.spec.q_rows)].transpose((1, 0))
+            o_rows[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [1])).astype(o_half.dtype)
+        else:
+            o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
         if lse is not None:
-            self.rows.at[3][...] = lse
+            self.query_vector(3)[...] = lse
         plgpu.commit_smem()
         targets = []
         if self.out is not None:
@@ -244,17 +254,22 @@ class Cta:
         if mark:  # (False: the converting warpgroup is the part's only reader)
             plgpu.barrier_arrive(self.bars["full"].at[slot * 3 + p])
 
-    def latent_scale(self, slot):
-        """int8: the block's latent scales as rows over S's key columns [64, 64]: (for P, times P_SCALE
-        with f16; for S, zero scales as 1)."""
+    def latent_scale(self, slot, shape=(BLOCK, BLOCK_KV)):
+        """int8: the block's latent scales over S's key columns, or S^T's key rows when transposed (for P, times
+        P_SCALE with f16; for S, zero scales as 1)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        col = plgpu.Layout.WGMMA.reduce(0)
-        sc = plgpu.load(self.scales.at[slot, 0], layout=col)
+        key_axis = 0 if self.spec.transposed else 1
+        sc = plgpu.load(self.scales.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(1 - key_axis))
         sc_v = sc * P_SCALE if self.spec.f16 else sc
-        return lax.broadcast_in_dim(sc_v, (BLOCK, BLOCK_KV), [1]), lax.broadcast_in_dim(
-            _nonzero(sc), (BLOCK, BLOCK_KV), [1]
-        )
+        return tuple(lax.broadcast_in_dim(v, shape, [key_axis]) for v in (sc_v, _nonzero(sc)))
+
+    def query_vector(self, i: int):
+        """Row i of the [4, 64] vectors handed between warpgroups, one value per query row of the tile: all 64
+        entries, or the first q_rows when transposed."""
+        import jax.experimental.pallas as pl
+
+        return self.rows.at[i, pl.ds(0, self.spec.q_rows)]
 
     def prefetch(self, i):
         """int8: warms L2 with block i (its TMA cannot start before its slot is free)."""

@@ -95,6 +95,12 @@ class KernelSpec:
     # of them (MTP verification at 16 heads). 1 or T; the lse outputs are then [.., 1, heads] with the rows stacked
     # the same way.
     stack: int = 1
+    # With q_heads: the MMAs run transposed, the block's 64 cache tokens as their M and the tile's q_heads x stack
+    # query rows as N: S^T = K Q^T, the softmax down S^T's columns, O^T = V^T P^T. A 64-row tile then does the work of
+    # its real rows, not of 64 (at 16 heads a quarter of the Q.K and P.V FLOPs and of the softmax's elements). Q and
+    # the output staging keep their 64 rows in smem (f16's in-place conversion of Q lays out 64-row tiles), of which
+    # the MMAs and the stores read the first q_rows.
+    transposed: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -113,6 +119,8 @@ class KernelSpec:
             raise ValueError(f"stack must be 1 or T with T x q_heads <= {BLOCK}, got {self.stack}")
         if self.stack != 1 and self.qk8:  # (each token's query scales would land mid-row)
             raise ValueError("qk8 queries are not stacked")
+        if self.transposed and not (self.q_heads and not self.qk8 and not self.pair):
+            raise ValueError("transposed needs q_heads, and neither qk8 nor pair")
 
     @property
     def io_heads(self) -> int:
@@ -130,6 +138,11 @@ class KernelSpec:
         import jax.experimental.pallas as pl
 
         return ref.at[pl.ds(k * self.q_heads, self.q_heads)] if self.q_heads else ref
+
+    @property
+    def q_rows(self) -> int:
+        """Query rows the MMAs compute: the tile's real rows when transposed, else all 64."""
+        return self.q_heads * self.stack if self.transposed else BLOCK
 
     @property
     def lse_tokens(self) -> int:

@@ -133,20 +133,28 @@ def test_ragged_batch_of_mixed_lengths():
     check_kernel(37, lengths, 1, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
 
 
-@pytest.mark.parametrize("f16", [True, False])
-def test_int8_kernel_matches_reference(f16):
+@pytest.mark.parametrize("f16,transposed", [(True, None), (False, None), (True, False)])
+def test_int8_kernel_matches_reference(f16, transposed):
     # The loader and WG1 convert each part in place (the int8 twin overlays the 16-bit part), into fp16 (the
     # default) or bf16; the latent is left unscaled and S and P are scaled per token, where a zero latent scale must
-    # not zero the rope's share of S.
-    check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, f16=f16, blocks_per_split=3, zero_latent=True)
+    # not zero the rope's share of S. 16 heads run transposed by default (S^T = K Q^T: the scales go on S^T's rows),
+    # or as 16 rows of a 64-row tile.
+    kw = dict(f16=f16, transposed=transposed, blocks_per_split=3, zero_latent=True)
+    check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, **kw)
 
 
 @pytest.mark.parametrize(
-    "t,quant,kw", [(4, False, dict(mode="direct")), (2, True, dict(blocks_per_split=3, mode="dense"))]
+    "t,quant,kw",
+    [
+        (4, False, dict(mode="direct")),
+        (2, True, dict(blocks_per_split=3, mode="dense")),
+        (3, True, dict(blocks_per_split=3, mode="dense", transposed=True)),
+    ],
 )
 def test_stacked_tokens_match_reference(t, quant, kw):
     # T tokens of 16 heads share one 64-row tile (KernelSpec.stack): each token's rows masked at its own visible keys
-    # (the row's last T positions, causal), written to the output directly or through the merged partials.
+    # (the row's last T positions, causal), written to the output directly or through the merged partials. Run
+    # transposed, the tokens are S^T's column groups, masked by column.
     check_kernel(61 + t, [70, 190, 1][: 2 + quant], t, 16, max_pages=4, quant=quant, **kw)
 
 
@@ -154,6 +162,19 @@ def test_stacked_tokens_through_the_combine_kernel():
     # T=3 x 16 heads stacked, 20 ragged rows over 8 SMs: the combine kernel merges all of a row's tokens at once.
     lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 14))
     check_kernel(47, lengths, 3, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
+
+
+def test_tiles_of_at_most_16_query_rows_run_transposed():
+    assert M.transposes(16, 1) and M.transposes(8, 2)
+    assert not M.transposes(16, 2) and not M.transposes(32, 1) and not M.transposes(0, 1)
+    assert not M.transposes(16, 1, qk8=True)
+    args, kw = _args(h=128)
+    with pytest.raises(ValueError, match="transposed needs fewer than 64 heads"):
+        M.mla_decode(*args, **kw, interpret=True, transposed=True)
+    spec = dict(c=C, r=R, t=1, heads=64, page_size=PAGE, max_pages=1, units=1, batch=1, slots=0, quant=False)
+    with pytest.raises(ValueError, match="transposed needs q_heads"):
+        mla_kernel.KernelSpec(**spec, sm_scale=0.1, interpret=True, transposed=True)
+    assert mla_kernel.KernelSpec(**spec, sm_scale=0.1, interpret=True, q_heads=16, transposed=True).q_rows == 16
 
 
 def test_head_tiles_stack_tokens_that_fit_one_tile():
@@ -529,9 +550,11 @@ def test_register_splits_fit_the_cta():
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="register split"):  # checked before anything runs
         M.mla_decode(*args, **kw, interpret=True, registers=(256, 256, 40))
-    assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False)
-    assert parse_version("3") == (None, None, False)
-    assert parse_version("3pq") == (True, None, True)
+    assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False, None)
+    assert parse_version("3") == (None, None, False, None)
+    assert parse_version("3pq") == (True, None, True, None)
+    assert parse_version("3t") == (None, None, False, True)
+    assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False)
     with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 
@@ -553,6 +576,9 @@ def test_bench_cases_name_their_head_count():
     assert for_case("3pq", "bf16", 128) == "3p"
     assert for_case("3pq@256/176/72", "int8", 16) == "3q@256/176/72"
     assert for_case(None, "int8", 16) is None
+    assert for_case("3t", "int8", 16) == "3t"
+    assert for_case("3t", "int8", 128) == for_case("3h", "bf16", 64) == "3"
+    assert for_case("3qt", "int8", 16) == "3q"
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

@@ -27,9 +27,11 @@ compiles and checks small and full shapes.
 
 --versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version; a p or n suffix
 runs it with or without paired head tiles, the multicast cluster; a q suffix, int8 rows only, runs Q.K on int8 tensor
-cores, mla_decode's qk8; "@256/208/40" with that register split of WG0/WG1/loader, e.g. 3p,3p@232/232/40 against another
-split) on every case, one row each, so one run compares them. A variant other than 3 and 3n is first run on three small
-shapes in a child process with a timeout: a kernel that hangs there is dropped from the run instead of hanging it.
+cores, mla_decode's qk8; a t or h suffix, below 64 heads, runs the MMAs transposed (cache tokens as M) or not (heads
+as M, padded to 64), where the default is mla_decode.transposes; "@256/208/40" with that register split of
+WG0/WG1/loader, e.g. 3p,3p@232/232/40 against another split) on every case, one row each, so one run compares them.
+A variant other than 3 and 3n is first run on small shapes (PREFLIGHT) in a child process with a timeout: a kernel
+that hangs there is dropped from the run instead of hanging it.
 --rounds N times each case's kernel rows N times, interleaved, and keeps each row's best (the H200's times of one call
 vary between runs; side-by-side variants should see the same spells). --min-blocks sets the smallest work unit in
 64-token blocks (it decides the split only when the batch has fewer than num_sms / 2 x min_blocks blocks in all, e.g.
@@ -98,7 +100,7 @@ MIN_BLOCKS = 4  # mla_decode's min_blocks_per_split (--min-blocks)
 
 
 def fns(scale, version=None, profile=""):
-    pair, registers, qk8 = parse_version(version)
+    pair, registers, qk8, transposed = parse_version(version)
     kern = jax.jit(
         functools.partial(
             mla_decode,
@@ -106,6 +108,7 @@ def fns(scale, version=None, profile=""):
             pair=pair,
             registers=registers,
             qk8=qk8,
+            transposed=transposed,
             min_blocks_per_split=MIN_BLOCKS,
             profile=profile,
         )
@@ -127,15 +130,19 @@ def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", versi
     return rel_err(out, want)
 
 
-# Small shapes that take each merge path (dense: 2 x 512; sparse, with the combine kernel: 40 x 4096) and int8.
+# Small shapes that take each merge path (dense: 2 x 512; sparse, with the combine kernel: 40 x 4096) and int8, at
+# 128 heads and at 16 (one tile of fewer rows: transposed or not; three tokens stacked).
 PREFLIGHT = (
     dict(batch=2, context=512, dtype="bf16", kind="mixed"),
     dict(batch=40, context=4096, dtype="bf16", kind="mixed"),
     dict(batch=2, context=512, dtype="int8"),
+    dict(batch=2, context=512, dtype="int8", heads=16),
+    dict(batch=40, context=4096, dtype="int8", heads=16, t=3, kind="mixed"),
+    dict(batch=40, context=4096, dtype="bf16", heads=16, kind="mixed"),
 )
 
 
-def preflight(version: str, timeout_s: float = 90.0) -> bool:
+def preflight(version: str, timeout_s: float = 180.0) -> bool:
     """Runs `version` on two small shapes in a child process; False (and why) if it fails, is wrong or hangs."""
     cmd = [sys.executable, "-m", "pallas_kernels.bench.mla", "--check", "--preflight", f"--versions={version}"]
     try:
