@@ -1,5 +1,7 @@
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,8 +13,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 # Servers the tests start keep their compiled steps under $XDG_CACHE_HOME (hcfjax serve --compile-cache): a
-# directory of this run's own, not the user's cache.
+# directory of this run's own, not the user's cache, removed when the process exits.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="hcfjax-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import jax  # noqa: E402
 
