@@ -128,7 +128,7 @@ def _query_layout(spec: KernelSpec):
     """The layout of a vector with one value per query row: S's rows, or S^T's columns when transposed."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    return plgpu.Layout.WGMMA.reduce(0 if spec.transposed else 1)
+    return plgpu.Layout.WGMMA.reduce(spec.key_axis)
 
 
 def _v3(ctx: Cta, wg, active):
@@ -140,7 +140,7 @@ def _v3(ctx: Cta, wg, active):
     spec, bars = ctx.spec, ctx.bars
     row = _query_layout(spec)
     regs = spec.register_split()
-    key_axis = 0 if spec.transposed else 1  # S's axis over the block's keys (the softmax's)
+    key_axis = spec.key_axis
     b = lambda x, s: lax.broadcast_in_dim(x, s, [1 - key_axis])  # noqa: E731  (a query-row vector onto S or O)
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
     # leader computes P, the loader the first half and the rope (docs/kernels.md; 451 -> 400 us at

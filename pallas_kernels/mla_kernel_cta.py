@@ -112,7 +112,7 @@ class Cta:
         """Scores of block i in the log2 domain (`scaled`; else as they are), -inf past the query's visible keys."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        key_axis = 0 if self.spec.transposed else 1  # (S^T: the keys down its rows, the query rows across)
+        key_axis = self.spec.key_axis  # (S^T: the keys down its rows, the query rows across)
         key = plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
         key = key + (self.start + i * BLOCK_KV)
         limit = self.vis
@@ -259,7 +259,7 @@ class Cta:
         P_SCALE with f16; for S, zero scales as 1)."""
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        key_axis = 0 if self.spec.transposed else 1
+        key_axis = self.spec.key_axis
         sc = plgpu.load(self.scales.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(1 - key_axis))
         sc_v = sc * P_SCALE if self.spec.f16 else sc
         return tuple(lax.broadcast_in_dim(v, shape, [key_axis]) for v in (sc_v, _nonzero(sc)))

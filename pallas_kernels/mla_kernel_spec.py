@@ -145,6 +145,12 @@ class KernelSpec:
         return self.q_heads * self.stack if self.transposed else BLOCK
 
     @property
+    def key_axis(self) -> int:
+        """The axis of S over the block's keys, which the softmax reduces: 1 of S [rows, keys], 0 of S^T when
+        transposed."""
+        return 0 if self.transposed else 1
+
+    @property
     def lse_tokens(self) -> int:
         """Query tokens along the lse outputs' second axis (1 when stacked)."""
         return self.t // self.stack
