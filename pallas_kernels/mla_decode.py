@@ -154,10 +154,10 @@ def head_tiles(h: int, t: int, qk8: bool = False) -> tuple[int, int, int]:
 
 
 def transposes(q_heads: int, stack: int, qk8: bool = False) -> bool:
-    """Whether the kernel runs transposed by default (KernelSpec.transposed): for tiles of at most 16 query rows. At
-    16 heads it measured 1.13-1.15x the padded tile with an int8 cache and level with bf16; with 3 x 16 stacked rows
-    it was 0.84x (int8) and 0.67x (bf16) (docs/kernels.md)."""
-    return bool(q_heads) and not qk8 and q_heads * stack <= 16
+    """Whether the kernel runs transposed by default (KernelSpec.transposed): for tiles of at most 32 query rows. At
+    16 heads it measured 1.13-1.15x the padded tile with an int8 cache and level with bf16; with 2 x 16 stacked rows
+    1.04x (int8) and level (bf16); with 3 x 16 it was 0.84x (int8) and 0.67x (bf16) (docs/kernels.md)."""
+    return bool(q_heads) and not qk8 and q_heads * stack <= 32
 
 
 def mla_plan(
@@ -228,7 +228,7 @@ def mla_decode(
     quantises each token). `f16` (int8 caches without qk8; default on there): the kernel converts the cache, and the
     queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16). `profile`: "DIR[:RANGES]" builds the kernel
     with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline). `transposed` (None: wherever
-    a tile holds at most 16 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
+    a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
     does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)

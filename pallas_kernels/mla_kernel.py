@@ -42,10 +42,10 @@ Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's 
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
 
-Transposed tiles (`KernelSpec.transposed`, tiles of at most 16 query rows by default: V2-Lite's 16 heads): the same
-schedule with the MMAs turned around, S^T = K Q^T [64 keys, q_rows] and O^T = V^T P^T [C/2, q_rows] per warpgroup,
-the softmax down S^T's columns, P^T staged as [q_rows, 64] in the rope part; the padded rows of a 64-row tile cost
-nothing.
+Transposed tiles (`KernelSpec.transposed`, tiles of at most 32 query rows by default: V2-Lite's 16 heads, one or
+two tokens): the same schedule with the MMAs turned around, S^T = K Q^T [64 keys, q_rows] and O^T = V^T P^T [C/2,
+q_rows] per warpgroup, the softmax down S^T's columns, P^T staged as [q_rows, 64] in the rope part; the padded rows
+of a 64-row tile cost nothing.
 
 Outputs: a unit writes its normalized bf16 rows and lse either straight to the output (the row's only unit) or to
 its partial slot, as the work list says (mla_schedule.DIRECT / slot).

@@ -147,8 +147,8 @@ def test_int8_kernel_matches_reference(f16, transposed):
     "t,quant,kw",
     [
         (4, False, dict(mode="direct")),
-        (2, True, dict(blocks_per_split=3, mode="dense")),
-        (3, True, dict(blocks_per_split=3, mode="dense", transposed=True)),
+        (2, True, dict(blocks_per_split=3, mode="dense")),  # transposed by default
+        (3, True, dict(blocks_per_split=3, mode="dense")),  # 48 rows: padded by default
     ],
 )
 def test_stacked_tokens_match_reference(t, quant, kw):
@@ -164,9 +164,9 @@ def test_stacked_tokens_through_the_combine_kernel():
     check_kernel(47, lengths, 3, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
 
 
-def test_tiles_of_at_most_16_query_rows_run_transposed():
-    assert M.transposes(16, 1) and M.transposes(8, 2)
-    assert not M.transposes(16, 2) and not M.transposes(32, 1) and not M.transposes(0, 1)
+def test_tiles_of_at_most_32_query_rows_run_transposed():
+    assert M.transposes(16, 1) and M.transposes(8, 2) and M.transposes(16, 2) and M.transposes(32, 1)
+    assert not M.transposes(16, 3) and not M.transposes(48, 1) and not M.transposes(0, 1)
     assert not M.transposes(16, 1, qk8=True)
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="transposed needs fewer than 64 heads"):
