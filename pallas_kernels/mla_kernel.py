@@ -183,11 +183,8 @@ def _v3(ctx: Cta, wg, active):
                 # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
                 # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
                 p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
-                p_smem = _p_tile(ctx, slot)
-                if spec.transposed:  # P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma
-                    p_smem.transpose((1, 0))[...] = p
-                else:
-                    p_smem[...] = p
+                p_smem = _p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
+                (p_smem.transpose((1, 0)) if spec.transposed else p_smem)[...] = p
                 ctx.query_vector(slot)[...] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bars["sig"].at[slot])

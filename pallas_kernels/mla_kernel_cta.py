@@ -156,11 +156,11 @@ class Cta:
         half = self.spec.c // 2
         heads, cols = pl.ds(self.h0, self.spec.tile_rows), pl.ds(w * half, half)
         o_half = self.o_smem.at[w]
-        if self.spec.transposed:  # acc is O^T [C/2, q_rows]: stored transposed into the staging's first q_rows rows
-            o_rows = o_half.at[pl.ds(0, self.spec.q_rows)].transpose((1, 0))
-            o_rows[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [1])).astype(o_half.dtype)
-        else:
-            o_half[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_half.dtype)
+        o_acc = o_half  # where acc goes; with transposed tiles acc is O^T [C/2, q_rows], the staging's first rows
+        if self.spec.transposed:
+            o_acc = o_half.at[pl.ds(0, self.spec.q_rows)].transpose((1, 0))
+        query_axis = 1 - self.spec.key_axis  # (of O, or of O^T)
+        o_acc[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [query_axis])).astype(o_half.dtype)
         if lse is not None:
             self.query_vector(3)[...] = lse
         plgpu.commit_smem()
