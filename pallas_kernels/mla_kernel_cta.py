@@ -216,9 +216,10 @@ class Cta:
 
         if not self.spec.quant:
             return
-        if scales:
-            plgpu.barrier_wait(self.bars["sc"].at[slot])
-        plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
+        with scope("land"):  # (the timeline's: the wait for the part's TMA, apart from its conversion)
+            if scales:
+                plgpu.barrier_wait(self.bars["sc"].at[slot])
+            plgpu.barrier_wait(self.bars["i8"].at[slot * 3 + p])
         if p != R:  # the latent scale is applied to S and P by the leader (`latent_scale`)
             self.convert_part(slot, p)
             return
