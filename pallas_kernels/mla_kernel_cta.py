@@ -55,7 +55,8 @@ class Cta:
 
         def body(s_ref):
             for p in order:
-                plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
+                with scope("wait_" + "ABR"[p]):  # (the timeline's: which part the leader waits for)
+                    plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
                 col, w = self.spec.part(p)
                 q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col, w)]
                 k = self.parts[p].at[slot]

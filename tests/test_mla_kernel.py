@@ -532,7 +532,8 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
     assert ("cluster_block_id" in text) == (pair is None and h == 128)
     want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
     want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
-    want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else set()
+    want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else {"wait_A", "wait_B", "wait_R"}
+    want |= {"land"} if dtype == "int8" and not qk8 else set()
     assert want <= regions, want - regions
 
 

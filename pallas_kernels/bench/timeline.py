@@ -4,10 +4,10 @@
 
 For each case and version the kernel is built with Mosaic GPU's profiler (mla_decode's profile): thread 0 of
 every warpgroup writes the SM clock at the start and end of each named region of the v3 loops (`mla_kernel.scope`:
-the leader's "qk" (with qk8, its "mma" and "scale" inside it), "softmax", "wait_v", "pv"; WG1's "wait_qk",
-"convert", "wait_v", "wait_p", "pv"; the loader's "wait_slot", "wait_qk", "convert"; with an int8 cache "convert >
-land", the wait for a part's TMA inside its conversion) into shared memory, and a callback writes the trace
-(Perfetto JSON) after the run.
+the leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B", "wait_R"; with qk8 its "mma"
+and "scale"), "softmax", "wait_v", "pv"; WG1's "wait_qk", "convert", "wait_v", "wait_p", "pv"; the loader's
+"wait_slot", "wait_qk", "convert"; with an int8 cache "convert > land", the wait for a part's TMA inside its
+conversion) into shared memory, and a callback writes the trace (Perfetto JSON) after the run.
 Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
 regions are dropped), so long rows are seen over their first blocks: the steady state, without the drain.
 
