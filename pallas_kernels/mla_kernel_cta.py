@@ -11,7 +11,7 @@ from jax import lax
 
 from pallas_kernels.int8_f16 import to_f16
 from pallas_kernels.int_sums import MAGIC, MAGIC_F
-from pallas_kernels.mla_kernel_spec import LOG2E, P_SCALE, ROPE_SHIFT, A, B, KernelSpec, R, scope
+from pallas_kernels.mla_kernel_spec import LOG2E, P_SCALE, PART_NAMES, ROPE_SHIFT, A, B, KernelSpec, R, scope
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT
 
 
@@ -55,7 +55,7 @@ class Cta:
 
         def body(s_ref):
             for p in order:
-                with scope("wait_" + "ABR"[p]):  # (the timeline's: which part the leader waits for)
+                with scope("wait_" + PART_NAMES[p]):  # (the timeline's: which part the leader waits for)
                     plgpu.barrier_wait(self.bars["full"].at[slot * 3 + p])
                 col, w = self.spec.part(p)
                 q = self.q[1] if p == R else self.q[0].at[:, pl.ds(col, w)]

@@ -17,6 +17,7 @@ LOG2E = math.log2(math.e)
 # end clock per warpgroup (python -m pallas_kernels.bench.timeline).
 scope = jax.named_scope
 A, B, R = 0, 1, 2  # slot parts
+PART_NAMES = "ABR"  # their names in the profiler's regions (bench.timeline)
 # Registers per thread of (WG0, WG1, loader): the three must sum to at most 504 (504 x 128 is what the CTA holds at
 # launch; asking for 512 left setmaxnreg waiting forever on the H200). An int8 converter holds a part in registers.
 # v3's splits are ptxas's (the SASS of the H=128 kernel, docs/kernels.md): at (232, 232, 40) the
