@@ -10,11 +10,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hcfjax.cache import quantize_int8
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
 from hcfjax.options import DEFAULT, Options
-from hcfjax.quant import ACT_GROUP, QWeight, gated_ragged_dot, int8_activations, ragged_dot
+from hcfjax.quant import (
+    ACT_GROUP,
+    QWeight,
+    gated_ragged_dot,
+    int8_activations,
+    quantize_tokens,
+    ragged_dot,
+    token_quant_mode,
+)
 
 
 def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
@@ -82,7 +89,7 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     xs = x[token]  # [N*K, D]
     x_q = None
     if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
-        xq, sc = quantize_int8(x)
+        xq, sc = quantize_tokens(x, token_quant_mode(x, opts))
         x_q = (xq[token], sc[token])
     if grouped_down_input(p["down"], opts):  # the product quantised per 128 channels by its producer
         h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, quant_out=True, opts=opts)

@@ -247,11 +247,31 @@ def int8_kernel_mode(x: jax.Array, w, opts: Options = DEFAULT) -> str:
     return opts.mode("moe")
 
 
+def token_quant_mode(x: jax.Array, opts: Options = DEFAULT) -> str:
+    """Where `quantize_tokens` quantises x [..., K]: on its kernel where the int8 kernels run (opts.mode("moe")) and
+    the rows are a decode step's, bf16; else 'reference' (XLA)."""
+    from pallas_kernels.int8_rows import MAX_ROWS
+
+    return opts.mode("moe", x.dtype == jnp.bfloat16 and 0 < math.prod(x.shape[:-1]) <= MAX_ROWS)
+
+
+def quantize_tokens(x: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
+    """`quantize_int8(x)` for x [..., K], in one kernel (pallas_kernels.int8_rows; mode 'kernel' or 'interpret') where
+    XLA runs three. A decode layer's callers (the experts' rows, the dense int8 kernel's) quantise the same tokens
+    alike, so XLA keeps one kernel of those that coincide."""
+    if mode == "reference":
+        return quantize_int8(x)
+    from pallas_kernels.int8_rows import quantize_rows
+
+    q, s = quantize_rows(x.reshape(-1, x.shape[-1]), interpret=mode == "interpret")
+    return q.reshape(x.shape), s.reshape(x.shape[:-1])
+
+
 def _int8_kernel(x: jax.Array, weights: tuple, mode: str) -> jax.Array:
     """x [..., K] through the dense int8 kernel: one weight, or gate and up with the SiLU product -> [..., N]."""
     from pallas_kernels.moe_fp8 import int8_gated_matmul, int8_matmul
 
-    xq, xs = quantize_int8(x.reshape(-1, x.shape[-1]))
+    xq, xs = quantize_tokens(x.reshape(-1, x.shape[-1]), mode)
     interpret = mode == "interpret"
     if len(weights) == 1:
         y = int8_matmul(xq, xs, weights[0].q, weights[0].scale, interpret=interpret)

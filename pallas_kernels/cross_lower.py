@@ -1,8 +1,9 @@
-"""Lowering a Mosaic GPU kernel for a Hopper GPU on any host, to catch lowering errors without a GPU.
+"""Lowering a Mosaic GPU or Pallas Triton kernel for a Hopper GPU on any host, to catch lowering errors without a GPU.
 
 Mosaic GPU lowers (layout inference and the shared-memory size check included: without a device to ask, it assumes
 Hopper's 227 KiB) on a CPU-only jaxlib; only the target architecture has to be given, since there is no GPU to infer
-it from. Compiling to a cubin and running still need the GPU.
+it from. Pallas's Triton lowering takes the GPU from an abstract mesh's device. Compiling to a cubin and running
+still need the GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def lower_for_hopper(fn, *args) -> str:
     """The StableHLO text of fn(*args) lowered for CUDA on sm_90; args may be jax.ShapeDtypeStructs. Raises the
     lowering's error (e.g. a layout Mosaic cannot infer, an op it does not support, smem over 227 KiB)."""
     with hopper_arch():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lower_triton_for_hopper(fn, *args) -> str:
+    """lower_for_hopper for Pallas Triton kernels: the GPU is an abstract H200 (a mesh's abstract device, which the
+    Mosaic GPU lowering does not take)."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ACT_GROUP = 128  # channels per activation scale where activations are quantised per group (DeepSeek-V3's 1 x 128)
+INV_127 = float(np.float32(1.0) / np.float32(127.0))  # f32(1/127): the scale's factor
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric per-token int8: x [..., K] -> (q [..., K] int8, scale [...] f32)."""
+    """Symmetric per-token int8: x [..., K] -> (q [..., K] int8, scale [...] f32). Spelled as XLA computes it (it
+    rewrites a division by a constant or a broadcast into a product by the reciprocal), so that kernels can give the
+    same bits: the scale is max |x| times f32(1/127), the integers x times the scale's reciprocal, rounded."""
     xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-8) / 127.0
-    q = jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-8) * INV_127
+    q = jnp.clip(jnp.round(xf * (1.0 / scale)[..., None]), -127, 127).astype(jnp.int8)
     return q, scale
 
 

@@ -389,8 +389,8 @@ def test_records_summary_per_kernel_and_gaps(tmp_path, capsys):
 
 def test_dense8_bench_checks_each_row_against_the_exact_product(capsys):
     """bench.dense8 on a CPU: XLA's int8 path (the model without the kernel) is checked against the exact int32
-    product with both scales, one weight and gate/up with SiLU; the kernel rows report the GPU they need instead of
-    a time."""
+    product with both scales, one weight and gate/up with SiLU; the kernel rows (the product's, the tokens'
+    quantisation's) report the GPU they need instead of a time."""
     from pallas_kernels.bench import dense8
 
     dense8.main(["--cases", "a:16x256x128g,b:24x256x128"])
@@ -401,4 +401,6 @@ def test_dense8_bench_checks_each_row_against_the_exact_product(capsys):
     ]
     xla = [r for r in rows if r[1].startswith("XLA")]
     assert len(xla) == 2 and all("FAILS" not in r[-1] and float(r[-1].rstrip(" |")) < dense8.TOL for r in xla)
-    assert all(r[2].startswith("error") for r in rows if r[1].startswith("kernel"))
+    assert all(r[2].startswith("error") for r in rows if r[1].startswith(("kernel", "  tokens' quantisation")))
+    xla_quant = [r for r in rows if r[1] == "  the same in XLA"]  # the quantisation alone, its own reference
+    assert len(xla_quant) == 2 and all(r[-1].strip(" |") == "0.0e+00" for r in xla_quant)

@@ -2,6 +2,8 @@
 kernel (pallas_kernels.moe_fp8.int8_matmul, the gated form for gate and up) against XLA's int8 GEMM (the model's
 path without it, on cuBLAS as in a decode step) and torch's `_int_mm` (cuBLASLt int8), each timed as the model runs
 it, from bf16 tokens: the per-row quantisation, the product and its scales (and the split-K sum, the SiLU product).
+The tokens' quantisation is also timed alone, on its kernel (pallas_kernels.int8_rows) and in XLA, each checked
+against its arithmetic in IEEE f32.
 
     python -m pallas_kernels.bench.dense8 [--cases NAME:MxKxN[g],...] [--sweep] [--out FILE]
 
@@ -32,7 +34,8 @@ import numpy as np
 from hcfjax import quant
 from hcfjax.bench.common import header, kernel_seconds, record_counts, torch_copy_bandwidth, traced_planes
 from hcfjax.options import CUBLAS_GEMMS, Options
-from pallas_kernels.moe_fp8 import int8_matmul_reference, int8_tiling, split_steps
+from pallas_kernels.int8_quant import INV_127
+from pallas_kernels.moe_fp8 import INT8_MAX_ROWS, int8_matmul_reference, int8_tiling, split_steps
 
 CASES = (
     "v2lite-kv_a:64x2048x576,v2lite-shared-gate_up:64x2048x2816g,v2lite-shared-down:64x2816x2048,"
@@ -119,6 +122,40 @@ def _row(name, fn, want, wbytes, copy, wait=None):
     return r
 
 
+def _quantised_ieee(x):
+    """quantize_int8's values in numpy's IEEE f32 arithmetic: (q [M, K] int8, scale [M] f32)."""
+    xf = np.asarray(x, np.float32)
+    s = np.maximum(np.abs(xf).max(-1), np.float32(1e-8)) * np.float32(INV_127)
+    inv = np.float32(1.0) / s
+    return np.clip(np.rint(xf * inv[:, None]), -127, 127).astype(np.int8), s
+
+
+def quant_rows(x) -> list[dict]:
+    """The tokens' quantisation alone, on its kernel (pallas_kernels.int8_rows) and in XLA (quantize_int8 jitted),
+    each against quantize_int8's arithmetic in IEEE f32 (numpy): `err` is the fraction of integers that differ
+    (the scales too, if any differs). XLA's own bits depend on its fusions: a Triton normalisation fusion divides
+    approximately."""
+    from pallas_kernels.int8_rows import quantize_rows
+
+    q0, s0 = _quantised_ieee(x)
+    rows = []
+    for name, fn in (("  tokens' quantisation, kernel (int8_rows)", quantize_rows), ("  the same in XLA", quant_xla)):
+        try:
+            q, s = (np.asarray(v) for v in fn(x))
+            planes = traced_planes(fn, x, reps=20)
+        except Exception as ex:  # noqa: BLE001 - a row that fails is reported, the bench goes on
+            rows.append(dict(name=name, error=f"{type(ex).__name__}: {str(ex)[:300]}"))
+            continue
+        off = float(np.mean(q != q0)) + float(np.any(s != s0))
+        secs = sum(kernel_seconds(planes, 20).values())
+        launches = record_counts(planes, 20)["kernels"]
+        rows.append(dict(name=name, us=secs * 1e6, launches=launches, err=off, ok=off == 0))
+    return rows
+
+
+quant_xla = jax.jit(quant.quantize_int8)
+
+
 def run_case(case: Case, sweep: bool, copy: float | None, rng) -> list[dict]:
     ws = _weights(case, rng)
     x = jnp.asarray(rng.normal(size=(case.m, case.k)), jnp.bfloat16)
@@ -163,6 +200,8 @@ def run_case(case: Case, sweep: bool, copy: float | None, rng) -> list[dict]:
             "XLA int8 GEMM (cuBLAS), the model without the kernel", model(Options(moe="reference")), want, wbytes, copy
         )
     )
+    if case.m <= INT8_MAX_ROWS:
+        rows.extend(quant_rows(x))
     peer = _torch_peer(x, ws)
     if peer is not None:
         rows.append(_row("torch _int_mm (cuBLASLt, peer)", peer[0], want, wbytes, copy, wait=peer[1]))
