@@ -1,9 +1,9 @@
 """Per-token int8 quantisation of a decode step's rows in one kernel (Pallas, Triton lowering).
 
-`quantize_int8`'s arithmetic, bit for bit: XLA runs it as three kernels a call (the rows' absolute maximum, the scales
-on their own, then the integers), and a decode layer quantises its tokens three times (MLA's kv_a input, the experts'
-input, the shared experts' hidden). One program per row reads the row twice (the second pass from cache): its
-maximum, then the integers.
+`quantize_int8`'s arithmetic in IEEE f32, bit for bit: XLA runs it as three kernels a call (the rows' absolute
+maximum, the scales on their own, then the integers), and a decode layer quantises its tokens three times (MLA's kv_a
+input, the experts' input, the shared experts' hidden). One program per row reads the row twice (the second pass
+from cache): its maximum, then the integers.
 
 On the GPU the scale's reciprocal is IEEE-rounded (`div.rn.f32`, as XLA divides; Triton's own f32 division is
 approximate) and the rounding to the nearest integer, ties to even, is `cvt.rni` (Pallas's Triton lowering has no
@@ -21,7 +21,7 @@ from jax import lax
 from pallas_kernels.int8_quant import INV_127
 
 BLOCK = 4096  # columns a program loads at once
-MAX_ROWS = 4096  # rows up to which callers use the kernel (one program each); more are XLA's (prefill chunks)
+MAX_ROWS = 1024  # rows up to which callers use the kernel, as the dense int8 kernel (decode steps); prefill is XLA's
 
 
 def _ptx(asm: str, *args):
