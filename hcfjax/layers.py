@@ -44,18 +44,26 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
     return (interp * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
-    """Rotates x [B, T, ..., R] at integer positions [B, T].
+def rope_table(positions: jax.Array, rope: RopeConfig, dim: int) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, dim/2] f32 at integer positions [B, T], the attention factor included: what apply_rope
+    rotates by. A forward makes it once for all its layers (model.run_layers): made in the layer loop, it was a
+    kernel in every layer of XLA's program, which did not move it out of the loop."""
+    inv_freq = jnp.asarray(rope_inv_freq(rope, dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+    return jnp.cos(angles) * rope.attention_factor, jnp.sin(angles) * rope.attention_factor
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig, table=None) -> jax.Array:
+    """Rotates x [B, T, ..., R] at integer positions [B, T] (by `table`, rope_table's for them, where the caller has
+    it).
 
     The output is laid out as (rotated first elements of each pair, rotated second elements): for interleaved pairs
     this permutes the R dims, identically for q and k, so every q.k product equals DeepSeek's interleaved rotation.
     """
     r = x.shape[-1]
-    inv_freq = jnp.asarray(rope_inv_freq(rope, r))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
-    angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
-    cos = (jnp.cos(angles) * rope.attention_factor).astype(x.dtype)
-    sin = (jnp.sin(angles) * rope.attention_factor).astype(x.dtype)
+    cos, sin = rope_table(positions, rope, r) if table is None else table
+    shape = cos.shape[:2] + (1,) * (x.ndim - 3) + cos.shape[-1:]
+    cos, sin = cos.reshape(shape).astype(x.dtype), sin.reshape(shape).astype(x.dtype)
     if rope.interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from hcfjax.attention import CacheContext, mla, with_decode_plan
 from hcfjax.config import ModelConfig
-from hcfjax.layers import mlp, rms_norm
+from hcfjax.layers import mlp, rms_norm, rope_table
 from hcfjax.moe import moe
 from hcfjax.options import DEFAULT, Options
 from hcfjax.quant import linear
@@ -89,6 +89,8 @@ def run_layers(
     loads = []
     if absorbed:
         ctx = with_decode_plan(cfg, ctx, positions, opts)  # one MLA kernel plan for every layer (when it runs)
+    if ctx is not None:  # one rope table for every layer
+        ctx = dataclasses.replace(ctx, rope=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
 
@@ -104,8 +106,8 @@ def run_layers(
         (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)), unroll=unroll)
         if collect:
             loads.append(load)
-    if ctx is not None and ctx.plan is not None:
-        ctx = dataclasses.replace(ctx, plan=None)  # for this forward's lengths only
+    if ctx is not None:
+        ctx = dataclasses.replace(ctx, plan=None, rope=None)  # for this forward's lengths and positions only
     if with_load is not False:
         e = cfg.n_routed_experts
         return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)

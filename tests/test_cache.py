@@ -4,6 +4,7 @@ page order do not change results."""
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -212,3 +213,37 @@ def test_fused_prefill_attention_equals_dense(v3_model, cache_dtype):
     real = np.asarray(valid)
     assert rel_err(got[real], want[real]) < 1e-5
     assert bool(jnp.all(got[~real] == 0))  # padding queries: zeros, not garbage
+
+
+def _primitives(jaxpr, inside_scan=False):
+    """(primitive name, whether inside a lax.scan body) for every equation of a jaxpr and its sub-jaxprs."""
+    for e in jaxpr.eqns:
+        yield e.primitive.name, inside_scan
+        for v in e.params.values():
+            for sub in v if isinstance(v, tuple) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _primitives(sub, inside_scan or e.primitive.name == "scan")
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_one_rope_table_for_every_layer(v3_model, absorbed):
+    """A cached forward rotates every layer's queries and keys by one rope table made before the layer loop: the
+    loop's body computes no cos or sin (XLA would make the table again in every layer). Rotating by the table gives
+    the same bits as rotating by the positions."""
+    from hcfjax.layers import apply_rope, rope_table
+
+    cfg, p = v3_model.cfg, v3_model.params
+    cache = kvcache.init_cache(cfg, 4, 4, jnp.float32)
+    ctx = CacheContext(cache, jnp.array([[0, 1], [2, 3]]), jnp.array([3, 2]), jnp.ones((2, 1), bool))
+    tokens, pos = jnp.ones((2, 1), jnp.int32), jnp.array([[2], [1]])
+    jaxpr = jax.make_jaxpr(lambda t, q, c: hidden_states(p, cfg, t, q, c, absorbed=absorbed))(tokens, pos, ctx)
+    trig = [inside for name, inside in _primitives(jaxpr.jaxpr) if name in ("cos", "sin")]
+    assert trig and not any(trig)
+
+    r = cfg.qk_rope_head_dim
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4, r), jnp.bfloat16)
+    at = jnp.array([[0, 5, 4000], [7, 1, 163839]])
+    by_table = apply_rope(x, at, cfg.rope, rope_table(at, cfg.rope, r))
+    np.testing.assert_array_equal(np.asarray(by_table), np.asarray(apply_rope(x, at, cfg.rope)))
