@@ -133,8 +133,7 @@ def _quantised_ieee(x):
 def quant_rows(x) -> list[dict]:
     """The tokens' quantisation alone, on its kernel (pallas_kernels.int8_rows) and in XLA (quantize_int8 jitted),
     each against quantize_int8's arithmetic in IEEE f32 (numpy): `err` is the fraction of integers that differ
-    (the scales too, if any differs). XLA's own bits depend on its fusions: a Triton normalisation fusion divides
-    approximately."""
+    (the scales too, if any differs)."""
     from pallas_kernels.int8_rows import quantize_rows
 
     q0, s0 = _quantised_ieee(x)
