@@ -43,7 +43,7 @@ def lower_triton_for_hopper(fn, *args) -> str:
     Mosaic GPU lowering does not take)."""
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return lower_for_hopper(fn, *args)
 
 
 def trace_for_hopper(fn, *args) -> None:

@@ -64,9 +64,9 @@ def _row_kernel(x_ref, q_ref, s_ref, *, k: int, block: int, exact: bool):
         return jnp.maximum(acc, jnp.abs(x))
 
     amax = lax.fori_loop(0, steps, amax_step, jnp.zeros((block,), jnp.float32)).max()
-    scale = jnp.full((block,), jnp.maximum(amax, 1e-8) * INV_127, jnp.float32)
-    s_ref[...] = scale.max()  # every lane holds the same scale
-    inv = _div(jnp.full((block,), 1.0, jnp.float32), scale, exact)
+    scale = jnp.maximum(amax, 1e-8) * INV_127
+    s_ref[...] = scale
+    inv = _div(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
 
     @pl.loop(0, steps)
     def _(i):
