@@ -104,21 +104,31 @@ def _torch_peer(x, ws):
     return run, torch.cuda.synchronize
 
 
-def _row(name, fn, want, wbytes, copy, wait=None):
+def _timed(name, fn, error, ok, wait=None) -> dict:
+    """A table row for fn(): its error(output) (ok(error) says whether it passes), kernel time and launches; or the
+    exception it raised."""
     try:
         y = fn()
         if wait:
             wait()
-        y = np.asarray(y.float().cpu() if hasattr(y, "cpu") else y, np.float32)
-        err = float(np.abs(y - want).max() / np.abs(want).max())
+        err = error(y)
         planes = traced_planes(fn, reps=20, wait=(lambda _: wait()) if wait else None)
-        secs = sum(kernel_seconds(planes, 20).values())
-        launches = record_counts(planes, 20)["kernels"]
     except Exception as ex:  # noqa: BLE001 - a row that fails is reported, the bench goes on
         return dict(name=name, error=f"{type(ex).__name__}: {str(ex)[:300]}")
-    r = dict(name=name, us=secs * 1e6, launches=launches, err=err, ok=err < TOL)
-    if copy:
-        r["copy_pct"] = 100 * wbytes / secs / copy
+    secs = sum(kernel_seconds(planes, 20).values())
+    return dict(name=name, us=secs * 1e6, launches=record_counts(planes, 20)["kernels"], err=err, ok=ok(err))
+
+
+def _row(name, fn, want, wbytes, copy, wait=None):
+    """A product's row: its largest error relative to want's largest value, and its weights' bytes over copy."""
+
+    def error(y):
+        y = np.asarray(y.float().cpu() if hasattr(y, "cpu") else y, np.float32)
+        return float(np.abs(y - want).max() / np.abs(want).max())
+
+    r = _timed(name, fn, error, lambda err: err < TOL, wait)
+    if copy and "error" not in r:
+        r["copy_pct"] = 100 * wbytes / (r["us"] * 1e-6) / copy
     return r
 
 
@@ -130,6 +140,9 @@ def _quantised_ieee(x):
     return np.clip(np.rint(xf * inv[:, None]), -127, 127).astype(np.int8), s
 
 
+quant_xla = jax.jit(quant.quantize_int8)
+
+
 def quant_rows(x) -> list[dict]:
     """The tokens' quantisation alone, on its kernel (pallas_kernels.int8_rows) and in XLA (quantize_int8 jitted),
     each against quantize_int8's arithmetic in IEEE f32 (numpy): `err` is the fraction of integers that differ
@@ -137,22 +150,13 @@ def quant_rows(x) -> list[dict]:
     from pallas_kernels.int8_rows import quantize_rows
 
     q0, s0 = _quantised_ieee(x)
-    rows = []
-    for name, fn in (("  tokens' quantisation, kernel (int8_rows)", quantize_rows), ("  the same in XLA", quant_xla)):
-        try:
-            q, s = (np.asarray(v) for v in fn(x))
-            planes = traced_planes(fn, x, reps=20)
-        except Exception as ex:  # noqa: BLE001 - a row that fails is reported, the bench goes on
-            rows.append(dict(name=name, error=f"{type(ex).__name__}: {str(ex)[:300]}"))
-            continue
-        off = float(np.mean(q != q0)) + float(np.any(s != s0))
-        secs = sum(kernel_seconds(planes, 20).values())
-        launches = record_counts(planes, 20)["kernels"]
-        rows.append(dict(name=name, us=secs * 1e6, launches=launches, err=off, ok=off == 0))
-    return rows
 
+    def mismatch(out):
+        q, s = (np.asarray(v) for v in out)
+        return float(np.mean(q != q0)) + float(np.any(s != s0))
 
-quant_xla = jax.jit(quant.quantize_int8)
+    impls = (("  tokens' quantisation, kernel (int8_rows)", quantize_rows), ("  the same in XLA", quant_xla))
+    return [_timed(name, functools.partial(fn, x), mismatch, lambda err: err == 0) for name, fn in impls]
 
 
 def run_case(case: Case, sweep: bool, copy: float | None, rng) -> list[dict]:
