@@ -34,7 +34,7 @@ class CacheContext:
     kv_len: jax.Array  # [B] tokens in the cache after this step (keys at positions >= kv_len are masked)
     valid: jax.Array  # [B, T] bool: which query tokens are real (others write nothing)
     plan: MlaPlan | None = None  # the MLA kernel's work list for this forward (with_decode_plan), read by every layer
-    rope: tuple[jax.Array, jax.Array] | None = None  # layers.rope_table at this forward's positions, for every layer
+    rope_table: tuple[jax.Array, jax.Array] | None = None  # layers.rope_table at this forward's positions
 
 
 def decode_mode(cfg: ModelConfig, cache: kvcache.KVCache, page_table, kv_len, queries: tuple[int, int], opts) -> str:
@@ -81,9 +81,9 @@ def out_proj(out: jax.Array, w, cfg: ModelConfig, opts: Options = DEFAULT) -> ja
 
 
 def project_q(
-    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope=None
+    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope_table=None
 ) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped; by `rope`, the positions' rope_table, if given)."""
+    """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped; by rope_table, the positions', if given)."""
     h = cfg.num_attention_heads
     if cfg.q_lora_rank:
         q = rms_norm(linear(x, p["q_a"], opts), p["q_a_norm"], cfg.rms_norm_eps)
@@ -91,16 +91,16 @@ def project_q(
     else:
         q = per_head(x, p["q"], h, opts)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-    return q_nope, apply_rope(q_pe, positions, cfg.rope, rope)
+    return q_nope, apply_rope(q_pe, positions, cfg.rope, rope_table)
 
 
 def project_kv(
-    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope=None
+    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope_table=None
 ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> c_kv [B, T, C] (normed latent), k_pe [B, T, R] (roped, shared by all heads; as project_q)."""
     kv = linear(x, p["kv_a"], opts)
     ckv = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
-    return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope, rope)
+    return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope, rope_table)
 
 
 def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -304,9 +304,9 @@ def mla(
     written to the pages first and the keys are every cached position below kv_len (chunked prefill, decode and
     speculative verification are all this one case).
     """
-    rope = None if ctx is None else ctx.rope
-    q_nope, q_pe = project_q(p, cfg, x, positions, opts, rope)
-    ckv, kpe = project_kv(p, cfg, x, positions, opts, rope)
+    table = None if ctx is None else ctx.rope_table
+    q_nope, q_pe = project_q(p, cfg, x, positions, opts, table)
+    ckv, kpe = project_kv(p, cfg, x, positions, opts, table)
     if ctx is None:
         key_pos = positions[:, None, :]  # [B, 1, S=T]
         mask = key_pos <= positions[:, :, None]

@@ -90,7 +90,7 @@ def run_layers(
     if absorbed:
         ctx = with_decode_plan(cfg, ctx, positions, opts)  # one MLA kernel plan for every layer (when it runs)
     if ctx is not None:  # one rope table for every layer
-        ctx = dataclasses.replace(ctx, rope=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
+        ctx = dataclasses.replace(ctx, rope_table=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
 
@@ -107,7 +107,7 @@ def run_layers(
         if collect:
             loads.append(load)
     if ctx is not None:
-        ctx = dataclasses.replace(ctx, plan=None, rope=None)  # for this forward's lengths and positions only
+        ctx = dataclasses.replace(ctx, plan=None, rope_table=None)  # for this forward's lengths and positions only
     if with_load is not False:
         e = cfg.n_routed_experts
         return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)
