@@ -76,6 +76,18 @@ def v3_model():
     return hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32)
 
 
+def jaxpr_eqns(jaxpr, within: tuple = ()):
+    """(equation, the primitives of the equations it is nested in, outermost first) for every equation of a jaxpr
+    and of its sub-jaxprs (loop bodies, branches, nested calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, within
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner, (*within, eqn.primitive.name))
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

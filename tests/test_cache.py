@@ -4,7 +4,6 @@ page order do not change results."""
 import functools
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import hcfjax
 from hcfjax import cache as kvcache
 from hcfjax.attention import CacheContext
 from hcfjax.model import hidden_states, logits
-from tests.conftest import chunk_over_paged_cache, rel_err
+from tests.conftest import chunk_over_paged_cache, jaxpr_eqns, rel_err
 
 step = jax.jit(hidden_states, static_argnames=("cfg", "absorbed"))
 
@@ -215,18 +214,6 @@ def test_fused_prefill_attention_equals_dense(v3_model, cache_dtype):
     assert bool(jnp.all(got[~real] == 0))  # padding queries: zeros, not garbage
 
 
-def _primitives(jaxpr, inside_scan=False):
-    """(primitive name, whether inside a lax.scan body) for every equation of a jaxpr and its sub-jaxprs."""
-    for e in jaxpr.eqns:
-        yield e.primitive.name, inside_scan
-        for v in e.params.values():
-            for sub in v if isinstance(v, tuple) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _primitives(sub, inside_scan or e.primitive.name == "scan")
-
-
 @pytest.mark.parametrize("absorbed", [False, True])
 def test_one_rope_table_for_every_layer(v3_model, absorbed):
     """A cached forward rotates every layer's queries and keys by one rope table made before the layer loop: the
@@ -239,7 +226,7 @@ def test_one_rope_table_for_every_layer(v3_model, absorbed):
     ctx = CacheContext(cache, jnp.array([[0, 1], [2, 3]]), jnp.array([3, 2]), jnp.ones((2, 1), bool))
     tokens, pos = jnp.ones((2, 1), jnp.int32), jnp.array([[2], [1]])
     jaxpr = jax.make_jaxpr(lambda t, q, c: hidden_states(p, cfg, t, q, c, absorbed=absorbed))(tokens, pos, ctx)
-    trig = [inside for name, inside in _primitives(jaxpr.jaxpr) if name in ("cos", "sin")]
+    trig = ["scan" in within for e, within in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name in ("cos", "sin")]
     assert trig and not any(trig)
 
     r = cfg.qk_rope_head_dim

@@ -10,6 +10,7 @@ import pytest
 from hcfjax import fp8
 from hcfjax.config import ConfigError, ModelConfig
 from hcfjax.random_model import PRESETS
+from tests.conftest import jaxpr_eqns
 from tests.test_checkpoint import quantize_fp8_blocks
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -109,17 +110,6 @@ def test_ragged_dot_runs_each_expert_as_its_fp8_gemm():
     assert np.all(y[start:] == 0)
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, those of the loops' bodies included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 def test_the_dots_take_fp8_operands():
     """What XLA is given: e4m3 x e4m3 dots accumulating in f32 (so a GPU backend may run them on fp8 tensor cores),
     and no dot of upcast operands."""
@@ -129,7 +119,7 @@ def test_the_dots_take_fp8_operands():
         (fp8.ragged_dot, (x, fp8.quantize(jnp.ones((3, 256, 64))), jnp.array([1, 0, 1]))),
     )
     for fn, args in cases:
-        dots = [e for e in _eqns(jax.make_jaxpr(fn)(*args).jaxpr) if "dot" in e.primitive.name]
+        dots = [e for e, _ in jaxpr_eqns(jax.make_jaxpr(fn)(*args).jaxpr) if "dot" in e.primitive.name]
         assert dots
         for e in dots:
             assert [v.aval.dtype for v in e.invars[:2]] == [jnp.float8_e4m3fn] * 2, e
