@@ -81,12 +81,19 @@ def out_proj(out: jax.Array, w, cfg: ModelConfig, opts: Options = DEFAULT) -> ja
 
 
 def project_q(
-    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope_table=None
+    p: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    opts: Options = DEFAULT,
+    rope_table=None,
+    x_q=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped; by rope_table, the positions', if given)."""
+    """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped; by rope_table, the positions', if given; x_q:
+    x quantised, for `linear`)."""
     h = cfg.num_attention_heads
     if cfg.q_lora_rank:
-        q = rms_norm(linear(x, p["q_a"], opts), p["q_a_norm"], cfg.rms_norm_eps)
+        q = rms_norm(linear(x, p["q_a"], opts, x_q), p["q_a_norm"], cfg.rms_norm_eps)
         q = per_head(q, p["q_b"], h, opts)
     else:
         q = per_head(x, p["q"], h, opts)
@@ -95,10 +102,16 @@ def project_q(
 
 
 def project_kv(
-    p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, opts: Options = DEFAULT, rope_table=None
+    p: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    opts: Options = DEFAULT,
+    rope_table=None,
+    x_q=None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> c_kv [B, T, C] (normed latent), k_pe [B, T, R] (roped, shared by all heads; as project_q)."""
-    kv = linear(x, p["kv_a"], opts)
+    kv = linear(x, p["kv_a"], opts, x_q)
     ckv = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
     return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope, rope_table)
 
@@ -297,16 +310,18 @@ def mla(
     layer,
     absorbed: bool,
     opts: Options = DEFAULT,
+    x_q=None,
 ) -> tuple[jax.Array, CacheContext | None]:
-    """x [B, T, D] at positions [B, T] -> ([B, T, D], ctx with this layer's new entries written).
+    """x [B, T, D] at positions [B, T] -> ([B, T, D], ctx with this layer's new entries written). x_q: x quantised
+    (`quant.quantize_tokens(x)`) where the caller has it, for the int8 projections.
 
     Without a cache context the keys are the T tokens themselves (teacher forcing); with one, the new latents are
     written to the pages first and the keys are every cached position below kv_len (chunked prefill, decode and
     speculative verification are all this one case).
     """
     table = None if ctx is None else ctx.rope_table
-    q_nope, q_pe = project_q(p, cfg, x, positions, opts, table)
-    ckv, kpe = project_kv(p, cfg, x, positions, opts, table)
+    q_nope, q_pe = project_q(p, cfg, x, positions, opts, table, x_q)
+    ckv, kpe = project_kv(p, cfg, x, positions, opts, table, x_q)
     if ctx is None:
         key_pos = positions[:, None, :]  # [B, 1, S=T]
         mask = key_pos <= positions[:, :, None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -10,14 +11,45 @@ import numpy as np
 
 from hcfjax.config import RopeConfig
 from hcfjax.options import DEFAULT, Options
-from hcfjax.quant import gated_linear, linear
+from hcfjax.quant import gated_linear, linear, token_quant_mode
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalises in float32, then scales in the input dtype (as DeepSeek and transformers do)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackRow:
+    """Row `index` of a weight stacked over a run of layers [L, ...], read where it is used: in the layer loop a
+    slice of the stack is a copy (a kernel of its own a layer), which the norm's kernel does without."""
+
+    stack: jax.Array
+    index: jax.Array
+
+    def value(self) -> jax.Array:
+        return self.stack[self.index]
+
+
+def rms_norm(x: jax.Array, weight, eps: float) -> jax.Array:
+    """Normalises in float32, then scales in the input dtype (as DeepSeek and transformers do). weight [D] or a
+    StackRow of one."""
+    if isinstance(weight, StackRow):
+        weight = weight.value()
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+def rms_norm_int8(x: jax.Array, weight, eps: float, opts: Options = DEFAULT):
+    """(rms_norm(x, weight, eps), its rows quantised as `quant.quantize_tokens` gives them) for the int8 products
+    that read the normed tokens: one kernel where the tokens' quantisation kernel runs (`quant.token_quant_mode`;
+    XLA runs the norm and the quantisation as two kernels or more); else (rms_norm's, None), and each product
+    quantises the tokens itself."""
+    mode = token_quant_mode(x, opts)
+    stack, index = (weight.stack, weight.index) if isinstance(weight, StackRow) else (weight, 0)
+    if mode == "reference" or stack.dtype != x.dtype:
+        return rms_norm(x, weight, eps), None
+    from pallas_kernels.int8_rows import norm_quantize_rows
+
+    h, q, s = norm_quantize_rows(x.reshape(-1, x.shape[-1]), stack, eps, index, interpret=mode == "interpret")
+    return h.reshape(x.shape), (q.reshape(x.shape), s.reshape(x.shape[:-1]))
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
@@ -71,7 +103,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig, table=None)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def mlp(p: dict, x: jax.Array, opts: Options = DEFAULT) -> jax.Array:
+def mlp(p: dict, x: jax.Array, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """SwiGLU: down(silu(x @ gate) * (x @ up)).  x [..., D]; gate/up [D, F]; down [F, D] (arrays, QWeights or
-    Fp8Weights: `hcfjax.quant.linear`)."""
-    return linear(gated_linear(x, p["gate"], p["up"], opts), p["down"], opts)
+    Fp8Weights: `hcfjax.quant.linear`; x_q: its)."""
+    return linear(gated_linear(x, p["gate"], p["up"], opts, x_q), p["down"], opts)

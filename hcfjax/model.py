@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from hcfjax.attention import CacheContext, mla, with_decode_plan
 from hcfjax.config import ModelConfig
-from hcfjax.layers import mlp, rms_norm, rope_table
+from hcfjax.layers import StackRow, mlp, rms_norm, rms_norm_int8, rope_table
 from hcfjax.moe import moe
 from hcfjax.options import DEFAULT, Options
-from hcfjax.quant import linear
+from hcfjax.quant import int8_activations, int8_kernel_mode, linear
 from hcfjax.tensor_specs import stacked_shapes, tensor_specs, to_pytree
 
 
@@ -54,20 +54,37 @@ def decoder_layer(
     opts: Options = DEFAULT,
     real=None,
 ):
-    """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D].
+    """Pre-norm residual block: x + MLA(norm(x)), then + MLP or MoE.  x [B, T, D]. The norms' weights in p are
+    arrays [D] or, in the layer loop, layers.StackRow's of the stacked ones.
 
     Returns (x, ctx), or (x, ctx, tokens per expert [E]) for a MoE layer when with_load (True, or a bool mask
     [B, T] of the tokens to count). real: a bool mask [B, T] of the tokens whose output counts, or None (all):
     the others skip the routed experts (moe.moe)."""
-    h, ctx = mla(p["attn"], cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ctx, layer, absorbed, opts)
+    h, h_q = _norm(x, p["attn_norm"], cfg, int8_tokens(x, p["attn"], opts), opts)
+    h, ctx = mla(p["attn"], cfg, h, positions, ctx, layer, absorbed, opts, h_q)
     x = x + h
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    h, h_q = _norm(x, p["mlp_norm"], cfg, int8_tokens(x, p["mlp"], opts), opts)
     if not is_moe:
-        return x + mlp(p["mlp"], h, opts), ctx
+        return x + mlp(p["mlp"], h, opts, h_q), ctx
     if with_load is not False:
-        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts, real)
+        y, load = moe(p["mlp"], cfg, h, experts_fn, with_load, opts, real, h_q)
         return x + y, ctx, load
-    return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts, real=real), ctx
+    return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts, real=real, x_q=h_q), ctx
+
+
+def int8_tokens(x: jax.Array, p: dict, opts: Options = DEFAULT) -> bool:
+    """Whether a block (attention, dense MLP or MoE params) multiplies its normed tokens on int8 kernels: its first
+    projections' (q_a, kv_a, gate; the shared experts' gate) or the routed experts' (int8 activations)."""
+    dense = [p.get("q_a"), p.get("kv_a"), p.get("gate"), p.get("shared", {}).get("gate")]
+    routed = "experts" in p and int8_activations(p["experts"]["gate"])
+    return routed or any(int8_kernel_mode(x, w, opts) != "reference" for w in dense)
+
+
+def _norm(x: jax.Array, weight, cfg: ModelConfig, int8: bool, opts: Options):
+    """A block's input norm, with its int8 rows when the block takes them (layers.rms_norm_int8)."""
+    if int8:
+        return rms_norm_int8(x, weight, cfg.rms_norm_eps, opts)
+    return rms_norm(x, weight, cfg.rms_norm_eps), None
 
 
 def run_layers(
@@ -93,17 +110,20 @@ def run_layers(
         ctx = dataclasses.replace(ctx, rope_table=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
+        norms = {k: seg[k] for k in ("attn_norm", "mlp_norm")}  # read by row in place (layers.StackRow)
+        rest = {k: v for k, v in seg.items() if k not in norms}
 
-        def body(carry, xs, is_moe=is_moe, collect=collect):
+        def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, first=first):
             x, ctx = carry
             p, layer = xs
+            p = p | {k: StackRow(stack, layer - first) for k, stack in norms.items()}
             load_mask = with_load if collect else False
             x, ctx, *load = decoder_layer(
                 p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, load_mask, opts, real
             )
             return (x, ctx), (load[0] if collect else None)
 
-        (x, ctx), load = jax.lax.scan(body, (x, ctx), (seg, first + jnp.arange(count)), unroll=unroll)
+        (x, ctx), load = jax.lax.scan(body, (x, ctx), (rest, first + jnp.arange(count)), unroll=unroll)
         if collect:
             loads.append(load)
     if ctx is not None:

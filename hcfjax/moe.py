@@ -77,9 +77,9 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
     return weights, ids.astype(jnp.int32)
 
 
-def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT) -> jax.Array:
+def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
-    QWeights of those logical shapes)."""
+    QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it."""
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
     flat = ids.reshape(-1)  # [N*K]
@@ -87,16 +87,17 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     order, pos = by_expert(flat, num_experts, flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing"))
     token = order // k  # source token of each sorted copy
     xs = x[token]  # [N*K, D]
-    x_q = None
+    copies_q = None
     if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
-        xq, sc = quantize_tokens(x, token_quant_mode(x, opts))
-        x_q = (xq[token], sc[token])
+        xq, sc = quantize_tokens(x, token_quant_mode(x, opts)) if x_q is None else x_q
+        copies_q = (xq[token], sc[token])
     if grouped_down_input(p["down"], opts):  # the product quantised per 128 channels by its producer
-        h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, quant_out=True, opts=opts)
+        h_q = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, copies_q, quant_out=True, opts=opts)
         h = jnp.zeros(h_q[0].shape, x.dtype)  # only a shape for the down projection (unused, so never made)
         y = ragged_dot(h, p["down"], group_sizes, h_q, opts)
     else:
-        h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, x_q, opts=opts)  # silu(xs gate) * (xs up) [N*K, F]
+        # silu(xs gate) * (xs up) [N*K, F]
+        h = gated_ragged_dot(xs, p["gate"], p["up"], group_sizes, copies_q, opts=opts)
         y = ragged_dot(h, p["down"], group_sizes, opts=opts)  # [N*K, D]
     # Each token's K copies gathered back from their sorted rows and summed with the routing weights: one fusion,
     # where a scatter-add into zeros is three kernels (zeros, the weights' gather, the scatter). Copies routed past
@@ -143,6 +144,7 @@ def moe(
     with_load=False,
     opts: Options = DEFAULT,
     real: jax.Array | None = None,
+    x_q=None,
 ):
     """x [..., D] -> routed experts + shared experts (and, with_load, tokens routed to each expert [E] for EPLB).
 
@@ -153,16 +155,21 @@ def moe(
     products skip their copies, and their routed output is zero.
 
     experts_fn(p, x, weights, ids, opts) runs the routed experts (default: all experts local, `experts`); an
-    expert-parallel plan passes its own (sharding/ep.py) with the same contract."""
+    expert-parallel plan passes its own (sharding/ep.py) with the same contract.
+    x_q: x quantised (`quantize_tokens(x)`) where the caller has it, for the local experts and the shared ones."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(p, cfg, flat)
     routed = ids
     if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last
         routed = jnp.where(real.reshape(-1, 1), ids, p["experts"]["gate"].shape[0])
-    out = (experts_fn or experts)(p["experts"], flat, weights, routed, opts)
+    flat_q = None if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
+    if experts_fn is None:
+        out = experts(p["experts"], flat, weights, routed, opts, flat_q)
+    else:
+        out = experts_fn(p["experts"], flat, weights, routed, opts)
     if "shared" in p:
-        out = out + mlp(p["shared"], flat, opts)
+        out = out + mlp(p["shared"], flat, opts, flat_q)
     if with_load is not False:
         real = None if with_load is True else jnp.repeat(with_load.reshape(-1), ids.shape[-1]).astype(jnp.int32)
         load = jnp.bincount(ids.reshape(-1), real, length=cfg.n_routed_experts).astype(jnp.int32)  # [E]

@@ -208,26 +208,27 @@ def gated_ragged_dot(x: jax.Array, gate, up, group_sizes: jax.Array, x_q=None, q
     return quantize_int8_groups(h) if quant_out else h
 
 
-def linear(x: jax.Array, w, opts: Options = DEFAULT) -> jax.Array:
+def linear(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """x [..., K] @ W [K, N] for any weight of a dense layer: fp8 weights on the fp8 kernel where opts.mode("moe")
     takes it (`hcfjax.fp8.matmul`), int8 per-channel weights on the dense int8 kernel where it takes them
-    (`int8_kernel_mode`), QWeights and arrays otherwise by their matmul."""
+    (`int8_kernel_mode`), QWeights and arrays otherwise by their matmul. x_q: `quantize_tokens(x)` where the caller
+    has it already (the dense int8 kernel takes it instead of quantising x)."""
     if isinstance(w, fp8.Fp8Weight):
         return fp8.matmul(x, w, opts)
     mode = int8_kernel_mode(x, w, opts)
     if mode != "reference":
-        return _int8_kernel(x, (w,), mode)
+        return _int8_kernel(x, (w,), mode, x_q)
     return x @ w
 
 
-def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT) -> jax.Array:
+def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """silu(x @ gate) * (x @ up), the first half of a SwiGLU MLP: fp8 and int8 per-channel weights fused in one
-    kernel where it runs."""
+    kernel where it runs (x_q: `linear`'s)."""
     if isinstance(gate, fp8.Fp8Weight) and isinstance(up, fp8.Fp8Weight):
         return fp8.gated_matmul(x, gate, up, opts)
     mode = int8_kernel_mode(x, gate, opts) if isinstance(up, QWeight) and up.q.shape == gate.q.shape else "reference"
     if mode != "reference":
-        return _int8_kernel(x, (gate, up), mode)
+        return _int8_kernel(x, (gate, up), mode, x_q)
     return jax.nn.silu(x @ gate) * (x @ up)
 
 
@@ -267,11 +268,13 @@ def quantize_tokens(x: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
-def _int8_kernel(x: jax.Array, weights: tuple, mode: str) -> jax.Array:
-    """x [..., K] through the dense int8 kernel: one weight, or gate and up with the SiLU product -> [..., N]."""
+def _int8_kernel(x: jax.Array, weights: tuple, mode: str, x_q=None) -> jax.Array:
+    """x [..., K] through the dense int8 kernel: one weight, or gate and up with the SiLU product -> [..., N]. x_q:
+    x quantised (`quantize_tokens(x)`), or None to quantise it here."""
     from pallas_kernels.moe_fp8 import int8_gated_matmul, int8_matmul
 
-    xq, xs = quantize_tokens(x.reshape(-1, x.shape[-1]), mode)
+    flat = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_tokens(flat, mode) if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
     interpret = mode == "interpret"
     if len(weights) == 1:
         y = int8_matmul(xq, xs, weights[0].q, weights[0].scale, interpret=interpret)

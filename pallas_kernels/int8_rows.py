@@ -1,4 +1,5 @@
-"""Per-token int8 quantisation of a decode step's rows in one kernel (Pallas, Triton lowering).
+"""Per-token int8 quantisation of a decode step's rows in one kernel (Pallas, Triton lowering), alone
+(`quantize_rows`) or after the RMSNorm that precedes a layer's int8 products (`norm_quantize_rows`).
 
 `quantize_int8`'s arithmetic in IEEE f32, bit for bit: XLA runs it as three kernels a call (the rows' absolute
 maximum, the scales on their own, then the integers), and a decode layer quantises its tokens three times (MLA's kv_a
@@ -48,32 +49,79 @@ def _round(x, exact: bool):
     return _ptx("cvt.rni.f32.f32 $0, $1;", x) if exact else jnp.round(x)
 
 
-def _row_kernel(x_ref, q_ref, s_ref, *, k: int, block: int, exact: bool):
+def _columns(i, block: int, k: int):
+    c = i * block + jnp.arange(block)
+    return c, c < k
+
+
+def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
+    """The row's integers and scale from `row(i, policy)`, its i-th block of columns in f32 (zero past k): its
+    maximum first, then the integers (the second pass reads the row again, from cache)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
     steps = pl.cdiv(k, block)
-
-    def columns(i):
-        c = i * block + jnp.arange(block)
-        return c, c < k
-
-    def amax_step(i, acc):
-        c, m = columns(i)
-        x = plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy="evict_last").astype(jnp.float32)
-        return jnp.maximum(acc, jnp.abs(x))
-
-    amax = lax.fori_loop(0, steps, amax_step, jnp.zeros((block,), jnp.float32)).max()
+    amax = lax.fori_loop(
+        0, steps, lambda i, acc: jnp.maximum(acc, jnp.abs(row(i, "evict_last"))), jnp.zeros((block,), jnp.float32)
+    ).max()
     scale = jnp.maximum(amax, 1e-8) * INV_127
     s_ref[...] = scale
     inv = _div(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
 
     @pl.loop(0, steps)
     def _(i):
-        c, m = columns(i)
-        x = plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
-        v = _round(x * inv, exact)
+        c, m = _columns(i, block, k)
+        v = _round(row(i, "evict_first") * inv, exact)
         plt.store(q_ref.at[c], jnp.clip(v, -127.0, 127.0).astype(jnp.int8), mask=m)
+
+
+def _row_kernel(x_ref, q_ref, s_ref, *, k: int, block: int, exact: bool):
+    import jax.experimental.pallas.triton as plt
+
+    def row(i, policy):
+        c, m = _columns(i, block, k)
+        return plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy=policy).astype(jnp.float32)
+
+    _quantize_pass(row, q_ref, s_ref, k=k, block=block, exact=exact)
+
+
+def _norm_row_kernel(x_ref, w_ref, layer_ref, h_ref, q_ref, s_ref, *, k: int, block: int, eps: float, exact: bool):
+    """`rms_norm(x, w[layer])` of one row, written in x's dtype, then that row quantised as `_row_kernel` does."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.triton as plt
+
+    steps = pl.cdiv(k, block)
+    base = layer_ref[0] * k  # the layer's weight in the flattened stack
+
+    def x_at(i, policy):
+        c, m = _columns(i, block, k)
+        return plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy=policy).astype(jnp.float32)
+
+    squares = lax.fori_loop(0, steps, lambda i, acc: acc + jnp.square(x_at(i, "evict_last")), jnp.zeros((block,)))
+    r = lax.rsqrt(squares.sum() / k + eps)
+
+    def normed(i, policy):
+        c, m = _columns(i, block, k)
+        w = plt.load(w_ref.at[base + c], mask=m, other=0.0, eviction_policy="evict_last")
+        # Scaled in the input dtype, as rms_norm: the product of two bf16 values is exact in f32, then rounded.
+        return (w.astype(jnp.float32) * (x_at(i, policy) * r).astype(h_ref.dtype).astype(jnp.float32)).astype(
+            h_ref.dtype
+        )
+
+    @pl.loop(0, steps)
+    def _(i):
+        c, m = _columns(i, block, k)
+        plt.store(h_ref.at[c], normed(i, "evict_last"), mask=m)
+
+    _quantize_pass(lambda i, policy: normed(i, policy).astype(jnp.float32), q_ref, s_ref, k=k, block=block, exact=exact)
+
+
+def _params(k: int):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.triton as plt
+
+    block = min(BLOCK, pl.next_power_of_2(k))
+    return block, plt.CompilerParams(num_warps=min(max(block // 256, 1), 8), num_stages=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -81,16 +129,43 @@ def quantize_rows(x: jax.Array, interpret: bool = False) -> tuple[jax.Array, jax
     """x [M, K] (bf16 or f32) -> (q [M, K] int8, scale [M] f32), as `int8_quant.quantize_int8(x)` gives them; one
     program per row (`interpret`: Pallas's interpreter, any backend)."""
     import jax.experimental.pallas as pl
-    import jax.experimental.pallas.triton as plt
 
     m, k = x.shape
-    block = min(BLOCK, pl.next_power_of_2(k))
+    block, params = _params(k)
     call = pl.pallas_call(
         functools.partial(_row_kernel, k=k, block=block, exact=not interpret),
         out_shape=(jax.ShapeDtypeStruct((k,), jnp.int8), jax.ShapeDtypeStruct((), jnp.float32)),
         grid=(),
-        compiler_params=plt.CompilerParams(num_warps=min(max(block // 256, 1), 8), num_stages=1),
+        compiler_params=params,
         interpret=interpret,
         name="quantize_int8_rows",
     )
     return jax.vmap(call)(x)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def norm_quantize_rows(
+    x: jax.Array, weight: jax.Array, eps: float, layer: jax.Array | int = 0, interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [M, K] bf16 -> (h = `layers.rms_norm(x, w, eps)` [M, K] bf16, and h quantised as `quantize_rows(h)` gives
+    it), one program per row: the RMSNorm before a layer's int8 products and its quantisation in one kernel. w is
+    weight [K], or row `layer` of a stacked weight [L, K], read in place (a slice of the stack would be a copy)."""
+    import jax.experimental.pallas as pl
+
+    m, k = x.shape
+    stack = weight.reshape(-1)  # [L*K]: the kernel reads the layer's row at layer * K
+    block, params = _params(k)
+    call = pl.pallas_call(
+        functools.partial(_norm_row_kernel, k=k, block=block, eps=eps, exact=not interpret),
+        out_shape=(
+            jax.ShapeDtypeStruct((k,), x.dtype),
+            jax.ShapeDtypeStruct((k,), jnp.int8),
+            jax.ShapeDtypeStruct((), jnp.float32),
+        ),
+        grid=(),
+        compiler_params=params,
+        interpret=interpret,
+        name="rms_norm_int8_rows",
+    )
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return jax.vmap(call, in_axes=(0, None, None))(x, stack, layer)
