@@ -54,6 +54,14 @@ def _columns(i, block: int, k: int):
     return c, c < k
 
 
+def _load_f32(ref, i, block: int, k: int, policy: str, base=0):
+    """Columns i * block.. of a row (of ref, from `base` on) in f32, zero past k."""
+    import jax.experimental.pallas.triton as plt
+
+    c, m = _columns(i, block, k)
+    return plt.load(ref.at[base + c], mask=m, other=0.0, eviction_policy=policy).astype(jnp.float32)
+
+
 def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
     """The row's integers and scale from `row(i, policy)`, its i-th block of columns in f32 (zero past k): its
     maximum first, then the integers (the second pass reads the row again, from cache)."""
@@ -76,13 +84,7 @@ def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
 
 
 def _row_kernel(x_ref, q_ref, s_ref, *, k: int, block: int, exact: bool):
-    import jax.experimental.pallas.triton as plt
-
-    def row(i, policy):
-        c, m = _columns(i, block, k)
-        return plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy=policy).astype(jnp.float32)
-
-    _quantize_pass(row, q_ref, s_ref, k=k, block=block, exact=exact)
+    _quantize_pass(lambda i, policy: _load_f32(x_ref, i, block, k, policy), q_ref, s_ref, k=k, block=block, exact=exact)
 
 
 def _norm_row_kernel(x_ref, w_ref, layer_ref, h_ref, q_ref, s_ref, *, k: int, block: int, eps: float, exact: bool):
@@ -94,19 +96,15 @@ def _norm_row_kernel(x_ref, w_ref, layer_ref, h_ref, q_ref, s_ref, *, k: int, bl
     base = layer_ref[0] * k  # the layer's weight in the flattened stack
 
     def x_at(i, policy):
-        c, m = _columns(i, block, k)
-        return plt.load(x_ref.at[c], mask=m, other=0.0, eviction_policy=policy).astype(jnp.float32)
+        return _load_f32(x_ref, i, block, k, policy)
 
     squares = lax.fori_loop(0, steps, lambda i, acc: acc + jnp.square(x_at(i, "evict_last")), jnp.zeros((block,)))
     r = lax.rsqrt(squares.sum() / k + eps)
 
     def normed(i, policy):
-        c, m = _columns(i, block, k)
-        w = plt.load(w_ref.at[base + c], mask=m, other=0.0, eviction_policy="evict_last")
+        w = _load_f32(w_ref, i, block, k, "evict_last", base)
         # Scaled in the input dtype, as rms_norm: the product of two bf16 values is exact in f32, then rounded.
-        return (w.astype(jnp.float32) * (x_at(i, policy) * r).astype(h_ref.dtype).astype(jnp.float32)).astype(
-            h_ref.dtype
-        )
+        return (w * (x_at(i, policy) * r).astype(h_ref.dtype).astype(jnp.float32)).astype(h_ref.dtype)
 
     @pl.loop(0, steps)
     def _(i):
