@@ -207,6 +207,7 @@ def mla_decode(
     profile="",
     f16=None,
     transposed=None,
+    converters=False,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -228,7 +229,9 @@ def mla_decode(
     queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16). `profile`: "DIR[:RANGES]" builds the kernel
     with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline). `transposed` (None: wherever
     a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
-    does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed).
+    does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed tiles;
+    opt-in until timed on the GPU): two warpgroups convert each block as it lands while the leader runs both P.V
+    halves (mla_kernel.KernelSpec.converters).
     """
     check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_nope.shape
@@ -251,6 +254,8 @@ def mla_decode(
         raise ValueError(f"transposed needs fewer than {BLOCK} heads (a multiple of 8) and no qk8, got {h} heads")
     if transposed is None:
         transposed = transposes(q_heads, stack, qk8)
+    if converters and not (quant and transposed):
+        raise ValueError("converters need an int8 cache and transposed tiles")
     if f16 is None:
         f16 = quant and not qk8
     qs = None
@@ -294,13 +299,14 @@ def mla_decode(
         sm_scale=float(sm_scale),
         interpret=interpret,
         pair=(True if pair is None else pair) and can_pair,
-        registers=None if registers is None else mla_kernel.check_registers(registers),
+        registers=None if registers is None else mla_kernel.check_registers(registers, 4 if converters else 3),
         qk8=qk8,
         f16=f16,
         profile=profile,
         q_heads=q_heads,
         stack=stack,
         transposed=transposed,
+        converters=converters,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
 

@@ -38,6 +38,12 @@ converted to bf16 in place, while the leader runs the softmax: its first half by
 half's only reader); the rope part is not converted (P goes there). The loader issues block i + 1's loads before it
 waits for block i's Q.K.
 
+Converter warpgroups (`KernelSpec.converters`, int8 transposed tiles, opt-in): a fourth warpgroup. WG3 converts each
+block's first latent half and rope, WG1 its second half, each as soon as the part lands; the leader runs both P.V
+halves (O^T at 16 query rows is 32 registers a half) and releases the slot alone; the loader only issues copies. A
+slot's round trip is then its load, one part's conversion and the leader's work, where with three warpgroups the
+loader converts between its issues and WG1 converts the next block's half before it releases the current one.
+
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
@@ -71,6 +77,7 @@ from pallas_kernels.mla_kernel_spec import (
     KernelSpec,
     R,
     check_registers,
+    launch_registers,
     profile_params,
     scope,
     smem_types,
@@ -133,7 +140,8 @@ def _query_layout(spec: KernelSpec):
 
 def _v3(ctx: Cta, wg, active):
     """WG0 computes every block's scores and softmax; WG1 follows with the other output half (and, int8,
-    converts the latent's second half: the next block's, or with qk8 this block's after its Q.K)."""
+    converts the latent's second half: the next block's, or with qk8 this block's after its Q.K). With converters,
+    WG0 runs both halves and WG1 and WG3 only convert."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -145,13 +153,15 @@ def _v3(ctx: Cta, wg, active):
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
     # leader computes P, the loader the first half and the rope (docs/kernels.md; 451 -> 400 us at
     # 128 x 4096).
-    split = spec.quant and not spec.qk8
+    split = spec.quant and not spec.qk8 and not spec.converters
+    conv = spec.converters  # WG1 and WG3 convert; the leader runs both P.V halves
     log2_scale = spec.sm_scale * LOG2E
 
     @pl.when(jnp.logical_and(wg == 0, active))
     def _leader():
-        plgpu.set_max_registers(regs[0], action="increase")
+        _set_registers(regs[0], spec)
         ctx.load_q(issue=True)
+        halves = (A, B) if conv else (A,)  # the output halves (V's parts) this warpgroup accumulates
 
         def step(i, carry):
             acc, m, den = carry
@@ -185,29 +195,36 @@ def _v3(ctx: Cta, wg, active):
                 p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
                 p_smem = _p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
                 (p_smem.transpose((1, 0)) if spec.transposed else p_smem)[...] = p
-                ctx.query_vector(slot)[...] = alpha
+                if not conv:  # (WG1's rescale)
+                    ctx.query_vector(slot)[...] = alpha
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(bars["sig"].at[slot])
+                if not conv:
+                    plgpu.barrier_arrive(bars["sig"].at[slot])
             if spec.qk8:  # V's first half, converted after this block's Q.K
                 with scope("wait_v"):
                     plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
             with scope("pv"):
-                acc = _pv(acc * b(alpha, acc.shape), p_smem, ctx.parts[A].at[slot], spec)
+                acc = tuple(
+                    _pv(a * b(alpha, a.shape), p_smem, ctx.parts[h].at[slot], spec)
+                    for a, h in zip(acc, halves, strict=True)
+                )
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc, m_new, den
 
-        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, _init(spec))
+        acc0, m0, l0 = _init(spec)
+        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, ((acc0,) * len(halves), m0, l0))
         inv_l, lse = _finish(m, den)
         if spec.f16:  # P went out times P_SCALE
             inv_l = inv_l * (1.0 / P_SCALE)
-        ctx.query_vector(2)[...] = inv_l
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(bars["sig"].at[2])
-        ctx.store(acc, inv_l, 0, lse)
+        if not conv:  # (WG1 scales and stores the other half)
+            ctx.query_vector(2)[...] = inv_l
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bars["sig"].at[2])
+        for w, a in enumerate(acc):
+            ctx.store(a, inv_l, w, lse if w == 0 else None)
 
-    @pl.when(jnp.logical_and(wg == 1, active))
     def _second():
-        plgpu.set_max_registers(regs[1], action="increase")
+        _set_registers(regs[1], spec)
         if split:  # block 0's second latent half; each step then converts the next block's
 
             @pl.when(ctx.n_steps >= 1)
@@ -243,6 +260,29 @@ def _v3(ctx: Cta, wg, active):
         plgpu.barrier_wait(bars["sig"].at[2])
         ctx.store(acc, plgpu.load(ctx.query_vector(2), layout=row), 1)
 
+    def _second_half_converter():
+        _set_registers(regs[1], spec)
+
+        @pl.loop(0, ctx.n_steps)
+        def _(i):
+            with scope("convert"):
+                ctx.finish(lax.rem(i, 2), B, scales=False)
+
+    def _first_half_converter():
+        _set_registers(regs[3], spec)
+
+        @pl.loop(0, ctx.n_steps)
+        def _(i):
+            with scope("convert"):
+                for p in (A, R):
+                    ctx.finish(lax.rem(i, 2), p, scales=p == A)
+
+    if conv:
+        pl.when(jnp.logical_and(wg == 1, active))(_second_half_converter)
+        pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
+    else:
+        pl.when(jnp.logical_and(wg == 1, active))(_second)
+
     def issue_block(i):
         slot = lax.rem(i, 2)
         where = ctx.pages(i)  # before the wait: the page-table loads overlap it
@@ -257,7 +297,7 @@ def _v3(ctx: Cta, wg, active):
 
     @pl.when(jnp.logical_and(wg == 2, active))
     def _loader():
-        plgpu.set_max_registers(regs[2], action="decrease")
+        _set_registers(regs[2], spec)
         if spec.qk8:  # block i + 1's loads go out before block i's conversion, which waits for block i's Q.K
 
             @pl.when(ctx.n_steps >= 1)  # (a row with nothing to read has a unit of no blocks)
@@ -270,6 +310,8 @@ def _v3(ctx: Cta, wg, active):
             if not spec.qk8:
                 issue_block(i)
                 ctx.prefetch(i + 1)
+                if conv:  # (the converter warpgroups convert)
+                    return
                 with scope("convert"):  # (int8; the waits for the parts' TMAs included)
                     for p in (A, R) if split else (A, B, R):
                         ctx.finish(slot, p, scales=p == A)
@@ -290,6 +332,15 @@ def _v3(ctx: Cta, wg, active):
         @pl.loop(jnp.maximum(ctx.n_steps - 2, 0), ctx.n_steps)
         def _(i):
             plgpu.barrier_wait(bars["consumed"].at[lax.rem(i, 2)])
+
+
+def _set_registers(n: int, spec: KernelSpec):
+    """setmaxnreg to n registers a thread, up or down from the launch's count (nothing when equal)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    launch = launch_registers(spec.warpgroups)
+    if n != launch:
+        plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
 
 
 def _p_tile(ctx: Cta, slot):
@@ -379,7 +430,7 @@ def _launch_kernel(spec: KernelSpec):
         grid=(spec.lse_tokens * (spec.heads // BLOCK) // (2 if spec.pair else 1), spec.units),
         grid_names=("qt", "unit"),
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
-        num_threads=3,
+        num_threads=spec.warpgroups,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params(spec.profile)),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # in profiles: "mla_decode_bf16_mosaic..."

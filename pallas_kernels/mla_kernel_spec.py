@@ -34,18 +34,34 @@ REGISTERS = {  # by (int8 cache, qk8)
     (True, False): (248, 176, 80),
     (True, True): (256, 176, 72),
 }
+# With converter warpgroups (KernelSpec.converters) the split is (WG0, WG1, loader, WG3): four warpgroups launch with
+# 128 registers a thread. The leader holds both output halves (O^T: 2 x 32 registers at 16 query rows), the
+# converters an int8 part and one converted tile, the loader only issues copies.
+CONVERTER_REGISTERS = (168, 128, 56, 152)
 P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
 ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
-LAUNCH_REGISTERS = 168  # per thread at launch: 64 Ki registers over 3 x 128 threads, down to a multiple of 8
 
 
-def check_registers(split) -> tuple[int, int, int]:
-    """A (WG0, WG1, loader) split that setmaxnreg can make: multiples of 8 in [24, 256], the compute warpgroups
-    growing from the launch's 168, the loader shrinking, the three within the CTA's 504 x 128 registers."""
+def launch_registers(warpgroups: int) -> int:
+    """Registers per thread at launch: 64 Ki over the CTA's threads, down to a multiple of 8 (168 for three
+    warpgroups, 128 for four)."""
+    return 65536 // (128 * warpgroups) // 8 * 8
+
+
+def check_registers(split, warpgroups: int = 3) -> tuple[int, ...]:
+    """A split (WG0, WG1, loader[, WG3]) that setmaxnreg can make: multiples of 8 in [24, 256], the leader growing
+    from the launch's count and the loader shrinking (three warpgroups: WG1 grows too), all within the CTA's
+    registers."""
     split = tuple(int(n) for n in split)
-    ok = len(split) == 3 and sum(split) <= 3 * LAUNCH_REGISTERS and all(n % 8 == 0 and 24 <= n <= 256 for n in split)
-    if not (ok and min(split[:2]) > LAUNCH_REGISTERS > split[2]):
-        raise ValueError(f"register split {split}: 3 multiples of 8 in [24, 256], WG0, WG1 > 168 > loader, sum <= 504")
+    launch = launch_registers(warpgroups)
+    ok = len(split) == warpgroups and sum(split) <= warpgroups * launch
+    ok = ok and all(n % 8 == 0 and 24 <= n <= 256 for n in split)
+    grows = split[:2] if warpgroups == 3 else split[:1]
+    if not (ok and min(grows) > launch > split[2]):
+        names = "WG0, WG1 > 168 > loader" if warpgroups == 3 else "WG0 > 128 > loader"
+        raise ValueError(
+            f"register split {split}: {warpgroups} multiples of 8 in [24, 256], {names}, sum <= {warpgroups * launch}"
+        )
     return split
 
 
@@ -102,6 +118,13 @@ class KernelSpec:
     # the output staging keep their 64 rows in smem (f16's in-place conversion of Q lays out 64-row tiles), of which
     # the MMAs and the stores read the first q_rows.
     transposed: bool = False
+    # int8 transposed tiles: four warpgroups, two of them converters. WG3 converts each block's first latent half and
+    # its rope, WG1 the second half, both as soon as the block lands; the leader runs both P.V halves (O^T is small at
+    # 16 query rows) and the loader only issues copies. A slot's round trip is then its load, one part's conversion
+    # and the leader's MMAs, with no conversion on the loader between its issues nor on a warpgroup that releases
+    # slots (three warpgroups: the loader converts the first half and the rope, WG1 the next block's second half
+    # before its own P.V).
+    converters: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -122,6 +145,8 @@ class KernelSpec:
             raise ValueError("qk8 queries are not stacked")
         if self.transposed and not (self.q_heads and not self.qk8 and not self.pair):
             raise ValueError("transposed needs q_heads, and neither qk8 nor pair")
+        if self.converters and not (self.transposed and self.quant):
+            raise ValueError("converters need an int8 cache and transposed tiles")
 
     @property
     def io_heads(self) -> int:
@@ -156,8 +181,14 @@ class KernelSpec:
         """Query tokens along the lse outputs' second axis (1 when stacked)."""
         return self.t // self.stack
 
-    def register_split(self) -> tuple[int, int, int]:
-        return self.registers or REGISTERS[(self.quant, self.qk8)]
+    @property
+    def warpgroups(self) -> int:
+        return 4 if self.converters else 3
+
+    def register_split(self) -> tuple[int, ...]:
+        if self.registers:
+            return self.registers
+        return CONVERTER_REGISTERS if self.converters else REGISTERS[(self.quant, self.qk8)]
 
     def compute_dtype(self):
         """The dtype of the converted cache parts (and of Q without qk8, and of P)."""
@@ -204,7 +235,8 @@ def smem_types(spec: KernelSpec):
         plgpu.SMEM((2, 2, BLOCK_KV), jnp.float32) if spec.quant else None,
         plgpu.SMEM((3, BLOCK), jnp.float32) if spec.qk8 else None,  # Q's scales per head and part (A, B, rope)
     )
-    consumed = plgpu.Barrier(num_arrivals=2, num_barriers=2)  # both warpgroups release the whole slot
+    # the warpgroups that read a slot release it: both P.V halves' (with converters the leader runs both)
+    consumed = plgpu.Barrier(num_arrivals=1 if spec.converters else 2, num_barriers=2)
     if spec.pair:  # a slot is refilled (in both CTAs, by multicast) once both CTAs' readers have released it
         consumed = plgpu.ClusterBarrier(
             collective_axes=("pair",), num_barriers=consumed.num_barriers, num_arrivals=consumed.num_arrivals

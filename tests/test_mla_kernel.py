@@ -133,13 +133,15 @@ def test_ragged_batch_of_mixed_lengths():
     check_kernel(37, lengths, 1, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
 
 
-@pytest.mark.parametrize("f16,transposed", [(True, None), (False, None), (True, False)])
-def test_int8_kernel_matches_reference(f16, transposed):
+@pytest.mark.parametrize(
+    "f16,transposed,converters", [(True, None, False), (False, None, False), (True, False, False), (True, True, True)]
+)
+def test_int8_kernel_matches_reference(f16, transposed, converters):
     # The loader and WG1 convert each part in place (the int8 twin overlays the 16-bit part), into fp16 (the
     # default) or bf16; the latent is left unscaled and S and P are scaled per token, where a zero latent scale must
     # not zero the rope's share of S. 16 heads run transposed by default (S^T = K Q^T: the scales go on S^T's rows),
     # or as 16 rows of a 64-row tile.
-    kw = dict(f16=f16, transposed=transposed, blocks_per_split=3, zero_latent=True)
+    kw = dict(f16=f16, transposed=transposed, converters=converters, blocks_per_split=3, zero_latent=True)
     check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, **kw)
 
 
@@ -477,23 +479,36 @@ def test_wrapper_rejects_unabsorbed_query():
 
 
 @pytest.mark.parametrize(
-    "b,ctx,dtype,layer,minor,qk8,pair,h,t",
+    "b,ctx,dtype,layer,minor,qk8,pair,h,t,conv",
     [
-        (128, 4096, "bf16", False, False, False, None, 128, 1),
-        (4, 4096, "int8", True, True, False, None, 128, 1),
-        (2, 256, "int8", True, False, False, None, 128, 1),
-        (32, 4096, "bf16", False, False, False, False, 128, 1),
-        (128, 4096, "int8", False, False, True, None, 128, 1),  # int8 Q.K: int8 Q in smem, three int32 accumulators
+        (128, 4096, "bf16", False, False, False, None, 128, 1, False),
+        (4, 4096, "int8", True, True, False, None, 128, 1, False),
+        (2, 256, "int8", True, False, False, None, 128, 1, False),
+        (32, 4096, "bf16", False, False, False, False, 128, 1, False),
+        (
+            128,
+            4096,
+            "int8",
+            False,
+            False,
+            True,
+            None,
+            128,
+            1,
+            None,
+        ),  # int8 Q.K: int8 Q in smem, three int32 accumulators
         # V2-Lite's 16 heads at the engine's batch (the sparse merge): Q and the outputs as 16 of a tile's rows
         # (KernelSpec.q_heads), in the kernel and in the combine kernel
-        (64, 2048, "int8", True, False, False, None, 16, 1),
-        (64, 2048, "int8", False, False, True, None, 16, 1),
+        (64, 2048, "int8", True, False, False, None, 16, 1, False),
+        (64, 2048, "int8", False, False, True, None, 16, 1, False),
         # MTP verification at 16 heads: 3 tokens stacked in one tile (KernelSpec.stack), through the combine kernel
-        (64, 2048, "int8", True, False, False, None, 16, 3),
-        (32, 4096, "bf16", False, False, False, None, 16, 2),
+        (64, 2048, "int8", True, False, False, None, 16, 3, False),
+        (32, 4096, "bf16", False, False, False, None, 16, 2, False),
+        # int8 transposed tiles with two converter warpgroups (KernelSpec.converters): four warpgroups
+        (64, 2048, "int8", True, False, False, None, 16, 1, True),
     ],
 )
-def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, monkeypatch):
+def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, conv, monkeypatch):
     # Mosaic GPU's lowering for sm_90 on the CPU (layout inference and the 227 KiB smem check) at V3's shapes,
     # with the work list's scalar reads, both int8 scale layouts, and each merge path (sparse, dense, direct). At
     # 128 heads the head tiles run as multicasting CTA pairs unless told not to (GPU interpret mode cannot run
@@ -525,12 +540,13 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, num_sms=132, pair=pair, qk8=qk8)
+        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=conv)
+        return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, **kw)
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
     assert "mosaic_gpu" in text
     assert ("cluster_block_id" in text) == (pair is None and h == 128)
-    want = {"qk", "softmax", "pv", "wait_p", "wait_slot"}
+    want = {"qk", "softmax", "pv", "wait_slot"} | (set() if conv else {"wait_p"})  # (converters: no WG1 P.V)
     want |= {"bf16": {"wait_v"}, "int8": {"convert"}}[dtype]
     want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else {"wait_A", "wait_B", "wait_R"}
     want |= {"land"} if dtype == "int8" and not qk8 else set()
@@ -542,20 +558,27 @@ def test_register_splits_fit_the_cta():
     # registers the CTA launches with (a split asking for more leaves setmaxnreg waiting forever on the GPU).
     from pallas_kernels.bench.mla import parse_version
     from pallas_kernels.mla_kernel import REGISTERS, check_registers
+    from pallas_kernels.mla_kernel_spec import CONVERTER_REGISTERS
 
     for split in REGISTERS.values():
         assert check_registers(split) == split
+    # four warpgroups (converters) launch with 128 a thread: the leader grows, the loader shrinks, 512 in all
+    assert check_registers(CONVERTER_REGISTERS, 4) == CONVERTER_REGISTERS
+    for bad in [(168, 128, 56), (176, 128, 64, 152), (128, 128, 56, 152), (168, 128, 128, 88)]:
+        with pytest.raises(ValueError, match="register split"):
+            check_registers(bad, 4)
     for bad in [(256, 216, 40), (236, 228, 40), (168, 232, 40), (232, 232, 264), (232, 232)]:
         with pytest.raises(ValueError, match="register split"):
             check_registers(bad)
     args, kw = _args(h=128)
     with pytest.raises(ValueError, match="register split"):  # checked before anything runs
         M.mla_decode(*args, **kw, interpret=True, registers=(256, 256, 40))
-    assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False, None)
-    assert parse_version("3") == (None, None, False, None)
-    assert parse_version("3pq") == (True, None, True, None)
-    assert parse_version("3t") == (None, None, False, True)
-    assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False)
+    assert parse_version("3p@232/232/40") == (True, (232, 232, 40), False, None, False)
+    assert parse_version("3") == (None, None, False, None, False)
+    assert parse_version("3pq") == (True, None, True, None, False)
+    assert parse_version("3t") == (None, None, False, True, False)
+    assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False, False)
+    assert parse_version("3tc@168/128/56/152") == (None, (168, 128, 56, 152), False, True, True)
     with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 
@@ -580,6 +603,10 @@ def test_bench_cases_name_their_head_count():
     assert for_case("3t", "int8", 16) == "3t"
     assert for_case("3t", "int8", 128) == for_case("3h", "bf16", 64) == "3"
     assert for_case("3qt", "int8", 16) == "3q"
+    assert for_case("3tc", "int8", 16) == "3tc"
+    assert for_case("3tc", "bf16", 16) == "3t"
+    assert for_case("3hc", "int8", 16) == "3h"
+    assert for_case("3c@168/128/56/152", "int8", 64) == "3@168/128/56/152"
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():
@@ -628,7 +655,7 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
 def test_timeline_summary_of_a_profiler_trace():
     # bench.timeline's reading of Mosaic GPU's trace: trace id 1 + warpgroup + 3 x CTA, ts in cycles / 1000; per
     # region its mean cycles, occurrences per CTA and share of the warpgroup's window (first start to last end).
-    from pallas_kernels.bench.timeline import summarise
+    from pallas_kernels.bench.timeline import kernel_warpgroups, summarise
 
     def region(tid, name, t0, t1):
         return [dict(name=name, ph="B", ts=t0 / 1e3, tid=tid), dict(name=name, ph="E", ts=t1 / 1e3, tid=tid)]
@@ -645,6 +672,10 @@ def test_timeline_summary_of_a_profiler_trace():
     np.testing.assert_allclose(lead["(between)"][2], 50 / 700)
     np.testing.assert_allclose(lead["qk > mma"], (50, 0.5, 50 / 700))
     assert set(got["WG1"]) == {"wait_p", "(between)"} and "loader" not in got
+    # four warpgroups (converters): trace id 1 + warpgroup + 4 x CTA
+    got = summarise({"traceEvents": region(4, "convert", 0, 80) + region(5, "qk", 0, 10)}, warpgroups=4)
+    assert set(got) == {"WG3", "WG0 (leader)"} and got["WG3"]["convert"][0] == 80
+    assert [kernel_warpgroups(v) for v in ("3tc", "3t", None)] == [4, 3, 3]
 
 
 def test_profile_params():

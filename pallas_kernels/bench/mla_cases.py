@@ -80,26 +80,29 @@ def rel_err(out, ref) -> float:
 
 
 def parse_version(text):
-    """--versions token -> mla_decode's (pair, registers, qk8, transposed): "3" the kernel (the only version), "3p" /
-    "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split (WG0/WG1/loader), a
-    q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), a t / h below 64 heads with the MMAs
-    transposed (cache tokens as M) / not (heads as M, padded to 64), None the defaults."""
+    """--versions token -> mla_decode's (pair, registers, qk8, transposed, converters): "3" the kernel (the only
+    version), "3p" / "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split
+    (WG0/WG1/loader[/WG3]), a q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), a t / h below
+    64 heads with the MMAs transposed (cache tokens as M) / not (heads as M, padded to 64), a c (int8, transposed) with
+    two converter warpgroups, None the defaults."""
     if text is None:
-        return None, None, False, None
+        return None, None, False, None, False
     base, _, regs = str(text).partition("@")
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
     qk8, base = "q" in base, base.replace("q", "")
     transposed = True if "t" in base else False if "h" in base else None
-    base = base.replace("t", "").replace("h", "")
+    converters = "c" in base
+    base = base.replace("t", "").replace("h", "").replace("c", "")
     if base.rstrip("pn") != "3":
-        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h or @split (version 4 was dropped)")
-    return {"p": True, "n": False}.get(base[-1]), registers, qk8, transposed
+        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h, c or @split (version 4 was dropped)")
+    return {"p": True, "n": False}.get(base[-1]), registers, qk8, transposed, converters
 
 
 def for_case(version, dtype, heads):
     """The version token as it applies to a case: without p below 128 heads (head tiles pair only in multiples of
     128), without q for a bf16 cache (int8 Q.K is for int8 caches), without t and h from 64 heads (a tile's rows
-    are then all heads) or with q (int8 Q.K is not transposed)."""
+    are then all heads) or with q (int8 Q.K is not transposed), without c where the tile is not transposed or the
+    cache is bf16 (converters convert int8 parts of transposed tiles)."""
     if version is None:
         return None
     base, at, regs = str(version).partition("@")
@@ -109,6 +112,8 @@ def for_case(version, dtype, heads):
         base = base.replace("q", "")
     if heads >= 64 or "q" in base:
         base = base.replace("t", "").replace("h", "")
+    if dtype == "bf16" or heads >= 64 or "q" in base or "h" in base:
+        base = base.replace("c", "")
     return base + at + regs
 
 

@@ -2,12 +2,13 @@
 
     python -m pallas_kernels.bench.timeline [--cases bf16:128x4096,int8:128x4096] [--versions 3p,3pq] [--ranges 100]
 
-For each case and version the kernel is built with Mosaic GPU's profiler (mla_decode's profile): thread 0 of
-every warpgroup writes the SM clock at the start and end of each named region of the v3 loops (`mla_kernel.scope`:
-the leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B", "wait_R"; with qk8 its "mma"
-and "scale"), "softmax", "wait_v", "pv"; WG1's "wait_qk", "convert", "wait_v", "wait_p", "pv"; the loader's
-"wait_slot", "wait_qk", "convert"; with an int8 cache "convert > land", the wait for a part's TMA inside its
-conversion) into shared memory, and a callback writes the trace (Perfetto JSON) after the run.
+For each case and version the kernel is built with Mosaic GPU's profiler (mla_decode's profile): thread 0 of every
+warpgroup writes the SM clock at the start and end of each named region of the v3 loops (`mla_kernel.scope`: the
+leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B", "wait_R"; with qk8 its "mma" and
+"scale"), "softmax", "wait_v", "pv"; WG1's "wait_qk", "convert", "wait_v", "wait_p", "pv"; the loader's "wait_slot",
+"wait_qk", "convert"; with converters (four warpgroups) WG1's and WG3's "convert"; with an int8 cache "convert > land",
+the wait for a part's TMA inside its conversion) into shared memory, and a callback writes the trace (Perfetto JSON)
+after the run.
 Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
 regions are dropped), so long rows are seen over their first blocks: the steady state, without the drain.
 
@@ -27,7 +28,7 @@ import tempfile
 
 import numpy as np
 
-ROLES = ("WG0 (leader)", "WG1", "loader")
+ROLES = ("WG0 (leader)", "WG1", "loader", "WG3")  # (WG3: the converter warpgroup of KernelSpec.converters)
 
 
 def summarise(trace: dict, warpgroups: int = 3) -> dict:
@@ -67,7 +68,7 @@ def summarise(trace: dict, warpgroups: int = 3) -> dict:
             for name in totals[w]
         }
         rows["(between)"] = (float("nan"), float("nan"), 1.0 - sum(rows[name][2] for name in outer[w]))
-        out[ROLES[w] if warpgroups == len(ROLES) else f"WG{w}"] = rows
+        out[ROLES[w] if warpgroups in (3, 4) else f"WG{w}"] = rows
     return out
 
 
@@ -81,6 +82,14 @@ def table(title: str, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def kernel_warpgroups(version) -> int:
+    """The warpgroups of the attention kernel a bench version (as it applies to the case: for_case) runs: 4 with
+    converters, else 3."""
+    from pallas_kernels.bench.mla import parse_version
+
+    return 4 if parse_version(version)[4] else 3
+
+
 def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     import jax
 
@@ -90,6 +99,7 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     if dtype == "bf16" and "q" in version:
         raise ValueError(f"version {version} (qk8) needs an int8 cache, got case {case}")
     version = for_case(version, dtype, heads)
+    warpgroups = kernel_warpgroups(version)
     os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
     qn, qp, kv, pt, lengths, scales = make_inputs(jax.random.key(0), b, ctx, heads, dtype=dtype, t=t, kind=kind)
@@ -99,7 +109,7 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     summaries = []
     for path in sorted(glob.glob(os.path.join(where, "*-trace.json"))):
         with open(path) as f:
-            summaries.append(summarise(json.load(f)))
+            summaries.append(summarise(json.load(f), warpgroups))
     if not summaries:
         raise RuntimeError(f"no trace was written into {where}")
     # the attention kernel's (a merge kernel, when the rows are split, has no regions)
