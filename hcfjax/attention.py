@@ -21,7 +21,14 @@ from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import apply_rope, rms_norm
 from hcfjax.options import DEFAULT, Options, on_gpu
 from hcfjax.quant import linear
-from pallas_kernels.mla_decode import MlaPlan, kernel_applies, mla_decode, mla_decode_reference, mla_plan
+from pallas_kernels.mla_decode import (
+    MlaPlan,
+    converters_apply,
+    kernel_applies,
+    mla_decode,
+    mla_decode_reference,
+    mla_plan,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -297,7 +304,10 @@ def attend_absorbed_paged(
     else:
         qk8 = opts.mla_qk8 and cache.quantized
         pair = None if opts.mla_pair else False
-        o_lat = mla_decode(*args, **kw, interpret=mode == "interpret", plan=ctx.plan, qk8=qk8, pair=pair)
+        h, t = q_pe.shape[2], q_pe.shape[1]
+        conv = opts.mla_converters and converters_apply(h, t, cache.quantized, qk8)
+        kw.update(qk8=qk8, pair=pair, converters=conv)
+        o_lat = mla_decode(*args, **kw, interpret=mode == "interpret", plan=ctx.plan)
     return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 
 

@@ -29,6 +29,8 @@ class Options:
     mla_qk8: the MLA kernel's Q.K over an int8 cache on the int8 tensor cores, the queries quantised per head (faster
         on long rows, less exact: opt-in).
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
+    mla_converters: the MLA kernel's two converter warpgroups where it runs an int8 cache in transposed tiles (16
+        heads; pallas_kernels.mla_kernel.KernelSpec.converters; opt-in until timed on the GPU).
     moe: the GEMM kernels: the int4 experts (w4a16, w4a8), fp8 block-scaled weights (experts and dense linears,
         pallas_kernels/moe_fp8.py) and the dense int8 per-channel linears of w4a8c8 / w8a8 (the latter only where
         their shapes suit the kernel, `quant.int8_kernel_mode`): auto / kernel / interpret / reference, as for mla.
@@ -71,6 +73,7 @@ class Options:
     mla: str = "auto"
     mla_qk8: bool = False
     mla_pair: bool = True
+    mla_converters: bool = False
     moe: str = "auto"
     int4_digits: bool = True
     fused_gate_up: tuple[str, ...] = ("int8",)
@@ -141,14 +144,15 @@ class Options:
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
-        HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_INT4_KERNEL=0|1 (0: reference
-        experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_EP_EXCHANGE=dense|ragged,
-        HCFJAX_PREFILL_ATTENTION=auto|fused|blocked, HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the
-        environment."""
+        HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
+        HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1,
+        HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
+        HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
             got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
-        for var, name in (("HCFJAX_MLA_QK8", "mla_qk8"), ("HCFJAX_INT4_DIGITS", "int4_digits")):
+        flags = (("HCFJAX_MLA_QK8", "mla_qk8"), ("HCFJAX_MLA_CONVERTERS", "mla_converters"))
+        for var, name in flags + (("HCFJAX_INT4_DIGITS", "int4_digits"),):
             if var in environ:
                 got[name], source[name] = _flag(var, environ[var]), var
         if "HCFJAX_INT4_KERNEL" in environ:

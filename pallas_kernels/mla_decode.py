@@ -159,6 +159,13 @@ def transposes(q_heads: int, stack: int, qk8: bool = False) -> bool:
     return bool(q_heads) and not qk8 and q_heads * stack <= 32
 
 
+def converters_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
+    """Whether `mla_decode(converters=True)` takes h heads of t tokens: an int8 cache in transposed tiles (by
+    default)."""
+    _, q_heads, stack = head_tiles(h, t, qk8)
+    return quant and transposes(q_heads, stack, qk8)
+
+
 def mla_plan(
     lengths,
     max_pages: int,
