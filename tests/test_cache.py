@@ -77,8 +77,12 @@ def test_int8_cache_error_is_quantisation_sized(v3_model):
     got8, cache = run(jnp.int8)
     got16, _ = run(jnp.bfloat16)
     assert cache.kv.dtype == jnp.int8 and cache.scale.shape[-1] == 2
-    print("int8", rel_err(got8, ref), "bf16", rel_err(got16, ref))
-    assert rel_err(got8, ref) < 6 * rel_err(got16, ref)
+    err8, err16 = rel_err(got8, ref), rel_err(got16, ref)
+    print("int8", err8, "bf16", err16)
+    assert err8 < 6 * err16
+    # and both are rounding-sized through this model (about 0.085 each on this model): a wrong conversion that both
+    # 8- and 16-bit caches share would pass the ratio alone
+    assert err8 < 0.15 and err16 < 0.15
 
 
 def test_int8_quantisation_round_trip():

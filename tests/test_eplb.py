@@ -31,8 +31,8 @@ def test_placement_invariants(experts, replicas, groups, nodes, gpus):
             assert len(slots) == logcnt[layer, e] and np.all(phy2log[layer, slots] == e)
             if groups % nodes == 0:  # hierarchical: every replica of an expert on one node
                 assert len(set(slots // (replicas // nodes))) == 1
-    # every GPU holds the same number of slots by construction of the slot -> GPU map
-    assert replicas % gpus == 0
+        # each node has spare slots here, and the first one it fills goes to its heaviest expert
+        assert logcnt[layer, np.argmax(w[layer])] >= 2
 
 
 def test_packing_is_balanced_and_full():

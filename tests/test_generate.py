@@ -134,6 +134,9 @@ def test_seeded_sampling_is_reproducible(v3_model):
     a = hcfjax.generate(v3_model, [[3, 4, 5]], max_new_tokens=6, sampling=sp, seed=7, stop_token_ids=[])
     b = hcfjax.generate(v3_model, [[3, 4, 5]], max_new_tokens=6, sampling=sp, seed=7, stop_token_ids=[])
     assert a.tokens == b.tokens
+    # and the seed is what decides them: another one draws other tokens (six draws at temperature 1)
+    c = hcfjax.generate(v3_model, [[3, 4, 5]], max_new_tokens=6, sampling=sp, seed=8, stop_token_ids=[])
+    assert c.tokens != a.tokens
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,15 @@ from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import SpeculativeConfig, mtp_extend
 from hcfjax.step import DecodeInputs, PrefillInputs, decode_steps, empty_state, jitted_step
 
-PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "x", "for i in range(10):"]
+# (the run of one letter: drafts accepted at every depth, the reused module's included)
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n",
+    "class Stack:\n    def push(self, x):",
+    "x",
+    "for i in range(10):",
+    "a" * 16,
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +76,7 @@ def test_greedy_exact_equals_plain_greedy(greedy, k):
     assert len(s["acceptance_per_depth"]) == k and all(0 <= a <= 1 for a in s["acceptance_per_depth"])
     assert 1 <= s["mean_accepted_length"] <= k + 1 and len(s["per_request"]) == len(PROMPTS)
     assert s["acceptance_per_depth"][0] > 0.3  # the trained joint MTP layer does draft real tokens
+    assert min(s["acceptance_per_depth"]) > 0  # every depth's drafts accepted somewhere: the reuse chain is checked
 
 
 def test_mtp_head_norm_flag_changes_drafts_not_outputs(greedy):

@@ -1,6 +1,8 @@
 """Independent MTP modules (depth i drafts with module i) at every depth 1..5: speculative greedy equals plain
-greedy (depths 2..5 here, depth 1 in test_speculative), each depth's draft is its module's teacher-forced prediction,
-and no depth reads a cache slot that nothing has written."""
+greedy with drafts accepted at every depth (chains of 2 and 5 modules here, one module in test_speculative), each
+depth's draft is its module's teacher-forced prediction, and no depth reads a cache slot that nothing has written."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,13 @@ PROMPTS = [[5, 9, 2, 33, 7, 41, 8, 8, 19, 60, 3], [100, 3]]
 PAGE = 8
 TABLE = jnp.asarray([[5, 0, 7, 2, 9, 4], [1, 11, 3, 6, 8, 10]])  # each row's pages, interleaved
 STEPS = 4
-GREEDY_PROMPTS = [[5, 9, 2, 33, 7], [8] * 13, [100, 3]]  # the greedy test's: one row ends at its stop token
+# The greedy test's (text for the embedded model): one row ends at its stop token, the run of one letter is
+# accepted at every depth.
+GREEDY_PROMPTS = [
+    "aaaaaaaaaaaaaaaa",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,",
+    "def f(x):\n    return x\n\ndef g(x):\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -134,20 +142,34 @@ def test_independent_drafts_equal_the_training_view(five_heads, runs):
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(five_heads):
-    """Plain greedy decoding of GREEDY_PROMPTS, 16 tokens each, with no stop token: every depth's reference."""
-    return hcfjax.generate(five_heads, GREEDY_PROMPTS, max_new_tokens=16, stop_token_ids=[]).tokens
+def copied_heads():
+    """The embedded model with its trained MTP module copied into DEPTH independent modules. Random modules' greedy
+    drafts are never the target's tokens, so greedy verification would reject every draft at depth 1 and never
+    reach the deeper modules; these copies draft well on repetitive text (a run of one letter is accepted at every
+    depth)."""
+    m = hcfjax.load(dtype=jnp.float32)
+    params = {**m.params, "mtp": [m.params["mtp"][0]] * DEPTH}
+    return dataclasses.replace(m, params=params, cfg=dataclasses.replace(m.cfg, num_mtp_layers=DEPTH))
 
 
-# k = 1 (module 1 alone, nothing chained) is test_speculative's k = 1, a stop token included, with a trained module
-# whose drafts are accepted
-@pytest.mark.parametrize("k", range(2, DEPTH + 1))
-def test_greedy_exact_at_every_depth(five_heads, plain_greedy, k):
-    """Exact verification of greedy requests gives plain greedy decoding's tokens at every depth of the chain of
-    independent modules, stop token included: one row ends at a stop token, the others run to the limit."""
+@pytest.fixture(scope="module")
+def plain_greedy(copied_heads):
+    """Plain greedy decoding of GREEDY_PROMPTS, 24 tokens each, with no stop token: every depth's reference."""
+    return hcfjax.generate(copied_heads, GREEDY_PROMPTS, max_new_tokens=24, stop_token_ids=[]).tokens
+
+
+# k = 2: fewer depths than modules (the chain cut short); k = DEPTH: every module. k = 1 (module 1 alone, nothing
+# chained) is test_speculative's.
+@pytest.mark.parametrize("k", [2, DEPTH])
+def test_greedy_exact_at_every_depth(copied_heads, plain_greedy, k):
+    """Exact verification of greedy requests gives plain greedy decoding's tokens with a chain of k independent
+    modules, stop token included (one row ends at a stop token, the others run to the limit), and every depth's
+    drafts are accepted at least once, so the multi-token accepts and their cache updates are what is checked."""
     stop = plain_greedy[1][6]
     want = [row[: row.index(stop) + 1] if stop in row else row for row in plain_greedy]
-    assert len(want[1]) < 16 and any(len(row) == 16 for row in want)
+    assert len(want[1]) < 24 and any(len(row) == 24 for row in want)
     spec = SpeculativeConfig(num_draft_tokens=k, method="exact")
-    got = hcfjax.generate(five_heads, GREEDY_PROMPTS, max_new_tokens=16, stop_token_ids=[stop], speculative=spec)
+    got = hcfjax.generate(copied_heads, GREEDY_PROMPTS, max_new_tokens=24, stop_token_ids=[stop], speculative=spec)
     assert got.tokens == want
+    accepted = got.stats["acceptance_per_depth"]
+    assert len(accepted) == k and min(accepted) > 0, accepted

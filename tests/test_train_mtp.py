@@ -64,6 +64,12 @@ def equal_trees(a, b) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)))
 
 
+def changed_share(a, b) -> float:
+    """The share of two pytrees' leaves that differ."""
+    same = jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
+    return 1 - sum(same) / len(same)
+
+
 @pytest.mark.parametrize("mode,modules", [("shared", 1), ("independent", 3)])
 def test_mtp_heads_train_and_plug_into_the_checkpoint(pretrained, mode, modules):
     tmp, _ = pretrained
@@ -77,6 +83,12 @@ def test_mtp_heads_train_and_plug_into_the_checkpoint(pretrained, mode, modules)
     assert heads.cfg.num_mtp_layers == modules and len(heads.params["mtp"]) == modules
     # the base is frozen: identical to bf16 precision of the saved checkpoint
     assert equal_trees(base.params["segments"], heads.params["segments"])
+    # and the heads are not: every module starts as a copy of the checkpoint's and most of its tensors moved (a
+    # gradient that misses a module would leave it equal); independent modules each their own way
+    for module in heads.params["mtp"]:
+        assert changed_share(module, base.params["mtp"][0]) > 0.5
+    for i in range(1, modules):
+        assert changed_share(heads.params["mtp"][i], heads.params["mtp"][i - 1]) > 0.5
     # round trip of the written checkpoint
     hcfjax.save(heads, tmp / f"again-{mode}")
     again = hcfjax.load(tmp / f"again-{mode}", dtype=jnp.float32)
