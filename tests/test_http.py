@@ -189,6 +189,7 @@ def test_bad_parameters_give_openai_errors(backend, kind, params, status, param,
     assert set(body) == {"message", "type", "param", "code"} and body["message"], body
     assert (body["param"], body["code"]) == (param, code), body
     assert body["type"] == ("invalid_request_error")
+    assert "max_new_tokens" not in body["message"]  # the engine's name for max_tokens stays inside
 
 
 def test_error_body_and_server_keeps_serving(backend):

@@ -180,7 +180,9 @@ class OpenAIService:
             )
             req = await asyncio.get_running_loop().run_in_executor(self.pool, submit)
         except InvalidRequest as e:
-            raise bad_request(str(e), names.get(e.param, e.param), e.code) from None
+            # (the message names the token limit as this endpoint spells it)
+            message = str(e).replace("max_new_tokens", names["max_new_tokens"])
+            raise bad_request(message, names.get(e.param, e.param), e.code) from None
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
         except EngineStopped as e:
