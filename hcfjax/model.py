@@ -63,7 +63,7 @@ def decoder_layer(
     h, h_q = _norm(x, p["attn_norm"], cfg, int8_tokens(x, p["attn"], opts), opts)
     h, ctx = mla(p["attn"], cfg, h, positions, ctx, layer, absorbed, opts, h_q)
     x = x + h
-    h, h_q = _norm(x, p["mlp_norm"], cfg, int8_tokens(x, p["mlp"], opts), opts)
+    h, h_q = _norm(x, p["mlp_norm"], cfg, int8_tokens(x, p["mlp"], opts, local_experts=experts_fn is None), opts)
     if not is_moe:
         return x + mlp(p["mlp"], h, opts, h_q), ctx
     if with_load is not False:
@@ -72,11 +72,12 @@ def decoder_layer(
     return x + moe(p["mlp"], cfg, h, experts_fn, opts=opts, real=real, x_q=h_q), ctx
 
 
-def int8_tokens(x: jax.Array, p: dict, opts: Options = DEFAULT) -> bool:
+def int8_tokens(x: jax.Array, p: dict, opts: Options = DEFAULT, local_experts: bool = True) -> bool:
     """Whether a block (attention, dense MLP or MoE params) multiplies its normed tokens on int8 kernels: its first
-    projections' (q_a, kv_a, gate; the shared experts' gate) or the routed experts' (int8 activations)."""
+    projections' (q_a, kv_a, gate; the shared experts' gate) or the routed experts' (int8 activations) where they run
+    here (`local_experts`; an expert-parallel experts_fn ships the bf16 tokens and quantises what it receives)."""
     dense = [p.get("q_a"), p.get("kv_a"), p.get("gate"), p.get("shared", {}).get("gate")]
-    routed = "experts" in p and int8_activations(p["experts"]["gate"])
+    routed = local_experts and "experts" in p and int8_activations(p["experts"]["gate"])
     return routed or any(int8_kernel_mode(x, w, opts) != "reference" for w in dense)
 
 

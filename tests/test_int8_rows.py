@@ -112,6 +112,21 @@ def test_decode_layers_norm_and_quantise_on_one_kernel(monkeypatch):
     np.testing.assert_array_equal(fused, alone)
 
 
+def test_an_expert_parallel_moe_block_takes_no_int8_rows_for_its_experts():
+    """model.int8_tokens: a w4a8 MoE block's routed experts take int8 tokens where they run locally; under an
+    expert-parallel experts_fn (which ships bf16 tokens and quantises what it receives) nothing in the block does, so
+    its norm writes no int8 rows (w4a8 keeps the shared experts bf16)."""
+    from hcfjax import model
+    from hcfjax.quantize import quantize_model
+    from hcfjax.random_model import preset_config, random_model
+
+    m = quantize_model(random_model(preset_config("tiny-v3", num_hidden_layers=2), dtype=jnp.bfloat16), "w4a8")
+    moe_block = jax.tree.map(lambda a: a[0], m.params["segments"][1]["mlp"])
+    x, opts = jnp.zeros((2, 1, m.cfg.hidden_size), jnp.bfloat16), Options(moe="interpret")
+    assert model.int8_tokens(x, moe_block, opts) is True
+    assert model.int8_tokens(x, moe_block, opts, local_experts=False) is False
+
+
 def test_tokens_quantised_on_the_kernel_only_where_it_applies(monkeypatch):
     """quant.token_quant_mode under auto on a GPU: the kernel for a decode step's bf16 rows; XLA for f32 rows and
     prefill-sized chunks. quantize_tokens then gives quantize_int8's values either way."""
