@@ -149,6 +149,7 @@ def report(
     row("fp8 (as shipped)" if shipped else "fp8 (DeepSeek's format)", lambda w: fp8_bytes(w, block))
     for scheme_name in QUANT_SCHEMES:
         row(scheme_name, lambda w, s=scheme_name: total_bytes(w, s))
+    lines.append("  (the fp8 checkpoint's bytes on disk; the rest as held in memory: fp8 keeps kv_b bf16, routers f32)")
     g = gpu(gpu_name)
     drafts = f"{spec_k} MTP drafts (MTP weights and {spec_k} cache layers counted)" if spec_k else "no MTP drafts"
     for f in fits:

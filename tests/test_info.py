@@ -91,10 +91,24 @@ def test_bytes_per_scheme_follow_hand_counts():
     assert total_bytes(main, "w4a16") == total_bytes(main, "w4a8") == pytest.approx(bf16 - experts * (2 - INT4_BYTES))
     assert total_bytes(main, "w4a8c8") == pytest.approx(total_bytes(main, "w4a16") - linear)
     assert total_bytes(main, "w8a8") == pytest.approx(bf16 - experts - linear)
-    assert total_bytes(main, "fp8") == pytest.approx(bf16 - (experts + linear) * (2 - (1 + 4 / 128**2)))
+    # fp8 quantises MLA's q_b and o as well (hcfjax/fp8.py's LINEARS), not kv_b
+    heads = 61 * (1536 * 128 * 192 + 128 * 128 * 7168)
+    kv_b = 61 * 512 * 128 * (128 + 128)
+    assert total_bytes(main, "fp8") == pytest.approx(bf16 - (experts + linear + heads) * (2 - (1 + 4 / 128**2)))
     unquantised = 2 * 129280 * 7168 + 61 * (2 * 7168 + 1536 + 512) + 7168  # embedding, head, norms
     fp8 = n - unquantised - routers  # one byte each, with a float32 scale per 128 x 128 block
     assert fp8_bytes(main) == pytest.approx(fp8 * (1 + 4 / 128**2) + 2 * unquantised + 2 * routers + 2 * 58 * 256)
+    # what hcfjax holds of DeepSeek's fp8 checkpoint: kv_b in bf16 (absorbed into the query and output), routers f32
+    held = fp8_bytes(main) + kv_b * (2 - (1 + 4 / 128**2)) + 2 * 58 * 256 * 7168
+    assert total_bytes(main, "fp8") == pytest.approx(held)
+    # the MTP module (one MoE layer): as the main model's layers, and its combiner [2D -> D] kept bf16 by fp8 (as
+    # DeepSeek ships it) but int8 under w4a8c8, with its q_a / kv_a and shared expert
+    mtp = mtp_weights(cfg)
+    fp8_gap = 512 * 128 * 256 * (2 - (1 + 4 / 128**2)) + 2 * 256 * 7168  # one layer's kv_b and router
+    assert total_bytes(mtp, "fp8") - fp8_bytes(mtp) == pytest.approx(fp8_gap)
+    int8 = 2 * 7168 * 7168 + 7168 * (1536 + 576) + 3 * 7168 * 2048  # one byte saved each
+    routed = 256 * 3 * 7168 * 2048 * (2 - INT4_BYTES)
+    assert total_bytes(mtp, None) - total_bytes(mtp, "w4a8c8") == pytest.approx(int8 + routed)
 
 
 def _simulator_tokens(path, gpu, quant, gpus, spec_k=0):

@@ -15,7 +15,8 @@ overlap. A step sums its layers, the LM head, the MTP draft passes and fixed ove
   group of 128; a8 schemes run at the int8 rate, a16 at bf16.
 - Quantisation follows hcfjax/quantize.py: w8a8 linears are MLA's down projections, dense and shared MLPs and the
   MTP combiner; q_b / kv_b / o, routers and LM heads stay bf16. fp8 prices the same linears and the experts as w8a8
-  does, at 1 byte plus a float32 scale per 128 x 128 block (its q_b / o, fp8 too, are priced in bf16).
+  does, at 1 byte plus a float32 scale per 128 x 128 block, and q_b / o at fp8's bytes too (their FLOPs at the bf16
+  rate, with kv_b's); its MTP combiner stays bf16.
 - EP all-to-all: a token goes to each rank holding one of its k experts (probability 1 - (1 - 1/ep)^k per rank),
   NVLink inside a node, RDMA across; dispatch in 1 byte per value with a8 experts, combine in bf16; each call pays
   a fixed latency. TP all-reduce: a ring over NVLink, twice per layer.
@@ -104,8 +105,11 @@ class CostModel:
         self.p_dense, self.p_expert, self.p_shared = p.dense, p.expert, p.shared
         self.p_router, self.p_lm = p.router, p.lm
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
+        fp8 = linear == "fp8"  # q_b / o fp8 too, the MTP combiner bf16 (weights.kind_bytes)
+        self.w_head, self.w_comb = WEIGHT_BYTES[linear if fp8 else None], WEIGHT_BYTES[None if fp8 else linear]
         # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
         self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
+        self.comb_int8 = self.lin_int8 and not fp8
         # per token and layer: c_kv and k_pe, int8 with two float32 scales (hcfjax/cache.py) or bf16
         self.kv_bytes_token_layer = c.kv_dim * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
         self.n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
@@ -185,7 +189,7 @@ class CostModel:
             return 0.0, 0.0, {}, {}
         attn_lin = roof(2 * t * self.p_down / tp, self.p_down * self.w_lin / tp, lin_peak, hbm, gc, gm) + roof(
             2 * (t * self.p_head + (dec_tokens + w.pre_expand) * self.p_kvb) / tp,
-            (self.p_head + self.p_kvb) * 2 / tp,
+            (self.p_head * self.w_head + self.p_kvb * 2) / tp,
             bf16,
             hbm,
             gc,
@@ -256,8 +260,8 @@ class CostModel:
             p_comb = 2 * self.cfg.hidden_size**2
             comb = roof(
                 2 * w.mtp_tokens * p_comb / self.tp,
-                p_comb * self.w_lin / self.tp,
-                g.flops(self.lin_int8),
+                p_comb * self.w_comb / self.tp,
+                g.flops(self.comb_int8),
                 g.hbm_bytes_s,
                 eff.gemm_compute,
                 eff.gemm_memory,

@@ -30,7 +30,7 @@ from hcfjax.config import QUANT_SCHEMES, ModelConfig
 INT4_BYTES = 0.5 + 4 / 128  # int4 values + one float32 scale per group of 128 (hcfjax.quant.QWeight)
 FP8_BYTES = 1 + 4 / 128**2  # e4m3 values + one float32 scale per 128 x 128 block (hcfjax.fp8.Fp8Weight)
 WEIGHT_BYTES = {None: 2.0, "w8a8": 1.0, "w4a16": INT4_BYTES, "w4a8": INT4_BYTES, "fp8": FP8_BYTES}
-SPLIT_TP = ("mlp", "heads", "lm_head")  # kinds the prefill plan splits over tp; experts go over every GPU
+SPLIT_TP = ("mlp", "heads", "kv_b", "lm_head")  # kinds the prefill plan splits over tp; experts go over every GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,8 @@ def _layers(c: ModelConfig, layers: range) -> list[Weights]:
     bias = e if c.topk_method == "noaux_tc" else 0
     return [
         Weights("down", n * p.down, n * p.down, True),
-        Weights("heads", n * (p.heads + p.kv_b), n * (p.heads + p.kv_b), True),
+        Weights("heads", n * p.heads, n * p.heads, True),
+        Weights("kv_b", n * p.kv_b, n * p.kv_b, True),
         Weights("norms", n * p.norms, n * p.norms, False),
         Weights("mlp", (n - m) * p.dense + m * p.shared, (n - m) * p.dense + m * p.shared, True),
         Weights("router", m * p.router, m * p.router, False),
@@ -114,7 +115,7 @@ def mtp_weights(c: ModelConfig, modules: int | None = None) -> list[Weights]:
     return [
         *_layers(c, range(first, first + n)),
         Weights("norms", 3 * n * d, 3 * n * d, False),
-        Weights("down", n * 2 * d * d, n * 2 * d * d, False),
+        Weights("combiner", n * 2 * d * d, n * 2 * d * d, False),
         Weights("lm_head", n * lm, n * lm, False),
     ]
 
@@ -124,13 +125,16 @@ def count(weights: list[Weights], active: bool = False) -> int:
 
 
 def kind_bytes(kind: str, quant: str | None) -> float:
-    """Bytes per parameter of `kind` under a scheme (None: bf16)."""
+    """Bytes per parameter of `kind` under a scheme (None: bf16), as hcfjax/quantize.py quantises: the linears of
+    "mlp" and "down" (q_a / kv_a) by every scheme that quantises linears; MLA's q_b / o ("heads") by fp8 only (the
+    int schemes keep them); the MTP combiner by the int schemes only (fp8 keeps it, as DeepSeek ships it); kv_b,
+    norms, embeddings and heads by none; routers in float32."""
     if quant is not None and quant not in QUANT_SCHEMES:
         raise ValueError(f"quant must be None or one of {sorted(QUANT_SCHEMES)}, got {quant!r}")
     experts, linear, _ = QUANT_SCHEMES[quant] if quant else (None, None, None)
     if kind == "experts":
         return WEIGHT_BYTES[experts]
-    if kind in ("mlp", "down"):
+    if kind in ("mlp", "down") or (kind == "heads" and linear == "fp8") or (kind == "combiner" and linear != "fp8"):
         return WEIGHT_BYTES[linear]
     return 4.0 if kind == "router" else 2.0
 
