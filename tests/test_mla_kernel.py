@@ -36,6 +36,11 @@ pytestmark = pytest.mark.usefixtures("reset_interpreter")
 def make(seed, lengths, t, h, max_pages, quant=False, zero_latent=False):
     """Random queries and a cache in shuffled pages; spare pages hold garbage that must never be read. zero_latent
     (int8): every 7th token's latent is zero with a zero scale, as in a zero-initialised cache."""
+    return _make(seed, jnp.asarray(lengths, jnp.int32), t, h, max_pages, quant, zero_latent)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))  # one compiled program, not one per op (the same bits)
+def _make(seed, lengths, t, h, max_pages, quant, zero_latent):
     b = len(lengths)
     ks = jax.random.split(jax.random.key(seed), 4)
     n_pages = b * max_pages + 2
@@ -86,7 +91,8 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
     scale = C**-0.5 * 3  # sharp enough that a wrong mask or rescale shows
     if mode is not None:  # the merge path the case is meant to cover
         plan_kw = {k: kw[k] for k in ("num_sms", "min_blocks_per_split", "blocks_per_split") if k in kw}
-        assert M.mla_plan(lengths, max_pages, PAGE, h, t, **plan_kw).mode == mode
+        plan = jax.eval_shape(lambda lengths: M.mla_plan(lengths, max_pages, PAGE, h, t, **plan_kw), lengths)
+        assert plan.mode == mode  # (static: tracing the plan decides it)
     # jitted as the model runs it: one compiled program, not one per interpreted op (the same numbers either way)
     kernel = jax.jit(functools.partial(M.mla_decode, return_lse=True, interpret=True, **kw), static_argnums=5)
     out, lse = kernel(qn, qp, kv, pt, lengths, scale, scales=sc)
@@ -215,9 +221,12 @@ def test_int8_qk_kernel_matches_reference():
 
 def test_plan_is_reusable_across_calls():
     qn, qp, kv, _, pt, lengths = make(41, [70, 190], 1, 16, max_pages=3)
-    plan = M.mla_plan(lengths, 3, PAGE, 16, num_sms=8, min_blocks_per_split=1)
-    got = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, plan=plan, interpret=True)
-    want = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, num_sms=8, min_blocks_per_split=1, interpret=True)
+    # each call one compiled program, not one per op
+    plan = jax.jit(lambda lengths: M.mla_plan(lengths, 3, PAGE, 16, num_sms=8, min_blocks_per_split=1))(lengths)
+    given = jax.jit(lambda *a, plan: M.mla_decode(*a, 0.1, plan=plan, interpret=True))
+    got = given(qn, qp, kv, pt, lengths, plan=plan)
+    built = jax.jit(lambda *a: M.mla_decode(*a, 0.1, num_sms=8, min_blocks_per_split=1, interpret=True))
+    want = built(qn, qp, kv, pt, lengths)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError, match="plan is for"):
         M.mla_decode(qn[:1], qp[:1], kv, pt[:1], lengths[:1], 0.1, plan=plan, interpret=True)
@@ -233,7 +242,8 @@ def test_dense_merge_is_the_softmax_over_all_units():
     lse[4, 0, 1] = -np.inf  # a unit that saw nothing for one head
     for b, n in enumerate(count):
         o[b * 3 + n : b * 3 + 3], lse[b * 3 + n : b * 3 + 3] = np.nan, np.nan
-    out, lse_out = combine_dense(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse), jnp.asarray(count), 3)
+    merge = jax.jit(combine_dense, static_argnums=3)
+    out, lse_out = merge(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse), jnp.asarray(count), 3)
     for b in range(3):
         s = slice(b * 3, b * 3 + count[b])
         w = np.exp(lse[s] - lse[s].max(0))
@@ -248,7 +258,7 @@ def test_split_schedule_covers_each_rows_blocks_once(num_sms, min_blocks, bps):
     max_blocks, q_tiles = 40, 2
     vis = np.concatenate([[[0], [1], [64 * max_blocks]], rng.integers(0, 64 * max_blocks + 1, (13, 1))])
     vis = np.concatenate([vis, vis - 1], axis=1).clip(0)  # T=2; the row reads max_t vis
-    work, first, count, max_units = M.split_schedule(
+    work, first, count, max_units = jax.jit(M.split_schedule, static_argnums=(1, 2, 3, 4, 5))(
         jnp.asarray(vis, jnp.int32), max_blocks, q_tiles, num_sms, min_blocks, bps
     )
     row, blk0, n_blk, slot = np.asarray(work)
@@ -279,7 +289,8 @@ def test_split_schedule_covers_each_rows_blocks_once(num_sms, min_blocks, bps):
     + [(128, 4096, 4, "sparse"), (128, 256, 4, "direct")],
 )
 def test_plan_picks_the_merge_by_the_static_shapes(b, ctx, min_blocks, mode):
-    plan = M.mla_plan(jnp.full((b,), ctx, jnp.int32), ctx // 64, 64, 128, num_sms=132, min_blocks_per_split=min_blocks)
+    plan_of = jax.jit(M.mla_plan, static_argnums=(1, 2, 3), static_argnames=("num_sms", "min_blocks_per_split"))
+    plan = plan_of(jnp.full((b,), ctx, jnp.int32), ctx // 64, 64, 128, num_sms=132, min_blocks_per_split=min_blocks)
     assert plan.mode == mode
     dest = np.asarray(plan.work[3])
     n_real = int(np.asarray(plan.count).sum())
@@ -650,10 +661,14 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
     tok = jnp.array([[5], [9], [200]], jnp.int32)
 
     def step(mode):
-        ctx = CacheContext(cache, table, kv_len, jnp.ones((b, 1), bool))
-        h, ctx = hidden_states(m.params, cfg, tok, (kv_len - 1)[:, None], ctx, absorbed=True, opts=Options(mla=mode))
-        assert ctx.plan is None
-        return np.asarray(logits(m.params, h[:, 0]), np.float32)
+        @jax.jit  # one compiled program, not one per op
+        def forward(params, cache):
+            ctx = CacheContext(cache, table, kv_len, jnp.ones((b, 1), bool))
+            h, ctx = hidden_states(params, cfg, tok, (kv_len - 1)[:, None], ctx, absorbed=True, opts=Options(mla=mode))
+            assert ctx.plan is None
+            return logits(params, h[:, 0])
+
+        return np.asarray(forward(m.params, cache), np.float32)
 
     calls = []
     counting = lambda f: lambda *a, **k: calls.append(1) or f(*a, **k)  # noqa: E731
