@@ -151,8 +151,12 @@ class Options:
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
             got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
-        flags = (("HCFJAX_MLA_QK8", "mla_qk8"), ("HCFJAX_MLA_CONVERTERS", "mla_converters"))
-        for var, name in flags + (("HCFJAX_INT4_DIGITS", "int4_digits"),):
+        flags = (
+            ("HCFJAX_MLA_QK8", "mla_qk8"),
+            ("HCFJAX_MLA_CONVERTERS", "mla_converters"),
+            ("HCFJAX_INT4_DIGITS", "int4_digits"),
+        )
+        for var, name in flags:
             if var in environ:
                 got[name], source[name] = _flag(var, environ[var]), var
         if "HCFJAX_INT4_KERNEL" in environ:

@@ -201,7 +201,7 @@ def test_quantised_weights_split_like_the_weights_they_stand_for(scheme):
     embed = model.params["embed"]
     noisy = dict(model.params, embed=embed * (1 + 1e-6 * jax.random.normal(jax.random.key(3), embed.shape)))
     floor = rel_err(prefill_logits(prefill_plan(1, 1), noisy, model.cfg, ref["ids"]), single)
-    assert floor < 0.15  # (6-8% here: the yardstick itself cannot grow to let anything pass)
+    assert floor < 0.15  # (0.2% and 8% here: the yardstick itself cannot grow to let anything pass)
     assert rel_err(lg, single) < max(3e-3, 2 * floor), floor
 
 
