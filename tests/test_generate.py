@@ -32,9 +32,10 @@ def test_ragged_batch_equals_each_prompt_alone(v3_model):
 
 
 def test_stop_tokens_end_a_row(v3_model):
-    free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=8, stop_token_ids=[])
+    # 6 tokens: the shapes of test_ragged_batch_equals_each_prompt_alone's single prompts (compiled there)
+    free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[])
     stop = free.tokens[0][3]
-    out = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=8, stop_token_ids=[stop])
+    out = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[stop])
     first = free.tokens[0].index(stop)
     assert out.tokens[0] == free.tokens[0][: first + 1]
     assert out.stats["new_tokens"] == first + 1
@@ -168,11 +169,12 @@ def test_cli_generates_text(random_ckpt, capsys):
 
 def test_string_prompts_use_the_tokenizer(random_ckpt):
     m = hcfjax.load(random_ckpt, dtype=jnp.float32)
-    out = hcfjax.generate(m, ["hello", "import os"], max_new_tokens=4, stop_token_ids=[])
+    # 5 tokens, as test_cli_generates_text: the one-prompt call runs the programs that test compiled
+    out = hcfjax.generate(m, ["hello", "import os"], max_new_tokens=5, stop_token_ids=[])
     ids = m.tokenizer.encode("hello").ids
     assert out.text[0] == m.tokenizer.decode(out.tokens[0])
     assert (
-        out.tokens[0] == hcfjax.generate(m, [[m.cfg.bos_token_id] + ids], max_new_tokens=4, stop_token_ids=[]).tokens[0]
+        out.tokens[0] == hcfjax.generate(m, [[m.cfg.bos_token_id] + ids], max_new_tokens=5, stop_token_ids=[]).tokens[0]
     )
 
 
