@@ -261,8 +261,6 @@ def mla_decode(
         raise ValueError(f"transposed needs fewer than {BLOCK} heads (a multiple of 8) and no qk8, got {h} heads")
     if transposed is None:
         transposed = transposes(q_heads, stack, qk8)
-    if converters and not (quant and transposed):
-        raise ValueError("converters need an int8 cache and transposed tiles")
     if f16 is None:
         f16 = quant and not qk8
     qs = None

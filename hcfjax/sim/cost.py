@@ -29,7 +29,7 @@ import dataclasses
 
 from hcfjax.config import QUANT_SCHEMES, ModelConfig
 from hcfjax.sim.gpus import GPU, Efficiency
-from hcfjax.sim.weights import WEIGHT_BYTES, LayerParams, bytes_per_gpu, main_weights, mtp_weights
+from hcfjax.sim.weights import WEIGHT_BYTES, LayerParams, bytes_per_gpu, kind_bytes, main_weights, mtp_weights
 
 
 @dataclasses.dataclass
@@ -105,11 +105,11 @@ class CostModel:
         self.p_dense, self.p_expert, self.p_shared = p.dense, p.expert, p.shared
         self.p_router, self.p_lm = p.router, p.lm
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
-        fp8 = linear == "fp8"  # q_b / o fp8 too, the MTP combiner bf16 (weights.kind_bytes)
-        self.w_head, self.w_comb = WEIGHT_BYTES[linear if fp8 else None], WEIGHT_BYTES[None if fp8 else linear]
+        # q_b / o (fp8 only) and the MTP combiner (int schemes only) as the weights' table prices them
+        self.w_head, self.w_comb = kind_bytes("heads", quant), kind_bytes("combiner", quant)
         # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
         self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
-        self.comb_int8 = self.lin_int8 and not fp8
+        self.comb_int8 = self.lin_int8 and linear != "fp8"
         # per token and layer: c_kv and k_pe, int8 with two float32 scales (hcfjax/cache.py) or bf16
         self.kv_bytes_token_layer = c.kv_dim * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
         self.n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))

@@ -28,10 +28,9 @@ compiles and checks small and full shapes.
 --versions times each variant of the kernel (3, mla_kernel's leader/follower schedule, the only version; a p or n suffix
 runs it with or without paired head tiles, the multicast cluster; a q suffix, int8 rows only, runs Q.K on int8 tensor
 cores, mla_decode's qk8; a t or h suffix, below 64 heads, runs the MMAs transposed (cache tokens as M) or not (heads as
-M, padded to 64), where the default is mla_decode.transposes; a c or l suffix, int8 transposed rows only, runs two
-converter warpgroups or converts on the loader and WG1 (mla_decode's converters); "@256/208/40" with that register split
-of WG0/WG1/loader[/WG3], e.g. 3p,3p@232/232/40 against another split) on every case, one row each, so one run compares
-them.
+M, padded to 64), where the default is mla_decode.transposes; a c suffix, int8 transposed rows only, runs two converter
+warpgroups (mla_decode's converters); "@256/208/40" with that register split of WG0/WG1/loader[/WG3], e.g.
+3p,3p@232/232/40 against another split) on every case, one row each, so one run compares them.
 A variant other than 3 and 3n is first run on small shapes (PREFLIGHT) in a child process with a timeout: a kernel
 that hangs there is dropped from the run instead of hanging it.
 --rounds N times each case's kernel rows N times, interleaved, and keeps each row's best (the H200's times of one call
