@@ -396,15 +396,18 @@ def collect_live(engine: Engine, req) -> list[int]:
 
 
 def test_bad_requests_are_refused(model):
-    engine = Engine(model, EngineConfig(max_queue=2, max_model_len=64))
+    # the warm-up test's config, whose steps serve this engine too, with a queue of two
+    engine = Engine(model, EngineConfig(max_slots=2, token_budget=24, max_prefill_rows=1, max_queue=2))
+    context = engine.max_model_len
+    assert context == 2048 and engine.door.max_prompt_chars < 100_000
     for kw, match in [
         (dict(prompt=""), "empty"),
         (dict(prompt=[]), "empty"),
         (dict(prompt=[1, model.cfg.vocab_size]), "outside the vocabulary"),
-        (dict(prompt=[5] * 100), "the context is 64"),
+        (dict(prompt=[5] * (context + 36)), f"the context is {context}"),
         (dict(prompt="x" * 100_000), "characters"),
         (dict(prompt="\ud800abc", max_new_tokens=4), "UTF-8"),
-        (dict(prompt="x", max_new_tokens=100), "exceed the context"),
+        (dict(prompt="x", max_new_tokens=context), "exceed the context"),
         (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
         (dict(prompt="x", max_new_tokens=4, seed=-1), "seed"),
         (dict(prompt="x", max_new_tokens=4, stop_token_ids=[-3]), "stop token"),
