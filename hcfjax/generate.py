@@ -82,7 +82,7 @@ def forward(model: Model, tokens) -> jax.Array:
 @functools.cache
 def _decode(xla: tuple):
     """decode_steps jitted with these XLA compiler options (as step_program)."""
-    static = ("cfg", "max_new_tokens", "spec", "opts")
+    static = ("cfg", "spec", "opts", "width")
     return jax.jit(decode_steps, static_argnames=static, donate_argnames=("state",), compiler_options=dict(xla) or None)
 
 
@@ -165,7 +165,10 @@ def generate(
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
-    pages = math.ceil((max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
+    # The decode program depends on the prompts and the limit only through t and width (powers of two): the cache
+    # holds t + width tokens (no more than the context) plus the drafts.
+    width = bucket(max_new_tokens)
+    pages = math.ceil(max(t, min(t + width, cfg.max_position_embeddings) + k) / page_size)
     page_table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # rank major: rank r's rows, its pages
     cache = kvcache.init_cache(cfg, b * pages, page_size, default_cache_dtype(model, cache_dtype), n_layers)
     state = empty_state(cfg, b, cache, speculative, model.dtype)
@@ -197,15 +200,16 @@ def generate(
     if decode_plan is None:
         dec = DecodeInputs(jnp.asarray(active), jnp.asarray(page_table), sp, jnp.asarray(seeds))
         decode = _decode(options.compiler_options())
-        out, counts, _ = decode(model.params, cfg, state, dec, stop_arr, max_new_tokens, speculative, options)
+        limit = jnp.int32(max_new_tokens)
+        out, counts, _ = decode(model.params, cfg, state, dec, stop_arr, limit, speculative, options, width=width)
     else:
         put = lambda x: jax.device_put(jnp.asarray(x), decode_plan.rows())  # noqa: E731
         local_table = page_table - (np.arange(b) // (b // ranks) * (b // ranks) * pages)[:, None]
         dec = DecodeInputs(put(active), put(local_table), jax.tree.map(put, sp), put(seeds))
         params = decode_plan.place_params(model.params)
         state = decode_plan.place_state(state)  # the prefill's cache handed to the ranks owning its pages
-        run = decode_plan.wrap_decode_steps(cfg, params, state, max_new_tokens, speculative, options)
-        out, counts, _ = run(params, state, dec, stop_arr)
+        run = decode_plan.wrap_decode_steps(cfg, params, state, width, speculative, options)
+        out, counts, _ = run(params, state, dec, stop_arr, jnp.int32(max_new_tokens))
         if not out.is_fully_addressable:  # multi-process: every process gets all rows
             from jax.experimental import multihost_utils
 

@@ -223,24 +223,28 @@ def decode_steps(
     state: SlotState,
     dec: DecodeInputs,
     stop_ids,
-    max_new_tokens: int,
+    max_new_tokens,
     spec: SpeculativeConfig | None = None,
     opts: Options = DEFAULT,
     experts_fn=None,
     axis: str | None = None,
+    width: int | None = None,
 ):
     """Decodes every slot of dec.active from its first token (sampled at prefill) until a token in stop_ids [S']
     (padded with PAD) or max_new_tokens tokens, in one while_loop of `step`s.
 
-    Under a data-parallel plan (axis set, inside shard_map) every rank keeps stepping until all ranks are done,
-    since the MoE exchange needs all of them each step. -> (tokens [S, max_new_tokens], PAD after a row's end;
+    max_new_tokens: an int, or a traced scalar at most `width` (static), the output's width: one compiled program
+    serves every limit up to it. Under a data-parallel plan (axis set, inside shard_map) every rank keeps stepping
+    until all ranks are done, since the MoE exchange needs all of them each step. -> (tokens [S, width], PAD after a
+    row's end;
     counters {"count": tokens [S], "steps" [S], "evaluated" [S, k], "accepted" [S, k]} (the last three for
     speculation: verification steps, and drafts evaluated and accepted per depth); state)."""
     s = dec.active.shape[0]
     k = spec.num_draft_tokens if spec is not None else 0
     rows = jnp.arange(s)
     first = state.tok if spec is None else state.drafts.last
-    out = jnp.full((s, max_new_tokens + k + 1), PAD, jnp.int32).at[:, 0].set(first)
+    width = max_new_tokens if width is None else width
+    out = jnp.full((s, width + k + 1), PAD, jnp.int32).at[:, 0].set(first)
     done = ~dec.active | jnp.isin(first, stop_ids) | (max_new_tokens <= 1)
     n = jnp.where(dec.active, 1, 0)
     zero = jnp.zeros_like(n)  # (derived from the rows, so varying over a plan's ranks as the loop's outputs are)
@@ -277,4 +281,4 @@ def decode_steps(
         return state, out, done, c
 
     state, out, _, counters = jax.lax.while_loop(cond, body, (state, out, done, counters))
-    return out[:, :max_new_tokens], counters, state
+    return out[:, :width], counters, state

@@ -16,6 +16,7 @@ written by hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -103,22 +104,34 @@ class Plan:
         xla = dict(opts.compiler_options(prefill=with_prefill)) or None
         return jax.jit(fn, donate_argnums=(1,), compiler_options=xla)
 
-    def wrap_decode_steps(self, cfg, params, state, max_new_tokens: int, spec, opts):
+    def wrap_decode_steps(self, cfg, params, state, width: int, spec, opts):
         """hcfjax.step.decode_steps under the decode plan: the whole decode loop inside one shard_map (the ranks
-        agree on when to stop). -> jitted fn(params, state, dec, stop_ids) -> (tokens, counters, state)."""
-        from hcfjax.step import decode_steps
+        agree on when to stop). -> jitted fn(params, state, dec, stop_ids, max_new_tokens) -> (tokens [S, width],
+        counters, state); max_new_tokens a scalar at most width. The same plan, model and settings get the same
+        function back, so a second generate call reuses its compiled program."""
+        leaves, tree = jax.tree.flatten((param_specs(params, self), _state_specs(state)), is_leaf=_is_spec)
+        return _decode_steps_program(self, cfg, width, spec, opts, tuple(leaves), tree)
 
-        row = P("ep")
-        experts = ep_experts("ep", opts.ep_exchange)
 
-        def local(params, state, dec, stops):
-            return decode_steps(params, cfg, state, dec, stops, max_new_tokens, spec, opts, experts, "ep")
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
-        st = _state_specs(state)
-        counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}
-        specs = (param_specs(params, self), st, row, P())  # the decode inputs split by rows, every leaf
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(row, counters, st))
-        return jax.jit(fn, donate_argnums=(1,), compiler_options=dict(opts.compiler_options()) or None)
+
+@functools.cache
+def _decode_steps_program(plan: Plan, cfg, width: int, spec, opts, spec_leaves: tuple, spec_tree):
+    from hcfjax.step import decode_steps
+
+    row = P("ep")
+    experts = ep_experts("ep", opts.ep_exchange)
+
+    def local(params, state, dec, stops, limit):
+        return decode_steps(params, cfg, state, dec, stops, limit, spec, opts, experts, "ep", width)
+
+    params_spec, st = jax.tree.unflatten(spec_tree, spec_leaves)
+    counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}
+    specs = (params_spec, st, row, P(), P())  # the decode inputs split by rows, every leaf
+    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=(row, counters, st))
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=dict(opts.compiler_options()) or None)
 
 
 def _devices(n: int, devices=None):

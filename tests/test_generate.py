@@ -31,6 +31,21 @@ def test_ragged_batch_equals_each_prompt_alone(v3_model):
     assert list(np.asarray(jnp.argmax(ref[0, len(prompts[1]) - 1 :], -1))) == together.tokens[1]
 
 
+def test_limits_and_lengths_within_their_buckets_share_the_compiled_steps(v3_model):
+    """The decode program depends on max_new_tokens and the prompts' lengths only through their power-of-two
+    buckets: after one run, other limits and lengths in the same buckets compile nothing, and each stops where its
+    own limit says (a longer limit's tokens start with the shorter's)."""
+    from tests.engine_helpers import xla_compiles
+
+    long = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=14, stop_token_ids=[])
+    with xla_compiles() as compiles:
+        short = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[])
+        other = hcfjax.generate(v3_model, [[8] * 13], max_new_tokens=9, stop_token_ids=[])
+    assert compiles == []
+    assert len(short.tokens[0]) == 6 and short.tokens[0] == long.tokens[0][:6]
+    assert len(other.tokens[0]) == 9
+
+
 def test_stop_tokens_end_a_row(v3_model):
     # 6 tokens: the shapes of test_ragged_batch_equals_each_prompt_alone's single prompts (compiled there)
     free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[])

@@ -85,20 +85,19 @@ def single_device(v3_model):
 
 @pytest.mark.parametrize("prefill,decode,copies", [((4, 2), 8, 1), (None, 4, 2)])
 def test_generation_under_the_plans_matches_single_device(v3_model, single_device, prefill, decode, copies):
-    """Prefill under TP x EP, KV hand-off, decode under attention-DP x EP with idle ranks on mock rows."""
+    """Prefill under TP x EP, KV hand-off, decode under attention-DP x EP with idle ranks on mock rows. A second
+    call with the same plans (another limit in the same power of two) compiles nothing."""
     from sharding.generate import generate_planned
+    from tests.engine_helpers import xla_compiles
 
     prompts = PLAN_PROMPTS * copies
-    got = generate_planned(
-        v3_model,
-        prompts,
-        decode_plan(decode),
-        prefill_plan(*prefill) if prefill else None,
-        max_new_tokens=8,
-        stop_token_ids=[],
-    )
+    plans = (decode_plan(decode), prefill_plan(*prefill) if prefill else None)
+    got = generate_planned(v3_model, prompts, *plans, max_new_tokens=8, stop_token_ids=[])
     assert got.tokens == single_device * copies
     assert got.stats["mock_rows"] == -len(prompts) % decode
+    with xla_compiles() as compiles:
+        again = generate_planned(v3_model, prompts, *plans, max_new_tokens=5, stop_token_ids=[])
+    assert compiles == [] and again.tokens == [row[:5] for row in got.tokens]
 
 
 def test_cli_runs_under_plans(capsys, monkeypatch):
