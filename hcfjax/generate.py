@@ -86,6 +86,13 @@ def _decode(xla: tuple):
     return jax.jit(decode_steps, static_argnames=static, donate_argnames=("state",), compiler_options=dict(xla) or None)
 
 
+def round_up_eighth(n: int) -> int:
+    """n rounded up to a multiple of an eighth of the power of two at or below it: eight sizes per doubling, at most
+    1/8 more than n."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
+
+
 MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests, or a batch's padding)
 ROW_MULTIPLE = 8  # a batch of several rows decodes in a multiple of this many rows on one device (padded_rows)
 
@@ -165,10 +172,11 @@ def generate(
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
-    # The decode program depends on the prompts and the limit only through t and width (powers of two): the cache
-    # holds t + width tokens (no more than the context) plus the drafts.
+    # The decode program depends on the limit only through width (a power of two), and on the prompts through t and
+    # the cache's size, rounded up to eight sizes per doubling (round_up_eighth).
     width = bucket(max_new_tokens)
-    pages = math.ceil(max(t, min(t + width, cfg.max_position_embeddings) + k) / page_size)
+    need = max(t, min(int(lengths.max()) + width, cfg.max_position_embeddings) + k)
+    pages = math.ceil(round_up_eighth(need) / page_size)
     page_table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # rank major: rank r's rows, its pages
     cache = kvcache.init_cache(cfg, b * pages, page_size, default_cache_dtype(model, cache_dtype), n_layers)
     state = empty_state(cfg, b, cache, speculative, model.dtype)

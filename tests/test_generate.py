@@ -32,9 +32,9 @@ def test_ragged_batch_equals_each_prompt_alone(v3_model):
 
 
 def test_limits_and_lengths_within_their_buckets_share_the_compiled_steps(v3_model):
-    """The decode program depends on max_new_tokens and the prompts' lengths only through their power-of-two
-    buckets: after one run, other limits and lengths in the same buckets compile nothing, and each stops where its
-    own limit says (a longer limit's tokens start with the shorter's)."""
+    """The decode program depends on max_new_tokens and the prompts' lengths only through their buckets (and the
+    cache's size in pages): after one run, other limits and lengths in the same buckets compile nothing, and each
+    stops where its own limit says (a longer limit's tokens start with the shorter's)."""
     from tests.engine_helpers import xla_compiles
 
     long = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=14, stop_token_ids=[])

@@ -440,14 +440,18 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
     for (heads, qk8, conv, dtype), want in cases:
         cfg = preset_config("tiny-v3", num_hidden_layers=1, kv_lora_rank=128, qk_rope_head_dim=64)
         cfg = dataclasses.replace(cfg, num_attention_heads=heads)
-        p = random_model(cfg, seed=3, dtype=jnp.bfloat16).params["segments"][0]["attn"]
-        p = jax.tree.map(lambda a: a[0], p)
+        layer = lambda cfg=cfg: jax.tree.map(lambda a: a[0], random_model(cfg, 3, jnp.bfloat16).params["segments"][0])
+        p = jax.eval_shape(layer)["attn"]
         q_nope = jnp.zeros((1, 1, heads, cfg.qk_nope_head_dim), jnp.bfloat16)
         q_pe = jnp.zeros((1, 1, heads, cfg.qk_rope_head_dim), jnp.bfloat16)
         cache = kvcache.init_cache(cfg, 2, PAGE, dtype, num_layers=1)
         ctx = CacheContext(cache, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones((1, 1), bool))
         opts = Options(mla="kernel", mla_qk8=qk8, mla_converters=conv)
-        attention.attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, 0, pos, opts)
+        # traced only: what the kernel is asked for is decided while tracing, and nothing need compile
+        attend = functools.partial(attention.attend_absorbed_paged, cfg=cfg, layer=0, positions=pos, opts=opts)
+        jax.eval_shape(
+            lambda p, qn, qp, ctx, attend=attend: attend(p, q_nope=qn, q_pe=qp, ctx=ctx), p, q_nope, q_pe, ctx
+        )
         assert seen.pop() == want, (heads, qk8, conv, dtype)
 
 
