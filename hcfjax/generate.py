@@ -172,11 +172,10 @@ def generate(
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
-    # The decode program depends on the limit only through width (a power of two), and on the prompts through t and
-    # the cache's size, rounded up to eight sizes per doubling (round_up_eighth).
+    # The decode program depends on the limit and the prompts' lengths only through the output's width (a power of
+    # two), t, and the cache's size rounded up to eight sizes per doubling (at most 1/8 more than it needs).
     width = bucket(max_new_tokens)
-    need = max(t, min(int(lengths.max()) + width, cfg.max_position_embeddings) + k)
-    pages = math.ceil(round_up_eighth(need) / page_size)
+    pages = math.ceil(round_up_eighth(max(t, int(lengths.max()) + max_new_tokens + k)) / page_size)
     page_table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # rank major: rank r's rows, its pages
     cache = kvcache.init_cache(cfg, b * pages, page_size, default_cache_dtype(model, cache_dtype), n_layers)
     state = empty_state(cfg, b, cache, speculative, model.dtype)
