@@ -235,10 +235,10 @@ def decode_steps(
 
     max_new_tokens: an int, or a traced scalar at most `width` (static), the output's width: one compiled program
     serves every limit up to it. Under a data-parallel plan (axis set, inside shard_map) every rank keeps stepping
-    until all ranks are done, since the MoE exchange needs all of them each step. -> (tokens [S, width], PAD after a
-    row's end;
-    counters {"count": tokens [S], "steps" [S], "evaluated" [S, k], "accepted" [S, k]} (the last three for
-    speculation: verification steps, and drafts evaluated and accepted per depth); state)."""
+    until all ranks are done, since the MoE exchange needs all of them each step.
+    -> (tokens [S, width], PAD after a row's end; counters {"count": tokens [S], "steps" [S], "evaluated" [S, k],
+    "accepted" [S, k]} (the last three for speculation: verification steps, and drafts evaluated and accepted per
+    depth); state)."""
     s = dec.active.shape[0]
     k = spec.num_draft_tokens if spec is not None else 0
     rows = jnp.arange(s)
