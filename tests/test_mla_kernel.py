@@ -449,9 +449,7 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         opts = Options(mla="kernel", mla_qk8=qk8, mla_converters=conv)
         # traced only: what the kernel is asked for is decided while tracing, and nothing need compile
         attend = functools.partial(attention.attend_absorbed_paged, cfg=cfg, layer=0, positions=pos, opts=opts)
-        jax.eval_shape(
-            lambda p, qn, qp, ctx, attend=attend: attend(p, q_nope=qn, q_pe=qp, ctx=ctx), p, q_nope, q_pe, ctx
-        )
+        jax.eval_shape(attend, p, q_nope=q_nope, q_pe=q_pe, ctx=ctx)
         assert seen.pop() == want, (heads, qk8, conv, dtype)
 
 
