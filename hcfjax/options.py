@@ -29,8 +29,8 @@ class Options:
     mla_qk8: the MLA kernel's Q.K over an int8 cache on the int8 tensor cores, the queries quantised per head (faster
         on long rows, less exact: opt-in).
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
-    mla_converters: the MLA kernel's two converter warpgroups where it runs an int8 cache in transposed tiles (16
-        heads; pallas_kernels.mla_kernel.KernelSpec.converters; opt-in until timed on the GPU).
+    mla_converters: the MLA kernel's two converter warpgroups where it runs an int8 cache in transposed tiles of one
+        query token (16 heads; pallas_kernels.mla_kernel.KernelSpec.converters; mla_decode.converters_apply).
     moe: the GEMM kernels: the int4 experts (w4a16, w4a8), fp8 block-scaled weights (experts and dense linears,
         pallas_kernels/moe_fp8.py) and the dense int8 per-channel linears of w4a8c8 / w8a8 (the latter only where
         their shapes suit the kernel, `quant.int8_kernel_mode`): auto / kernel / interpret / reference, as for mla.
@@ -73,7 +73,7 @@ class Options:
     mla: str = "auto"
     mla_qk8: bool = False
     mla_pair: bool = True
-    mla_converters: bool = False
+    mla_converters: bool = True
     moe: str = "auto"
     int4_digits: bool = True
     fused_gate_up: tuple[str, ...] = ("int8",)

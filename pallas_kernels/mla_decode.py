@@ -160,10 +160,11 @@ def transposes(q_heads: int, stack: int, qk8: bool = False) -> bool:
 
 
 def converters_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
-    """Whether `mla_decode(converters=True)` takes h heads of t tokens: an int8 cache in transposed tiles (by
-    default)."""
+    """Whether the converter warpgroups (`mla_decode(converters=True)`) suit h heads of t tokens: an int8 cache in
+    transposed tiles (by default) of one query token. Stacked tokens (t > 1) measured twice as slow with them
+    (docs/results.md)."""
     _, q_heads, stack = head_tiles(h, t, qk8)
-    return quant and transposes(q_heads, stack, qk8)
+    return quant and t == 1 and transposes(q_heads, stack, qk8)
 
 
 def mla_plan(

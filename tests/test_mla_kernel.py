@@ -380,10 +380,10 @@ def test_options_from_the_environment():
     from hcfjax.options import Options
 
     env = {"HCFJAX_MLA": "kernel", "HCFJAX_MLA_QK8": "1", "HCFJAX_INT4_KERNEL": "0", "HCFJAX_EP_EXCHANGE": "ragged"}
-    got = Options.from_env({**env, "HCFJAX_PREFILL_ATTENTION": "fused", "HCFJAX_MLA_CONVERTERS": "1"}, two_rows=False)
-    want = ("kernel", True, "reference", "ragged", False, "fused", True)
+    got = Options.from_env({**env, "HCFJAX_PREFILL_ATTENTION": "fused", "HCFJAX_MLA_CONVERTERS": "0"}, two_rows=False)
+    want = ("kernel", True, "reference", "ragged", False, "fused", False)
     assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows, got.prefill_attention) == want[:6]
-    assert got.mla_converters is want[6] and Options().mla_converters is False
+    assert got.mla_converters is want[6] and Options().mla_converters is True
     assert Options().prefill_attention_mode() == "blocked"  # auto: fused on GPUs only
     assert Options.from_env({}) == Options() and hash(Options.from_env({})) == hash(Options())
     with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
@@ -419,7 +419,7 @@ def test_xla_gemm_compiler_options(monkeypatch):
 
 def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatch):
     """Options.mla_qk8 reaches the kernel over an int8 cache only; Options.mla_converters over an int8 cache whose
-    heads run in transposed tiles only (16 heads, not 64; not with qk8)."""
+    heads run in transposed tiles of one query token only (16 heads, not 64; not with qk8; not two tokens)."""
     from hcfjax import attention
     from hcfjax.attention import CacheContext
     from hcfjax.options import Options
@@ -427,30 +427,31 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
 
     seen = []
     monkeypatch.setattr(attention, "mla_decode", lambda *a, **k: seen.append((k["qk8"], k["converters"])) or a[0])
-    pos = jnp.zeros((1, 1), jnp.int32)
-    cases = [  # (heads, qk8, converters, cache dtype) -> what the kernel is asked for
-        ((16, True, False, jnp.int8), (True, False)),
-        ((16, True, False, jnp.bfloat16), (False, False)),
-        ((16, False, False, jnp.int8), (False, False)),
-        ((16, False, True, jnp.int8), (False, True)),
-        ((16, False, True, jnp.bfloat16), (False, False)),
-        ((16, True, True, jnp.int8), (True, False)),
-        ((64, False, True, jnp.int8), (False, False)),
+    cases = [  # (heads, tokens, qk8, converters, cache dtype) -> what the kernel is asked for
+        ((16, 1, True, False, jnp.int8), (True, False)),
+        ((16, 1, True, False, jnp.bfloat16), (False, False)),
+        ((16, 1, False, False, jnp.int8), (False, False)),
+        ((16, 1, False, True, jnp.int8), (False, True)),
+        ((16, 2, False, True, jnp.int8), (False, False)),
+        ((16, 1, False, True, jnp.bfloat16), (False, False)),
+        ((16, 1, True, True, jnp.int8), (True, False)),
+        ((64, 1, False, True, jnp.int8), (False, False)),
     ]
-    for (heads, qk8, conv, dtype), want in cases:
+    for (heads, t, qk8, conv, dtype), want in cases:
         cfg = preset_config("tiny-v3", num_hidden_layers=1, kv_lora_rank=128, qk_rope_head_dim=64)
         cfg = dataclasses.replace(cfg, num_attention_heads=heads)
         layer = lambda cfg=cfg: jax.tree.map(lambda a: a[0], random_model(cfg, 3, jnp.bfloat16).params["segments"][0])
         p = jax.eval_shape(layer)["attn"]
-        q_nope = jnp.zeros((1, 1, heads, cfg.qk_nope_head_dim), jnp.bfloat16)
-        q_pe = jnp.zeros((1, 1, heads, cfg.qk_rope_head_dim), jnp.bfloat16)
+        q_nope = jnp.zeros((1, t, heads, cfg.qk_nope_head_dim), jnp.bfloat16)
+        q_pe = jnp.zeros((1, t, heads, cfg.qk_rope_head_dim), jnp.bfloat16)
         cache = kvcache.init_cache(cfg, 2, PAGE, dtype, num_layers=1)
-        ctx = CacheContext(cache, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones((1, 1), bool))
+        ctx = CacheContext(cache, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones((1, t), bool))
         opts = Options(mla="kernel", mla_qk8=qk8, mla_converters=conv)
         # traced only: what the kernel is asked for is decided while tracing, and nothing need compile
+        pos = jnp.zeros((1, t), jnp.int32)
         attend = functools.partial(attention.attend_absorbed_paged, cfg=cfg, layer=0, positions=pos, opts=opts)
         jax.eval_shape(attend, p, q_nope=q_nope, q_pe=q_pe, ctx=ctx)
-        assert seen.pop() == want, (heads, qk8, conv, dtype)
+        assert seen.pop() == want, (heads, t, qk8, conv, dtype)
 
 
 def _args(b=2, t=1, h=16, c=C, r=R, page=PAGE, dtype=jnp.bfloat16, scales=None, pt_rows=None, lengths_dtype=jnp.int32):
