@@ -119,6 +119,55 @@ def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
     assert stats["messages"] >= 1
 
 
+def test_a_host_staged_cache_installs_on_one_program_per_power_of_two_pages(model):
+    """A decode worker's warm-up compiles one install per power of two pages and, for host-staged transports,
+    nothing per page count: the cache is padded on the host. Any page count then stages and installs without a
+    compile, into exactly its pages; a cache of the wrong shape or dtype is refused."""
+    import numpy as np
+
+    from hcfjax.generate import bucket
+
+    for cache_dtype in ("auto", "int8"):
+        runner = Engine(model, EngineConfig(max_slots=2, max_model_len=160, cache_dtype=cache_dtype)).runner
+        cache = runner.state.cache
+        compiles = []
+        count = lambda event, secs, seen=compiles, **kw: (
+            seen.append(kw.get("fun_name")) if event == BACKEND_COMPILE else None
+        )
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            installs = runner._install._cache_size()  # (shared by the jit objects of one function)
+            runner.warmup_install()
+            powers = len(range(bucket(runner.max_pages, 1).bit_length()))  # 1, 2, 4, ... up to the bucket
+            installs = runner._install._cache_size() - installs
+            assert (installs, len(compiles)) == (powers, powers), (cache_dtype, compiles)
+            pages = [5, 9, 2]
+            shape = (cache.kv.shape[0], len(pages), runner.cache_page_size, cache.kv.shape[-1])
+            kv = np.arange(np.prod(shape)).reshape(shape).astype(cache.kv.dtype)
+            scale = None if cache.scale is None else np.full(shape[:3] + (2,), 0.5, np.float32)
+            before = np.asarray(runner.state.cache.kv)  # (the install donates the state it is given)
+            landed = runner.landing.stage(kv, scale)
+            assert landed.kv.shape[1] == 4 and landed.pages == 3
+            runner._install_pages(pages, landed, 0, 7, 40, 3)
+            for n in range(1, runner.max_pages + 1):
+                part = None if scale is None else np.zeros(shape[:1] + (n,) + shape[2:3] + (2,), np.float32)
+                runner.landing.stage(np.zeros(shape[:1] + (n,) + shape[2:], kv.dtype), part)
+            assert len(compiles) == powers, compiles
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        after = np.asarray(runner.state.cache.kv)
+        np.testing.assert_array_equal(after[:, pages], kv)
+        others = [p for p in range(cache.kv.shape[1]) if p not in pages]
+        np.testing.assert_array_equal(after[:, others], before[:, others])
+        assert int(runner.state.tok[0]) == 7 and int(runner.state.length[0]) == 40
+        if scale is not None:
+            np.testing.assert_array_equal(np.asarray(runner.state.cache.scale)[:, pages], scale)
+        with pytest.raises(ValueError, match="shape"):
+            runner.landing.stage(kv[..., :-1], scale)
+        with pytest.raises(ValueError, match="scales|transferred cache is"):
+            runner.landing.stage(kv.astype(np.float16), scale)
+
+
 def test_pd_speculative_decoding_across_the_split(model, colocated):
     """The prefill worker runs the MTP modules and makes the first drafts; the decode worker verifies from its first
     step. Exact verification of greedy drafts gives the plain greedy tokens; the draft state crosses the prefill

@@ -191,9 +191,15 @@ class Engine:
     def land(self, request_id: str, epoch: int, first_token: int, kv, scale=None, drafts=None) -> None:
         """A remote prefill finished: kv [L, n_pages, page_size, D] (+ scale) for the request's reserved pages, in
         order, the first token it sampled, and with speculation its draft state (a Drafts row). Ignored if the
-        request ended or was preempted (epoch changed)."""
+        request ended or was preempted (epoch changed). The cache is checked and put on the devices here, on the
+        caller's thread; the loop then writes it into the request's pages."""
+        try:
+            landed = (int(first_token), self.runner.landing.stage(kv, scale), drafts)
+        except Exception as e:  # noqa: BLE001 - a bad transfer fails its request, not the worker
+            log.exception("staging the transferred cache of %s failed", request_id)
+            landed = (f"{type(e).__name__}: {e}",)
         with self._lock:
-            self._landed.append((request_id, epoch, int(first_token), kv, scale, drafts))
+            self._landed.append((request_id, epoch, *landed))
             self._lock.notify()
 
     def land_failed(self, request_id: str, epoch: int, error: str) -> None:
@@ -296,7 +302,7 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.warmup(prefill=self.remote is None, progress=progress, rest_later=rest_later)
         if self.remote is not None:
-            self.runner.warmup_install()
+            self.runner.warmup_install(device_arrays=not self.remote.receiver.on_host)
         return time.perf_counter() - t0
 
     def _runnable(self) -> bool:
@@ -352,9 +358,9 @@ class Engine:
             if len(result) == 1:
                 self._finish(req, FinishReason.ERROR, result[0])
                 continue
-            first, kv, scale, drafts = result
+            first, cache, drafts = result
             try:
-                self.runner.install(req, first, kv, scale, drafts)
+                self.runner.install(req, first, cache, drafts)
             except Exception as e:  # noqa: BLE001 - a bad transfer fails its request, not the worker
                 log.exception("installing the transferred cache of %s failed", rid)
                 self._finish(req, FinishReason.ERROR, f"{type(e).__name__}: {e}")

@@ -29,15 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
+from hcfjax.engine import landing
 from hcfjax.engine.executables import ExecutableCache, step_key
+from hcfjax.engine.landing import LandedCache
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.engine.shapes import StepShapes, decode_bucket
-from hcfjax.generate import bucket
 from hcfjax.model import Model
 from hcfjax.options import DEFAULT, Options
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
-from hcfjax.step import DecodeInputs, PrefillInputs, SlotState, empty_state, step_program
+from hcfjax.step import DecodeInputs, PrefillInputs, empty_state, step_program
 from pallas_kernels import lowering_cache
 
 log = logging.getLogger("hcfjax.engine")
@@ -51,25 +52,6 @@ def decode_key(rows: int, filters: bool = True) -> tuple[str, int, bool]:
 
 def is_decode(key) -> bool:
     return key[0] == "decode"
-
-
-def _install(state: SlotState, pages, kv, scale, slot, first, length, count, drafts) -> SlotState:
-    """Writes a remotely prefilled request's cache (kv [L, n, page, D] into `pages` [n]; padding pages are out of
-    range and dropped) and its slot's first token, length and rng counter, or with speculation its Drafts row."""
-    cache = state.cache
-    layers = kv.shape[0]
-    new_kv = cache.kv.at[:layers, pages].set(kv.astype(cache.kv.dtype), mode="drop")
-    new_scale = None if cache.scale is None else cache.scale.at[:layers, pages].set(scale, mode="drop")
-    return dataclasses.replace(
-        state,
-        cache=kvcache.KVCache(new_kv, new_scale),
-        tok=state.tok.at[slot].set(first, mode="drop"),
-        length=state.length.at[slot].set(length, mode="drop"),
-        count=state.count.at[slot].set(count, mode="drop"),
-        drafts=None
-        if drafts is None
-        else jax.tree.map(lambda s, x: s.at[slot].set(x, mode="drop"), state.drafts, drafts),
-    )
 
 
 @dataclasses.dataclass
@@ -137,7 +119,8 @@ class ModelRunner:
             self.state = plan.place_state(self.state)
             self._landing = plan.replicated()
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self._install = jax.jit(_install, donate_argnums=(0,), out_shardings=shardings)
+        self._install = jax.jit(landing.install, donate_argnums=(0,), out_shardings=shardings)
+        self.landing = landing.Landing(self.state.cache, page_size, self._landing)
         self.steps = 0
         spr = self.slots_per_rank
         self.decode_sizes = sorted({min(decode_bucket(n, min_decode_rows), spr) for n in range(1, spr + 1)})
@@ -220,42 +203,29 @@ class ModelRunner:
         """Re-places the experts for the loads EPLB has seen (between steps; the compiled steps stay valid)."""
         self.params = self.eplb.rebalance(self.params, step)
 
-    def install(self, req, first: int, kv, scale=None, drafts=None) -> None:
-        """Puts a remotely prefilled request's cache into its reserved pages and its first token (with
-        speculation: its Drafts row, a dict of numpy arrays) into its slot. kv [L, n_pages, page_size, D] for
-        req.pages in order (L: every cache layer, the MTP modules' included); scale with an int8 cache. Page counts
-        are padded to powers of two, so few shapes compile."""
-        cache = self.state.cache
-        n = len(req.pages)
+    def install(self, req, first: int, landed: LandedCache, drafts=None) -> None:
+        """Puts a remotely prefilled request's cache (staged by `self.landing.stage`, which any thread may call) into
+        its reserved pages and its first token (with speculation: its Drafts row, a dict of numpy arrays) into its
+        slot. The cache holds every cache layer (the MTP modules' included) for req.pages in order."""
         if (drafts is None) != (self.spec is None):
             raise ValueError(
                 f"{req.id}: the prefill {'did not make' if drafts is None else 'made'} drafts, and this"
                 f" worker {'speculates' if self.spec else 'does not speculate'}"
             )
-        want = (cache.kv.shape[0], n, self.cache_page_size, cache.kv.shape[-1])
-        if tuple(kv.shape) != want:
-            raise ValueError(f"transferred cache of {req.id} has shape {tuple(kv.shape)}, expected {want}")
-        if jnp.dtype(kv.dtype) != cache.kv.dtype or (scale is None) != (cache.scale is None):
-            raise ValueError(
-                f"transferred cache of {req.id} is {jnp.dtype(kv.dtype).name}"
-                f"{' with' if scale is not None else ' without'} scales; this worker's cache is {cache.kv.dtype.name}"
-            )
+        if landed.pages != len(req.pages):
+            raise ValueError(f"transferred cache of {req.id} has {landed.pages} pages, expected {len(req.pages)}")
         if drafts is not None:
             drafts = Drafts(**{f.name: jnp.asarray(drafts[f.name]) for f in dataclasses.fields(Drafts)})
-        self._install_pages(req.pages, kv, scale, req.slot, first, len(req.fill), len(req.output) + 1, drafts)
+        self._install_pages(req.pages, landed, req.slot, first, len(req.fill), len(req.output) + 1, drafts)
 
-    def _install_pages(self, pages, kv, scale, slot: int, first: int, length: int, count: int, drafts=None) -> None:
-        n, b = len(pages), bucket(len(pages), 1)
-        table = np.full(b, self.state.cache.num_pages, np.int32)  # padding pages: out of range, dropped
-        table[:n] = pages
-        # numpy (host-staged transports) or device arrays (jax transfer) are put in one place first (replicated
-        # over the plan's mesh, or on the engine's device): one compiled install per page bucket, any transport
-        pad = lambda x: jnp.pad(jax.device_put(x, self._landing), ((0, 0), (0, b - n)) + ((0, 0),) * (x.ndim - 2))
+    def _install_pages(self, pages, landed: LandedCache, slot: int, first: int, length: int, count: int, drafts=None):
+        table = np.full(landed.kv.shape[1], self.state.cache.num_pages, np.int32)  # padding: out of range, dropped
+        table[: len(pages)] = pages
         self.state = self._install(
             self.state,
-            jnp.asarray(table),
-            pad(kv),
-            None if scale is None else pad(scale),
+            jax.device_put(table, self._landing),
+            landed.kv,
+            landed.scale,
             jnp.int32(slot),
             jnp.int32(first),
             jnp.int32(length),
@@ -263,16 +233,19 @@ class ModelRunner:
             None if drafts is None else jax.device_put(drafts, self._landing),
         )
 
-    def warmup_install(self) -> None:
-        """Compiles install for every page count (a PD decode worker: the padding to the count's bucket, then the
-        bucket's install), writing nothing."""
+    def warmup_install(self, device_arrays: bool = False) -> None:
+        """Compiles install for every power of two of pages (a PD decode worker), writing nothing; device_arrays (a
+        transport that delivers jax arrays): also their padding from every page count."""
         cache = self.state.cache
         drafts = None if self.spec is None else jax.tree.map(lambda x: x[0], self.state.drafts)
-        kv = np.zeros((cache.kv.shape[0], self.max_pages, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
-        scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), np.float32)
-        for n in range(1, self.max_pages + 1):
-            part = None if scale is None else scale[:, :n]
-            self._install_pages([cache.num_pages] * n, kv[:, :n], part, self.num_slots, 0, 0, 0, drafts)
+        b = 1
+        while b < 2 * self.max_pages:
+            kv = np.zeros((cache.kv.shape[0], b, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
+            scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), cache.scale.dtype)
+            self._install_pages([], self.landing.stage(kv, scale), self.num_slots, 0, 0, 0, drafts)
+            b *= 2
+        if device_arrays:
+            self.landing.compile_device_pads(self.max_pages)
 
     def warmup(
         self, prefill: bool = True, progress: Callable[[int, int], None] | None = None, rest_later: bool = False

@@ -53,6 +53,11 @@ class Receiver:
         self._closed = False
         self._stats = collections.Counter(messages=0, bytes=0, parts=0, dropped=0)
 
+    @property
+    def on_host(self) -> bool:
+        """Whether take() returns host (numpy) arrays, else arrays on the receiver's device."""
+        return self._host
+
     def take(self, key: str, timeout: float) -> tuple[Any, Any | None]:
         """Blocks until every layer of key arrived; returns (kv, scale) as [total_layers, n_pages, page_size, ...]."""
 
