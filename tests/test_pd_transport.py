@@ -88,6 +88,36 @@ def test_round_trip_exact(ends, kind, mode):
     assert rx.stats["bytes"] == sum(kv.nbytes + (0 if sc is None else sc.nbytes) for kv, sc in caches.values())
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_padding_pages_are_cut_on_the_host(kind, merge):
+    """A piece gathered past its pages (a prefill worker's power of two) arrives as its pages only, whole, in layer
+    groups or page by page, and only they are sent; a device link (jax) refuses the padding."""
+    t = make_transport(kind, merge=merge, timeout=3.0)
+    rx, tx = t.receiver(), t.sender()
+    try:
+        padded = {"a": bf16_cache(6), "b": int8_cache(7)}  # P pages, of which the first P - 1 are the key's
+        for key, (kv, sc) in padded.items():
+            for part in pieces(key, kv, sc, [0, 2, 5], as_jax=key == "b"):
+                part.pages = P - 1
+                if kind == "jax":
+                    with pytest.raises(ValueError, match="padding pages need a host link"):
+                        tx.send(rx.address, part)
+                else:
+                    tx.send(rx.address, part)
+        if kind == "jax":
+            return
+        for key, (kv, sc) in padded.items():
+            tx.flush(key, timeout=5)
+            check_taken(rx, key, kv[:, : P - 1], None if sc is None else sc[:, : P - 1], kind)
+        cut = sum(kv[:, : P - 1].nbytes + (0 if sc is None else sc[:, : P - 1].nbytes) for kv, sc in padded.values())
+        assert rx.stats["bytes"] == cut
+        with pytest.raises(ValueError, match="pages"):
+            tx.send(rx.address, Piece("c", (0, 1), padded["a"][0][:1], None, 1, pages=P + 1))
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_merging_sends_fewer_larger_messages(kind):
     """merge=True coalesces what is queued together; merge=False sends each (layer, page) alone. Same data."""
     caches = {"a": bf16_cache(4), "b": int8_cache(5)}

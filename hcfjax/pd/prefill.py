@@ -106,11 +106,11 @@ def _finish(params, cfg: ModelConfig, x, pre: PrefillInputs, cache, spec: Specul
     return finish_prefill(params, cfg, final_hidden(params, cfg, x), pre, cache, spec, opts)
 
 
-@functools.partial(jax.jit, static_argnames=("lo", "hi"))
-def _take_pages(cache: kvcache.KVCache, pages, lo: int, hi: int):
-    """Layers [lo, hi) of these pages [n]: kv [hi - lo, n, page_size, D] and the scales (None for a bf16 cache).
-    One compile per page count and layer range; the warm-up compiles the whole-cache ones."""
-    take = lambda x: None if x is None else x[lo:hi][:, pages]
+@functools.partial(jax.jit, static_argnames="layers")
+def _take_pages(cache: kvcache.KVCache, pages, lo, layers: int):
+    """Layers [lo, lo + layers) of these pages [n]: kv [layers, n, page_size, D] and the scales (None for a bf16
+    cache). One compile per page count and number of layers (lo is traced)."""
+    take = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, lo, layers)[:, pages]
     return take(cache.kv), take(cache.scale)
 
 
@@ -326,13 +326,20 @@ class PrefillWorker:
             jax.block_until_ready(self.run_empty(shape))
         c, total = self.config, self.cfg.num_hidden_layers
         groups = self._groups() + ([(total, self.layers)] if self.spec is not None else [])
-        with self._mesh():  # what a send gathers, for every page count: the whole cache, or a layerwise piece
-            for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1):
-                pages = jnp.asarray(np.full(n, self._pad_page, np.int32))
-                layerwise = n >= self.alloc.pages_for(c.layerwise_threshold) and max_len >= c.layerwise_threshold
-                for lo, hi in [(0, self.layers)] + (groups if layerwise else []):
-                    jax.block_until_ready(_take_pages(self.cache, pages, lo, hi))
+        with self._mesh():  # what a send gathers, for every page width: the whole cache, or a layerwise piece
+            widths = {self._gather_width(n) for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1)}
+            # (a batch with a prompt past the threshold sends every row's cache layerwise, short rows' too)
+            layerwise = max_len >= c.layerwise_threshold
+            for w in sorted(widths):
+                for layers in {self.layers} | ({hi - lo for lo, hi in groups} if layerwise else set()):
+                    pages = np.full(w, self._pad_page, np.int32)
+                    jax.block_until_ready(_take_pages(self.cache, pages, np.int32(0), layers))
         return time.perf_counter() - t0
+
+    def _gather_width(self, n: int) -> int:
+        """The pages a send of n pages gathers: its power of two over a host-staged transport (the padding is cut
+        on the host, so few gathers compile), else exactly n (a device transport sends what is gathered)."""
+        return bucket(n, 1) if self.sender.host else n
 
     def _groups(self) -> list[tuple[int, int]]:
         """The layer ranges a layerwise send makes of the decoder layers: `layer_group` at a time."""
@@ -361,8 +368,11 @@ class PrefillWorker:
     def _send(self, batch: list[PrefillJob], lo: int, hi: int) -> None:
         total = self.layers
         for j in batch:
-            kv, scale = _take_pages(self.cache, jnp.asarray(np.array(self._held[j.key], np.int32)), lo, hi)
-            self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total))
+            held = self._held[j.key]
+            pages = np.full(self._gather_width(len(held)), self._pad_page, np.int32)
+            pages[: len(held)] = held
+            kv, scale = _take_pages(self.cache, pages, np.int32(lo), hi - lo)
+            self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total, pages=len(held)))
 
     def _finish(self, job: PrefillJob, result, row: int) -> None:
         """(a flusher thread) Waits for the job's transfer; frees its pages; resolves its future with

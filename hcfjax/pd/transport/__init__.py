@@ -76,7 +76,7 @@ class Transport:
             make_link = functools.partial(SocketLink, timeout=self.timeout)
         else:
             make_link = functools.partial(JaxLink, timeout=self.timeout, device=self.device, host=self.host)
-        return Sender(make_link, self.merge, self.max_message_bytes)
+        return Sender(make_link, self.merge, self.max_message_bytes, host=self.kind != "jax")
 
     def receiver(self) -> Receiver:
         if self.kind == "inprocess":

@@ -26,6 +26,7 @@ class Piece:
     kv: Any  # [l1 - l0, n_pages, page_size, D] numpy or jax array (maybe not ready yet)
     scale: Any | None  # [l1 - l0, n_pages, page_size, 2] f32 for int8 caches, else None
     total_layers: int  # the request is complete when layers [0, total_layers) have all arrived
+    pages: int | None = None  # the key's pages, kv's first (None: all of kv's); past them padding, cut on the host
 
 
 class TransferError(RuntimeError):
@@ -87,6 +88,8 @@ def check_piece(p: Piece) -> None:
         raise ValueError(f"piece {p.key}: kv {p.kv.shape} is not [{l1 - l0}, n_pages, page_size, D]")
     if p.scale is not None and tuple(p.scale.shape) != tuple(p.kv.shape[:3]) + (2,):
         raise ValueError(f"piece {p.key}: scale {p.scale.shape} does not match kv {p.kv.shape}")
+    if p.pages is not None and not 0 < p.pages <= p.kv.shape[1]:
+        raise ValueError(f"piece {p.key}: {p.pages} pages, but kv {p.kv.shape} holds {p.kv.shape[1]}")
 
 
 def assemble(parts: list[Part], concat) -> tuple[Any, Any]:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from hcfjax.pd.transport.common import Link, Part, Piece, TransferError, check_piece
 
@@ -31,10 +32,12 @@ def _ready(x) -> bool:
 
 
 class Sender:
-    """One per prefill worker: a queue and a background thread per destination."""
+    """One per prefill worker: a queue and a background thread per destination. host: its links send host arrays,
+    so a piece may carry padding pages past its `pages`, cut on the host (socket, inprocess; not jax)."""
 
-    def __init__(self, make_link: Callable[[str], Link], merge: bool, max_message_bytes: int):
+    def __init__(self, make_link: Callable[[str], Link], merge: bool, max_message_bytes: int, host: bool = True):
         self._make_link, self._merge, self._max_bytes = make_link, merge, max_message_bytes
+        self.host = host
         self._cv = threading.Condition()
         self._keys: dict[str, _KeyState] = {}
         self._queues: dict[str, collections.deque[_Job]] = {}
@@ -46,6 +49,8 @@ class Sender:
     def send(self, dest: str, piece: Piece) -> None:
         """Queues the piece for dest and returns at once; its arrays may still be computing."""
         check_piece(piece)
+        if not self.host and piece.pages not in (None, piece.kv.shape[1]):
+            raise ValueError(f"piece {piece.key}: padding pages need a host link (this sender's are not)")
         with self._cv:
             if self._closed:
                 raise TransferError("sender closed")
@@ -171,19 +176,32 @@ class Sender:
         self._cv.notify_all()
 
 
+def _pages(p: Piece) -> int:
+    return p.kv.shape[1] if p.pages is None else p.pages
+
+
 def _nbytes(p: Piece) -> int:
-    return int(p.kv.nbytes) + (0 if p.scale is None else int(p.scale.nbytes))
+    cut = _pages(p) / p.kv.shape[1]  # (the padding pages are not sent)
+    return int((int(p.kv.nbytes) + (0 if p.scale is None else int(p.scale.nbytes))) * cut)
+
+
+def _cut(x, pages: int, prepare):
+    """x's first `pages` pages in the link's form: padding is cut on the host (the link then sends a copy only where
+    the cut is not contiguous)."""
+    x = prepare(x)
+    return x if x.shape[1] == pages else np.ascontiguousarray(x[:, :pages])
 
 
 def _part(p: Piece, prepare) -> Part:
-    scale = None if p.scale is None else prepare(p.scale)
-    return Part(p.key, tuple(p.layers), (0, p.kv.shape[1]), p.kv.shape[1], p.total_layers, prepare(p.kv), scale)
+    n = _pages(p)
+    scale = None if p.scale is None else _cut(p.scale, n, prepare)
+    return Part(p.key, tuple(p.layers), (0, n), n, p.total_layers, _cut(p.kv, n, prepare), scale)
 
 
 def _page_parts(p: Piece, prepare):
     """The page-granular baseline: every (layer, page) of the piece as its own part."""
     l0, l1 = p.layers
-    n_pages = p.kv.shape[1]
+    n_pages = _pages(p)
     for i in range(l1 - l0):
         for j in range(n_pages):
             scale = None if p.scale is None else prepare(p.scale[i : i + 1, j : j + 1])
