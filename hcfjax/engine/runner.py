@@ -215,7 +215,7 @@ class ModelRunner:
         if landed.pages != len(req.pages):
             raise ValueError(f"transferred cache of {req.id} has {landed.pages} pages, expected {len(req.pages)}")
         if drafts is not None:
-            drafts = Drafts(**{f.name: jnp.asarray(drafts[f.name]) for f in dataclasses.fields(Drafts)})
+            drafts = Drafts(**{f.name: np.asarray(drafts[f.name]) for f in dataclasses.fields(Drafts)})
         self._install_pages(req.pages, landed, req.slot, first, len(req.fill), len(req.output) + 1, drafts)
 
     def _install_pages(self, pages, landed: LandedCache, slot: int, first: int, length: int, count: int, drafts=None):
