@@ -166,6 +166,9 @@ def test_a_host_staged_cache_installs_on_one_program_per_power_of_two_pages(mode
             runner.landing.stage(kv[..., :-1], scale)
         with pytest.raises(ValueError, match="scales|transferred cache is"):
             runner.landing.stage(kv.astype(np.float16), scale)
+        if scale is not None:
+            with pytest.raises(ValueError, match="transferred scales are float16"):
+                runner.landing.stage(kv, scale.astype(np.float16))
 
 
 def test_pd_speculative_decoding_across_the_split(model, colocated):

@@ -83,8 +83,11 @@ class Landing:
                 f"transferred cache is {jnp.dtype(kv.dtype).name}{' with' if scale is not None else ' without'}"
                 f" scales; this worker's cache is {self.dtype.name}"
             )
-        if scale is not None and tuple(scale.shape) != shape[:3] + (2,):
-            raise ValueError(f"transferred scales have shape {tuple(scale.shape)}, expected {shape[:3] + (2,)}")
+        if scale is not None:
+            got = (jnp.dtype(scale.dtype).name, tuple(scale.shape))
+            want = (self.scale_dtype.name, shape[:3] + (2,))
+            if got != want:
+                raise ValueError(f"transferred scales are {got[0]}{got[1]}, expected {want[0]}{want[1]}")
 
     def stage(self, kv, scale=None) -> LandedCache:
         """(any thread) The checked cache padded to its pages' power of two, on the engine's devices."""
