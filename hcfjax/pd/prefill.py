@@ -331,8 +331,8 @@ class PrefillWorker:
             # (a batch with a prompt past the threshold sends every row's cache layerwise, short rows' too)
             layerwise = max_len >= c.layerwise_threshold
             for w in sorted(widths):
+                pages = np.full(w, self._pad_page, np.int32)
                 for layers in {self.layers} | ({hi - lo for lo, hi in groups} if layerwise else set()):
-                    pages = np.full(w, self._pad_page, np.int32)
                     jax.block_until_ready(_take_pages(self.cache, pages, np.int32(0), layers))
         return time.perf_counter() - t0
 

@@ -181,8 +181,9 @@ def _pages(p: Piece) -> int:
 
 
 def _nbytes(p: Piece) -> int:
-    cut = _pages(p) / p.kv.shape[1]  # (the padding pages are not sent)
-    return int((int(p.kv.nbytes) + (0 if p.scale is None else int(p.scale.nbytes))) * cut)
+    """The bytes the piece sends: its pages' (not the padding's)."""
+    per_page = (int(p.kv.nbytes) + (0 if p.scale is None else int(p.scale.nbytes))) // p.kv.shape[1]
+    return per_page * _pages(p)
 
 
 def _cut(x, pages: int, prepare):
