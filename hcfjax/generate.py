@@ -179,24 +179,24 @@ def generate(
     page_table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # rank major: rank r's rows, its pages
     cache = kvcache.init_cache(cfg, b * pages, page_size, default_cache_dtype(model, cache_dtype), n_layers)
     state = empty_state(cfg, b, cache, speculative, model.dtype)
-    sp = SamplingBatch.of(per_req)
+    sp = SamplingBatch.host(per_req)
     seeds = np.random.SeedSequence(seed).generate_state(b).astype(np.uint32)
-    stop_arr = jnp.asarray(np.array(sorted(stops) or [PAD], np.int32))
+    stop_arr = jax.device_put(np.array(sorted(stops) or [PAD], np.int32))
 
     t0 = time.perf_counter()
     params = model.params if prefill_plan is None else prefill_plan.place_params(model.params)
     group = max(1, max_prefill_tokens // t)
-    zeros = np.zeros(b, np.int32)
+    zeros, slots = np.zeros(b, np.int32), np.arange(b, dtype=np.int32)
     with contextlib.nullcontext() if prefill_plan is None else jax.set_mesh(prefill_plan.mesh):
         for r0 in range(0, b, group):
             part = slice(r0, r0 + group)
-            pre = PrefillInputs(
-                *map(jnp.asarray, (tokens[part], zeros[part], lengths[part], page_table[part])),
-                jnp.arange(b)[part],
-                jax.tree.map(lambda x, part=part: x[part], sp),
-                jnp.asarray(seeds[part]),
-                jnp.asarray(zeros[part]),
-            )
+            # host arrays put as they are: jnp.asarray or an eager slice would compile a program per shape
+            pre = jax.device_put(
+                PrefillInputs(
+                    tokens[part], zeros[part], lengths[part], page_table[part], slots[part],
+                    jax.tree.map(lambda x, part=part: x[part], sp), seeds[part], zeros[part],
+                )
+            )  # fmt: skip
             state, first, *_ = step_program(options.compiler_options(prefill=True))(
                 params, cfg, state, pre, None, speculative, options
             )
@@ -205,14 +205,13 @@ def generate(
 
     active = np.arange(b) < b_real
     if decode_plan is None:
-        dec = DecodeInputs(jnp.asarray(active), jnp.asarray(page_table), sp, jnp.asarray(seeds))
+        dec = jax.device_put(DecodeInputs(active, page_table, sp, seeds))
         decode = _decode(options.compiler_options())
         limit = jnp.int32(max_new_tokens)
         out, counts, _ = decode(model.params, cfg, state, dec, stop_arr, limit, speculative, options, width=width)
     else:
-        put = lambda x: jax.device_put(jnp.asarray(x), decode_plan.rows())  # noqa: E731
-        local_table = page_table - (np.arange(b) // (b // ranks) * (b // ranks) * pages)[:, None]
-        dec = DecodeInputs(put(active), put(local_table), jax.tree.map(put, sp), put(seeds))
+        local_table = page_table - (np.arange(b, dtype=np.int32) // (b // ranks) * (b // ranks) * pages)[:, None]
+        dec = jax.device_put(DecodeInputs(active, local_table, sp, seeds), decode_plan.rows())
         params = decode_plan.place_params(model.params)
         state = decode_plan.place_state(state)  # the prefill's cache handed to the ranks owning its pages
         run = decode_plan.wrap_decode_steps(cfg, params, state, width, speculative, options)

@@ -70,7 +70,7 @@ class SamplingBatch:
 
     @classmethod
     def of(cls, params: list[SamplingParams], filters: bool | None = None) -> SamplingBatch:
-        return jax.tree.map(jnp.asarray, cls.host(params, filters))
+        return jax.device_put(cls.host(params, filters))  # (jnp.asarray would compile a program per shape)
 
     @classmethod
     def host(cls, params: list[SamplingParams], filters: bool | None = None) -> SamplingBatch:

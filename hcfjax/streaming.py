@@ -68,7 +68,7 @@ class _Layout:
     def place(self, shape: tuple[int, ...], data: Callable[[tuple], np.ndarray]) -> jax.Array:
         """An array of `shape` under the sharding, each local device's part being data(its index)."""
         if self.sharding is None:
-            return jnp.asarray(data((slice(None),) * len(shape)))
+            return jax.device_put(data((slice(None),) * len(shape)))  # (jnp.asarray compiles a program per shape)
         return jax.make_array_from_callback(shape, self.sharding, data)
 
     def position(self, block: tuple[int, ...], at: tuple[int, ...]) -> tuple[int, ...]:

@@ -10,9 +10,11 @@ from hcfjax.engine import Engine
 
 @contextlib.contextmanager
 def xla_compiles():
-    """Yields a list that collects one entry per XLA compile inside the block."""
+    """Yields a list that collects the program's name (`jit(f)`) of each XLA compile inside the block."""
     compiles: list[str] = []
-    listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    listener = lambda event, secs, **kw: (
+        compiles.append(kw.get("fun_name", event)) if event.endswith("backend_compile_duration") else None
+    )
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield compiles

@@ -206,3 +206,16 @@ def test_shapes_without_reading_equal_what_loads(tmp_path):
         assert shapes.cfg == loaded.cfg and shapes_of(shapes.params) == shapes_of(loaded.params), args
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         load_model(str(tmp_path / "nothing"), shapes_only=True)
+
+
+def test_loading_compiles_nothing_per_tensor():
+    """A load compiles a few programs for its stacked params (their zeros and the write of a slot), none per
+    tensor: a tensor goes to its device as read (jnp.asarray of a host array compiles a program per shape)."""
+    from tests.engine_helpers import xla_compiles
+
+    jax.clear_caches()  # (the file's other loads compiled the same shapes; last in the file, so none recompiles)
+    with xla_compiles() as compiles:
+        m = hcfjax.load(FIXTURES / "tiny_v3", dtype=jnp.float32)
+    assert len(jax.tree.leaves(m.params)) > 30
+    assert set(compiles) <= {"jit(broadcast_in_dim)", "jit(_write_slot)", "jit(convert_element_type)"}, compiles
+    assert len(compiles) <= 10, compiles

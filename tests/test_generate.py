@@ -242,3 +242,17 @@ def test_cli_stats_time_a_compiled_run(random_ckpt, capsys, monkeypatch):
     stats = json.loads(err[err.index("{") :])
     assert len(calls) == 2 and calls[0].tokens == calls[1].tokens
     assert stats == {**calls[1].stats, "warmup_s": stats["warmup_s"]} and stats["warmup_s"] > 0
+
+
+def test_a_new_batch_shape_compiles_its_steps_and_cache_only(v3_model):
+    """A batch of a new shape compiles its prefill and decode programs and its cache's zeros; its inputs go to the
+    device as they are (jnp.asarray of a host array, or an eager slice of a device one, would compile a program
+    for each new shape: on a GPU tens of milliseconds each)."""
+    from tests.engine_helpers import xla_compiles
+
+    jax.clear_caches()  # (the file's other tests ran these shapes; last in the file, so none recompiles)
+    hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=4)
+    with xla_compiles() as compiles:
+        hcfjax.generate(v3_model, [[5, 9, 2, 7] * 5, [3], [4, 4]], max_new_tokens=20)
+    assert sorted(set(compiles)) == ["jit(broadcast_in_dim)", "jit(decode_steps)", "jit(step)"], compiles
+    assert compiles.count("jit(step)") == compiles.count("jit(decode_steps)") == 1, compiles

@@ -289,8 +289,8 @@ class PrefillWorker:
         cfg, opts = self.cfg, self.config.options
         total, t = cfg.num_hidden_layers, tokens.shape[1]
         with self._mesh():
-            x = _embed(self.params, jnp.asarray(tokens))
-            table_j, n_j = jnp.asarray(table), jnp.asarray(n)
+            tokens_j, table_j, n_j = jax.device_put((tokens, table, n))
+            x = _embed(self.params, tokens_j)
             groups = iter(self._groups())
             group = next(groups)
             for seg, (first, count_seg, is_moe) in zip(self.params["segments"], cfg.layer_segments, strict=True):
@@ -305,11 +305,9 @@ class PrefillWorker:
                     if layerwise and layer + 1 == group[1]:
                         send(*group)
                         group = next(groups, None)
-            sp = jax.tree.map(jnp.asarray, SamplingBatch.of(sampling, filters=True))  # one program for any request
-            zeros = jnp.zeros(n.shape, jnp.int32)
-            pre = PrefillInputs(
-                jnp.asarray(tokens), zeros, n_j, table_j, zeros, sp, jnp.asarray(seed), jnp.asarray(count)
-            )
+            sp = SamplingBatch.of(sampling, filters=True)  # one program for any request
+            zeros, seed_j, count_j = jax.device_put((np.zeros(n.shape, np.int32), seed, count))
+            pre = PrefillInputs(tokens_j, zeros, n_j, table_j, zeros, sp, seed_j, count_j)
             first_tok, drafts, self.cache = _finish(self.params, cfg, x, pre, self.cache, self.spec, opts)
             if self.spec is not None and layerwise and send is not None:
                 send(total, self.layers)
