@@ -70,13 +70,13 @@ def _forward(params, cfg: ModelConfig, tokens):
 
 def forward(model: Model, tokens) -> jax.Array:
     """Teacher-forced logits: tokens [B, T] (or [T]) -> float32 logits [B, T, V] (expanded MLA, no cache)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
+    tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be [B, T] with T >= 1, got shape {tokens.shape}")
     if tokens.shape[1] > model.cfg.max_position_embeddings:
         raise ValueError(f"{tokens.shape[1]} tokens exceed the context of {model.cfg.max_position_embeddings}")
-    return _forward(model.params, model.cfg, tokens)
+    return _forward(model.params, model.cfg, tokens)  # (a host array goes in as it is: no program per shape)
 
 
 @functools.cache
