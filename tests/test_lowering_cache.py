@@ -17,7 +17,7 @@ def test_each_kernel_launch_is_lowered_once(monkeypatch):
     lowerings = []
     real = mgpu_core.lower_mgpu_module
     monkeypatch.setattr(mgpu_core, "lower_mgpu_module", lambda *a, **k: lowerings.append(1) or real(*a, **k))
-    e, m, k, n = 4, 64, 256, 128
+    e, m, k, n = 3, 24, 128, 64  # (small: a lowering's time grows with the kernel's tiles)
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
     scale = jax.ShapeDtypeStruct((e, k // 128, n), jnp.float32)
@@ -73,7 +73,7 @@ def test_kernels_lower_in_worker_processes_all_found_first(monkeypatch):
     submit = lowering_cache._submit
     monkeypatch.setattr(lowering_cache, "_submit", lambda pool, key, *a: submitted.append(key) or submit(pool, key, *a))
     monkeypatch.setenv("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")  # the worker's
-    e, m, k, n = 4, 40, 256, 128  # launches no other test lowers
+    e, m, k, n = 3, 40, 128, 192  # launches no other test lowers
     sds = jax.ShapeDtypeStruct
     args = (
         sds((m, k), jnp.bfloat16),
