@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -23,8 +22,8 @@ def pad_rows(x: np.ndarray, multiple: int, fill=0) -> tuple[np.ndarray, int]:
 
 def prefill_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens) -> jax.Array:
     """Teacher-forced logits [B, T, V] with params laid out by the prefill plan (XLA inserts the TP collectives)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    tokens = np.asarray(tokens, np.int32)  # host arrays go in as they are (jnp ops here would compile per shape)
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with jax.set_mesh(plan.mesh):
         return _logits(params, cfg, tokens, positions)
 
