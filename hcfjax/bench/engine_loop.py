@@ -18,6 +18,7 @@ between the engine's step and generate's.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import jax
@@ -185,6 +186,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     compiled = engine.runner.warmup(prefill=False)  # every decode row count at once (prefill shapes: on first use)
     print(f"[{compiled} decode programs compiled in {time.perf_counter() - t0:.0f} s]", flush=True)
+    gc.collect()
+    gc.freeze()  # as the server's loop runs (hcfjax.serving.server.until_signal)
     timings = Timings(engine)
     print(f"## `python -m hcfjax.bench.engine_loop` (preset {args.preset}, random weights, {args.scheme or 'bf16'})")
     print(

@@ -54,6 +54,17 @@ def is_decode(key) -> bool:
     return key[0] == "decode"
 
 
+@dataclasses.dataclass(frozen=True)
+class _DecodeRows:
+    """The last decode part: who is in its rows (key), the pages each request held (counts) in the host copy of
+    its page table (table), and its inputs on the device."""
+
+    key: tuple
+    counts: list[int]
+    table: np.ndarray
+    inputs: DecodeInputs
+
+
 @dataclasses.dataclass
 class Dispatched:
     """A step in flight: its device outputs and which requests they belong to."""
@@ -130,7 +141,7 @@ class ModelRunner:
         self.executables: dict = {}  # key (decode_key, or a prefill part's shape) -> the compiled step
         self.disk = disk
         self.compiles: list[tuple[tuple, float]] = []  # (key, seconds) of each step compiled on first use
-        self._last_decode: tuple | None = None  # (the decode rows' key, their inputs on the device)
+        self._last_decode: _DecodeRows | None = None
         self._later: threading.Thread | None = None  # warmup's background compiles (rest_later)
         self._later_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop_later = threading.Event()
@@ -348,7 +359,7 @@ class ModelRunner:
 
     def idle_decode(self, rows: int | None = None, filters: bool = True) -> DecodeInputs:
         """A decode part that writes nothing: `rows` rows per rank (default: every slot), all inactive."""
-        return self._decode_arrays((rows or self.slots_per_rank) * self.ranks, [], [], filters)
+        return self._put(self._decode_arrays((rows or self.slots_per_rank) * self.ranks, [], [], filters))
 
     def _table(self, pages_list) -> np.ndarray:
         table = np.zeros((len(pages_list), self.max_pages), np.int32)
@@ -359,9 +370,10 @@ class ModelRunner:
     def _rank(self, req) -> int:
         return req.rank if self.plan is not None else 0
 
-    def _local_pages(self, req) -> list[int]:
+    def _local_pages(self, req, start: int = 0) -> list[int]:
+        """req's pages from its start-th on, as indices into its rank's share of the cache."""
         base = self._rank(req) * self.pages_per_rank
-        return [p - base for p in req.pages]
+        return [p - base for p in req.pages[start:]]
 
     def _prefill_inputs(self, plan: StepPlan) -> tuple[PrefillInputs, list[int]]:
         """Rows rank major (rank r's chunks in rows r * b .. r * b + b - 1), slots and pages rank local."""
@@ -413,8 +425,10 @@ class ModelRunner:
 
     def _decode_inputs(self, plan: StepPlan) -> tuple[DecodeInputs, list[int]]:
         """The decode rows (N rows per rank, a rank's requests packed into its first rows, in plan order) and each
-        request's row. They change only when a request joins, leaves or takes a new page, so the device copy of
-        the last ones is reused while they have not."""
+        request's row. They change only when a request joins or leaves, which builds them anew, or takes a new
+        page, which at a large batch happens nearly every step: then only the new pages are written into the last
+        page table and only the table goes to the device (a decoding request's pages only grow: Scheduler._grow
+        appends them; a preemption changes its epoch, so the key)."""
         ranks, seen = [self._rank(r) for r in plan.decode], [0] * self.ranks
         index = []  # each request's place among its rank's
         for k in ranks:
@@ -423,10 +437,20 @@ class ModelRunner:
         filters = len(self.decode_filters) == 1 or any(r.sampling.filters for r in plan.decode)
         n, filters = self._decode_size(max(index) + 1, filters)
         rows = [k * n + i for k, i in zip(ranks, index, strict=True)]
-        key = (n, filters, tuple((r.slot, r.id, r.epoch, len(r.pages)) for r in plan.decode))
-        if self._last_decode is None or self._last_decode[0] != key:
-            self._last_decode = (key, self._decode_arrays(n * self.ranks, plan.decode, rows, filters))
-        return self._last_decode[1], rows
+        key = (n, filters, tuple((r.slot, r.id, r.epoch) for r in plan.decode))
+        counts = [len(r.pages) for r in plan.decode]
+        last = self._last_decode
+        if last is None or last.key != key:
+            host = self._decode_arrays(n * self.ranks, plan.decode, rows, filters)
+            self._last_decode = _DecodeRows(key, counts, host.page_table, self._put(host))
+        elif last.counts != counts:
+            table = last.table.copy()  # (the last inputs' device copy may share the host array's memory)
+            for req, i, had, has in zip(plan.decode, rows, last.counts, counts, strict=True):
+                if has != had:
+                    table[i, had:has] = self._local_pages(req, had)
+            inputs = dataclasses.replace(last.inputs, page_table=self._put(table))
+            self._last_decode = _DecodeRows(key, counts, table, inputs)
+        return self._last_decode.inputs, rows
 
     def _decode_size(self, need: int, filters: bool) -> tuple[int, bool]:
         """(rows per rank, filters) of the decode part that holds `need` rows on every rank: the smallest
@@ -438,6 +462,7 @@ class ModelRunner:
         return key[1] // self.ranks, key[2]
 
     def _decode_arrays(self, size: int, reqs, rows: list[int], filters: bool = True) -> DecodeInputs:
+        """The decode inputs of `reqs` in `rows` of `size`, as numpy arrays."""
         active, seed = np.zeros(size, bool), np.zeros(size, np.uint32)
         slot = np.full(size, self.slots_per_rank, np.int32)  # (no slot: the step drops the row's writes)
         pages: list[list[int]] = [[] for _ in range(size)]
@@ -446,7 +471,7 @@ class ModelRunner:
             active[i], seed[i], sampling[i], pages[i] = True, req.seed, req.sampling, self._local_pages(req)
             slot[i] = req.slot - self._rank(req) * self.slots_per_rank
         sp = SamplingBatch.host(sampling, filters)
-        return self._put(DecodeInputs(active, self._table(pages), sp, seed, slot))
+        return DecodeInputs(active, self._table(pages), sp, seed, slot)
 
 
 def _compiled(fn, *args) -> jax.stages.Compiled:

@@ -203,9 +203,12 @@ class Scheduler:
         return (not starving, req.arrival if starving else window, len(req.fill), req.arrival)
 
     def _plan_decode(self) -> list[Request]:
+        """Every decoding request, each with pages for one more step; where its rank runs out, the newest requests
+        there are preempted. A request holds a slot exactly while it is running (`_admit`, `_release`), which is
+        what is checked here: a list membership test per request made a plan quadratic in the batch."""
         decode = []
         for req in list(self.running):
-            if req.status != Status.DECODING or req not in self.running:
+            if req.status != Status.DECODING or req.slot < 0:  # (preempted by an earlier request's growth)
                 continue
             target = req.cached_bound + self.cfg.step_tokens
             while not self._grow(req, target + self.cfg.page_slack):
@@ -213,10 +216,10 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is req:
                     break
-            if req in self.running:
+            if req.slot >= 0:
                 req.cached_bound = target
                 decode.append(req)
-        return [q for q in decode if q in self.running]
+        return [q for q in decode if q.slot >= 0]
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -6,7 +6,7 @@
     server.shutdown()
 
 Requests go to the same Engine as gRPC's (both can serve one engine, see serve()). The wait for a request's events
-(a queue.Queue the engine thread fills) runs on a thread pool sized like the gRPC server's, one thread per request.
+(a queue the engine thread fills) runs on a thread pool sized like the gRPC server's, one thread per request.
 A client that disconnects has its request aborted, which frees its pages: a stream notices when its connection
 closes, a non-streamed request when it polls the connection (every POLL_S while it waits).
 

@@ -1,0 +1,76 @@
+"""The engine loop's host work a step: the decode rows' inputs when a request takes a new page, and the plan."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import hcfjax
+from hcfjax.engine import Engine, EngineConfig
+from hcfjax.engine.request import Request, Status
+from hcfjax.engine.scheduler import StepPlan
+from hcfjax.sampling import SamplingParams
+
+
+def _request(rid: str, slot: int, pages: list[int], temperature: float) -> Request:
+    req = Request(rid, [1, 2, 3], SamplingParams(temperature=temperature), 8, frozenset(), 7 + slot, 0.0)
+    req.slot, req.rank, req.pages, req.status = slot, 0, list(pages), Status.DECODING
+    return req
+
+
+def _host(inputs) -> list[np.ndarray]:
+    return [np.asarray(x) for x in (inputs.active, inputs.page_table, inputs.seed, inputs.slot, inputs.sp.temperature)]
+
+
+def test_a_new_page_rewrites_only_the_page_table_and_equals_a_fresh_build():
+    """When a decoding request takes a new page, the last decode inputs are reused but for their page table, into
+    which only the new pages are written; the result equals inputs built from nothing, whatever the order of the
+    rows' growth, and a request joining or leaving builds them anew."""
+    engine = Engine(hcfjax.load(dtype=jnp.float32), EngineConfig(max_slots=4, page_size=16, max_model_len=256))
+    runner = engine.runner
+    reqs = [_request("a", 2, [5], 0.0), _request("b", 0, [9, 3], 0.7), _request("c", 3, [1], 1.0)]
+
+    def fresh(plan):
+        saved, runner._last_decode = runner._last_decode, None
+        try:
+            return runner._decode_inputs(plan)
+        finally:
+            runner._last_decode = saved
+
+    plan = StepPlan([], reqs)
+    first, rows = runner._decode_inputs(plan)
+    for grow in ([0], [1, 2], [], [2, 2, 0]):  # requests taking pages (one twice: two pages at once)
+        for i in grow:
+            reqs[i].pages.append(20 + len(reqs[i].pages) + 4 * i)
+        got, got_rows = runner._decode_inputs(plan)
+        want, want_rows = fresh(plan)
+        assert got_rows == want_rows == rows
+        for a, b in zip(_host(got), _host(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert got.active is first.active and got.sp is first.sp  # only the table went to the device again
+        assert np.asarray(got.page_table)[rows[0], : len(reqs[0].pages)].tolist() == reqs[0].pages
+    joined = StepPlan([], reqs + [_request("d", 1, [30], 0.0)])
+    got, _ = runner._decode_inputs(joined)
+    assert got.active is not first.active and int(np.asarray(got.active).sum()) == 4
+
+
+def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages():
+    """The scheduler's decode plan (which tells running requests by their slot): a rank out of pages preempts its
+    newest request, which leaves the plan, frees its slot and pages, and waits again with its epoch bumped; the
+    others each take the page they need."""
+    model = hcfjax.load(dtype=jnp.float32)
+    engine = Engine(model, EngineConfig(max_slots=3, page_size=16, num_pages=5, max_model_len=64))
+    sched = engine.scheduler
+    reqs = [_request(r, -1, [], 0.0) for r in "abc"]
+    for req in reqs:
+        req.status, req.slot, req.rank = Status.QUEUED, -1, -1
+        sched.add(req)
+        assert sched._admit(req)
+        req.status = Status.DECODING
+        req.computed = req.cached_bound = 16  # one page full: the next step needs a second page
+    assert [len(r.pages) for r in reqs] == [1, 1, 1] and sched.alloc[0].num_free == 2
+    decode = sched._plan_decode()
+    assert decode == reqs[:2] and [len(r.pages) for r in reqs[:2]] == [2, 2]
+    newest = reqs[2]
+    assert newest.slot == -1 and newest.pages == [] and newest.epoch == 1 and newest.status == Status.QUEUED
+    assert list(sched.waiting) == [newest] and sched.running == reqs[:2] and sched.preemptions == 1
