@@ -49,9 +49,13 @@ def test_a_new_page_rewrites_only_the_page_table_and_equals_a_fresh_build():
             np.testing.assert_array_equal(a, b)
         assert got.active is first.active and got.sp is first.sp  # only the table went to the device again
         assert np.asarray(got.page_table)[rows[0], : len(reqs[0].pages)].tolist() == reqs[0].pages
-    joined = StepPlan([], reqs + [_request("d", 1, [30], 0.0)])
+    reqs[1].pages.pop()  # (pages never shrink while decoding; if they did, the rows would be built anew)
+    got, _ = runner._decode_inputs(plan)
+    assert got.active is not first.active
+    np.testing.assert_array_equal(_host(got)[1], _host(fresh(plan)[0])[1])
+    joined, before = StepPlan([], reqs + [_request("d", 1, [30], 0.0)]), got
     got, _ = runner._decode_inputs(joined)
-    assert got.active is not first.active and int(np.asarray(got.active).sum()) == 4
+    assert got.active is not before.active and int(np.asarray(got.active).sum()) == 4
 
 
 def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages():

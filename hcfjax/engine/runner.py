@@ -427,8 +427,8 @@ class ModelRunner:
         """The decode rows (N rows per rank, a rank's requests packed into its first rows, in plan order) and each
         request's row. They change only when a request joins or leaves, which builds them anew, or takes a new
         page, which at a large batch happens nearly every step: then only the new pages are written into the last
-        page table and only the table goes to the device (a decoding request's pages only grow: Scheduler._grow
-        appends them; a preemption changes its epoch, so the key)."""
+        page table and only the table goes to the device (a decoding request's pages only grow, Scheduler._grow
+        appending them, and a preemption changes its epoch, so the key; fewer pages would build them anew)."""
         ranks, seen = [self._rank(r) for r in plan.decode], [0] * self.ranks
         index = []  # each request's place among its rank's
         for k in ranks:
@@ -440,7 +440,7 @@ class ModelRunner:
         key = (n, filters, tuple((r.slot, r.id, r.epoch) for r in plan.decode))
         counts = [len(r.pages) for r in plan.decode]
         last = self._last_decode
-        if last is None or last.key != key:
+        if last is None or last.key != key or any(has < had for had, has in zip(last.counts, counts, strict=True)):
             host = self._decode_arrays(n * self.ranks, plan.decode, rows, filters)
             self._last_decode = _DecodeRows(key, counts, host.page_table, self._put(host))
         elif last.counts != counts:
