@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import hcfjax
 from hcfjax.engine import Engine, EngineConfig
 from hcfjax.engine.request import Request, Status
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hcfjax.load(dtype=jnp.float32)
 
 
 def _request(rid: str, slot: int, pages: list[int], temperature: float) -> Request:
@@ -22,11 +28,11 @@ def _host(inputs) -> list[np.ndarray]:
     return [np.asarray(x) for x in (inputs.active, inputs.page_table, inputs.seed, inputs.slot, inputs.sp.temperature)]
 
 
-def test_a_new_page_rewrites_only_the_page_table_and_equals_a_fresh_build():
+def test_a_new_page_rewrites_only_the_page_table_and_equals_a_fresh_build(model):
     """When a decoding request takes a new page, the last decode inputs are reused but for their page table, into
     which only the new pages are written; the result equals inputs built from nothing, whatever the order of the
     rows' growth, and a request joining or leaving builds them anew."""
-    engine = Engine(hcfjax.load(dtype=jnp.float32), EngineConfig(max_slots=4, page_size=16, max_model_len=256))
+    engine = Engine(model, EngineConfig(max_slots=4, page_size=16, max_model_len=256))
     runner = engine.runner
     reqs = [_request("a", 2, [5], 0.0), _request("b", 0, [9, 3], 0.7), _request("c", 3, [1], 1.0)]
 
@@ -58,16 +64,15 @@ def test_a_new_page_rewrites_only_the_page_table_and_equals_a_fresh_build():
     assert got.active is not before.active and int(np.asarray(got.active).sum()) == 4
 
 
-def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages():
+def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages(model):
     """The scheduler's decode plan (which tells running requests by their slot): a rank out of pages preempts its
     newest request, which leaves the plan, frees its slot and pages, and waits again with its epoch bumped; the
     others each take the page they need."""
-    model = hcfjax.load(dtype=jnp.float32)
     engine = Engine(model, EngineConfig(max_slots=3, page_size=16, num_pages=5, max_model_len=64))
     sched = engine.scheduler
     reqs = [_request(r, -1, [], 0.0) for r in "abc"]
     for req in reqs:
-        req.status, req.slot, req.rank = Status.QUEUED, -1, -1
+        req.status, req.rank = Status.QUEUED, -1  # (waiting: no slot, no rank)
         sched.add(req)
         assert sched._admit(req)
         req.status = Status.DECODING
