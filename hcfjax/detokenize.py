@@ -1,15 +1,18 @@
 """Generated tokens -> text, token by token, with stop strings: the engine streams a request's text through a
 TextStream, and hcfjax.generate cuts its finished rows with cut_at_stop, which runs the same stream.
 
-Incremental detokenisation decodes only from where the streamed text last ended on a whole character, and holds
-back a partial UTF-8 character. Stop strings: text that could be the start of one is held back until the next
-token shows it is not; when one appears, the stream ends there, its text cut just before it, and the token that
-completed it is the last one the request generated (so usage counts exactly the tokens up to it).
+Incremental detokenisation (tokenizers' DecodeStream, one Rust call a token) decodes only from where the streamed
+text last ended on a whole character, and holds back a partial UTF-8 character. Stop strings: text that could be
+the start of one is held back until the next token shows it is not; when one appears, the stream ends there, its
+text cut just before it, and the token that completed it is the last one the request generated (so usage counts
+exactly the tokens up to it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
 
 
 class StopStrings:
@@ -46,11 +49,13 @@ class StopStrings:
 class TextStream:
     """One request's output text. add(token) -> (the text it releases, whether it completed a stop string);
     finish() -> (the text held back until the end, whether that completed a stop string). Tokens in skip_ids (the
-    stop tokens) have no text."""
+    stop tokens) have no text. tokenizer: a `tokenizers.Tokenizer`; special tokens have no text (its decode's
+    default)."""
 
     def __init__(self, tokenizer, skip_ids=frozenset(), stops: Sequence[str] = ()):
         self.tokenizer, self.skip_ids = tokenizer, skip_ids
         self.ids: list[int] = []  # the output's tokens that have text
+        self.decoder = DecodeStream(skip_special_tokens=True)
         self.prefix_offset = 0  # tokens before the window the streamed text is decoded from
         self.read_offset = 0  # tokens whose text has been released
         self.stops = StopStrings(stops)
@@ -59,20 +64,20 @@ class TextStream:
         if token in self.skip_ids:
             return "", False
         self.ids.append(token)
-        return self.stops.feed(self._decoded(final=False))
+        text = self.decoder.step(self.tokenizer, token)
+        if text is None:  # no new text yet, or a partial UTF-8 character: wait for the rest
+            return self.stops.feed("")
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self.stops.feed(text)
 
     def finish(self) -> tuple[str, bool]:
-        text, hit = self.stops.feed(self._decoded(final=True))
-        return (text, True) if hit else (text + self.stops.flush(), False)
-
-    def _decoded(self, final: bool) -> str:
+        """The text of the tokens not yet released (a partial character as U+FFFD), decoded in the window the
+        stream would have used."""
         decode = self.tokenizer.decode
         sent = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
-        if not final and full.endswith("\ufffd"):  # a partial UTF-8 character: wait for the rest
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(sent) :]
+        text, hit = self.stops.feed(full[len(sent) :] if len(self.ids) > self.read_offset else "")
+        return (text, True) if hit else (text + self.stops.flush(), False)
 
 
 def cut_at_stop(tokenizer, tokens: Sequence[int], skip_ids, stops: Sequence[str]) -> tuple[list[int], str, bool]:

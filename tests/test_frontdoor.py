@@ -4,6 +4,8 @@ embedded model's config and tokenizer (no weights)."""
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import hcfjax
@@ -143,6 +145,24 @@ def test_text_stream_finds_a_stop_string_across_tokens(parts):
     assert "".join(p[0] for p in pieces) == expected
     # without a stop string, all tokens and their whole text; skipped (stop) tokens have none
     assert cut_at_stop(tok, ids + [1], frozenset({1}), ["@@"]) == (ids + [1], full, False)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_streamed_text_is_the_whole_decode_for_any_tokens(parts, data):
+    """Any token sequence (partial UTF-8 characters, special tokens, skipped stop tokens among them): the released
+    pieces are always a prefix of the decode of the tokens so far (an unfinished character waits), and with
+    finish() they are the tokenizer's decode of all of them."""
+    _, tok = parts
+    ids = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), min_size=1, max_size=24))
+    skip = frozenset(data.draw(st.lists(st.sampled_from(ids), max_size=2)))
+    kept, stream, text = [], TextStream(tok, skip), ""
+    for t in ids:
+        piece, hit = stream.add(t)
+        kept += [] if t in skip else [t]
+        text += piece
+        assert not hit and tok.decode(kept).startswith(text)
+    assert text + stream.finish()[0] == tok.decode(kept)
 
 
 def test_text_stream_holds_back_a_partial_character(parts):
