@@ -1,6 +1,9 @@
-"""The engine loop's host work a step: the decode rows' inputs when a request takes a new page, and the plan."""
+"""The engine loop's host work a step: the decode rows' inputs when a request takes a new page, and the plan; and
+the streams' readers, which merge the events they fell behind on."""
 
 from __future__ import annotations
+
+import queue
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +11,7 @@ import pytest
 
 import hcfjax
 from hcfjax.engine import Engine, EngineConfig
-from hcfjax.engine.request import Request, Status
+from hcfjax.engine.request import FinishReason, Output, Request, Status, Usage, next_output
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.sampling import SamplingParams
 
@@ -83,3 +86,25 @@ def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages(model):
     newest = reqs[2]
     assert newest.slot == -1 and newest.pages == [] and newest.epoch == 1 and newest.status == Status.QUEUED
     assert list(sched.waiting) == [newest] and sched.running == reqs[:2] and sched.preemptions == 1
+
+
+def test_a_reader_behind_the_engine_gets_what_it_missed_in_one_event():
+    """next_output: one event when the reader keeps up; the events queued behind it merged into one (tokens and
+    text in order, the last one's finish, usage and error) when it fell behind; queue.Empty after the timeout."""
+    events = queue.SimpleQueue()
+
+    def put(tokens, text, finish=None, error=None):
+        events.put(Output("r", tokens, text, finish, Usage(3, len(tokens), 0.1), error))
+
+    put([5], "a")
+    assert next_output(events, 0.1) == Output("r", [5], "a", None, Usage(3, 1, 0.1))
+    put([6], "b")
+    put([7, 8], "cd")
+    assert next_output(events, 0.1) == Output("r", [6, 7, 8], "bcd", None, Usage(3, 2, 0.1))
+    put([9], "e")
+    put([], "", FinishReason.ERROR, "boom")
+    put([1], "late")  # nothing is merged past a request's last event
+    assert next_output(events, 0.1) == Output("r", [9], "e", FinishReason.ERROR, Usage(3, 0, 0.1), "boom")
+    assert next_output(events, 0.1).token_ids == [1]
+    with pytest.raises(queue.Empty):
+        next_output(events, 0.01)

@@ -23,7 +23,7 @@ from hcfjax import trace
 from hcfjax.detokenize import TextStream
 from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
 from hcfjax.engine.executables import ExecutableCache
-from hcfjax.engine.request import FinishReason, Output, Request, Status
+from hcfjax.engine.request import FinishReason, Output, Request, Status, next_output
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.engine.shapes import StepShapes
@@ -209,9 +209,10 @@ class Engine:
             self._lock.notify()
 
     def stream(self, request: Request, timeout: float | None = None) -> Iterator[Output]:
-        """The request's Output events until the one with `finish` set."""
+        """The request's Output events until the one with `finish` set (those queued together merged:
+        `next_output`)."""
         while True:
-            out = request.events.get(timeout=timeout)
+            out = next_output(request.events, timeout)
             yield out
             if out.finish is not None:
                 return

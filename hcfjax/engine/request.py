@@ -47,6 +47,23 @@ class Output:
     error: str | None = None
 
 
+def next_output(events, timeout: float | None = None) -> Output:
+    """The next Output on a request's event queue, merged with every one already queued behind it (its last
+    included): a reader that falls behind the engine sends one message for the tokens it missed instead of one a
+    token, so a front end streaming hundreds of requests keeps up with the steps (vLLM merges outputs not yet
+    delivered the same way). Raises queue.Empty when nothing came within `timeout`."""
+    out = events.get(timeout=timeout)
+    while out.finish is None:
+        try:
+            nxt = events.get_nowait()
+        except queue.Empty:
+            break
+        out = Output(
+            out.request_id, out.token_ids + nxt.token_ids, out.text + nxt.text, nxt.finish, nxt.usage, nxt.error
+        )
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     id: str

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
 from hcfjax.engine import Engine, EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Request, Usage
+from hcfjax.engine.request import next_output
 from hcfjax.frontdoor import SEEDS, new_request_id, sampling_params
 from hcfjax.serving.chat_template import ChatTemplate, TemplateError
 from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES, HTTPGuard
@@ -93,7 +94,7 @@ class _Call:
         check = loop.time() + POLL_S
         while True:
             try:
-                out = await loop.run_in_executor(self.service.pool, self.req.events.get, True, POLL_S)
+                out = await loop.run_in_executor(self.service.pool, next_output, self.req.events, POLL_S)
             except queue.Empty:
                 out = None
             if http is not None and loop.time() >= check:
@@ -107,6 +108,8 @@ class _Call:
                 if out.text:
                     yield out.text, None, None
                 continue
+            if out.text and out.finish in (FinishReason.ERROR, FinishReason.ABORT):
+                yield out.text, None, None  # text merged into the failure's event (next_output) goes out first
             self.end(out.finish, out.usage)
             if out.finish is FinishReason.ERROR:
                 raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")

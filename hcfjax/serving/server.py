@@ -14,6 +14,7 @@ refusals, health and reflection.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import queue
@@ -110,6 +111,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             if out.finish is not None:
                 record(out, first_token_time, now)
             if out.finish is FinishReason.ERROR:
+                if out.token_ids:  # tokens merged into the error's event (next_output) still go out first
+                    yield to_response(dataclasses.replace(out, finish=None))
                 context.abort(grpc.StatusCode.INTERNAL, f"the engine failed on this request: {out.error}")
             yield to_response(out)
 
