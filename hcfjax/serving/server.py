@@ -239,8 +239,8 @@ def until_signal(announce):
 
     While serving, what exists before the servers start (the model, the compiled steps, the engine) is kept out of
     the cyclic garbage collector's scans (gc.freeze, after a collection), as vLLM's engine does: otherwise its
-    collections, set off by the few objects each streamed token allocates, rescan all of it, which at 256 decoding
-    requests was about half of the engine loop's host time a step. Unfrozen on exit."""
+    collections, set off by the few objects each streamed token allocates, rescan all of it, and at a large batch
+    that rescanning takes much of the engine loop's host time. Unfrozen on exit."""
     # The handler only appends to a list: Event.set takes a lock, and a handler that interrupts Event.wait in this
     # same thread while it holds that lock (a second signal in quick succession) would deadlock on it.
     received = []
