@@ -20,7 +20,8 @@ class EngineStopped(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages
-    per rank (default: room for every slot at max_model_len / 2); token_budget: tokens per step (decode rows plus
+    per rank (default: room for every slot at max_model_len / 2, or what the device's memory holds where that is
+    less: `hcfjax.engine.memory`); token_budget: tokens per step (decode rows plus
     prefill chunks); mixed_token_budget: tokens in a step that also decodes (at most token_budget, the default; a
     smaller one bounds the decoding requests' time per token, at some prefill throughput); max_queue: waiting
     requests beyond this are refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first window and

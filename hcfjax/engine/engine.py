@@ -21,6 +21,7 @@ import numpy as np
 
 from hcfjax import trace
 from hcfjax.detokenize import TextStream
+from hcfjax.engine import memory
 from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
 from hcfjax.engine.executables import ExecutableCache
 from hcfjax.engine.request import FinishReason, Output, Request, Status, next_output
@@ -81,7 +82,21 @@ class Engine:
         k = spec.num_draft_tokens if spec else 0
         # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
         max_pages = math.ceil((self.max_model_len + 2 * (2 * k + 1)) / c.page_size)
-        num_pages = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
+        dtype = cache_dtype_for(model, c.cache_dtype)
+        # the pool fits the device's memory beside the weights (loading, when `weights` is given, or in use)
+        self._device = jax.devices()[0] if decode_plan is None else decode_plan.mesh.devices.flat[0]
+        self._pending = memory.tree_bytes(model.params) if weights is not None else 0
+        layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
+        self._page_bytes = memory.page_bytes(self.cfg.kv_dim, layers, c.page_size, dtype)
+        num_pages = memory.fit_pages(
+            c.num_pages or max(max_pages, c.max_slots * max_pages // 2),
+            c.num_pages is not None,
+            self._page_bytes,
+            memory.device_memory(self._device),
+            self._pending,
+            max_pages,
+        )
+        self._pool_pages = num_pages
         shapes = StepShapes(
             c.token_budget, c.max_prefill_rows, c.min_prefill_bucket, spec is not None, max_pages * c.page_size
         )
@@ -104,7 +119,6 @@ class Engine:
                 shapes=shapes,
             )
         )
-        dtype = cache_dtype_for(model, c.cache_dtype)
         self.runner = ModelRunner(
             model,
             c.dp * c.max_slots,
@@ -302,6 +316,9 @@ class Engine:
         others now, the rest in the background while serving (steps pad to a compiled shape meanwhile)."""
         t0 = time.perf_counter()
         self.runner.warmup(prefill=self.remote is None, progress=progress, rest_later=rest_later)
+        loading = self._pending if self.runner.weights_pending else 0
+        temps, device = self.runner.temp_bytes(), memory.device_memory(self._device)
+        memory.check_steps_fit(temps, device, loading, self._pool_pages, self._page_bytes)
         if self.remote is not None:
             self.runner.warmup_install(device_arrays=not self.remote.receiver.on_host)
         return time.perf_counter() - t0

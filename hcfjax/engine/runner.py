@@ -169,6 +169,16 @@ class ModelRunner:
         loads = [x for x in loads if x is not None]
         return first, nxt, (sum(loads) if loads else None)
 
+    @property
+    def weights_pending(self) -> bool:
+        """Whether the weights still load (`weights`): they are not yet in the device's memory."""
+        return self._weights is not None
+
+    def temp_bytes(self) -> list[int]:
+        """The temporaries (bytes on a device) of every step compiled so far, from XLA's memory analysis."""
+        analyses = (fn.memory_analysis() for fn in list(self.executables.values()))
+        return [a.temp_size_in_bytes for a in analyses if a is not None]
+
     def take_weights(self) -> dict | None:
         """Waits for the weights that load while the steps compile (`weights`), checks that they have the shapes
         the steps were compiled for, and returns them; None once they are in, or without them."""

@@ -80,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-slots", type=engine("max_slots"), default=8, help="decode slots per DP rank")
     parser.add_argument("--dp", type=engine("dp"), default=1, help="decode (attention-DP) ranks")
     parser.add_argument(
-        "--num-pages", type=engine("num_pages"), help="KV cache pages per rank (default: from --max-slots)"
+        "--num-pages",
+        type=engine("num_pages"),
+        help="KV cache pages per rank (default: from --max-slots, at most what the GPU's memory holds)",
     )
     parser.add_argument(
         "--page-size",

@@ -1,0 +1,92 @@
+"""The KV cache's share of a device's memory: the page pool sized to what the device's allocator has left after the
+weights, and a check, once the steps are compiled, that their temporaries fit beside it.
+
+A device that reports no allocator limit (the CPU) leaves the pool as configured. On a GPU, jax's allocator holds
+a fraction of the card (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default); the limit it reports is what the weights,
+the cache and the steps' temporaries share. Sizing the pool by the temporaries measured after compiling would
+need a second compile (the steps are compiled for the pool's shape), so the pool leaves STEP_RESERVE of the limit
+to them, and `check_steps_fit` says before serving when that was not enough, instead of the first step failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+GiB = 2**30
+STEP_RESERVE = 0.1  # the allocator's limit kept free for the steps' temporaries when the pool is sized
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What a device's allocator reports: its limit and the bytes in use, in bytes."""
+
+    device: str
+    limit: int
+    in_use: int
+
+
+def device_memory(device) -> DeviceMemory | None:
+    """The allocator's limit and use on `device`, or None where the backend reports neither (the CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return DeviceMemory(str(device), int(stats["bytes_limit"]), int(stats["bytes_in_use"]))
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree of arrays or jax.ShapeDtypeStructs."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def page_bytes(kv_dim: int, layers: int, page_size: int, dtype) -> int:
+    """Bytes of one page of the cache over all its layers (an int8 cache adds two f32 scales a token)."""
+    int8 = np.dtype(dtype) == np.int8
+    return layers * page_size * (kv_dim * np.dtype(dtype).itemsize + (8 if int8 else 0))
+
+
+def fit_pages(
+    wanted: int, explicit: bool, per_page: int, memory: DeviceMemory | None, loading: int, min_pages: int
+) -> int:
+    """The pages a rank's pool gets: `wanted` where it fits in the allocator's limit beside what is in use, or the
+    weights still loading (`loading` bytes; what is in use may be part of them) where they are more, and
+    STEP_RESERVE of the limit. Where it does not: fewer pages for a derived size, down to `min_pages` (one request
+    at the longest length); ValueError for a size the user asked for (`explicit`) or when not even `min_pages` fit."""
+    if memory is None:
+        return wanted
+    free = memory.limit - max(memory.in_use, loading) - int(STEP_RESERVE * memory.limit)
+    fits = max(free, 0) // per_page
+    if wanted <= fits:
+        return wanted
+    need = f"{wanted} pages of KV cache ({wanted * per_page / GiB:.1f} GiB)"
+    room = (
+        f"{memory.device} has {max(free, 0) / GiB:.1f} GiB for it after the weights and {STEP_RESERVE:.0%} of its"
+        f" {memory.limit / GiB:.1f} GiB kept for the steps (room for {fits} pages)"
+    )
+    if explicit:
+        raise ValueError(f"{need} do not fit: {room}; pass a smaller --num-pages")
+    if fits < min_pages:
+        raise ValueError(
+            f"not even one request at the longest length fits: {min_pages} pages of KV cache"
+            f" ({min_pages * per_page / GiB:.1f} GiB), and {room}; lower --max-model-len, use --kv-cache int8, or"
+            " give jax more of the card (XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        )
+    return fits
+
+
+def check_steps_fit(temps: list[int], memory: DeviceMemory | None, loading: int, pages: int, per_page: int) -> None:
+    """ValueError when the largest step's temporaries (bytes, from the compiled steps' memory analysis) do not fit
+    in what the allocator has left beside the cache and the weights (`loading`: bytes still loading, of which what
+    is in use may hold part): the first step that needs them would fail after the server said it was ready."""
+    if memory is None or not temps:
+        return
+    left = memory.limit - max(memory.in_use, loading + pages * per_page)
+    if max(temps) <= left:
+        return
+    raise ValueError(
+        f"the steps need {max(temps) / GiB:.1f} GiB of temporaries, but {memory.device} has {max(left, 0) / GiB:.1f}"
+        f" GiB left after the weights and the KV cache ({pages} pages, {pages * per_page / GiB:.1f} GiB): pass a"
+        " smaller --num-pages or --token-budget"
+    )

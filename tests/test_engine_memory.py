@@ -1,0 +1,85 @@
+"""The KV page pool sized to the device's memory, and the check that the compiled steps' temporaries fit beside it.
+The CPU reports no allocator limit, so the engine tests hand the engine a device that does (a stand-in for
+`memory.device_memory`); the sizes themselves are checked against the arrays the engine allocates."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import hcfjax
+from hcfjax.cache import init_cache
+from hcfjax.engine import Engine, EngineConfig, memory
+from hcfjax.engine.memory import DeviceMemory, GiB, check_steps_fit, fit_pages, page_bytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.int8])
+def test_page_bytes_are_what_the_cache_allocates(dtype):
+    cfg = hcfjax.load(dtype=jnp.float32).cfg
+    cache = init_cache(cfg, 7, 16, dtype, num_layers=3)
+    held = cache.kv.nbytes + (0 if cache.scale is None else cache.scale.nbytes)
+    assert page_bytes(cfg.kv_dim, 3, 16, dtype) * 7 == held
+
+
+def test_pages_fit_the_limit_after_weights_and_the_steps_share():
+    mem = DeviceMemory("gpu:0", limit=100 * GiB, in_use=20 * GiB)
+    per_page = GiB // 4
+    # free: 100 - 20 in use - 10 (STEP_RESERVE) = 70 GiB, 280 pages
+    assert fit_pages(1000, False, per_page, mem, 0, 10) == 280
+    assert fit_pages(1000, False, per_page, mem, 5 * GiB, 10) == 280  # loading weights, already in use in part
+    assert fit_pages(1000, False, per_page, mem, 30 * GiB, 10) == 240  # loading more than is in use: 60 GiB free
+    assert fit_pages(200, False, per_page, mem, 0, 10) == 200
+    assert fit_pages(200, True, per_page, mem, 0, 10) == 200
+    assert fit_pages(10**6, False, per_page, None, 0, 10) == 10**6  # no limit reported (CPU): as configured
+    with pytest.raises(
+        ValueError, match=r"1000 pages of KV cache \(250.0 GiB\) do not fit.*room for 280 pages.*--num-pages"
+    ):
+        fit_pages(1000, True, per_page, mem, 0, 10)
+    with pytest.raises(ValueError, match=r"not even one request at the longest length.*--max-model-len"):
+        fit_pages(1000, False, per_page, mem, 0, 281)
+
+
+def test_steps_must_fit_beside_the_cache():
+    mem = DeviceMemory("gpu:0", limit=100 * GiB, in_use=90 * GiB)
+    check_steps_fit([GiB, 10 * GiB], mem, 0, 100, GiB // 4)
+    check_steps_fit([], mem, 0, 100, GiB // 4)
+    check_steps_fit([10**15], None, 0, 100, GiB // 4)
+    with pytest.raises(ValueError, match=r"need 11.0 GiB of temporaries.*10.0 GiB left.*100 pages, 25.0 GiB"):
+        check_steps_fit([GiB, 11 * GiB], mem, 0, 100, GiB // 4)
+    loading = DeviceMemory("gpu:0", limit=100 * GiB, in_use=40 * GiB)  # the cache and part of the weights
+    check_steps_fit([5 * GiB], loading, 70 * GiB, 20, GiB // 4)  # 70 + 5 GiB of cache: 25 left
+    with pytest.raises(ValueError, match=r"need 26.0 GiB.*25.0 GiB left"):
+        check_steps_fit([26 * GiB], loading, 70 * GiB, 20, GiB // 4)
+
+
+def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
+    """A device whose allocator holds the weights and 40 pages beyond its reserve: a derived pool that fits keeps
+    its size, a larger one shrinks to 40 pages, an explicit one that does not fit is refused; warm-up refuses to
+    finish when the steps' temporaries exceed what is left beside the weights and the cache."""
+    model = hcfjax.load(dtype=jnp.float32)
+    weights = memory.tree_bytes(model.params)
+    config = EngineConfig(max_slots=4, token_budget=16, max_prefill_rows=1, page_size=16, max_model_len=256)
+    per_page = page_bytes(model.cfg.kv_dim, model.cfg.num_hidden_layers, 16, model.dtype)
+    limit = int((weights + 40.5 * per_page) / (1 - memory.STEP_RESERVE))
+    in_use = [weights]
+    monkeypatch.setattr(memory, "device_memory", lambda device: DeviceMemory(str(device), limit, in_use[0]))
+
+    # 17 pages a request at max_model_len: 4 slots derive 34 pages, 16 slots 136
+    engine = Engine(model, config)
+    assert engine.total_pages == 34 and engine.runner.state.cache.kv.shape[1] == 34
+    assert Engine(model, dataclasses.replace(config, max_slots=16)).total_pages == 40
+    assert Engine(model, dataclasses.replace(config, num_pages=40)).total_pages == 40
+    with pytest.raises(ValueError, match="41 pages of KV cache.*room for 40 pages.*--num-pages"):
+        Engine(model, dataclasses.replace(config, num_pages=41))
+
+    in_use[0] = weights + 34 * per_page  # the engine's cache is allocated
+    left = limit - in_use[0]
+    temps = [left]
+    monkeypatch.setattr(engine.runner, "temp_bytes", lambda: temps)
+    engine.warmup()  # exactly what is left: fits
+    temps[:] = [left + 1]
+    with pytest.raises(ValueError, match="temporaries"):
+        engine.warmup()
+    # what the check reads: XLA's memory analysis of every compiled step
+    measured = type(engine.runner).temp_bytes(engine.runner)
+    assert len(measured) == len(engine.runner.executables) >= 2 and all(t > 0 for t in measured)
