@@ -33,9 +33,9 @@ def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, 
 
 
 def engine_summary(engine) -> str:
-    """One line on what a serving engine (hcfjax.engine.Engine) serves and what its steps run: e.g. "w4a8c8 weights,
-    int8 KV cache in pages of 64; decode runs Pallas MLA decode, Pallas int4 grouped GEMM; prefill attention fused
-    (cuDNN flash attention)"."""
+    """One line on what a serving engine (hcfjax.engine.Engine) serves, its cache and what its steps run: e.g.
+    "w4a8c8 weights, int8 KV cache of 1,024 pages of 64 (65,536 tokens, 1.0 GiB); decode runs Pallas MLA decode,
+    Pallas int4 grouped GEMM; prefill attention fused (cuDNN flash attention)"."""
     m, c = engine.model, engine.config
     q = m.cfg.quantization
     cache = jnp.dtype(engine.runner.state.cache.kv.dtype).name
@@ -45,7 +45,12 @@ def engine_summary(engine) -> str:
         block = "x".join(map(str, q.fp8.weight_block_size))
         weights = f"fp8 weights ({q.fp8.fmt}, {block} block scales, {q.fp8.activation_scheme} {q.fp8.fmt} activations)"
     prefill = prefill_attention(c.options)
-    return f"{weights}, {cache} KV cache in pages of {c.page_size}; decode runs {kernels}; prefill attention {prefill}"
+    pool = engine.runner.state.cache
+    held = sum(x.nbytes for x in (pool.kv, pool.scale) if x is not None)
+    held = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.0f} MiB"
+    pages = engine.total_pages
+    size = f"{pages:,} pages of {c.page_size} ({pages * c.page_size:,} tokens, {held})"
+    return f"{weights}, {cache} KV cache of {size}; decode runs {kernels}; prefill attention {prefill}"
 
 
 def prefill_attention(opts: Options) -> str:

@@ -11,6 +11,7 @@ import hcfjax
 from hcfjax.cache import init_cache
 from hcfjax.engine import Engine, EngineConfig, memory
 from hcfjax.engine.memory import DeviceMemory, GiB, check_steps_fit, fit_pages, page_bytes
+from hcfjax.kernels import engine_summary
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.int8])
@@ -67,6 +68,7 @@ def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
     # 17 pages a request at max_model_len: 4 slots derive 34 pages, 16 slots 136
     engine = Engine(model, config)
     assert engine.total_pages == 34 and engine.runner.state.cache.kv.shape[1] == 34
+    assert "float32 KV cache of 34 pages of 16 (544 tokens, " in engine_summary(engine)  # what `serve` prints
     assert Engine(model, dataclasses.replace(config, max_slots=16)).total_pages == 40
     assert Engine(model, dataclasses.replace(config, num_pages=40)).total_pages == 40
     with pytest.raises(ValueError, match="41 pages of KV cache.*room for 40 pages.*--num-pages"):
