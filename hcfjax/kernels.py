@@ -11,6 +11,7 @@ from hcfjax import cache as kvcache
 from hcfjax import fp8, quant
 from hcfjax.attention import decode_mode
 from hcfjax.config import ModelConfig
+from hcfjax.engine import memory
 from hcfjax.options import Options
 
 
@@ -46,11 +47,10 @@ def engine_summary(engine) -> str:
         weights = f"fp8 weights ({q.fp8.fmt}, {block} block scales, {q.fp8.activation_scheme} {q.fp8.fmt} activations)"
     prefill = prefill_attention(c.options)
     pool = engine.runner.state.cache
-    held = sum(x.nbytes for x in (pool.kv, pool.scale) if x is not None)
-    held = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.0f} MiB"
+    held = memory.size(sum(x.nbytes for x in (pool.kv, pool.scale) if x is not None))
     pages = engine.total_pages
-    size = f"{pages:,} pages of {c.page_size} ({pages * c.page_size:,} tokens, {held})"
-    return f"{weights}, {cache} KV cache of {size}; decode runs {kernels}; prefill attention {prefill}"
+    pool = f"{pages:,} pages of {c.page_size} ({pages * c.page_size:,} tokens, {held})"
+    return f"{weights}, {cache} KV cache of {pool}; decode runs {kernels}; prefill attention {prefill}"
 
 
 def prefill_attention(opts: Options) -> str:

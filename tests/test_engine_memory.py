@@ -3,6 +3,8 @@ The CPU reports no allocator limit, so the engine tests hand the engine a device
 `memory.device_memory`); the sizes themselves are checked against the arrays the engine allocates."""
 
 import dataclasses
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -85,3 +87,31 @@ def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
     # what the check reads: XLA's memory analysis of every compiled step
     measured = type(engine.runner).temp_bytes(engine.runner)
     assert len(measured) == len(engine.runner.executables) >= 2 and all(t > 0 for t in measured)
+
+
+def test_serve_refuses_a_pool_or_steps_that_do_not_fit():
+    """`hcfjax serve` on a device stand-in (its own process, as a user runs it): an explicit --num-pages past what
+    fits, and steps whose temporaries do not fit after warm-up, end the command with exit 2 and the sizes before it
+    listens."""
+    model = hcfjax.load(dtype=jnp.bfloat16)  # what `serve` loads by default
+    weights = memory.tree_bytes(model.params)
+    per_page = page_bytes(model.cfg.kv_dim, model.cfg.num_hidden_layers, 16, jnp.bfloat16)
+    limit = int((weights + 40.5 * per_page) / (1 - memory.STEP_RESERVE))
+    args = ["serve", "--port", "0", "--page-size", "16", "--max-model-len", "256", "--compile-cache", "off"]
+
+    def serve(num_pages: int, temps: str = "") -> subprocess.CompletedProcess:
+        script = (
+            "import sys\nfrom hcfjax import cli\nfrom hcfjax.engine import memory, runner\n"
+            f"memory.device_memory = lambda device: memory.DeviceMemory('gpu:0', {limit}, 0)\n{temps}"
+            f"sys.exit(cli.main({[*args, '--num-pages', str(num_pages)]!r}))\n"
+        )
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+
+    refused = serve(41)
+    assert refused.returncode == 2, refused.stderr
+    assert "error: 41 pages of KV cache" in refused.stderr and "room for 40 pages" in refused.stderr
+    assert "--num-pages" in refused.stderr
+
+    too_big = serve(40, f"runner.ModelRunner.temp_bytes = lambda self: [{limit}]\n")
+    assert too_big.returncode == 2, too_big.stderr
+    assert "temporaries" in too_big.stderr and "listening" not in too_big.stdout

@@ -85,7 +85,7 @@ class Engine:
         dtype = cache_dtype_for(model, c.cache_dtype)
         # the pool fits the device's memory beside the weights (loading, when `weights` is given, or in use)
         self._device = jax.devices()[0] if decode_plan is None else decode_plan.mesh.devices.flat[0]
-        self._pending = memory.tree_bytes(model.params) if weights is not None else 0
+        self._weight_bytes = memory.tree_bytes(model.params) if weights is not None else 0
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         self._page_bytes = memory.page_bytes(self.cfg.kv_dim, layers, c.page_size, dtype)
         num_pages = memory.fit_pages(
@@ -93,7 +93,7 @@ class Engine:
             c.num_pages is not None,
             self._page_bytes,
             memory.device_memory(self._device),
-            self._pending,
+            self._weight_bytes,
             max_pages,
         )
         self._pool_pages = num_pages
@@ -316,9 +316,13 @@ class Engine:
         others now, the rest in the background while serving (steps pad to a compiled shape meanwhile)."""
         t0 = time.perf_counter()
         self.runner.warmup(prefill=self.remote is None, progress=progress, rest_later=rest_later)
-        loading = self._pending if self.runner.weights_pending else 0
+        loading = self._weight_bytes if self.runner.weights_pending else 0
         temps, device = self.runner.temp_bytes(), memory.device_memory(self._device)
-        memory.check_steps_fit(temps, device, loading, self._pool_pages, self._page_bytes)
+        try:
+            memory.check_steps_fit(temps, device, loading, self._pool_pages, self._page_bytes)
+        except ValueError:
+            self.runner.stop_compiling()  # the engine will not serve: drop the shapes queued in the background
+            raise
         if self.remote is not None:
             self.runner.warmup_install(device_arrays=not self.remote.receiver.on_host)
         return time.perf_counter() - t0

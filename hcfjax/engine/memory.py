@@ -36,6 +36,11 @@ def device_memory(device) -> DeviceMemory | None:
     return DeviceMemory(str(device), int(stats["bytes_limit"]), int(stats["bytes_in_use"]))
 
 
+def size(nbytes: float) -> str:
+    """Bytes as people read them: GiB from one GiB up, else MiB."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
+
+
 def tree_bytes(tree) -> int:
     """Bytes of a pytree of arrays or jax.ShapeDtypeStructs."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -60,17 +65,17 @@ def fit_pages(
     fits = max(free, 0) // per_page
     if wanted <= fits:
         return wanted
-    need = f"{wanted} pages of KV cache ({wanted * per_page / GiB:.1f} GiB)"
+    need = f"{wanted} pages of KV cache ({size(wanted * per_page)})"
     room = (
-        f"{memory.device} has {max(free, 0) / GiB:.1f} GiB for it after the weights and {STEP_RESERVE:.0%} of its"
-        f" {memory.limit / GiB:.1f} GiB kept for the steps (room for {fits} pages)"
+        f"{memory.device} has {size(max(free, 0))} for it after the weights and {STEP_RESERVE:.0%} of its"
+        f" {size(memory.limit)} kept for the steps (room for {fits} pages)"
     )
     if explicit:
         raise ValueError(f"{need} do not fit: {room}; pass a smaller --num-pages")
     if fits < min_pages:
         raise ValueError(
             f"not even one request at the longest length fits: {min_pages} pages of KV cache"
-            f" ({min_pages * per_page / GiB:.1f} GiB), and {room}; lower --max-model-len, use --kv-cache int8, or"
+            f" ({size(min_pages * per_page)}), and {room}; lower --max-model-len, use --kv-cache int8, or"
             " give jax more of the card (XLA_PYTHON_CLIENT_MEM_FRACTION)"
         )
     return fits
@@ -86,7 +91,7 @@ def check_steps_fit(temps: list[int], memory: DeviceMemory | None, loading: int,
     if max(temps) <= left:
         return
     raise ValueError(
-        f"the steps need {max(temps) / GiB:.1f} GiB of temporaries, but {memory.device} has {max(left, 0) / GiB:.1f}"
-        f" GiB left after the weights and the KV cache ({pages} pages, {pages * per_page / GiB:.1f} GiB): pass a"
-        " smaller --num-pages or --token-budget"
+        f"the steps need {size(max(temps))} of temporaries, but {memory.device} has {size(max(left, 0))} left after"
+        f" the weights and the KV cache ({pages} pages, {size(pages * per_page)}): pass a smaller --num-pages or"
+        " --token-budget"
     )
