@@ -98,6 +98,7 @@ def test_serve_refuses_a_pool_or_steps_that_do_not_fit():
     per_page = page_bytes(model.cfg.kv_dim, model.cfg.num_hidden_layers, 16, jnp.bfloat16)
     limit = int((weights + 40.5 * per_page) / (1 - memory.STEP_RESERVE))
     args = ["serve", "--port", "0", "--page-size", "16", "--max-model-len", "256", "--compile-cache", "off"]
+    args += ["--max-slots", "1", "--token-budget", "16", "--max-prefill-rows", "1"]  # few shapes to warm up
 
     def serve(num_pages: int, temps: str = "") -> subprocess.CompletedProcess:
         script = (
