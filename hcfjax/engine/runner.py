@@ -328,9 +328,6 @@ class ModelRunner:
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
         if background:
             self._later_pool = pool
-            if self._stop_later.is_set():  # stopped before the pool existed (stop_compiling shuts down the pool)
-                pool.shutdown()
-                return
             if self._stop_later.is_set():  # stopped before the thread got here
                 pool.shutdown(wait=False, cancel_futures=True)
         on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
