@@ -42,6 +42,12 @@ class KVCache:
         return self.kv.dtype == jnp.int8
 
 
+def entry_bytes(kv_dim: int, dtype) -> int:
+    """Bytes of one token's entry in one layer: kv_dim values of `dtype`, and an int8 cache's two f32 scales."""
+    int8 = jnp.dtype(dtype) == jnp.int8
+    return kv_dim * jnp.dtype(dtype).itemsize + (8 if int8 else 0)
+
+
 def init_cache(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, num_layers: int | None = None
 ) -> KVCache:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hcfjax
+from hcfjax import cache as kvcache
 from hcfjax.bench import spec_step
 from hcfjax.bench.common import copy_bandwidth, count, header, kernel_times, matmul_flops, torch_copy_bandwidth
 from hcfjax.bench.hlo_names import describe
@@ -60,8 +61,7 @@ def decode_bytes(cfg: ModelConfig, params: dict, batch: int, context: int, cache
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch) / e if e else 0.0
     lm_and_embed = params["embed"].nbytes  # the embedding is gathered, not streamed
-    per_token = cfg.kv_dim * jnp.dtype(cache_dtype).itemsize + (8 if jnp.dtype(cache_dtype) == jnp.int8 else 0)
-    kv = cfg.num_hidden_layers * batch * context * per_token
+    kv = cfg.num_hidden_layers * batch * context * kvcache.entry_bytes(cfg.kv_dim, cache_dtype)
     return total - lm_and_embed - expert + expert * touched + kv
 
 

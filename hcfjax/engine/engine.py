@@ -96,7 +96,6 @@ class Engine:
             self._weight_bytes,
             max_pages,
         )
-        self._pool_pages = num_pages
         shapes = StepShapes(
             c.token_budget, c.max_prefill_rows, c.min_prefill_bucket, spec is not None, max_pages * c.page_size
         )
@@ -319,7 +318,7 @@ class Engine:
         loading = self._weight_bytes if self.runner.weights_pending else 0
         temps, device = self.runner.temp_bytes(), memory.device_memory(self._device)
         try:
-            memory.check_steps_fit(temps, device, loading, self._pool_pages, self._page_bytes)
+            memory.check_steps_fit(temps, device, loading, self.runner.pages_per_rank, self._page_bytes)
         except ValueError:
             self.runner.stop_compiling()  # the engine will not serve: drop the shapes queued in the background
             raise

@@ -15,6 +15,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from hcfjax.cache import entry_bytes
+
 GiB = 2**30
 STEP_RESERVE = 0.1  # the allocator's limit kept free for the steps' temporaries when the pool is sized
 
@@ -47,9 +49,8 @@ def tree_bytes(tree) -> int:
 
 
 def page_bytes(kv_dim: int, layers: int, page_size: int, dtype) -> int:
-    """Bytes of one page of the cache over all its layers (an int8 cache adds two f32 scales a token)."""
-    int8 = np.dtype(dtype) == np.int8
-    return layers * page_size * (kv_dim * np.dtype(dtype).itemsize + (8 if int8 else 0))
+    """Bytes of one page of the cache over all its layers (`cache.entry_bytes` a token and layer)."""
+    return layers * page_size * entry_bytes(kv_dim, dtype)
 
 
 def fit_pages(
