@@ -73,6 +73,7 @@ def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
     assert "float32 KV cache of 34 pages of 16 (544 tokens, " in engine_summary(engine)  # what `serve` prints
     assert Engine(model, dataclasses.replace(config, max_slots=16)).total_pages == 40
     assert Engine(model, dataclasses.replace(config, num_pages=40)).total_pages == 40
+    assert Engine(model, dataclasses.replace(config, dp=2)).total_pages == 40  # two ranks on one device: 20 each
     with pytest.raises(ValueError, match="41 pages of KV cache.*room for 40 pages.*--num-pages"):
         Engine(model, dataclasses.replace(config, num_pages=41))
 

@@ -88,10 +88,11 @@ class Engine:
         self._weight_bytes = memory.tree_bytes(model.params) if weights is not None else 0
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         self._page_bytes = memory.page_bytes(self.cfg.kv_dim, layers, c.page_size, dtype)
+        ranks_here = c.dp if decode_plan is None else 1  # the ranks whose pages share the device
         num_pages = memory.fit_pages(
             c.num_pages or max(max_pages, c.max_slots * max_pages // 2),
             c.num_pages is not None,
-            self._page_bytes,
+            self._page_bytes * ranks_here,
             memory.device_memory(self._device),
             self._weight_bytes,
             max_pages,
@@ -317,7 +318,7 @@ class Engine:
         self.runner.warmup(prefill=self.remote is None, progress=progress, rest_later=rest_later)
         loading = self._weight_bytes if self.runner.weights_pending else 0
         temps, device = self.runner.temp_bytes(), memory.device_memory(self._device)
-        try:
+        try:  # (the runner's ranks are devices: its pages per rank are those on one device)
             memory.check_steps_fit(temps, device, loading, self.runner.pages_per_rank, self._page_bytes)
         except ValueError:
             self.runner.stop_compiling()  # the engine will not serve: drop the shapes queued in the background
