@@ -11,6 +11,7 @@ A layer is {"attn_norm", "mlp_norm", "attn": {...}, "mlp": {...}} (tensor_specs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -237,16 +238,22 @@ def mtp_module(
     return x, out, ctx
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool = True) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool = True, each=None) -> dict:
     """Random params with the checkpoint's structure (benchmarks, tests, a model made on the fly).
 
     Matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), router bias ~ U(0, 0.1): activations stay O(1) through
     any depth, and routing is far from uniform.
+
+    each(path, x): applied to every large tensor as it is made, a stacked one (layers, experts) one leading slice
+    at a time, and its results stacked; a quantiser here means the model's float weights never exist whole on the
+    device, only one slice of them beside what is made so far (hcfjax.random_model's quantised models).
     """
-    shapes = sorted(stacked_shapes(tensor_specs(cfg, mtp=mtp)).items(), key=str)
+    specs = tensor_specs(cfg, mtp=mtp)
+    stacked = {s.path: len(s.index) > 0 for s in specs}
+    shapes = sorted(stacked_shapes(specs).items(), key=str)
     # XLA:CPU compiles each random op in ~0.2-0.4 s, so tensors up to _SHARED_DRAW elements are cut from one shared
-    # draw (a tiny model compiles in about a second, not 10-20); larger ones get a draw of their own (no flat
-    # buffer the size of the model on the GPU).
+    # draw (a tiny model compiles in about a second, not 10-20); larger ones are drawn one slice at a time, a
+    # program per slice shape.
     small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
     large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
 
@@ -259,8 +266,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
         return (z * fan_in**-0.5).astype(dt)
 
     @jax.jit
-    def make(key):
-        k_small, k_u, *k_large = jax.random.split(key, 2 + len(large))
+    def make_small(k_small, k_u):
         sizes = [math.prod(shape) for _, (shape, _) in small]
         z_all = jax.random.normal(k_small, (sum(sizes),), jnp.float32)
         u_all = jax.random.uniform(k_u, (sum(sizes),), jnp.float32)
@@ -269,13 +275,26 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
             z, u = (x[start : start + n].reshape(shape) for x in (z_all, u_all))
             out[path] = init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype)
             start += n
-        for k, (path, (shape, fp32)) in zip(k_large, large, strict=True):
-            u = jax.random.uniform(k, shape, jnp.float32) if path[-1] == "router_bias" else None
-            z = None if u is not None else jax.random.normal(k, shape, jnp.float32)
-            out[path] = init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype)
         return out
 
-    return to_pytree(make(key))
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def draw(k, name, shape, dt):
+        u = jax.random.uniform(k, shape, jnp.float32) if name == "router_bias" else None
+        z = None if u is not None else jax.random.normal(k, shape, jnp.float32)
+        return init(name, shape, z, u, dt)
+
+    each = each or (lambda path, x: x)
+    k_small, k_u, *k_large = jax.random.split(key, 2 + len(large))
+    out = make_small(k_small, k_u)
+    for k, (path, (shape, fp32)) in zip(k_large, large, strict=True):
+        dt = jnp.dtype(jnp.float32 if fp32 else dtype)
+        if not stacked[path]:
+            out[path] = each(path, draw(k, path[-1], shape, dt))
+            continue
+        parts = [each(path, draw(jax.random.fold_in(k, i), path[-1], shape[1:], dt)) for i in range(shape[0])]
+        out[path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+        del parts
+    return to_pytree(out)
 
 
 _SHARED_DRAW = 1 << 20  # elements

@@ -30,33 +30,52 @@ from hcfjax import fp8
 from hcfjax.checkpoint import SHARD_BYTES, ignored_tensor, match_sources, read_weight
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
-from hcfjax.quant import quantize
+from hcfjax.quant import QWeight, quantize
 from hcfjax.safetensors_files import Planned, write_shards
 from hcfjax.tensor_specs import get_path, quantized_specs, scale_part, tensor_specs
 
 
 def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
-    """The model with its weights quantised per `scheme`; its config carries the `quantization_config`."""
+    """The model with its weights quantised per `scheme`; its config carries the `quantization_config`. Weights
+    that are quantised already (made so by `slice_quantizer`) are kept."""
     if model.cfg.quantization is not None:
         raise ValueError(f"the model is already quantised ({model.cfg.quantization.scheme})")
     qcfg = QuantConfig.for_scheme(scheme, group_size)
     has_mtp = "mtp" in model.params and len(model.params["mtp"]) > 0
-    specs = quantized_specs(tensor_specs(model.cfg, mtp=has_mtp), qcfg)
     params = _copy_tree(model.params)
-    done = set()
-    for s in specs:
-        if s.quant and s.path not in done:
-            done.add(s.path)
-            w = s.path[:-1]
-            get_path(params, w[:-1])[w[-1]] = _quantize_weight(get_path(model.params, w), s, group_size)
+    for w, s in _quantized_weights(model.cfg, qcfg, has_mtp).items():
+        weight = get_path(model.params, w)
+        if not isinstance(weight, (QWeight, fp8.Fp8Weight)):
+            get_path(params, w[:-1])[w[-1]] = _quantize_weight(weight, s, group_size, len(s.index))
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, quantization=qcfg), params=params)
 
 
-def _quantize_weight(w, spec, group_size: int):
-    """The stacked weight w [..., K, N...] (the params' shape: per-head outputs split) quantised as spec.quant says."""
+def slice_quantizer(cfg: ModelConfig, scheme: str, group_size: int = 128):
+    """each(path, x) for `model.init_params`: a slice of a stacked weight (or a whole unstacked one) quantised as
+    `quantize_model` would quantise it in the stack, anything else as it is."""
+    weights = _quantized_weights(cfg, QuantConfig.for_scheme(scheme, group_size), mtp=True)
+
+    def each(path, x):
+        s = weights.get(path)
+        if s is None:
+            return x
+        return _quantize_weight(x, s, group_size, max(len(s.index) - 1, 0))  # init_params slices stacked ones
+
+    return each
+
+
+def _quantized_weights(cfg: ModelConfig, qcfg: QuantConfig, mtp: bool) -> dict:
+    """params path of each weight the scheme quantises -> the TensorSpec of its quantised part."""
+    specs = quantized_specs(tensor_specs(cfg, mtp=mtp), qcfg)
+    return {s.path[:-1]: s for s in specs if s.quant}
+
+
+def _quantize_weight(w, spec, group_size: int, lead: int):
+    """The weight w [..., K, N...] (the params' shape, per-head outputs split, after `lead` stacking dims) quantised
+    as spec.quant says."""
     if spec.quant == fp8.QUANT:
         n, k = spec.shape  # the checkpoint's [out, in]
-        w = w.reshape(*w.shape[: len(spec.index)], k, n)
+        w = w.reshape(*w.shape[:lead], k, n)
     return _quantize_slices(w, spec.quant, group_size)
 
 

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from hcfjax.api import save
 from hcfjax.config import ModelConfig
 from hcfjax.model import Model, init_params
+from hcfjax.quantize import quantize_model, slice_quantizer
 
 _V3_ROUTING = dict(
     model_type="deepseek_v3",
@@ -150,9 +151,14 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> Model:
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scheme: str | None = None) -> Model:
+    """Random weights of cfg's shape (model.init_params); scheme: quantised as hcfjax.quantize.quantize_model would
+    quantise them, the large weights slice by slice as they are made, so the device never holds the float model
+    (a V2-Lite in bf16 is 31 GiB, in w4a8c8 9)."""
     tokenizer = byte_tokenizer() if cfg.vocab_size >= 258 else None
-    return Model(cfg, init_params(cfg, jax.random.key(seed), dtype), tokenizer)
+    each = None if scheme is None else slice_quantizer(cfg, scheme)
+    model = Model(cfg, init_params(cfg, jax.random.key(seed), dtype, each=each), tokenizer)
+    return model if scheme is None else quantize_model(model, scheme)
 
 
 def main(argv=None) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -117,3 +118,23 @@ def test_serve_refuses_a_pool_or_steps_that_do_not_fit():
     too_big = serve(40, f"runner.ModelRunner.temp_bytes = lambda self: [{limit}]\n")
     assert too_big.returncode == 2, too_big.stderr
     assert "temporaries" in too_big.stderr and "listening" not in too_big.stdout
+
+
+def test_a_pool_the_device_cannot_allocate_fails_the_engine_not_its_first_step(monkeypatch):
+    """A device allocates asynchronously: a pool it cannot hold comes back as a placeholder whose error surfaces at
+    the first step. The engine waits for its pool and says what did not fit; other errors pass through."""
+    model = hcfjax.load(dtype=jnp.float32)
+    config = EngineConfig(max_slots=2, token_budget=16, max_prefill_rows=1, page_size=16, max_model_len=64)
+    failure = [jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.49GiB")]
+
+    def block_until_ready(tree):
+        raise failure[0]
+
+    monkeypatch.setattr(memory.jax, "block_until_ready", block_until_ready)
+    with pytest.raises(ValueError, match=r"the KV cache \(5 pages, .*\) does not fit.*30.49GiB.*--num-pages"):
+        Engine(model, config)
+    failure[0] = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        Engine(model, config)
+    monkeypatch.undo()
+    assert Engine(model, config).runner.state.cache.kv.shape[1] == 5

@@ -65,3 +65,41 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     rel = float(np.sqrt(((lg - ref) ** 2).mean() / (ref**2).mean()))
     assert rel < 0.08, rel
     assert cli_main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
+
+
+@pytest.mark.parametrize("scheme", ["w4a8c8", "fp8"])
+def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch, scheme):
+    """random_model(scheme=...) quantises the large weights slice by slice as it makes them (the float model never
+    whole on the device): the same weights as making the float model and quantising it, bit for bit."""
+    from hcfjax import fp8
+    from hcfjax import model as model_module
+    from hcfjax import random_model as random_module
+    from hcfjax.random_model import preset_config, random_model
+
+    monkeypatch.setattr(model_module, "_SHARED_DRAW", 4096)  # a tiny model's experts and linears count as large
+    quantized = lambda x: isinstance(x, (quant.QWeight, fp8.Fp8Weight))  # noqa: E731
+    as_made, real = [], random_module.slice_quantizer
+
+    def spy(*args):
+        each = real(*args)
+
+        def record(path, x):
+            y = each(path, x)
+            if quantized(y):
+                as_made.append(path)
+            return y
+
+        return record
+
+    monkeypatch.setattr(random_module, "slice_quantizer", spy)
+    cfg = preset_config(
+        "tiny-v3", num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, hidden_size=128
+    )
+    made = random_model(cfg, seed=1, scheme=scheme)
+    after = quantize_model(random_model(cfg, seed=1), scheme)
+    assert made.cfg == after.cfg and made.cfg.quantization.scheme == scheme
+    assert ("segments", 1, "mlp", "experts", "gate") in as_made  # quantised slice by slice, not afterwards
+    assert jax.tree.structure(made.params) == jax.tree.structure(after.params)
+    for a, b in zip(jax.tree.leaves(made.params), jax.tree.leaves(after.params), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,6 +24,7 @@ the output tokens/s it gives (hcfjax.bench.spec_step).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -43,8 +44,9 @@ from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
 from hcfjax.kernels import kernels_in_use
 from hcfjax.options import Options
-from hcfjax.quantize import default_cache_dtype, quantize_model
+from hcfjax.quantize import default_cache_dtype
 from hcfjax.random_model import PRESETS, preset_config, random_model
+from hcfjax.tensor_specs import tensor_specs
 
 SCHEMES = ("bf16", "w4a16", "w4a8", "w4a8c8", "w8a8", "fp8")
 
@@ -87,10 +89,8 @@ def run(args) -> str:
     n_mtp = (args.mtp_modules or args.speculative) if args.speculative else 0
     cfg = preset_config(args.preset, num_nextn_predict_layers=n_mtp)
     t0 = time.perf_counter()
-    model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
-    n_params = sum(x.size for x in jax.tree.leaves(model.params))
-    if args.scheme != "bf16":
-        model = quantize_model(model, args.scheme)
+    model = random_model(cfg, seed=0, dtype=jnp.bfloat16, scheme=None if args.scheme == "bf16" else args.scheme)
+    n_params = sum(math.prod(s.shape) for s in tensor_specs(cfg))
     jax.block_until_ready(model.params)
     print(f"[random {args.preset} in {args.scheme}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     if args.speculative:

@@ -96,3 +96,17 @@ def check_steps_fit(temps: list[int], memory: DeviceMemory | None, loading: int,
         f" the weights and the KV cache ({pages} pages, {size(pages * per_page)}): pass a smaller --num-pages or"
         " --token-budget"
     )
+
+
+def allocated(tree, what: str) -> None:
+    """Waits for `tree`'s arrays to be allocated and made. An allocation fails asynchronously: the arrays come back
+    as placeholders, and the error would surface only at the first step that reads them, after a server said it
+    was ready. ValueError naming `what` when the device cannot hold them."""
+    try:
+        jax.block_until_ready(tree)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"{what} does not fit in the device's memory ({e}); pass a smaller --num-pages or --max-model-len"
+        ) from e

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
-from hcfjax.engine import landing
+from hcfjax.engine import landing, memory
 from hcfjax.engine.executables import ExecutableCache, step_key
 from hcfjax.engine.landing import LandedCache
 from hcfjax.engine.scheduler import StepPlan
@@ -130,6 +130,7 @@ class ModelRunner:
             self.state = plan.place_state(self.state)
             self._landing = plan.replicated()
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        memory.allocated(self.state, f"the KV cache ({num_pages} pages, {memory.size(memory.tree_bytes(cache))})")
         self._install = jax.jit(landing.install, donate_argnums=(0,), out_shardings=shardings)
         self.landing = landing.Landing(self.state.cache, page_size, self._landing)
         self.steps = 0

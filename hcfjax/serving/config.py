@@ -74,13 +74,11 @@ def load_model(
         from hcfjax.random_model import preset_config, random_model
 
         cfg, floats = preset_config(preset), getattr(jnp, DTYPES.get(dtype, "bfloat16"))
-        make = lambda: random_model(cfg, seed=0, dtype=floats)  # noqa: E731
-        model = _shapes_of(make) if shapes_only else make()
-    else:
-        read = load_shapes if shapes_only else hcfjax.load
-        model = read(
-            checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize"
-        )
+        # quantised as it is made: the float model never whole on the device beside the KV cache
+        make = lambda: random_model(cfg, seed=0, dtype=floats, scheme=scheme)  # noqa: E731
+        return _shapes_of(make) if shapes_only else make()
+    read = load_shapes if shapes_only else hcfjax.load
+    model = read(checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize")
     if scheme is not None and not is_scheme(model, scheme):
         quantized = lambda params: quantize_model(dataclasses.replace(model, params=params), scheme)  # noqa: E731
         model = _shapes_of(quantized, model.params) if shapes_only else quantized(model.params)
