@@ -3,6 +3,7 @@ the streams' readers, which merge the events they fell behind on."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 
 import jax.numpy as jnp
@@ -11,8 +12,9 @@ import pytest
 
 import hcfjax
 from hcfjax.engine import Engine, EngineConfig
+from hcfjax.engine.balance import POLICIES
 from hcfjax.engine.request import FinishReason, Output, Request, Status, Usage, next_output
-from hcfjax.engine.scheduler import StepPlan
+from hcfjax.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from hcfjax.sampling import SamplingParams
 
 
@@ -77,7 +79,7 @@ def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages(model):
     for req in reqs:
         req.status, req.rank = Status.QUEUED, -1  # (waiting: no slot, no rank)
         sched.add(req)
-        assert sched._admit(req)
+        assert sched._admit(req, sched.loads())
         req.status = Status.DECODING
         req.computed = req.cached_bound = 16  # one page full: the next step needs a second page
     assert [len(r.pages) for r in reqs] == [1, 1, 1] and sched.alloc[0].num_free == 2
@@ -86,6 +88,40 @@ def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages(model):
     newest = reqs[2]
     assert newest.slot == -1 and newest.pages == [] and newest.epoch == 1 and newest.status == Status.QUEUED
     assert list(sched.waiting) == [newest] and sched.running == reqs[:2] and sched.preemptions == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("remote", [False, True])
+def test_admissions_keep_the_ranks_loads_as_a_fresh_count_gives_them(policy, remote):
+    """A plan counts the ranks' loads once and updates them at each admission: after every one they equal what
+    loads() counts afresh, over two ranks with requests already running (grown, with outputs), until a rank runs
+    out of slots and another of pages."""
+    cfg = SchedulerConfig(dp=2, max_slots=4, num_pages=20, page_size=16, token_budget=4096, max_prefill_rows=16)
+    sched = Scheduler(dataclasses.replace(cfg, balance=policy, remote_prefill=remote))
+    sched.out_lens.extend([20, 40, 37])
+    for i, (prompt, out) in enumerate([(30, 5), (70, 0), (5, 60)]):
+        req = Request(f"run{i}", list(range(prompt)), SamplingParams(), 100, frozenset(), 0, 0.0)
+        req.output = list(range(out))
+        sched.add(req)
+    sched.schedule(0.0)
+    for req in sched.running:
+        req.status, req.computed = Status.DECODING, len(req.fill)
+        req.cached_bound = req.computed
+    checked, admit = [], sched._admit
+
+    def admit_and_compare(req, loads):
+        admitted = admit(req, loads)
+        if admitted:
+            assert loads == sched.loads()
+            checked.append(req.id)
+        return admitted
+
+    sched._admit = admit_and_compare
+    for i, prompt in enumerate([3, 40, 17, 100, 9, 64, 2]):
+        sched.add(Request(f"new{i}", list(range(prompt)), SamplingParams(), 30 + i, frozenset(), 0, 0.5 + i))
+    sched.schedule(1.0)
+    assert len(checked) >= 3 and sched.waiting  # some admitted, the rest left waiting for room
+    assert {r.rank for r in sched.running} == {0, 1}
 
 
 def test_a_reader_behind_the_engine_gets_what_it_missed_in_one_event():

@@ -116,19 +116,26 @@ class Scheduler:
     def expected_output(self) -> float:
         return sum(self.out_lens) / len(self.out_lens) if self.out_lens else self.cfg.default_output_len
 
-    def _expected_pages(self, req: Request, tokens: int) -> int:
-        """Pages `req` will hold at the end if it produces the expected output, at least for `tokens` positions."""
+    def _expected_pages(self, req: Request, tokens: int, expected: float | None = None) -> int:
+        """Pages `req` will hold at the end if it produces the expected output (`expected`, default
+        self.expected_output), at least for `tokens` positions."""
         a = self.alloc[0]
-        out = min(req.max_new_tokens, max(self.expected_output, len(req.output) + 1))
+        expected = self.expected_output if expected is None else expected
+        out = min(req.max_new_tokens, max(expected, len(req.output) + 1))
         return max(a.pages_for(len(req.prompt) + int(out) + self.cfg.step_tokens), a.pages_for(tokens))
 
     def loads(self) -> list[RankLoad]:
-        out = []
-        for r in range(self.cfg.dp):
-            reqs = [q for q in self.running if q.rank == r]
-            promised = sum(max(0, self._expected_pages(q, q.cached_bound) - len(q.pages)) for q in reqs)
-            out.append(RankLoad(r, len(reqs), len(self.free_slots[r]), self.alloc[r].num_free - promised))
-        return out
+        """Each rank's requests, free slots and pages not promised to them: one pass over the running requests
+        (every admission asks, so a plan that admits several at a large batch would otherwise repeat it per rank)."""
+        expected = self.expected_output
+        requests, promised = [0] * self.cfg.dp, [0] * self.cfg.dp
+        for q in self.running:
+            requests[q.rank] += 1
+            promised[q.rank] += max(0, self._expected_pages(q, q.cached_bound, expected) - len(q.pages))
+        return [
+            RankLoad(r, requests[r], len(self.free_slots[r]), self.alloc[r].num_free - promised[r])
+            for r in range(self.cfg.dp)
+        ]
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Gives req pages for `tokens` positions; False when its rank is out of pages."""
@@ -156,11 +163,13 @@ class Scheduler:
         self.should_grow = False
         if cfg.remote_prefill:
             return StepPlan(chunks, decode, self._admit_remote(now))
+        loads = None  # the ranks' loads, made when the first waiting request asks (admissions update them)
         for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
             n = self._room(chunks, budget, len(req.prompt) + len(req.output))
             if n <= 0:
                 break
-            if not self._admit(req):
+            loads = loads or self.loads()
+            if not self._admit(req, loads):
                 self.should_grow = True
                 break
             chunks.append(self._chunk(req, n))
@@ -180,9 +189,9 @@ class Scheduler:
         return min(left, room)
 
     def _admit_remote(self, now: float) -> list[Request]:
-        admitted = []
+        admitted, loads = [], self.loads() if self.waiting else []
         for req in sorted(self.waiting, key=lambda q: self._priority(q, now)):
-            if not self._admit(req):
+            if not self._admit(req, loads):
                 self.should_grow = True
                 break
             req.status = Status.TRANSFERRING
@@ -228,14 +237,20 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.preemptions += 1
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request, loads: list[RankLoad]) -> bool:
+        """Admits req where `loads` (this plan's, from `loads()`) has room, and updates them for it."""
         req.fill = req.prompt + req.output  # a preempted request recomputes what it already produced
-        rank = self.balancer.choose(self.loads(), self._expected_pages(req, len(req.fill)))
+        expected = self.expected_output
+        rank = self.balancer.choose(loads, self._expected_pages(req, len(req.fill), expected))
         if rank is None:
             return False
         req.rank, req.slot = rank, heapq.heappop(self.free_slots[rank])
         if not self._grow(req, len(req.fill) + self.cfg.page_slack):  # loads() promised these: cannot fail
             raise AssertionError("admission found pages that are not there")
+        # what loads() would now give: the pages it took, and those it is still promised
+        promised = max(0, self._expected_pages(req, req.cached_bound, expected) - len(req.pages))
+        r = loads[rank]
+        loads[rank] = RankLoad(rank, r.requests + 1, r.free_slots - 1, r.free_pages - len(req.pages) - promised)
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.PREFILLING
