@@ -21,7 +21,7 @@ from hcfjax.checkpoint import (
     params_shapes,
     save_params,
 )
-from hcfjax.config import ModelConfig
+from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
 
 # The embedded model: a small DeepSeek-V3-architecture model trained on the Python standard library, with one jointly
@@ -35,7 +35,12 @@ FP8_MODES = ("native", "dequantize")
 
 
 def load(
-    path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, plan=None, fp8: str = "native"
+    path: str | Path | None = None,
+    dtype=jnp.bfloat16,
+    mtp: bool | None = None,
+    plan=None,
+    fp8: str = "native",
+    scheme: str | None = None,
 ) -> Model:
     """Loads config.json, the safetensors weights (bf16/fp16/fp32, or fp8 e4m3 with block scales) and
     tokenizer.json (if present) from a checkpoint directory; no path loads the embedded DEFAULT_MODEL.
@@ -52,6 +57,10 @@ def load(
     "dequantize" turns them into `dtype` as they are read (the config then says no quantisation). fp8 tensors in a
     checkpoint without that block are always dequantised.
 
+    scheme: quantise a float checkpoint's weights to this scheme (hcfjax.quantize; as `hcfjax quantize` would) as
+    they are read, so the devices hold only the quantised model; a checkpoint quantised to it already loads as it is
+    (pass fp8="dequantize" to quantise an fp8 checkpoint to an int scheme). ValueError for another quantised one.
+
     Loading streams: the checkpoint is checked whole first (a bad one fails naming file and tensor, with nothing
     placed), then read tensor by tensor straight onto the devices, so host memory holds a few tensors, not the model.
     """
@@ -61,7 +70,13 @@ def load(
         dtype = checkpoint_dtype(path, headers)
     # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
     sharding = None if plan is None else plan.param_sharding
-    params = load_params(path, cfg, jnp.dtype(dtype), mtp is not False, sharding, headers)
+    quantize = None
+    if scheme is not None and not (cfg.quantization is not None and cfg.quantization.scheme == scheme):
+        if cfg.quantization is not None:
+            raise ValueError(f"the checkpoint is quantised already ({cfg.quantization.scheme}), not to {scheme}")
+        quantize = QuantConfig.for_scheme(scheme)
+    params = load_params(path, cfg, jnp.dtype(dtype), mtp is not False, sharding, headers, quantize)
+    cfg = cfg if quantize is None else dataclasses.replace(cfg, quantization=quantize)
     tok_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
     return Model(cfg, params, tokenizer, str(path))

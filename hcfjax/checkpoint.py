@@ -17,10 +17,20 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hcfjax import fp8
-from hcfjax.config import ModelConfig
+from hcfjax.config import ModelConfig, QuantConfig
+from hcfjax.quant import quantize_as
 from hcfjax.safetensors_files import DTYPE_NAMES, CheckpointError, TensorEntry, read_index, read_tensor
 from hcfjax.streaming import Stacked, fill_params
-from hcfjax.tensor_specs import TensorSpec, get_path, quantized_weight, stacked_shapes, tensor_specs, to_pytree
+from hcfjax.tensor_specs import (
+    TensorSpec,
+    get_path,
+    quantized_specs,
+    quantized_weight,
+    scale_part,
+    stacked_shapes,
+    tensor_specs,
+    to_pytree,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -211,7 +221,13 @@ def read_weight(source: Source) -> np.ndarray:
 
 
 def load_params(
-    path: str | Path, cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True, sharding=None, index=None
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype=jnp.bfloat16,
+    mtp: bool = True,
+    sharding=None,
+    index=None,
+    quantize: QuantConfig | None = None,
 ) -> dict:
     """Streams a checkpoint into the params pytree on its devices (arrays of `dtype`; router in f32; quantised
     parts as stored).
@@ -223,7 +239,9 @@ def load_params(
     dequantised as they are read otherwise. sharding(path, shape) -> jax.sharding.Sharding places each param (a
     plan's `param_sharding`; None: the default device): each device receives only its slices, and a process reads
     only the tensors its own devices hold. Host memory holds a few checkpoint tensors at a time, never the model.
-    index: the checkpoint's read_index, when the caller has it.
+    index: the checkpoint's read_index, when the caller has it. quantize: quantise the float weights as that scheme
+    says as they are read, each weight as `hcfjax.quantize.quantize_model` would in the model loaded in `dtype`, so
+    the devices never hold the float model.
     """
     path = Path(path)
     index = read_index(path) if index is None else index
@@ -231,6 +249,17 @@ def load_params(
     specs = tensor_specs(cfg, mtp=mtp)
     sources = match_sources(path, index, specs, lambda n: ignored_tensor(cfg, n) or (not mtp and _is_mtp_name(cfg, n)))
     np_dtype = np.dtype(jnp.dtype(dtype))
+    read = {"tensors": 0, "bytes": 0}
+
+    def count(source: Source) -> None:
+        read["tensors"] += 1
+        read["bytes"] += source.entry.end - source.entry.begin
+
+    quantized = None
+    if quantize is not None:
+        cfg = dataclasses.replace(cfg, quantization=quantize)
+        specs = quantized_specs(specs, quantize)
+        quantized = _QuantizedReads(specs, sources, np_dtype, quantize.group_size, count)
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
     stacked = {
         p: Stacked(shape, np.dtype(fixed.get(p, np.float32 if fp32 else np_dtype)), {})
@@ -238,23 +267,61 @@ def load_params(
     }
     for s in specs:
         stacked[s.path].items[s.index] = s
-    read = {"tensors": 0, "bytes": 0}
 
     def params_layout(spec: TensorSpec) -> np.ndarray:
+        if quantized is not None and spec.path in quantized.parts:
+            return quantized.part(spec)
         t = read_weight(sources[spec.name])
-        read["tensors"] += 1
-        read["bytes"] += sources[spec.name].entry.end - sources[spec.name].entry.begin
+        count(sources[spec.name])
         t = t.T if spec.linear else t
         return t.astype(stacked[spec.path].dtype, order="C").reshape(spec.pshape)
 
     def file_order(spec: TensorSpec) -> tuple:
-        e = sources[spec.name].entry
-        return e.file.name, e.begin
+        if quantized is None or spec.path not in quantized.parts:
+            e = sources[spec.name].entry
+            return False, e.file.name, e.begin
+        e = quantized.source(spec).entry  # the scales after everything else: their values' reads made them
+        return spec.path in quantized.scales, e.file.name, e.begin
 
     largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
     params = fill_params(stacked, params_layout, sharding, file_order, stage_bytes=largest)
     _log.info("read %d of %d tensors (%.3g GB) from %s", read["tensors"], len(specs), read["bytes"] / 1e9, path)
     return _assembled(params, specs, cfg)
+
+
+class _QuantizedReads:
+    """A float checkpoint's weights quantised as they are read (load_params' `quantize`). Each quantised weight is
+    two params (`quantized_specs`: its values `q` and its scales); one read of the float tensor makes both, and the
+    part not asked for yet waits here until it is (load_params reads every scale after all the values)."""
+
+    def __init__(self, specs: list[TensorSpec], sources: dict, dtype: np.dtype, group: int, on_read):
+        self.sources, self.dtype, self.group, self.on_read = sources, dtype, group, on_read
+        self.values = {(s.path[:-1], s.index): s for s in specs if s.quant}  # (weight path, index) -> its values
+        self.parts: dict[tuple, tuple[tuple, str]] = {}  # a part's param path -> (its weight's path, its field)
+        for (w, _), s in self.values.items():
+            self.parts[s.path] = (w, "q")
+            self.parts[w + (scale_part(s.quant),)] = (w, scale_part(s.quant))
+        self.scales = {p for p, (_, field) in self.parts.items() if field != "q"}
+        self._made: dict[tuple, dict[str, np.ndarray]] = {}  # (weight path, index) -> its parts not yet taken
+
+    def source(self, spec: TensorSpec):
+        """The float tensor a part is made from."""
+        return self.sources[self.values[self.parts[spec.path][0], spec.index].name]
+
+    def part(self, spec: TensorSpec) -> np.ndarray:
+        w, field = self.parts[spec.path]
+        key = (w, spec.index)
+        if key not in self._made:
+            values, source = self.values[key], self.source(spec)
+            self.on_read(source)
+            made = quantize_as(jnp.asarray(read_weight(source).T.astype(self.dtype)), values.quant, self.group)
+            scale = scale_part(values.quant)
+            self._made[key] = {"q": np.asarray(made.q), scale: np.asarray(getattr(made, scale))}
+        parts = self._made[key]
+        out = parts.pop(field)
+        if not parts:
+            del self._made[key]
+        return out
 
 
 def params_shapes(cfg: ModelConfig, dtype=jnp.bfloat16, mtp: bool = True) -> dict:

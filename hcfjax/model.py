@@ -252,18 +252,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
     stacked = {s.path: len(s.index) > 0 for s in specs}
     shapes = sorted(stacked_shapes(specs).items(), key=str)
     # XLA:CPU compiles each random op in ~0.2-0.4 s, so tensors up to _SHARED_DRAW elements are cut from one shared
-    # draw (a tiny model compiles in about a second, not 10-20); larger ones are drawn one slice at a time, a
-    # program per slice shape.
+    # draw (a tiny model compiles in about a second, not 10-20); larger ones are drawn one slice at a time (_draw:
+    # a program per kind, slice shape and dtype).
     small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
     large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
 
     def init(name, shape, z, u, dt):
-        if "norm" in name:
-            return (1.0 + 0.1 * z).astype(dt)
-        if name == "router_bias":
-            return 0.1 * u
-        fan_in = cfg.hidden_size if name == "embed" else _fan_in(name, shape)
-        return (z * fan_in**-0.5).astype(dt)
+        return _init(_kind(name), z, u, _scale(cfg, name, shape), dt)
 
     @jax.jit
     def make_small(k_small, k_u):
@@ -277,11 +272,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
             start += n
         return out
 
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
     def draw(k, name, shape, dt):
-        u = jax.random.uniform(k, shape, jnp.float32) if name == "router_bias" else None
-        z = None if u is not None else jax.random.normal(k, shape, jnp.float32)
-        return init(name, shape, z, u, dt)
+        return _draw(k, _kind(name), shape, dt, jnp.float32(_scale(cfg, name, shape)))
 
     each = each or (lambda path, x: x)
     k_small, k_u, *k_large = jax.random.split(key, 2 + len(large))
@@ -298,6 +290,35 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
 
 
 _SHARED_DRAW = 1 << 20  # elements
+
+
+def _kind(name: str) -> str:
+    return "norm" if "norm" in name else "bias" if name == "router_bias" else "matrix"
+
+
+def _scale(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> float:
+    """A matrix's standard deviation, 1/sqrt(fan_in) (1 for the other kinds, which do not use it)."""
+    if _kind(name) != "matrix":
+        return 1.0
+    return (cfg.hidden_size if name == "embed" else _fan_in(name, shape)) ** -0.5
+
+
+def _init(kind: str, z, u, scale, dt):
+    """A tensor from standard normals z or uniforms u: norms 1 + N(0, 0.1^2), router bias U(0, 0.1), matrices
+    N(0, scale^2)."""
+    if kind == "norm":
+        return (1.0 + 0.1 * z).astype(dt)
+    if kind == "bias":
+        return 0.1 * u
+    return (z * scale).astype(dt)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw(k, kind: str, shape: tuple[int, ...], dt, scale):
+    """One large tensor (or slice), a program per kind, shape and dtype (the scale an operand)."""
+    u = jax.random.uniform(k, shape, jnp.float32) if kind == "bias" else None
+    z = None if u is not None else jax.random.normal(k, shape, jnp.float32)
+    return _init(kind, z, u, scale, dt)
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:

@@ -106,6 +106,13 @@ def quantize(w: jax.Array, bits: int = 4, act: str = "bf16", group: int = GROUP)
     return QWeight(pack_int4(q, g) if bits == 4 else q, jnp.swapaxes(scale, -1, -2), bits, act)
 
 
+@functools.partial(jax.jit, static_argnames=("how", "group"))
+def quantize_as(w: jax.Array, how: tuple[int, str], group: int = GROUP):
+    """w [..., K, N] (float) quantised as a TensorSpec's `quant` says: fp8.QUANT -> Fp8Weight, (bits, act) ->
+    QWeight."""
+    return fp8.quantize(w) if how == fp8.QUANT else quantize(w, how[0], how[1], group)
+
+
 def int_values(w: QWeight) -> jax.Array:
     """The integer weights, int8 [..., N, K]."""
     return quant_reference.int_values(w.q, w.scale, w.bits)

@@ -18,7 +18,6 @@ attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import shutil
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from hcfjax import fp8
 from hcfjax.checkpoint import SHARD_BYTES, ignored_tensor, match_sources, read_weight
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
-from hcfjax.quant import QWeight, quantize
+from hcfjax.quant import QWeight, quantize_as
 from hcfjax.safetensors_files import Planned, write_shards
 from hcfjax.tensor_specs import get_path, quantized_specs, scale_part, tensor_specs
 
@@ -85,16 +84,9 @@ def _quantize_slices(w, how, group_size: int):
     experts would not fit beside the model on a GPU. A stack of single weights ([L, K, N]) goes whole: its
     temporaries are a few layers' dense weights."""
     if w.ndim <= 3:
-        return _quantize_one(w, how, group_size)
-    parts = [_quantize_one(w[i], how, group_size) for i in range(w.shape[0])]
+        return quantize_as(w, how, group_size)
+    parts = [quantize_as(w[i], how, group_size) for i in range(w.shape[0])]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
-
-
-@functools.partial(jax.jit, static_argnames=("how", "group_size"))
-def _quantize_one(w, how, group_size: int):
-    if how == fp8.QUANT:
-        return fp8.quantize(w)
-    return quantize(w, how[0], how[1], group_size)
 
 
 def _copy_tree(tree):
@@ -159,7 +151,7 @@ def quantize_checkpoint(
         s = qspecs[t.name]
         if s.quant and not copy:
             w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
-            qw = fp8.quantize(w) if s.quant == fp8.QUANT else quantize(w, *s.quant, group_size)
+            qw = quantize_as(w, s.quant, group_size)
             scales[s.path[:-1] + (scale_part(s.quant),)] = getattr(qw, scale_part(s.quant))
             return np.asarray(qw.q)
         if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are

@@ -67,8 +67,7 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     assert cli_main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
 
 
-@pytest.mark.parametrize("scheme", ["w4a8c8", "fp8"])
-def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch, scheme):
+def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch):
     """random_model(scheme=...) quantises the large weights slice by slice as it makes them (the float model never
     whole on the device): the same weights as making the float model and quantising it, bit for bit."""
     from hcfjax import fp8
@@ -76,7 +75,7 @@ def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch, 
     from hcfjax import random_model as random_module
     from hcfjax.random_model import preset_config, random_model
 
-    monkeypatch.setattr(model_module, "_SHARED_DRAW", 4096)  # a tiny model's experts and linears count as large
+    monkeypatch.setattr(model_module, "_SHARED_DRAW", 100_000)  # its experts count as large
     quantized = lambda x: isinstance(x, (quant.QWeight, fp8.Fp8Weight))  # noqa: E731
     as_made, real = [], random_module.slice_quantizer
 
@@ -95,11 +94,37 @@ def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch, 
     cfg = preset_config(
         "tiny-v3", num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, hidden_size=128
     )
-    made = random_model(cfg, seed=1, scheme=scheme)
-    after = quantize_model(random_model(cfg, seed=1), scheme)
-    assert made.cfg == after.cfg and made.cfg.quantization.scheme == scheme
-    assert ("segments", 1, "mlp", "experts", "gate") in as_made  # quantised slice by slice, not afterwards
-    assert jax.tree.structure(made.params) == jax.tree.structure(after.params)
-    for a, b in zip(jax.tree.leaves(made.params), jax.tree.leaves(after.params), strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    floats = random_model(cfg, seed=1)
+    for scheme in ("w4a8c8", "fp8"):
+        as_made.clear()
+        made, after = random_model(cfg, seed=1, scheme=scheme), quantize_model(floats, scheme)
+        assert made.cfg == after.cfg and made.cfg.quantization.scheme == scheme
+        assert ("segments", 1, "mlp", "experts", "gate") in as_made  # quantised slice by slice, not afterwards
+        assert jax.tree.structure(made.params) == jax.tree.structure(after.params)
+        for a, b in zip(jax.tree.leaves(made.params), jax.tree.leaves(after.params), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("scheme", ["w4a8c8", "fp8"])
+def test_load_quantises_as_it_reads_what_quantising_the_loaded_model_gives(tmp_path, scheme):
+    """hcfjax.load(scheme=...) quantises each float tensor as it reads it (the devices never hold the float model):
+    bit for bit quantize_model on the model loaded in bf16, also placed by a plan; a checkpoint quantised to the
+    scheme already loads as it is, one quantised to another is refused."""
+    from sharding.plans import prefill_plan
+
+    made = hcfjax.load(scheme=scheme)
+    want = quantize_model(hcfjax.load(), scheme)
+    placed = hcfjax.load(scheme=scheme, plan=prefill_plan(tp=2, ep=2))
+    assert made.cfg == want.cfg == placed.cfg and made.cfg.quantization.scheme == scheme
+    for model in (made, placed):
+        assert jax.tree.structure(model.params) == jax.tree.structure(want.params)
+        for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(want.params), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hcfjax.save(made, tmp_path)
+    again = hcfjax.load(tmp_path, scheme=scheme)
+    assert again.cfg.quantization == made.cfg.quantization
+    other = "w4a16" if scheme == "fp8" else "fp8"
+    with pytest.raises(ValueError, match=f"quantised already \\({scheme}\\), not to {other}"):
+        hcfjax.load(tmp_path, scheme=other)

@@ -77,11 +77,13 @@ def load_model(
         # quantised as it is made: the float model never whole on the device beside the KV cache
         make = lambda: random_model(cfg, seed=0, dtype=floats, scheme=scheme)  # noqa: E731
         return _shapes_of(make) if shapes_only else make()
-    read = load_shapes if shapes_only else hcfjax.load
-    model = read(checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8 if scheme in (None, "fp8") else "dequantize")
+    where, floats, fp8 = checkpoint_dir(path), load_dtype(dtype), fp8 if scheme in (None, "fp8") else "dequantize"
+    if not shapes_only:  # quantised as it is read: the float model never whole on the device beside the KV cache
+        return hcfjax.load(where, dtype=floats, fp8=fp8, scheme=scheme)
+    model = load_shapes(where, dtype=floats, fp8=fp8)
     if scheme is not None and not is_scheme(model, scheme):
         quantized = lambda params: quantize_model(dataclasses.replace(model, params=params), scheme)  # noqa: E731
-        model = _shapes_of(quantized, model.params) if shapes_only else quantized(model.params)
+        model = _shapes_of(quantized, model.params)
     return model
 
 
