@@ -138,3 +138,21 @@ def test_a_pool_the_device_cannot_allocate_fails_the_engine_not_its_first_step(m
         Engine(model, config)
     monkeypatch.undo()
     assert Engine(model, config).runner.state.cache.kv.shape[1] == 5
+
+
+def test_the_prefill_workers_scratch_pages_must_fit_its_device(monkeypatch):
+    """A PD prefill worker's scratch pages (--prefill-pages) are checked against its device like the engine's pool:
+    what fits is kept, what does not is refused with the sizes and the flag."""
+    from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
+    from hcfjax.pd.transport import make_transport
+
+    model = hcfjax.load(dtype=jnp.float32)
+    weights = memory.tree_bytes(model.params)
+    per_page = page_bytes(model.cfg.kv_dim, model.cfg.num_hidden_layers, 16, model.dtype)
+    limit = int((weights + 40.5 * per_page) / (1 - memory.STEP_RESERVE))
+    monkeypatch.setattr(memory, "device_memory", lambda device: DeviceMemory(str(device), limit, weights))
+    sender = make_transport("socket").sender()
+    worker = PrefillWorker(model, sender, PrefillConfig(num_pages=40, page_size=16))
+    assert worker.cache.kv.shape[1] == 41  # its pages and the padding page
+    with pytest.raises(ValueError, match="41 pages of KV cache.*room for 40 pages.*--prefill-pages"):
+        PrefillWorker(model, sender, PrefillConfig(num_pages=41, page_size=16))

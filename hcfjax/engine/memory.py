@@ -54,12 +54,19 @@ def page_bytes(kv_dim: int, layers: int, page_size: int, dtype) -> int:
 
 
 def fit_pages(
-    wanted: int, explicit: bool, per_page: int, memory: DeviceMemory | None, loading: int, min_pages: int
+    wanted: int,
+    explicit: bool,
+    per_page: int,
+    memory: DeviceMemory | None,
+    loading: int,
+    min_pages: int,
+    flag: str = "--num-pages",
 ) -> int:
     """The pages a rank's pool gets: `wanted` where it fits in the allocator's limit beside what is in use, or the
     weights still loading (`loading` bytes; what is in use may be part of them) where they are more, and
     STEP_RESERVE of the limit. Where it does not: fewer pages for a derived size, down to `min_pages` (one request
-    at the longest length); ValueError for a size the user asked for (`explicit`) or when not even `min_pages` fit."""
+    at the longest length); ValueError for a size the user asked for (`explicit`, with the command's `flag`) or when
+    not even `min_pages` fit."""
     if memory is None:
         return wanted
     free = memory.limit - max(memory.in_use, loading) - int(STEP_RESERVE * memory.limit)
@@ -72,7 +79,7 @@ def fit_pages(
         f" {size(memory.limit)} kept for the steps (room for {fits} pages)"
     )
     if explicit:
-        raise ValueError(f"{need} do not fit: {room}; pass a smaller --num-pages")
+        raise ValueError(f"{need} do not fit: {room}; pass a smaller {flag}")
     if fits < min_pages:
         raise ValueError(
             f"not even one request at the longest length fits: {min_pages} pages of KV cache"
@@ -98,15 +105,13 @@ def check_steps_fit(temps: list[int], memory: DeviceMemory | None, loading: int,
     )
 
 
-def allocated(tree, what: str) -> None:
+def allocated(tree, what: str, hint: str = "--num-pages or --max-model-len") -> None:
     """Waits for `tree`'s arrays to be allocated and made. An allocation fails asynchronously: the arrays come back
     as placeholders, and the error would surface only at the first step that reads them, after a server said it
-    was ready. ValueError naming `what` when the device cannot hold them."""
+    was ready. ValueError naming `what` (and the flags that shrink it, `hint`) when the device cannot hold them."""
     try:
         jax.block_until_ready(tree)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise ValueError(
-            f"{what} does not fit in the device's memory ({e}); pass a smaller --num-pages or --max-model-len"
-        ) from e
+        raise ValueError(f"{what} does not fit in the device's memory ({e}); pass a smaller {hint}") from e

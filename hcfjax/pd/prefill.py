@@ -40,6 +40,7 @@ import numpy as np
 from hcfjax import cache as kvcache
 from hcfjax import trace
 from hcfjax.config import ModelConfig
+from hcfjax.engine import memory
 from hcfjax.engine.pages import PageAllocator
 from hcfjax.generate import bucket
 from hcfjax.model import Model, embed, final_hidden
@@ -129,8 +130,14 @@ class PrefillWorker:
         if self.spec is not None and not model.params.get("mtp"):
             raise ValueError("speculative decoding needs MTP layers, and this model has none")
         self.layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if self.spec else 0)
-        # + 1 page: where padding rows point
+        # the scratch pages fit the device beside the weights, or the worker says so (a padding page besides, where
+        # padding rows point, within the steps' reserve)
+        device = jax.devices()[0] if plan is None else plan.mesh.devices.flat[0]
+        per_page = memory.page_bytes(self.cfg.kv_dim, self.layers, c.page_size, dtype)
+        memory.fit_pages(c.num_pages, True, per_page, memory.device_memory(device), 0, 1, "--prefill-pages")
         self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
+        scratch = f"the prefill worker's KV scratch ({c.num_pages} pages, {memory.size(memory.tree_bytes(self.cache))})"
+        memory.allocated(self.cache, scratch, "--prefill-pages")
         self.alloc = PageAllocator(c.num_pages, c.page_size)
         self._pad_page = c.num_pages
         self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
