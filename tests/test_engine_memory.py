@@ -41,6 +41,31 @@ def test_pages_fit_the_limit_after_weights_and_the_steps_share():
         fit_pages(1000, True, per_page, mem, 0, 10)
     with pytest.raises(ValueError, match=r"not even one request at the longest length.*--max-model-len"):
         fit_pages(1000, False, per_page, mem, 0, 281)
+    # the pool is one array: where what is in use split the free memory, its largest free block bounds it
+    split = dataclasses.replace(mem, largest_free=50 * GiB)
+    assert fit_pages(1000, False, per_page, split, 0, 10) == 200
+    assert fit_pages(200, True, per_page, split, 0, 10) == 200
+    with pytest.raises(ValueError, match=r"its largest free block 50.0 GiB \(room for 200 pages\)"):
+        fit_pages(201, True, per_page, split, 0, 10)
+    assert fit_pages(1000, False, per_page, dataclasses.replace(mem, largest_free=90 * GiB), 0, 10) == 280
+
+
+def test_the_largest_free_block_counts_only_where_the_allocator_reserved_its_limit():
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+        def __str__(self):
+            return "gpu:0"
+
+    stats = {"bytes_limit": 100, "bytes_in_use": 20, "largest_free_block_bytes": 30}
+    assert memory.device_memory(Device({**stats, "pool_bytes": 100})) == DeviceMemory("gpu:0", 100, 20, 30)
+    assert memory.device_memory(Device({**stats, "pool_bytes": 40})) == DeviceMemory("gpu:0", 100, 20, None)
+    assert memory.device_memory(Device({"bytes_limit": 100, "bytes_in_use": 20})) == DeviceMemory("gpu:0", 100, 20)
+    assert memory.device_memory(Device(None)) is None
 
 
 def test_steps_must_fit_beside_the_cache():

@@ -23,11 +23,13 @@ STEP_RESERVE = 0.1  # the allocator's limit kept free for the steps' temporaries
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """What a device's allocator reports: its limit and the bytes in use, in bytes."""
+    """What a device's allocator reports, in bytes: its limit, the bytes in use, and its largest free block where
+    it has reserved its whole limit up front (jax's default on a GPU; None otherwise, where it can still grow)."""
 
     device: str
     limit: int
     in_use: int
+    largest_free: int | None = None
 
 
 def device_memory(device) -> DeviceMemory | None:
@@ -35,7 +37,9 @@ def device_memory(device) -> DeviceMemory | None:
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
-    return DeviceMemory(str(device), int(stats["bytes_limit"]), int(stats["bytes_in_use"]))
+    limit, block = int(stats["bytes_limit"]), stats.get("largest_free_block_bytes")
+    reserved = stats.get("pool_bytes", 0) >= limit
+    return DeviceMemory(str(device), limit, int(stats["bytes_in_use"]), int(block) if reserved and block else None)
 
 
 def size(nbytes: float) -> str:
@@ -70,13 +74,17 @@ def fit_pages(
     if memory is None:
         return wanted
     free = memory.limit - max(memory.in_use, loading) - int(STEP_RESERVE * memory.limit)
-    fits = max(free, 0) // per_page
+    # the pool is one array: it needs one free block (where what is in use has split the free memory)
+    block = free if memory.largest_free is None else min(free, memory.largest_free)
+    fits = max(block, 0) // per_page
     if wanted <= fits:
         return wanted
     need = f"{wanted} pages of KV cache ({size(wanted * per_page)})"
     room = (
         f"{memory.device} has {size(max(free, 0))} for it after the weights and {STEP_RESERVE:.0%} of its"
-        f" {size(memory.limit)} kept for the steps (room for {fits} pages)"
+        f" {size(memory.limit)} kept for the steps"
+        + (f", its largest free block {size(block)}" if block < free else "")
+        + f" (room for {fits} pages)"
     )
     if explicit:
         raise ValueError(f"{need} do not fit: {room}; pass a smaller {flag}")
