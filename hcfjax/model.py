@@ -285,7 +285,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
             continue
         parts = [each(path, draw(jax.random.fold_in(k, i), path[-1], shape[1:], dt)) for i in range(shape[0])]
         out[path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
-        del parts
+        del parts  # before the next tensor's slices are made
     return to_pytree(out)
 
 
