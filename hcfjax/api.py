@@ -57,9 +57,10 @@ def load(
     "dequantize" turns them into `dtype` as they are read (the config then says no quantisation). fp8 tensors in a
     checkpoint without that block are always dequantised.
 
-    scheme: quantise a float checkpoint's weights to this scheme (hcfjax.quantize; as `hcfjax quantize` would) as
-    they are read, so the devices hold only the quantised model; a checkpoint quantised to it already loads as it is
-    (pass fp8="dequantize" to quantise an fp8 checkpoint to an int scheme). ValueError for another quantised one.
+    scheme: quantise a float checkpoint's weights to this scheme as they are read (hcfjax.quantize: what
+    quantize_model gives on the model loaded in `dtype`), so the devices hold only the quantised model; a checkpoint
+    quantised to it already loads as it is (pass fp8="dequantize" to quantise an fp8 checkpoint to an int scheme).
+    ValueError for another quantised one.
 
     Loading streams: the checkpoint is checked whole first (a bad one fails naming file and tensor, with nothing
     placed), then read tensor by tensor straight onto the devices, so host memory holds a few tensors, not the model.

@@ -241,7 +241,7 @@ def load_params(
     only the tensors its own devices hold. Host memory holds a few checkpoint tensors at a time, never the model.
     index: the checkpoint's read_index, when the caller has it. quantize: quantise the float weights as that scheme
     says as they are read, each weight as `hcfjax.quantize.quantize_model` would in the model loaded in `dtype`, so
-    the devices never hold the float model.
+    the devices never hold the float model (the host holds at most one param's scales besides).
     """
     path = Path(path)
     index = read_index(path) if index is None else index
@@ -276,23 +276,30 @@ def load_params(
         t = t.T if spec.linear else t
         return t.astype(stacked[spec.path].dtype, order="C").reshape(spec.pshape)
 
+    largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
+    whole = {p for p, st in stacked.items() if math.prod(st.shape) * st.dtype.itemsize <= largest}  # fill_params'
+
     def file_order(spec: TensorSpec) -> tuple:
         if quantized is None or spec.path not in quantized.parts:
             e = sources[spec.name].entry
-            return False, e.file.name, e.begin
-        e = quantized.source(spec).entry  # the scales after everything else: their values' reads made them
-        return spec.path in quantized.scales, e.file.name, e.begin
+            return e.file.name, e.begin, 0
+        if spec.path in quantized.scales:
+            # scales right after the values whose read made them; scales placed whole after their last-read values
+            items = stacked[spec.path].items.values() if spec.path in whole else [spec]
+            return *max((e.file.name, e.begin) for e in (quantized.source(i).entry for i in items)), 1
+        e = quantized.source(spec).entry
+        return e.file.name, e.begin, 0
 
-    largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
     params = fill_params(stacked, params_layout, sharding, file_order, stage_bytes=largest)
-    _log.info("read %d of %d tensors (%.3g GB) from %s", read["tensors"], len(specs), read["bytes"] / 1e9, path)
+    _log.info("read %d of %d tensors (%.3g GB) from %s", read["tensors"], len(sources), read["bytes"] / 1e9, path)
     return _assembled(params, specs, cfg)
 
 
 class _QuantizedReads:
     """A float checkpoint's weights quantised as they are read (load_params' `quantize`). Each quantised weight is
     two params (`quantized_specs`: its values `q` and its scales); one read of the float tensor makes both, and the
-    part not asked for yet waits here until it is (load_params reads every scale after all the values)."""
+    part not asked for yet waits here until it is (load_params orders each scale after the values it comes with;
+    a part asked for first is made by a read of its own, so any order gives the same weights)."""
 
     def __init__(self, specs: list[TensorSpec], sources: dict, dtype: np.dtype, group: int, on_read):
         self.sources, self.dtype, self.group, self.on_read = sources, dtype, group, on_read

@@ -251,9 +251,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
     specs = tensor_specs(cfg, mtp=mtp)
     stacked = {s.path: len(s.index) > 0 for s in specs}
     shapes = sorted(stacked_shapes(specs).items(), key=str)
-    # XLA:CPU compiles each random op in ~0.2-0.4 s, so tensors up to _SHARED_DRAW elements are cut from one shared
-    # draw (a tiny model compiles in about a second, not 10-20); larger ones are drawn one slice at a time (_draw:
-    # a program per kind, slice shape and dtype).
+    # Each random op is a compile of its own, which XLA:CPU makes slow, so tensors up to _SHARED_DRAW elements are
+    # cut from one shared draw; larger ones are drawn one slice at a time (_draw: a program per kind, slice shape
+    # and dtype).
     small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
     large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
 

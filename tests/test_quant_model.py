@@ -106,25 +106,57 @@ def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A random bf16 checkpoint whose stacked experts outweigh its largest tensor, so a load places their values
+    and scales one position at a time; the MTP layer's experts and everything else are placed whole."""
+    from hcfjax.random_model import preset_config, random_model
+
+    cfg = preset_config("tiny-v3", num_hidden_layers=9, first_k_dense_replace=1, n_routed_experts=64)
+    path = tmp_path_factory.mktemp("moe-bf16")
+    hcfjax.save(random_model(cfg, seed=2), path)
+    return path
+
+
 @pytest.mark.parametrize("scheme", ["w4a8c8", "fp8"])
-def test_load_quantises_as_it_reads_what_quantising_the_loaded_model_gives(tmp_path, scheme):
+def test_load_quantises_as_it_reads_what_quantising_the_loaded_model_gives(
+    moe_checkpoint, tmp_path, monkeypatch, scheme
+):
     """hcfjax.load(scheme=...) quantises each float tensor as it reads it (the devices never hold the float model):
-    bit for bit quantize_model on the model loaded in bf16, also placed by a plan; a checkpoint quantised to the
-    scheme already loads as it is, one quantised to another is refused."""
+    bit for bit quantize_model on the model loaded in bf16, also placed by a plan, whether a quantised param is
+    placed whole or position by position (w4a8c8, on a checkpoint whose experts' values and scales both outweigh
+    its largest tensor; fp8 on the embedded model, placed whole); a checkpoint quantised to the scheme already
+    loads as it is, one quantised to another is refused."""
+    from hcfjax.checkpoint import _QuantizedReads
     from sharding.plans import prefill_plan
 
-    made = hcfjax.load(scheme=scheme)
-    want = quantize_model(hcfjax.load(), scheme)
-    placed = hcfjax.load(scheme=scheme, plan=prefill_plan(tp=2, ep=2))
+    where = moe_checkpoint if scheme == "w4a8c8" else None
+    waiting, part = [], _QuantizedReads.part
+
+    def watched(self, spec):  # what waits on the host after each part: scales only, never a weight's values
+        out = part(self, spec)
+        waiting.append([field for parts in self._made.values() for field in parts])
+        return out
+
+    monkeypatch.setattr(_QuantizedReads, "part", watched)
+    made = hcfjax.load(where, scheme=scheme)
+    assert waiting and not any("q" in fields for fields in waiting)
+    monkeypatch.undo()
+    want = quantize_model(hcfjax.load(where), scheme)
+    placed = hcfjax.load(where, scheme=scheme, plan=prefill_plan(tp=2, ep=2))
     assert made.cfg == want.cfg == placed.cfg and made.cfg.quantization.scheme == scheme
+    if where is not None:
+        largest = 2 * 258 * made.cfg.hidden_size  # the embedding, in bf16: params above it are placed per position
+        layers = (made.params["segments"][1], made.params["mtp"][0]["layer"])
+        gate, mtp_gate = (layer["mlp"]["experts"]["gate"] for layer in layers)
+        assert min(gate.q.nbytes, gate.scale.nbytes) > largest >= mtp_gate.scale.nbytes
     for model in (made, placed):
         assert jax.tree.structure(model.params) == jax.tree.structure(want.params)
         for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(want.params), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    hcfjax.save(made, tmp_path)
-    again = hcfjax.load(tmp_path, scheme=scheme)
-    assert again.cfg.quantization == made.cfg.quantization
+    hcfjax.save(hcfjax.load(scheme=scheme), tmp_path)
+    assert hcfjax.load(tmp_path, scheme=scheme).cfg.quantization.scheme == scheme
     other = "w4a16" if scheme == "fp8" else "fp8"
     with pytest.raises(ValueError, match=f"quantised already \\({scheme}\\), not to {other}"):
         hcfjax.load(tmp_path, scheme=other)

@@ -10,6 +10,7 @@ to them, and `check_steps_fit` says before serving when that was not enough, ins
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -113,12 +114,14 @@ def check_steps_fit(temps: list[int], memory: DeviceMemory | None, loading: int,
     )
 
 
-def allocated(tree, what: str, hint: str = "--num-pages or --max-model-len") -> None:
-    """Waits for `tree`'s arrays to be allocated and made. An allocation fails asynchronously: the arrays come back
-    as placeholders, and the error would surface only at the first step that reads them, after a server said it
-    was ready. ValueError naming `what` (and the flags that shrink it, `hint`) when the device cannot hold them."""
+@contextlib.contextmanager
+def allocating(what: str, hint: str = "--num-pages or --max-model-len"):
+    """Around making a pool and waiting for it (`jax.block_until_ready`, in the block): ValueError naming `what` and
+    the flags that shrink it (`hint`) when the device cannot hold it. An allocation can fail as the arrays are made
+    or, asynchronously, later: the arrays then come back as placeholders whose error would surface only at the
+    first step that reads them, after a server said it was ready."""
     try:
-        jax.block_until_ready(tree)
+        yield
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

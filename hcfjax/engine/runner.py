@@ -115,22 +115,24 @@ class ModelRunner:
         self.slots_per_rank, self.pages_per_rank = num_slots // self.ranks, num_pages // self.ranks
         self.num_slots, self.max_pages, self.cache_page_size = num_slots, max_pages, page_size
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
-        cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
-        self.state = empty_state(self.cfg, num_slots, cache, spec, model.dtype)
         self.params = model.params
         self._weights = weights
         self._planned: dict = {}
         self.eplb = eplb
-        if plan is None:  # committed to its device from the start, as every step's and install's output will be:
-            self._landing = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # one compiled shape each
-            self.state = jax.device_put(self.state, self._landing)
-            shardings = None
-        else:
+        if plan is not None:
             self.params = plan.place_params(model.params) if eplb is None else eplb.place(model.params)
-            self.state = plan.place_state(self.state)
-            self._landing = plan.replicated()
-            shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        memory.allocated(self.state, f"the KV cache ({num_pages} pages, {memory.size(memory.tree_bytes(cache))})")
+        pool = memory.size(num_pages * memory.page_bytes(self.cfg.kv_dim, layers, page_size, cache_dtype))
+        with memory.allocating(f"the KV cache ({num_pages} pages, {pool})"):
+            cache = kvcache.init_cache(self.cfg, num_pages, page_size, cache_dtype, num_layers=layers)
+            state = empty_state(self.cfg, num_slots, cache, spec, model.dtype)
+            if plan is None:  # committed to its device from the start, as every step's and install's output will be:
+                self._landing = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # one compiled shape each
+                self.state = jax.device_put(state, self._landing)
+            else:
+                self._landing = plan.replicated()
+                self.state = plan.place_state(state)
+            jax.block_until_ready(self.state)
+        shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, self.state)
         self._install = jax.jit(landing.install, donate_argnums=(0,), out_shardings=shardings)
         self.landing = landing.Landing(self.state.cache, page_size, self._landing)
         self.steps = 0

@@ -125,8 +125,8 @@ class Scheduler:
         return max(a.pages_for(len(req.prompt) + int(out) + self.cfg.step_tokens), a.pages_for(tokens))
 
     def loads(self) -> list[RankLoad]:
-        """Each rank's requests, free slots and pages not promised to them: one pass over the running requests
-        (every admission asks, so a plan that admits several at a large batch would otherwise repeat it per rank)."""
+        """Each rank's requests, free slots and pages not promised to them, in one pass over the running requests (a
+        plan counts them once and updates them as it admits, `_admit`)."""
         expected = self.expected_output
         requests, promised = [0] * self.cfg.dp, [0] * self.cfg.dp
         for q in self.running:

@@ -135,9 +135,9 @@ class PrefillWorker:
         device = jax.devices()[0] if plan is None else plan.mesh.devices.flat[0]
         per_page = memory.page_bytes(self.cfg.kv_dim, self.layers, c.page_size, dtype)
         memory.fit_pages(c.num_pages, True, per_page, memory.device_memory(device), 0, 1, "--prefill-pages")
-        self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
-        scratch = f"the prefill worker's KV scratch ({c.num_pages} pages, {memory.size(memory.tree_bytes(self.cache))})"
-        memory.allocated(self.cache, scratch, "--prefill-pages")
+        with memory.allocating(f"the prefill worker's KV scratch ({c.num_pages} pages)", "--prefill-pages"):
+            self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
+            jax.block_until_ready(self.cache)
         self.alloc = PageAllocator(c.num_pages, c.page_size)
         self._pad_page = c.num_pages
         self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
