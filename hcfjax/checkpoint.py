@@ -259,7 +259,7 @@ def load_params(
     if quantize is not None:
         cfg = dataclasses.replace(cfg, quantization=quantize)
         specs = quantized_specs(specs, quantize)
-        quantized = _QuantizedReads(specs, sources, np_dtype, quantize.group_size, count)
+        quantized = QuantizedReads(specs, sources, np_dtype, quantize.group_size, count)
     fixed = {s.path: np.dtype(s.dtype) for s in specs if s.dtype}
     stacked = {
         p: Stacked(shape, np.dtype(fixed.get(p, np.float32 if fp32 else np_dtype)), {})
@@ -295,11 +295,12 @@ def load_params(
     return _assembled(params, specs, cfg)
 
 
-class _QuantizedReads:
-    """A float checkpoint's weights quantised as they are read (load_params' `quantize`). Each quantised weight is
-    two params (`quantized_specs`: its values `q` and its scales); one read of the float tensor makes both, and the
-    part not asked for yet waits here until it is (load_params orders each scale after the values it comes with;
-    a part asked for first is made by a read of its own, so any order gives the same weights)."""
+class QuantizedReads:
+    """A float checkpoint's weights quantised as they are read (load_params' `quantize`, `hcfjax quantize`). Each
+    quantised weight is two tensors (`quantized_specs`: its values `q` and its scales, in the params' layout); one
+    read of the float tensor makes both, and the part not asked for yet waits here until it is (both callers ask
+    for each scale right after the values it comes with; a part asked for first is made by a read of its own, so
+    any order gives the same weights)."""
 
     def __init__(self, specs: list[TensorSpec], sources: dict, dtype: np.dtype, group: int, on_read):
         self.sources, self.dtype, self.group, self.on_read = sources, dtype, group, on_read

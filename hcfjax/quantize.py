@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import fp8
-from hcfjax.checkpoint import SHARD_BYTES, ignored_tensor, match_sources, read_weight
+from hcfjax.checkpoint import SHARD_BYTES, QuantizedReads, ignored_tensor, match_sources, read_weight
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.model import Model
 from hcfjax.quant import QWeight, quantize_as
 from hcfjax.safetensors_files import Planned, write_shards
-from hcfjax.tensor_specs import get_path, quantized_specs, scale_part, tensor_specs
+from hcfjax.tensor_specs import get_path, quantized_specs, tensor_specs
 
 
 def quantize_model(model: Model, scheme: str, group_size: int = 128) -> Model:
@@ -145,18 +145,15 @@ def quantize_checkpoint(
         Planned(s.name, np.dtype(s.dtype) if s.dtype else np.dtype(np.float32) if s.fp32 else bf16, s.shape)
         for s in qspecs.values()
     ]
-    scales = {}  # a quantised weight's scales, written right after its values (quantized_specs' order)
+    # made from the float tensors read as bf16, as `load` makes them; quantized_specs' order puts each scale right
+    # after its values
+    reads = None if copy else QuantizedReads(list(qspecs.values()), sources, bf16, group_size, lambda source: None)
 
     def values(t: Planned) -> np.ndarray:
         s = qspecs[t.name]
-        if s.quant and not copy:
-            w = jnp.asarray(read_weight(sources[s.name]).T.astype(bf16))  # [K, N], as `load` makes it
-            qw = quantize_as(w, s.quant, group_size)
-            scales[s.path[:-1] + (scale_part(s.quant),)] = getattr(qw, scale_part(s.quant))
-            return np.asarray(qw.q)
-        if s.path in scales:  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
-            scale = np.asarray(scales.pop(s.path))
-            return scale.T if s.linear else scale
+        if reads is not None and s.path in reads.parts:
+            part = reads.part(s)  # QWeight scales [K/G, N] -> the checkpoint's [N, K/G]; an Fp8Weight's as they are
+            return part.T if s.linear else part
         return read_weight(sources[s.name]).astype(t.dtype)
 
     out.mkdir(parents=True, exist_ok=True)

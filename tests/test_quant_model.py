@@ -127,18 +127,18 @@ def test_load_quantises_as_it_reads_what_quantising_the_loaded_model_gives(
     placed whole or position by position (w4a8c8, on a checkpoint whose experts' values and scales both outweigh
     its largest tensor; fp8 on the embedded model, placed whole); a checkpoint quantised to the scheme already
     loads as it is, one quantised to another is refused."""
-    from hcfjax.checkpoint import _QuantizedReads
+    from hcfjax.checkpoint import QuantizedReads
     from sharding.plans import prefill_plan
 
     where = moe_checkpoint if scheme == "w4a8c8" else None
-    waiting, part = [], _QuantizedReads.part
+    waiting, part = [], QuantizedReads.part
 
     def watched(self, spec):  # what waits on the host after each part: scales only, never a weight's values
         out = part(self, spec)
         waiting.append([field for parts in self._made.values() for field in parts])
         return out
 
-    monkeypatch.setattr(_QuantizedReads, "part", watched)
+    monkeypatch.setattr(QuantizedReads, "part", watched)
     made = hcfjax.load(where, scheme=scheme)
     assert waiting and not any("q" in fields for fields in waiting)
     monkeypatch.undo()
