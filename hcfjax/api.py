@@ -71,11 +71,7 @@ def load(
         dtype = checkpoint_dtype(path, headers)
     # mtp=False also skips MTP tensors the checkpoint holds; otherwise any past the config's layers are unexpected.
     sharding = None if plan is None else plan.param_sharding
-    quantize = None
-    if scheme is not None and not (cfg.quantization is not None and cfg.quantization.scheme == scheme):
-        if cfg.quantization is not None:
-            raise ValueError(f"the checkpoint is quantised already ({cfg.quantization.scheme}), not to {scheme}")
-        quantize = QuantConfig.for_scheme(scheme)
+    quantize = _quantize_to(cfg, scheme)
     params = load_params(path, cfg, jnp.dtype(dtype), mtp is not False, sharding, headers, quantize)
     cfg = cfg if quantize is None else dataclasses.replace(cfg, quantization=quantize)
     tok_file = path / "tokenizer.json"
@@ -83,14 +79,31 @@ def load(
     return Model(cfg, params, tokenizer, str(path))
 
 
+def _quantize_to(cfg: ModelConfig, scheme: str | None) -> QuantConfig | None:
+    """The quantisation `load(scheme=...)` applies as it reads a checkpoint of `cfg`: None where it applies none
+    (no scheme, or the checkpoint's own); ValueError for a checkpoint quantised to another scheme."""
+    if scheme is None or (cfg.quantization is not None and cfg.quantization.scheme == scheme):
+        return None
+    if cfg.quantization is not None:
+        raise ValueError(f"the checkpoint is quantised already ({cfg.quantization.scheme}), not to {scheme}")
+    return QuantConfig.for_scheme(scheme)
+
+
 def load_shapes(
-    path: str | Path | None = None, dtype=jnp.bfloat16, mtp: bool | None = None, fp8: str = "native"
+    path: str | Path | None = None,
+    dtype=jnp.bfloat16,
+    mtp: bool | None = None,
+    fp8: str = "native",
+    scheme: str | None = None,
 ) -> Model:
     """The Model `load` returns, with its params as jax.ShapeDtypeStructs on no device: from config.json and the
     safetensors headers alone, checked as `load` checks them before it reads a tensor (no warning: `load` gives
-    it). A server compiles its steps for these while `load` reads the weights."""
+    it), with `scheme` as load's (the quantised params' shapes). A server compiles its steps for these while `load`
+    reads the weights."""
     path = Path(DEFAULT_MODEL if path is None else path)
     cfg, headers = read_config(path, mtp, fp8, warn=False)
+    if (quantize := _quantize_to(cfg, scheme)) is not None:
+        cfg = dataclasses.replace(cfg, quantization=quantize)
     if isinstance(dtype, str) and dtype == "auto":
         dtype = checkpoint_dtype(path, headers)
     tok_file = path / "tokenizer.json"

@@ -164,9 +164,3 @@ def quantize_checkpoint(
         if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
             shutil.copy(src / name, out / name)
     return qcfg
-
-
-def is_scheme(model: Model, scheme: str) -> bool:
-    """Whether the model's weights are quantised per `scheme` already (e.g. an fp8 checkpoint loaded as fp8)."""
-    q = model.cfg.quantization
-    return q is not None and q.scheme == scheme

@@ -186,7 +186,8 @@ def shapes_of(tree):
 
 def test_shapes_without_reading_equal_what_loads(tmp_path):
     """What a server compiles for while its weights load (hcfjax serve): hcfjax.api.load_shapes from config.json and
-    the headers, and serving.config.load_model(shapes_only=True) with a scheme or a preset by jax.eval_shape, have
+    the headers, and serving.config.load_model(shapes_only=True) with a scheme (load_shapes) or a preset (by
+    jax.eval_shape), have
     the structure, shapes, dtypes and config of what load / load_model return: the embedded model in bf16 and,
     without its MTP layer, in f32; a w4a8c8 checkpoint; the embedded model quantised to w4a8c8 in memory; a random
     preset in w4a8."""

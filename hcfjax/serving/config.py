@@ -58,16 +58,15 @@ def load_model(
 ) -> Model:
     """The model `hcfjax serve` serves: the checkpoint at `path` (None: the embedded model), or a random model of
     `preset`'s shape (hcfjax.random_model.PRESETS; seed 0, so every worker of a PD deployment builds the same
-    weights), quantised to `scheme` in memory when given (as `hcfjax quantize` does: an fp8 checkpoint is read
-    dequantised for the other schemes, as it is for "fp8"); `fp8` as hcfjax.load's otherwise. ValueError for a
+    weights), quantised to `scheme` as it is made or read when given (as `hcfjax quantize` does: an fp8 checkpoint
+    is read dequantised for the other schemes, as it is for "fp8"); `fp8` as hcfjax.load's otherwise. ValueError for a
     path that is not a checkpoint, an unknown preset or scheme, or a scheme on a checkpoint that is quantised to
     another already. shapes_only: the same Model with its params as jax.ShapeDtypeStructs, without reading or
-    making a weight (a checkpoint's from its headers, hcfjax.api.load_shapes; the rest by jax.eval_shape)."""
+    making a weight (a checkpoint's from its headers, hcfjax.api.load_shapes; a random model's by jax.eval_shape)."""
     import jax.numpy as jnp
 
     import hcfjax
     from hcfjax.api import load_shapes
-    from hcfjax.quantize import is_scheme, quantize_model
 
     check_model_args(path, preset, scheme)
     if preset:
@@ -77,22 +76,18 @@ def load_model(
         # quantised as it is made: the float model never whole on the device beside the KV cache
         make = lambda: random_model(cfg, seed=0, dtype=floats, scheme=scheme)  # noqa: E731
         return _shapes_of(make) if shapes_only else make()
-    where, floats, fp8 = checkpoint_dir(path), load_dtype(dtype), fp8 if scheme in (None, "fp8") else "dequantize"
-    if not shapes_only:  # quantised as it is read: the float model never whole on the device beside the KV cache
-        return hcfjax.load(where, dtype=floats, fp8=fp8, scheme=scheme)
-    model = load_shapes(where, dtype=floats, fp8=fp8)
-    if scheme is not None and not is_scheme(model, scheme):
-        quantized = lambda params: quantize_model(dataclasses.replace(model, params=params), scheme)  # noqa: E731
-        model = _shapes_of(quantized, model.params)
-    return model
+    # quantised as it is read: the float model never whole on the device beside the KV cache
+    read = load_shapes if shapes_only else hcfjax.load
+    fp8 = fp8 if scheme in (None, "fp8") else "dequantize"
+    return read(checkpoint_dir(path), dtype=load_dtype(dtype), fp8=fp8, scheme=scheme)
 
 
-def _shapes_of(make, *args) -> Model:
-    """make(*args)'s Model with its params as jax.ShapeDtypeStructs (jax.eval_shape: nothing is computed)."""
+def _shapes_of(make) -> Model:
+    """make()'s Model with its params as jax.ShapeDtypeStructs (jax.eval_shape: nothing is computed)."""
     import jax
 
     made = []
-    shapes = jax.eval_shape(lambda *a: made.append(make(*a)) or made[0].params, *args)
+    shapes = jax.eval_shape(lambda: made.append(make()) or made[0].params)
     return dataclasses.replace(made[0], params=shapes)
 
 
