@@ -46,8 +46,7 @@ def engine_summary(engine) -> str:
         block = "x".join(map(str, q.fp8.weight_block_size))
         weights = f"fp8 weights ({q.fp8.fmt}, {block} block scales, {q.fp8.activation_scheme} {q.fp8.fmt} activations)"
     prefill = prefill_attention(c.options)
-    kv = engine.runner.state.cache
-    held = memory.size(sum(x.nbytes for x in (kv.kv, kv.scale) if x is not None))
+    held = memory.size(memory.tree_bytes(engine.runner.state.cache))
     pages = engine.total_pages
     pool = f"{pages:,} pages of {c.page_size} ({pages * c.page_size:,} tokens, {held})"
     return f"{weights}, {cache} KV cache of {pool}; decode runs {kernels}; prefill attention {prefill}"
