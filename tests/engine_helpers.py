@@ -22,6 +22,22 @@ def xla_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def linked(engine: Engine, timeout_s: float = 60.0):
+    """(a LinkedEngine, its EngineHost) over `engine` (started) through a pipe in this process, as the front-end
+    process holds one."""
+    import multiprocessing
+
+    from hcfjax.serving.engine_link import EngineHost, LinkedEngine
+    from hcfjax.serving.remote import ModelFront, RemoteLimits
+
+    ours, theirs = multiprocessing.Pipe()
+    host = EngineHost(engine, theirs).start()
+    c = engine.config
+    front = ModelFront(engine.cfg, engine.model.tokenizer, engine.model.path)
+    limits = RemoteLimits(c.max_slots, c.dp, c.max_queue)
+    return LinkedEngine(ours, front, engine.max_model_len, limits, timeout_s), host
+
+
 def assert_idle(engine: Engine, timeout: float) -> None:
     """Waits for the engine to hold no request and every page to be free (aborts land within a step or two)."""
     deadline = time.monotonic() + timeout

@@ -1,5 +1,6 @@
-"""gRPC serving end to end: the server in-process over the real Engine with the embedded model, and `hcfjax serve` /
-`hcfjax client` as subprocesses. Every test leaves the engine with all its pages free."""
+"""gRPC serving end to end: the server over the real Engine with the embedded model (through the engine link, as
+`hcfjax serve` runs it, and directly), and `hcfjax serve` / `hcfjax client` as subprocesses. Every test leaves the
+engine with all its pages free."""
 
 import contextlib
 import functools
@@ -45,14 +46,19 @@ def model():
 
 @pytest.fixture(scope="module")
 def served(model):
+    """The server as `hcfjax serve` runs it, over a LinkedEngine (hcfjax.serving.engine_link), here with both ends in
+    this process (test_engine_link spawns the front-end process); `engine` is the Engine itself."""
     engine = Engine(model, CONFIG)
-    metrics = Metrics(engine)
-    server = Server(engine, metrics=metrics).start()
+    engine.start()
+    linked, _ = engine_helpers.linked(engine)
+    metrics = Metrics(linked)
+    server = Server(linked, metrics=metrics).start()
     channel, stub = client.connect("127.0.0.1", server.port, ready_timeout=10)
     yield types.SimpleNamespace(engine=engine, server=server, metrics=metrics, channel=channel, stub=stub)
     channel.close()
     server.shutdown()
     assert_idle(engine, timeout=0)
+    engine.shutdown()
 
 
 assert_idle = functools.partial(engine_helpers.assert_idle, timeout=60.0)

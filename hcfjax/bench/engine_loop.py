@@ -38,10 +38,11 @@ from hcfjax.engine.request import Status
 
 
 class Timings:
-    """Seconds spent in the engine's plan, dispatch, wait for a step's tokens and processing of them, by wrapping
-    the engine's methods (the engine itself is unchanged)."""
+    """Seconds spent in the engine's plan, dispatch, wait for a step's tokens, processing of them and sending them
+    on (the after-step hooks registered so far: a front-end process's link), by wrapping the engine's methods (the
+    engine itself is unchanged)."""
 
-    PARTS = ("plan", "dispatch", "wait", "process")
+    PARTS = ("plan", "dispatch", "wait", "process", "send")
 
     def __init__(self, engine):
         self.reset()
@@ -66,6 +67,7 @@ class Timings:
         engine.scheduler.schedule = timed("plan", schedule)
         engine.runner.dispatch = timed("dispatch", dispatch)
         engine._process = waited
+        engine._after_step[:] = [timed("send", hook) for hook in engine._after_step]
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PARTS, 0.0)

@@ -4,8 +4,8 @@ search for the highest rate within the SLO.
     python -m hcfjax.bench.serve [--model PATH | --preset v2-lite] [--scheme w4a8c8|w4a8|w4a16|w8a8]
         [--requests 64] [--rate 2.0 | --sweep R1,R2,...] [--search [--search-range 0.25,16] [--search-iters 6]]
         [--input-scale 1] [--output-scale 0.125] [--max-slots 32] [--page-size 64] [--token-budget 2048]
-        [--max-model-len N] [--speculative K] [--efficiency] [--pd socket|jax [--pd-gpus P,D]] [--out FILE.json]
-        [--md FILE.md]
+        [--max-model-len N] [--speculative K] [--front process|thread] [--efficiency]
+        [--pd socket|jax [--pd-gpus P,D]] [--out FILE.json] [--md FILE.md]
 
 Lengths follow the reference's workload (hcfjax.sim.workload, which the simulator serves too: input mean 3.5k
 tokens, max 16k; output mean 1.2k, max 32k), each drawn from a log-normal with that mean (sigma 0.8), clipped at the
@@ -14,8 +14,10 @@ max; inputs are multiplied by --input-scale (default 1: production lengths) and 
 longest input plus the longest output, so nothing is clipped. Prompts are random token ids and outputs ignore eos,
 so every request produces its drawn length.
 
-Every rate is a fresh batch of --requests requests (the same lengths for every rate: one seed), sent by a client
-process of their own (a thread per request) once the previous batch has drained, to one server compiled once
+The gRPC server runs in a process of its own over the engine in this one (hcfjax.serving.front_process, as `hcfjax
+serve` runs it; --front thread: on threads of this process). Every rate is a fresh batch of --requests requests (the
+same lengths for every rate: one seed), sent by a client process of their own (a thread per request) once the
+previous batch has drained, to one server compiled once
 (Engine.warmup() compiles every step shape first, so compiles stay out). --sweep runs its rates in order; --search
 bisects (geometrically) for the highest rate at which 90% of the requests meet the SLO (TTFT < 2 s and TPOT < 50 ms;
 hcfjax.sim.workload.SLO) within --search-range, and says when a bound of the range was hit. Reported per rate, as a
@@ -52,6 +54,8 @@ from hcfjax.bench.common import header
 from hcfjax.bench.serve_clients import ClientProcess, warm_pd
 from hcfjax.serving.config import SCHEMES
 from hcfjax.sim.workload import REFERENCE, workload
+
+FRONTS = {"process": "in a process of its own", "thread": "on threads of the engine's process"}
 
 
 def shown_args(argv) -> str:
@@ -236,6 +240,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-rows", type=int, default=4)
     ap.add_argument("--min-bucket", type=int, default=16, help="smallest prefill chunk shape (fewer compiles)")
     ap.add_argument("--speculative", type=int, default=0)
+    ap.add_argument(
+        "--front",
+        choices=["process", "thread"],
+        default="process",
+        help="the gRPC server in a process of its own over the engine, as `hcfjax serve` runs it (default), or on "
+        "threads of the engine's process (its streams then share the engine loop's interpreter)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--efficiency",
@@ -284,6 +295,7 @@ def start(args) -> Served:
     from hcfjax.engine import Engine
     from hcfjax.kernels import engine_summary
     from hcfjax.serving.config import load_model
+    from hcfjax.serving.front_process import FrontProcess, Listen
     from hcfjax.serving.server import Server
 
     if args.pd:
@@ -301,9 +313,15 @@ def start(args) -> Served:
     spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
     engine = Engine(model, engine_config(args, spec))
     warm = engine.warmup()
-    server = Server(engine).start()
-    summary = f"colocated; {engine_summary(engine)}"
-    return Served(server.port, model.cfg, engine.max_model_len, warm, summary, model, engine, server)
+    if args.front == "thread":
+        server = Server(engine).start()
+        port = server.port
+    else:
+        engine.start()
+        server = FrontProcess(engine, Listen(grpc_port=0))
+        port = server.start().ports["grpc"]
+    summary = f"colocated, the gRPC server {FRONTS[args.front]}; {engine_summary(engine)}"
+    return Served(port, model.cfg, engine.max_model_len, warm, summary, model, engine, server)
 
 
 def main(argv=None) -> None:
@@ -389,7 +407,11 @@ def main(argv=None) -> None:
     compiles_run = engine.snapshot()["compiles"] - compiles_warm if engine else "n/a"
     if engine is not None:
         options = engine.config.options  # the offline decode runs as the engine did
-        served.server.shutdown()
+        if args.front == "thread":
+            served.server.shutdown()
+        else:
+            served.server.stop()
+            engine.shutdown()
         served.engine = served.server = engine = None  # the cache's memory goes back before an offline decode
     else:
         stop_pd(served.procs)

@@ -24,11 +24,11 @@ from hcfjax.detokenize import TextStream
 from hcfjax.engine import memory
 from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
 from hcfjax.engine.executables import ExecutableCache
-from hcfjax.engine.request import FinishReason, Output, Request, Status, next_output
+from hcfjax.engine.request import FinishReason, Output, Request, Status, stream_events
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.engine.shapes import StepShapes
-from hcfjax.frontdoor import FrontDoor, InvalidRequest, check_request_id, new_request_id
+from hcfjax.frontdoor import Checked, FrontDoor, InvalidRequest, check_request_id, new_request_id
 from hcfjax.model import Model
 from hcfjax.quantize import cache_dtype_for
 from hcfjax.sampling import SamplingParams
@@ -148,6 +148,7 @@ class Engine:
         self._stopping = False
         self.failure: str | None = None  # why the loop stopped, if an error stopped it
         self._on_failure: list[Callable[[str], None]] = []
+        self._after_step: list[Callable[[], None]] = []
         self.steps = 0
 
     # -- the caller's side (any thread) ----------------------------------------------------------------------------
@@ -178,6 +179,13 @@ class Engine:
             stop=stop,
             seed=seed,
         )
+        return self.add(rid, c)
+
+    def add(self, request_id: str, c: Checked, events=None) -> Request:
+        """Queues a request that passed the front door already (a front end in another process checked it);
+        `events` (anything with put(Output), by default a queue of the request's own) receives its Outputs. Raises
+        QueueFull, EngineStopped, or InvalidRequest for an id in use."""
+        rid = request_id
         tok = self.model.tokenizer
         text = TextStream(tok, c.stop_ids, c.stop) if tok is not None else None
         with self._lock:
@@ -191,6 +199,8 @@ class Engine:
             if rid in self._requests:
                 raise InvalidRequest(f"request id {rid!r} is in use", "request_id")
             req = Request(rid, c.prompt, c.sampling, c.max_new_tokens, c.stop_ids, c.seed, self.clock(), text=text)
+            if events is not None:
+                req.events = events
             self._requests[rid] = req
             self._inbox.append(req)
             trace.mark("arrive", rid, n=len(c.prompt))
@@ -225,11 +235,7 @@ class Engine:
     def stream(self, request: Request, timeout: float | None = None) -> Iterator[Output]:
         """The request's Output events until the one with `finish` set (those queued together merged:
         `next_output`)."""
-        while True:
-            out = next_output(request.events, timeout)
-            yield out
-            if out.finish is not None:
-                return
+        return stream_events(request.events, timeout)
 
     def ready(self) -> bool:
         """Whether requests are served: the loop runs and the engine is not shutting down."""
@@ -285,6 +291,8 @@ class Engine:
                     if self._stopping:
                         break
                 self.step()
+                for done in self._after_step:
+                    done()
         except Exception as e:  # noqa: BLE001 - an error outside a step's dispatch (the device failed, say)
             log.exception("the engine's loop failed: it serves no more requests")
             self._fail_all(f"{type(e).__name__}: {e}")
@@ -309,6 +317,11 @@ class Engine:
     def on_failure(self, tell: Callable[[str], None]) -> None:
         """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy."""
         self._on_failure.append(tell)
+
+    def after_step(self, done: Callable[[], None]) -> None:
+        """done() runs on the loop's thread after each step, once the step's Outputs are out (a front end in
+        another process sends them on together)."""
+        self._after_step.append(done)
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import queue
+from collections.abc import Iterator
 
 from hcfjax.detokenize import TextStream
 from hcfjax.sampling import SamplingParams
@@ -62,6 +63,15 @@ def next_output(events, timeout: float | None = None) -> Output:
             out.request_id, out.token_ids + nxt.token_ids, out.text + nxt.text, nxt.finish, nxt.usage, nxt.error
         )
     return out
+
+
+def stream_events(events, timeout: float | None = None) -> Iterator[Output]:
+    """A request's Output events (`next_output`'s merges) until the one with `finish` set."""
+    while True:
+        out = next_output(events, timeout)
+        yield out
+        if out.finish is not None:
+            return
 
 
 @dataclasses.dataclass(eq=False)

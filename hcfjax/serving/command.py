@@ -198,42 +198,33 @@ def _serve_until_signal(args, started: float) -> int:
     from hcfjax.engine import Engine
     from hcfjax.kernels import engine_summary
     from hcfjax.serving.chat_template import ChatTemplate
-    from hcfjax.serving.http import serve as serve_http
-    from hcfjax.serving.server import serve
+    from hcfjax.serving.front_process import Listen, serve
 
     try:
         model, weights = served_model_and_weights(args)  # the weights load while the steps compile
         engine = Engine(model, engine_config(args), weights=weights)
-        path = engine.model.path
-        template = ChatTemplate.for_checkpoint(path, args.chat_template) if args.http_port is not None else None
+        template = None
+        if args.http_port is not None:
+            t = ChatTemplate.for_checkpoint(engine.model.path, args.chat_template)
+            template = (t.source, t.bos_token, t.eos_token)
     except (ValueError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     announce = announcer(random_label(args.preset, args.scheme))
     announce(f"hcfjax serve: {engine_summary(engine)}")
     engine_notices_to_stderr()
-    common = dict(
+    listen = Listen(
+        host=args.host,
+        grpc_port=args.port,
+        http_port=args.http_port,
         metrics_port=args.metrics_port,
-        grace=args.grace,
-        warmup=args.warmup,
+        model_name=served_model_name(args) if args.http_port is not None else None,
+        chat_template=template,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
-        started=started,
-        announce=announce,
     )
     try:
-        if args.http_port is None:
-            serve(engine, args.host, args.port, **common)
-        else:
-            serve_http(
-                engine,
-                args.host,
-                args.http_port,
-                args.port,
-                model_name=served_model_name(args),
-                chat_template=template,
-                **common,
-            )
+        serve(engine, listen, grace=args.grace, warmup=args.warmup, started=started, announce=announce)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

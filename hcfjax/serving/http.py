@@ -5,8 +5,9 @@
     # POST /v1/completions, /v1/chat/completions (streamed as server-sent events or not), GET /v1/models, /health
     server.shutdown()
 
-Requests go to the same Engine as gRPC's (both can serve one engine, see serve()). The wait for a request's events
-(a queue the engine thread fills) runs on a thread pool sized like the gRPC server's, one thread per request.
+Requests go to the same Engine as gRPC's (both can serve one engine: hcfjax.serving.front_process). The wait for
+a request's events (a queue the engine thread fills) runs on a thread pool sized like the gRPC server's, one thread
+per request.
 A client that disconnects has its request aborted, which frees its pages: a stream notices when its connection
 closes, a non-streamed request when it polls the connection (every POLL_S while it waits).
 
@@ -396,56 +397,3 @@ class HTTPServer:
         if self._thread is not None:
             self._thread.join(grace + 2.0)
         self.service.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def serve(
-    engine: Engine,
-    host: str = "127.0.0.1",
-    http_port: int | None = 0,
-    grpc_port: int | None = None,
-    *,
-    metrics_port: int | None = None,
-    grace: float = 3.0,
-    warmup: bool = True,
-    model_name: str | None = None,
-    chat_template: ChatTemplate | None = None,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    started: float | None = None,
-    announce=lambda line: print(line, flush=True),
-) -> None:
-    """Runs the HTTP server, and the gRPC server too when grpc_port is given, over one engine until SIGINT or SIGTERM
-    (call from the main thread); hcfjax.serving.server.serve is the gRPC-only version (its docstring says what
-    warmup, started and announce do). api_key guards HTTP, gRPC and the metrics port alike."""
-    from hcfjax.serving.server import Server, until_signal
-    from hcfjax.serving.startup import ready_line, warm_up
-
-    metrics = Metrics(engine)
-    limits = dict(metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
-    grpc_server = Server(engine, host, grpc_port, **limits) if grpc_port is not None else None
-    http = HTTPServer(engine, host, http_port, model_name=model_name, chat_template=chat_template, **limits)
-    if warmup:
-        warm_up(engine, announce)
-    try:
-        with until_signal(announce):
-            where = []
-            if grpc_server is not None:
-                grpc_server.start()
-                announce(f"hcfjax serve: listening on {host}:{grpc_server.port}")
-                where.append(f"gRPC {host}:{grpc_server.port}")
-            http.start()
-            announce(
-                f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{http.port}/v1 "
-                f"(model {http.service.model_name!r})"
-            )
-            where.append(f"HTTP http://{host}:{http.port}/v1")
-            if metrics_port:
-                metrics_at = metrics.serve(metrics_port, host, api_key=api_key)
-                announce(f"hcfjax serve: metrics on http://{host}:{metrics_at}/metrics")
-            announce(ready_line(started, where))
-    finally:
-        http.service.stopping = True  # refuse new HTTP requests while gRPC drains
-        if grpc_server is not None:
-            grpc_server.shutdown(grace)  # shuts the engine down: every open stream, gRPC or HTTP, gets its end
-        http.shutdown(grace)
-        metrics.close()

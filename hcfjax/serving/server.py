@@ -37,7 +37,6 @@ from hcfjax.serving.guards import (
     guarded_server,
 )
 from hcfjax.serving.metrics import Metrics
-from hcfjax.serving.startup import ready_line, warm_up
 
 log = logging.getLogger("hcfjax.serving")
 
@@ -232,8 +231,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def until_signal(announce):
-    """Runs the block (start the servers in it), then waits until SIGINT or SIGTERM. The handlers are in place before
+def until_signal(announce, alive=lambda: True):
+    """Runs the block (start the servers in it), then waits until SIGINT or SIGTERM (or until alive() is false: the
+    servers' process died). The handlers are in place before
     the block runs, so a signal right after a server announces itself is not lost; the previous handlers come back on
     exit, so a second signal during the caller's shutdown acts as usual. Call from the main thread.
 
@@ -249,46 +249,10 @@ def until_signal(announce):
     gc.freeze()
     try:
         yield
-        while not received:
+        while not received and alive():
             time.sleep(0.2)  # a signal ends the sleep; its handler runs in this (the main) thread
         announce("hcfjax serve: shutting down")
     finally:
         gc.unfreeze()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def serve(
-    engine: Engine,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    metrics_port: int | None = None,
-    grace: float = 3.0,
-    warmup: bool = True,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    started: float | None = None,
-    announce=lambda line: print(line, flush=True),
-) -> None:
-    """Runs a Server until SIGINT or SIGTERM, then shuts it down gracefully (call from the main thread). api_key
-    guards the Generation service and the metrics port.
-
-    warmup: compile the engine step shapes that hold all the others before listening, so no request waits for a
-    compile (the smaller shapes compile in the background; hcfjax.serving.startup.warm_up).
-    announce(line) is told the bound addresses once the server listens (tests start it on port 0 and read them),
-    then that it is ready (with the seconds since `started`, a time.monotonic() of the command's start)."""
-    metrics = Metrics(engine)
-    server = Server(engine, host, port, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
-    if warmup:
-        warm_up(engine, announce)
-    try:
-        with until_signal(announce):
-            server.start()
-            announce(f"hcfjax serve: listening on {host}:{server.port}")
-            if metrics_port:
-                metrics_at = metrics.serve(metrics_port, host, api_key=api_key)
-                announce(f"hcfjax serve: metrics on http://{host}:{metrics_at}/metrics")
-            announce(ready_line(started, [f"gRPC {host}:{server.port}"]))
-    finally:
-        server.shutdown(grace)

@@ -1,0 +1,229 @@
+"""`hcfjax serve`'s front ends (gRPC, the OpenAI-compatible HTTP API, the metrics scrape) in a process of their own,
+over the engine in this one.
+
+    engine.warmup(); engine.start()
+    front = FrontProcess(engine, Listen(grpc_port=0, http_port=8000))
+    up = front.start()          # the child listens: up.lines to print, up.where, up.ports
+    ...
+    front.stop(grace=3.0)       # the servers shut down (the engine aborts what is in flight), the child exits
+    engine.shutdown()
+
+The child (spawned: no inherited jax or CUDA state; it keeps jax on the CPU and never computes) serves
+hcfjax.serving.server.Server / hcfjax.serving.http.HTTPServer over a LinkedEngine (hcfjax.serving.engine_link),
+so a stream's thread, the HTTP event loop, tokenizing and building responses never take the GIL from the engine's
+loop. It ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a service manager's stop, reaches the whole process
+group: the parent decides) and stops when told or when the parent's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import signal
+
+from hcfjax.serving.engine_link import EngineHost, LinkedEngine
+from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
+from hcfjax.serving.remote import ModelFront, RemoteLimits
+
+
+@dataclasses.dataclass(frozen=True)
+class Listen:
+    """Which servers to run and how: grpc_port / http_port None: that server is off (0: a free port); metrics_port
+    0 or None: no scrape; chat_template: (source, bos, eos) of a ChatTemplate (None: the checkpoint's)."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int | None = 0
+    http_port: int | None = None
+    metrics_port: int | None = None
+    model_name: str | None = None
+    chat_template: tuple[str, str, str] | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Up:
+    """What the front ends said once listening: lines to announce, where they listen (for the ready line), ports."""
+
+    lines: list[str]
+    where: list[str]
+    ports: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Front:
+    """What the child needs of the engine to check and stream requests: no weights, no device."""
+
+    model: ModelFront
+    max_model_len: int
+    limits: RemoteLimits
+    listen: Listen
+
+
+class Servers:
+    """The servers `listen` asks for over one engine (an Engine, or a LinkedEngine in the front-end process)."""
+
+    def __init__(self, engine, listen: Listen):
+        from hcfjax.serving.chat_template import ChatTemplate
+        from hcfjax.serving.http import HTTPServer
+        from hcfjax.serving.metrics import Metrics
+        from hcfjax.serving.server import Server
+
+        self.listen = s = listen
+        self.metrics = Metrics(engine)
+        limits = dict(metrics=self.metrics, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
+        self.grpc = self.http = None
+        if s.grpc_port is not None:
+            self.grpc = Server(engine, s.host, s.grpc_port, **limits)
+        if s.http_port is not None:
+            template = ChatTemplate(*s.chat_template) if s.chat_template else None
+            self.http = HTTPServer(
+                engine, s.host, s.http_port, model_name=s.model_name, chat_template=template, **limits
+            )
+
+    def start(self) -> Up:
+        host, lines, where, ports = self.listen.host, [], [], {}
+        if self.grpc is not None:
+            self.grpc.start()
+            ports["grpc"] = self.grpc.port
+            lines.append(f"hcfjax serve: listening on {host}:{self.grpc.port}")
+            where.append(f"gRPC {host}:{self.grpc.port}")
+        if self.http is not None:
+            self.http.start()
+            ports["http"] = self.http.port
+            name = self.http.service.model_name
+            lines.append(f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{self.http.port}/v1 (model {name!r})")
+            where.append(f"HTTP http://{host}:{self.http.port}/v1")
+        if self.listen.metrics_port:
+            ports["metrics"] = self.metrics.serve(self.listen.metrics_port, host, api_key=self.listen.api_key)
+            lines.append(f"hcfjax serve: metrics on http://{host}:{ports['metrics']}/metrics")
+        return Up(lines, where, ports)
+
+    def shutdown(self, grace: float) -> None:
+        """New requests refused; the engine aborts what is in flight, so every open stream, gRPC or HTTP, gets its
+        end; what is still open after `grace` seconds is closed."""
+        if self.http is not None:
+            self.http.service.stopping = True  # refuse new HTTP requests while gRPC drains
+        if self.grpc is not None:
+            self.grpc.shutdown(grace)
+        if self.http is not None:
+            self.http.shutdown(grace)
+        self.metrics.close()
+
+
+class FrontProcess:
+    """The servers of `listen` in a child process over `engine` (started, or started before the child is)."""
+
+    def __init__(self, engine, listen: Listen):
+        c = engine.config
+        front = _Front(
+            ModelFront(engine.cfg, engine.model.tokenizer, engine.model.path),
+            engine.max_model_len,
+            RemoteLimits(c.max_slots, c.dp, c.max_queue),
+            listen,
+        )
+        context = multiprocessing.get_context("spawn")
+        self._control, control = context.Pipe()
+        link, child_link = context.Pipe()
+        self.host = EngineHost(engine, link)
+        self.process = context.Process(
+            target=_front_main, args=(control, child_link, front), name="hcfjax-front", daemon=True
+        )
+        self._child_ends = (control, child_link)
+        self._stopped = False
+
+    def start(self, timeout: float = 120.0) -> Up:
+        """Starts the child; returns once its servers listen. OSError if they cannot (a port in use, say)."""
+        self.host.start()
+        self.process.start()
+        for end in self._child_ends:  # the child's copies: its exit then closes the pipes
+            end.close()
+        if not self._control.poll(timeout):
+            self.stop(0)
+            raise OSError(f"the front-end process did not start within {timeout:g} s")
+        try:
+            kind, value = self._control.recv()
+        except EOFError:
+            kind, value = "error", f"the front-end process ended (exit status {self.process.exitcode})"
+        if kind == "error":
+            self.stop(0)
+            raise OSError(value)
+        return value
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Shuts the servers down (each open stream gets its end) and waits for the child to exit."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.process.is_alive():
+            try:
+                self._control.send(("stop", grace))
+            except OSError:
+                pass
+            self.process.join(2 * grace + 10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.host.join(5)  # it sees the child's end close and aborts what the child left
+        self._control.close()
+        self.host.conn.close()
+
+
+def _front_main(control, link, front: _Front) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # (nothing here computes; a GPU backend would take device memory)
+    try:
+        engine = LinkedEngine(link, front.model, front.max_model_len, front.limits)
+        servers = Servers(engine, front.listen)
+        up = servers.start()
+    except Exception as e:  # noqa: BLE001 - the parent reports it and exits
+        control.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)))
+        return
+    control.send(("up", up))
+    try:
+        _, grace = control.recv()
+    except (EOFError, OSError):  # the parent is gone
+        grace = 0.0
+    servers.shutdown(grace)
+
+
+def serve(
+    engine,
+    listen: Listen,
+    *,
+    grace: float = 3.0,
+    warmup: bool = True,
+    started: float | None = None,
+    announce=lambda line: print(line, flush=True),
+) -> None:
+    """Runs `listen`'s servers in a front-end process over `engine` until SIGINT or SIGTERM (call from the main
+    thread), then shuts both down gracefully. OSError if the servers cannot listen or their process dies.
+
+    warmup: compile the engine step shapes that hold all the others before listening, so no request waits for a
+    compile (the smaller shapes compile in the background; hcfjax.serving.startup.warm_up).
+    announce(line) is told the bound addresses once the servers listen (tests start them on port 0 and read them),
+    then that the server is ready (with the seconds since `started`, a time.monotonic() of the command's start)."""
+    from hcfjax.serving.server import until_signal
+    from hcfjax.serving.startup import ready_line, warm_up
+
+    if warmup:
+        warm_up(engine, announce)
+    front = FrontProcess(engine, listen)
+    try:
+        with until_signal(announce, alive=front.alive):
+            engine.start()
+            up = front.start()
+            for line in up.lines:
+                announce(line)
+            announce(ready_line(started, up.where))
+        if not front.alive():
+            raise OSError(f"the front-end process ended (exit status {front.process.exitcode})")
+    finally:
+        front.stop(grace)
+        engine.shutdown(timeout=grace)
