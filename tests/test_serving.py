@@ -8,6 +8,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -462,6 +463,21 @@ def test_serve_shuts_down_gracefully_on_sigterm():
         err = rpc_error(lambda: client.generate(stub, "x", max_new_tokens=2, timeout=5))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         channel.close()
+
+
+def test_a_port_in_use_fails_the_start(tmp_path):
+    """The servers' process binds its ports while the steps compile: one in use ends the command with exit status 1
+    and the address, never a ready line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with serve_process("--http-port", str(port), "--max-slots", "2", "--compile-cache", "off") as (proc, lines):
+            assert proc.wait(timeout=60) == 1
+            time.sleep(0.2)  # the reader thread takes the last lines
+            log = [lines.get() for _ in range(lines.qsize())]
+    assert any(f"error: cannot listen on 127.0.0.1:{port}" in line for line in log), log
+    assert not any("hcfjax serve: ready" in line or "Traceback" in line for line in log), log
 
 
 def test_ctrl_c_during_warmup_exits_quietly(tmp_path):

@@ -1,8 +1,9 @@
 """`hcfjax serve`'s front ends (gRPC, the OpenAI-compatible HTTP API, the metrics scrape) in a process of their own,
 over the engine in this one.
 
-    engine.warmup(); engine.start()
     front = FrontProcess(engine, Listen(grpc_port=0, http_port=8000))
+    front.spawn()               # the child imports and binds its ports while the engine compiles
+    engine.warmup(); engine.start()
     up = front.start()          # the child listens: up.lines to print, up.where, up.ports
     ...
     front.stop(grace=3.0)       # the servers shut down (the engine aborts what is in flight), the child exits
@@ -17,6 +18,7 @@ group: the parent decides) and stops when told or when the parent's end of the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import signal
@@ -24,6 +26,8 @@ import signal
 from hcfjax.serving.engine_link import EngineHost, LinkedEngine
 from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
 from hcfjax.serving.remote import ModelFront, RemoteLimits
+
+STOPS = {signal.SIGINT, signal.SIGTERM}  # the child leaves them to this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +116,8 @@ class Servers:
 
 
 class FrontProcess:
-    """The servers of `listen` in a child process over `engine` (started, or started before the child is)."""
+    """The servers of `listen` in a child process over `engine`. spawn() starts the child, which imports what it
+    needs and binds its ports while this process compiles; start() (once the engine runs) has it listen."""
 
     def __init__(self, engine, listen: Listen):
         c = engine.config
@@ -130,22 +135,43 @@ class FrontProcess:
             target=_front_main, args=(control, child_link, front), name="hcfjax-front", daemon=True
         )
         self._child_ends = (control, child_link)
-        self._stopped = False
+        self._bound = self._stopped = False
+
+    def spawn(self) -> None:
+        if self.process.pid is None:
+            self.host.start()
+            # the child starts with these blocked (a mask survives fork and exec) until it ignores them: a Ctrl-C
+            # while it imports would otherwise end it with a traceback; here they wait, and arrive once unblocked
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+            try:
+                self.process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            for end in self._child_ends:  # the child's copies: its exit then closes the pipes
+                end.close()
+
+    def check(self, timeout: float = 0.0) -> bool:
+        """Whether the child has bound its ports (waiting up to `timeout` seconds); OSError if it could not (a port
+        in use, say), or if it ended."""
+        if not self._bound and self._control.poll(timeout):
+            self._bound = self._expect("bound") is None
+        return self._bound
 
     def start(self, timeout: float = 120.0) -> Up:
-        """Starts the child; returns once its servers listen. OSError if they cannot (a port in use, say)."""
-        self.host.start()
-        self.process.start()
-        for end in self._child_ends:  # the child's copies: its exit then closes the pipes
-            end.close()
-        if not self._control.poll(timeout):
+        """Has the child listen (spawning it first if need be); returns once it does. OSError if it cannot."""
+        self.spawn()
+        if not self.check(timeout):
             self.stop(0)
             raise OSError(f"the front-end process did not start within {timeout:g} s")
+        self._control.send(("start",))
+        return self._expect("up")
+
+    def _expect(self, kind: str):
         try:
-            kind, value = self._control.recv()
-        except EOFError:
-            kind, value = "error", f"the front-end process ended (exit status {self.process.exitcode})"
-        if kind == "error":
+            got, value = self._control.recv()
+        except (EOFError, OSError):
+            got, value = "error", f"the front-end process ended (exit status {self.process.exitcode})"
+        if got != kind:
             self.stop(0)
             raise OSError(value)
         return value
@@ -167,29 +193,34 @@ class FrontProcess:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
-        self.host.join(5)  # it sees the child's end close and aborts what the child left
+        if self.process.pid is not None:
+            self.host.join(5)  # it sees the child's end close and aborts what the child left
         self._control.close()
         self.host.conn.close()
 
 
 def _front_main(control, link, front: _Front) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOPS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # (nothing here computes; a GPU backend would take device memory)
     try:
         engine = LinkedEngine(link, front.model, front.max_model_len, front.limits)
         servers = Servers(engine, front.listen)
-        up = servers.start()
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits
-        control.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)))
+        with contextlib.suppress(OSError):
+            control.send(("error", str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"))
         return
-    control.send(("up", up))
+    grace = 0.0
     try:
-        _, grace = control.recv()
+        control.send(("bound", None))
+        if control.recv()[0] == "start":
+            control.send(("up", servers.start()))
+            _, grace = control.recv()  # ("stop", grace)
     except (EOFError, OSError):  # the parent is gone
-        grace = 0.0
+        pass
     servers.shutdown(grace)
 
 
@@ -212,9 +243,14 @@ def serve(
     from hcfjax.serving.server import until_signal
     from hcfjax.serving.startup import ready_line, warm_up
 
-    if warmup:
-        warm_up(engine, announce)
     front = FrontProcess(engine, listen)
+    front.spawn()  # its imports and ports while the steps compile
+    if warmup:
+        try:
+            warm_up(engine, announce, check=front.check)
+        except BaseException:  # (Ctrl-C too)
+            front.stop(0)
+            raise
     try:
         with until_signal(announce, alive=front.alive):
             engine.start()

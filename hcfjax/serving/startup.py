@@ -65,10 +65,17 @@ class CompileProgress:
             self._bar.close()
 
 
-def warm_up(engine, announce) -> float:
+def warm_up(engine, announce, check=lambda: None) -> float:
     """Compiles the step shapes of `engine` that hold all the others, with a progress display, and starts the
-    others compiling in the background (steps pad to a compiled shape meanwhile); -> seconds."""
-    seconds = engine.warmup(progress=CompileProgress(), rest_later=True)
+    others compiling in the background (steps pad to a compiled shape meanwhile); -> seconds. check() runs as each
+    shape's compile ends: an error it raises (the servers' process could not bind its ports) ends the warm-up."""
+    bar = CompileProgress()
+
+    def progress(done: int, total: int) -> None:
+        check()
+        bar(done, total)
+
+    seconds = engine.warmup(progress=progress, rest_later=True)
     disk = engine.runner.disk
     loaded = f" ({disk.hits} loaded from the step cache)" if disk is not None and disk.hits else ""
     later = " (the other step shapes go on compiling in the background)" if engine.runner.compiling() else ""
