@@ -259,3 +259,28 @@ def encode_text(tokenizer, text: str) -> list[int]:
     answers) for as long as it took. The fast variant skips the character offsets, which nothing reads."""
     batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
     return batch([text])[0].ids
+
+
+class Submitting:
+    """submit() for every engine surface: the Engine, and the stand-ins for one that front ends hold (over a pipe to
+    the engine's process, over gRPC to a router). It runs the front door's checks (self.door) and hands the checked
+    request to self.add(request_id, checked), which queues it and returns the request."""
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | None = 64,
+        stop_token_ids: list[int] | None = None,
+        stop: str | list[str] | None = None,
+        seed: int = 0,
+        request_id: str | None = None,
+    ):
+        """Queues a request (never waits for its tokens). max_new_tokens None: up to the end of the context;
+        stop_token_ids None: the checkpoint's eos tokens; stop: strings that end the request (its text cut just
+        before the first). Raises InvalidRequest (the checks), QueueFull or EngineStopped."""
+        rid = new_request_id() if request_id is None else check_request_id(request_id)
+        checked = self.door.check(prompt, sampling=sampling, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop_token_ids, stop=stop, seed=seed)  # fmt: skip
+        return self.add(rid, checked)

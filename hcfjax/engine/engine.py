@@ -28,10 +28,9 @@ from hcfjax.engine.request import FinishReason, Output, Request, Status, stream_
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
 from hcfjax.engine.shapes import StepShapes
-from hcfjax.frontdoor import Checked, FrontDoor, InvalidRequest, check_request_id, new_request_id
+from hcfjax.frontdoor import Checked, FrontDoor, InvalidRequest, Submitting
 from hcfjax.model import Model
 from hcfjax.quantize import cache_dtype_for
-from hcfjax.sampling import SamplingParams
 
 log = logging.getLogger("hcfjax.engine")
 
@@ -53,7 +52,7 @@ def _live_eplb(model: Model, c: EngineConfig, plan):
     return LiveEplb(model.cfg, plan, c.eplb_redundant, c.eplb_interval, c.eplb_window, num_nodes=c.eplb_nodes)
 
 
-class Engine:
+class Engine(Submitting):
     def __init__(self, model: Model, config: EngineConfig | None = None, decode_plan=None, remote=None, weights=None):
         """decode_plan (sharding.plans.decode_plan): run the dp ranks on the plan's devices, attention data
         parallel and experts over EP; config.dp must equal the plan's size. Without one all ranks share a device.
@@ -156,33 +155,8 @@ class Engine:
         """A text prompt's token ids as a request's would be (raises InvalidRequest for text that cannot fit)."""
         return self.door.encode(text)
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        *,
-        sampling: SamplingParams | None = None,
-        max_new_tokens: int | None = 64,
-        stop_token_ids: list[int] | None = None,
-        stop: str | list[str] | None = None,
-        seed: int = 0,
-        request_id: str | None = None,
-    ) -> Request:
-        """Queues a request (never blocks). max_new_tokens None: up to the end of the context; stop_token_ids None:
-        the checkpoint's eos tokens; stop: strings that end the request (its text cut just before the first).
-        Raises InvalidRequest (hcfjax.frontdoor's checks), QueueFull or EngineStopped."""
-        rid = new_request_id() if request_id is None else check_request_id(request_id)
-        c = self.door.check(
-            prompt,
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            stop=stop,
-            seed=seed,
-        )
-        return self.add(rid, c)
-
     def add(self, request_id: str, c: Checked, events=None) -> Request:
-        """Queues a request that passed the front door already (a front end in another process checked it);
+        """Queues a request that passed the front door (submit, or a front end in another process, checked it);
         `events` (anything with put(Output), by default a queue of the request's own) receives its Outputs. Raises
         QueueFull, EngineStopped, or InvalidRequest for an id in use."""
         rid = request_id

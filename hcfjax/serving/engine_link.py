@@ -27,8 +27,7 @@ from collections.abc import Callable
 
 from hcfjax.engine import EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Usage
 from hcfjax.engine.request import stream_events
-from hcfjax.frontdoor import FrontDoor, check_request_id, new_request_id
-from hcfjax.sampling import SamplingParams
+from hcfjax.frontdoor import Checked, FrontDoor, Submitting
 from hcfjax.serving.remote import ModelFront, RemoteLimits
 
 log = logging.getLogger("hcfjax.serving")
@@ -154,7 +153,7 @@ class LinkedRequest:
         return self._usage
 
 
-class LinkedEngine:
+class LinkedEngine(Submitting):
     """The Engine surface that hcfjax.serving.server and .http use, over the EngineHost at the other end of
     `conn`; requests are checked against `front`'s model and a context of max_model_len, as the engine's door
     would check them, and the servers size their thread pools from `limits`."""
@@ -191,21 +190,8 @@ class LinkedEngine:
     def snapshot(self) -> dict:
         return self._call("snapshot")
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        *,
-        sampling: SamplingParams | None = None,
-        max_new_tokens: int | None = 64,
-        stop_token_ids: list[int] | None = None,
-        stop: str | list[str] | None = None,
-        seed: int = 0,
-        request_id: str | None = None,
-    ) -> LinkedRequest:
-        """Engine.submit's checks and arguments; returns once the engine has queued the request."""
-        rid = new_request_id() if request_id is None else check_request_id(request_id)
-        c = self.door.check(prompt, sampling=sampling, max_new_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, stop=stop, seed=seed)  # fmt: skip
+    def add(self, rid: str, c: Checked) -> LinkedRequest:
+        """Hands a checked request (submit's) to the engine; returns once the engine has queued it."""
         with self._lock:
             if self.failure is not None:
                 raise EngineStopped(f"the engine stopped after an error: {self.failure}")

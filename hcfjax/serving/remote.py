@@ -27,8 +27,7 @@ import grpc
 
 from hcfjax.config import ModelConfig
 from hcfjax.engine import EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Usage
-from hcfjax.frontdoor import FrontDoor, check_request_id, new_request_id
-from hcfjax.sampling import SamplingParams
+from hcfjax.frontdoor import Checked, FrontDoor, Submitting
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import hcfjax_pb2_grpc as pb_grpc
 from hcfjax.serving.client import auth_metadata
@@ -144,7 +143,7 @@ class RemoteRequest:
         self.events.put(out)
 
 
-class RemoteEngine:
+class RemoteEngine(Submitting):
     """The Engine surface that hcfjax.serving.http uses, over the Generation service at `address` (its requests
     checked against `front`'s model and a context of max_model_len, as the workers' engines check them)."""
 
@@ -181,22 +180,9 @@ class RemoteEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.door.encode(text)
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        *,
-        sampling: SamplingParams | None = None,
-        max_new_tokens: int | None = 64,
-        stop_token_ids: list[int] | None = None,
-        stop: str | list[str] | None = None,
-        seed: int = 0,
-        request_id: str | None = None,
-    ) -> RemoteRequest:
-        """Engine.submit's checks and arguments; returns once the service has taken the request (queued it, as
-        Engine.submit does) or raises what Engine.submit raises for the cause it gives."""
-        rid = new_request_id() if request_id is None else check_request_id(request_id)
-        c = self.door.check(prompt, sampling=sampling, max_new_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, stop=stop, seed=seed)  # fmt: skip
+    def add(self, rid: str, c: Checked) -> RemoteRequest:
+        """Starts the Generate call of a checked request (submit's); returns once the service has taken it (queued
+        it, as Engine.submit does) or raises what Engine.submit raises for the cause it gives."""
         sp = c.sampling
         message = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=c.prompt),
