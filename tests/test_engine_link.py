@@ -2,6 +2,7 @@
 process `hcfjax serve` runs, spawned over the real Engine with the embedded model, and what each end does when the
 other goes away or fails. (test_serving runs the gRPC tests over the link with both ends in this process.)"""
 
+import multiprocessing
 import os
 import socket
 import threading
@@ -14,7 +15,9 @@ import hcfjax
 from hcfjax.engine import Engine, EngineConfig, EngineStopped, FinishReason, InvalidRequest
 from hcfjax.serving import client
 from hcfjax.serving import hcfjax_pb2 as pb
+from hcfjax.serving.engine_link import LinkedEngine, NoAnswer
 from hcfjax.serving.front_process import FrontProcess, Listen
+from hcfjax.serving.remote import ModelFront, RemoteLimits
 from tests import engine_helpers
 from tests.http_helpers import free_port, post
 
@@ -50,15 +53,17 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def test_a_port_in_use_is_an_oserror_and_the_child_exits(engine):
+@pytest.mark.parametrize("server", ["http_port", "metrics_port"])
+def test_a_port_in_use_is_an_oserror_and_the_child_exits(engine, server):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        front = FrontProcess(engine, Listen(grpc_port=None, http_port=port))
+        front = FrontProcess(engine, Listen(**{"grpc_port": 0, server: port}))
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
             front.start()
         assert not front.alive()
+    assert engine.ready()  # (the child never served: it leaves the engine running)
 
 
 def test_the_engine_going_away_ends_the_front_ends_requests(engine):
@@ -109,8 +114,37 @@ def test_an_engine_failure_reaches_the_front_end(model):
         assert failed.wait(10) and "CUDA_ERROR_LAUNCH_FAILED" in told[0] and not linked.ready()
         with pytest.raises(EngineStopped, match="CUDA_ERROR_LAUNCH_FAILED"):
             linked.submit("x = 1", max_new_tokens=4)
+        assert linked.snapshot()["running"] == 0  # the engine's gauges still answer (the metrics scrape)
     finally:
         engine.shutdown()
+
+
+def test_a_submit_without_an_answer_is_aborted(model):
+    """An engine that does not answer in time may have queued the request all the same: it is told to abort it."""
+    ours, theirs = multiprocessing.Pipe()
+    front = ModelFront(model.cfg, None, None)
+    linked = LinkedEngine(ours, front, 64, RemoteLimits(), timeout_s=0.2)
+    with pytest.raises(NoAnswer):
+        linked.submit([5, 6, 7], max_new_tokens=4, request_id="r1")
+    assert theirs.recv()[:3] == ("submit", 0, "r1") and theirs.recv() == ("abort", "r1")
+
+
+def test_a_message_that_fails_does_not_end_the_link(engine):
+    linked, host = engine_helpers.linked(engine)
+    host._send(("outputs", [("no such output",)]))
+    req = linked.submit("import os", max_new_tokens=4, stop_token_ids=[])
+    assert list(linked.stream(req, timeout=30))[-1].finish is FinishReason.LENGTH and linked.ready()
+
+
+def test_an_engine_shut_down_directly_ends_the_linked_streams(model):
+    """Its owner stops it without the front end asking: the last Outputs (ABORT) still cross the pipe."""
+    engine = Engine(model, EngineConfig(max_slots=1, max_model_len=256, token_budget=64, min_prefill_bucket=64))
+    engine.start()
+    linked, _ = engine_helpers.linked(engine)
+    req = linked.submit("def f(x):", **LONG)
+    next(linked.stream(req, timeout=30))
+    engine.shutdown()
+    assert list(linked.stream(req, timeout=10))[-1].finish is FinishReason.ABORT
 
 
 def test_outputs_cross_once_a_step(engine):

@@ -16,6 +16,7 @@ import time
 import types
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import jax.numpy as jnp
@@ -421,9 +422,15 @@ def read_lines(stream, lines: queue.Queue) -> None:
 
 @contextlib.contextmanager
 def serve_process(*args):
-    """`hcfjax serve ARGS` on the CPU: (the process, a queue of its output lines); killed on leaving if still up."""
+    """`hcfjax serve ARGS` on the CPU, in a process group of its own as a terminal's job is (its servers' process
+    with it): (the process, a queue of its output lines); the group is killed on leaving if still up."""
     proc = subprocess.Popen(
-        [*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+        [*CLI, "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=True,
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
@@ -431,8 +438,23 @@ def serve_process(*args):
         yield proc, lines
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def servers_process(pid: int, timeout: float = 30.0) -> int:
+    """The pid of `hcfjax serve`'s servers' process, once it has been spawned."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children(pid):
+            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+                return child
+        time.sleep(0.02)
+    raise AssertionError("no servers' process was spawned")
 
 
 def lines_until(lines: queue.Queue, text: str) -> list[str]:
@@ -481,10 +503,14 @@ def test_a_port_in_use_fails_the_start(tmp_path):
 
 
 def test_ctrl_c_during_warmup_exits_quietly(tmp_path):
-    """SIGINT while the step shapes compile: one line, exit status 130, no traceback, nothing left listening."""
+    """Ctrl-C (SIGINT to the process group, the servers' process too, as it imports) as the warm-up starts: one
+    line, exit status 130, no traceback, nothing left listening."""
     with serve_process("--port", "0", "--max-slots", "2", "--compile-cache", str(tmp_path / "xla")) as (proc, lines):
-        log = lines_until(lines, "compiling step shapes")
-        proc.send_signal(signal.SIGINT)
+        front = servers_process(proc.pid)  # spawned as the warm-up starts
+        time.sleep(0.3)  # into its imports, past the interpreter's own start
+        assert front in children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        log = []
         assert proc.wait(timeout=30) == 130
         time.sleep(0.2)  # the reader thread takes the last lines
         while not lines.empty():

@@ -252,9 +252,11 @@ class Engine(Submitting):
             self._thread.join(timeout)
             if self._thread.is_alive():  # a step (a compile?) outlasted the timeout: end the streams from here
                 self._end_streams(FinishReason.ABORT, "engine shut down")
+                self._outputs_out()
             self._thread = None
         else:
             self._abort_all()
+            self._outputs_out()
 
     def _loop(self) -> None:
         try:
@@ -265,13 +267,18 @@ class Engine(Submitting):
                     if self._stopping:
                         break
                 self.step()
-                for done in self._after_step:
-                    done()
+                self._outputs_out()
         except Exception as e:  # noqa: BLE001 - an error outside a step's dispatch (the device failed, say)
             log.exception("the engine's loop failed: it serves no more requests")
             self._fail_all(f"{type(e).__name__}: {e}")
             return
         self._abort_all()
+        self._outputs_out()
+
+    def _outputs_out(self) -> None:
+        """The after-step hooks: a step's Outputs, or the last ones, are out."""
+        for done in self._after_step:
+            done()
 
     def _fail_all(self, error: str) -> None:
         """The loop cannot go on: not ready (health turns NOT_SERVING), new requests refused with the error, and
@@ -293,8 +300,8 @@ class Engine(Submitting):
         self._on_failure.append(tell)
 
     def after_step(self, done: Callable[[], None]) -> None:
-        """done() runs on the loop's thread after each step, once the step's Outputs are out (a front end in
-        another process sends them on together)."""
+        """done() runs after each step, once the step's Outputs are out (a front end in another process sends them
+        on together), and after the last ones when the engine stops."""
         self._after_step.append(done)
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:

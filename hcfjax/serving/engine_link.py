@@ -32,7 +32,11 @@ from hcfjax.serving.remote import ModelFront, RemoteLimits
 
 log = logging.getLogger("hcfjax.serving")
 
-REFUSALS = {cls.__name__: cls for cls in (InvalidRequest, QueueFull, EngineStopped)}
+REFUSALS = {cls.__name__: cls for cls in (InvalidRequest, QueueFull, EngineStopped, RuntimeError)}
+
+
+class NoAnswer(EngineStopped):
+    """The engine's process did not answer a call in time."""
 
 
 def _wire(out: Output) -> tuple:
@@ -99,22 +103,27 @@ class EngineHost:
                 message = self.conn.recv()
             except (OSError, EOFError):
                 break
-            kind, *rest = message
-            if kind == "abort":
-                self.engine.abort(rest[0])
-                continue
-            call, *args = rest
             try:
-                self._send(("reply", call, True, self._answer(kind, *args)))
-            except (InvalidRequest, QueueFull, EngineStopped) as e:
-                self._send(("reply", call, False, _refusal(e)))
-            except Exception as e:  # noqa: BLE001 - the front end gets the error; the link goes on
-                log.exception("the engine link's %s failed", kind)
-                self._send(("reply", call, False, ("EngineStopped", f"{type(e).__name__}: {e}", None, None)))
+                self._take(*message)
+            except Exception:  # noqa: BLE001 - one bad message does not end the link
+                log.exception("the engine link could not take a message")
         with self._outbox_lock:  # the front end is gone: nobody reads what its requests would produce
             orphans, self._live = list(self._live), set()
         for rid in orphans:
             self.engine.abort(rid)
+
+    def _take(self, kind: str, *rest) -> None:
+        if kind == "abort":
+            self.engine.abort(rest[0])
+            return
+        call, *args = rest
+        try:
+            self._send(("reply", call, True, self._answer(kind, *args)))
+        except (InvalidRequest, QueueFull, EngineStopped) as e:
+            self._send(("reply", call, False, _refusal(e)))
+        except Exception as e:  # noqa: BLE001 - the front end gets the error; the link goes on
+            log.exception("the engine link's %s failed", kind)
+            self._send(("reply", call, False, ("RuntimeError", f"{type(e).__name__}: {e}", None, None)))
 
     def _answer(self, kind: str, *args):
         if kind == "submit":
@@ -123,6 +132,8 @@ class EngineHost:
                 self._live.add(rid)
             try:
                 self.engine.add(rid, checked, events=self)
+            except InvalidRequest:  # its id is in use: the request that holds it stays live
+                raise
             except Exception:
                 with self._outbox_lock:
                     self._live.discard(rid)
@@ -169,6 +180,7 @@ class LinkedEngine(Submitting):
         self._calls: dict[int, list] = {}  # call id -> [threading.Event, ok, value]
         self._ids = itertools.count()
         self._stopping = False
+        self._ended = False  # the pipe has ended: the engine's process is gone
         self.failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
         self._reader = threading.Thread(target=self._read, name="hcfjax-engine-link", daemon=True)
@@ -202,9 +214,11 @@ class LinkedEngine(Submitting):
             req = self._requests[rid] = LinkedRequest(rid, len(c.prompt))
         try:
             self._call("submit", rid, c)
-        except Exception:
+        except Exception as e:
             with self._lock:
                 self._requests.pop(rid, None)
+            if isinstance(e, NoAnswer):  # the engine may have queued it all the same
+                self.abort(rid)
             raise
         return req
 
@@ -236,14 +250,14 @@ class LinkedEngine(Submitting):
 
     def _call(self, kind: str, *args, wait: float | None = None):
         with self._lock:
-            if self.failure is not None:
+            if self._ended:
                 raise EngineStopped(f"the engine stopped: {self.failure}")
             call = next(self._ids)
             pending = self._calls[call] = [threading.Event(), False, None]
         self._send((kind, call, *args))
         if not pending[0].wait(self.timeout_s if wait is None else wait):
             self._calls.pop(call, None)
-            raise EngineStopped(f"the engine did not answer {kind} within {wait or self.timeout_s:g} s")
+            raise NoAnswer(f"the engine did not answer {kind} within {wait or self.timeout_s:g} s")
         _, ok, value = pending
         if ok:
             return value
@@ -258,19 +272,24 @@ class LinkedEngine(Submitting):
                 message = self.conn.recv()
             except (OSError, EOFError):
                 break
-            kind = message[0]
-            if kind == "outputs":
-                for out in message[1]:
-                    self._deliver(*out)
-            elif kind == "reply":
-                _, call, ok, value = message
-                pending = self._calls.pop(call, None)
-                if pending is not None:
-                    pending[1:] = ok, value
-                    pending[0].set()
-            elif kind == "failed":
-                self._fail(message[1])
-        self._fail("the engine's process ended")
+            try:
+                self._take(*message)
+            except Exception:  # noqa: BLE001 - one bad message does not end the link
+                log.exception("the engine link could not take a message")
+        self._fail("the engine's process ended", ended=True)
+
+    def _take(self, kind: str, *rest) -> None:
+        if kind == "outputs":
+            for out in rest[0]:
+                self._deliver(*out)
+        elif kind == "reply":
+            call, ok, value = rest
+            pending = self._calls.pop(call, None)
+            if pending is not None:
+                pending[1:] = ok, value
+                pending[0].set()
+        elif kind == "failed":
+            self._fail(rest[0])
 
     def _deliver(self, rid: str, tokens: list[int], text: str, finish, usage: tuple, error) -> None:
         req = self._requests.get(rid)
@@ -287,15 +306,19 @@ class LinkedEngine(Submitting):
                 self._requests.pop(rid, None)
         req.events.put(Output(rid, tokens, text, reason, req._usage, error))
 
-    def _fail(self, error: str) -> None:
-        """The engine cannot serve: pending calls fail, and every request in flight ends with the error (ABORT when
-        the front end was shutting down)."""
+    def _fail(self, error: str, ended: bool = False) -> None:
+        """The engine cannot serve: every request in flight ends with the error (ABORT when the front end was
+        shutting down); once the pipe has `ended`, the calls waiting for an answer fail too (the engine's process
+        still answers them after its loop failed: a snapshot, a refusal)."""
         with self._lock:
             first = self.failure is None
             if first:
                 self.failure = error
+            self._ended = self._ended or ended
             reqs, self._requests = list(self._requests.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
+            calls = list(self._calls.values()) if ended else []
+            if ended:
+                self._calls = {}
         for pending in calls:
             pending[1:] = False, ("EngineStopped", f"the engine stopped: {error}", None, None)
             pending[0].set()

@@ -18,10 +18,10 @@ group: the parent decides) and stops when told or when the parent's end of the p
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import signal
+from multiprocessing import resource_tracker
 
 from hcfjax.serving.engine_link import EngineHost, LinkedEngine
 from hcfjax.serving.guards import DEFAULT_MAX_BODY_BYTES
@@ -77,6 +77,13 @@ class Servers:
         self.metrics = Metrics(engine)
         limits = dict(metrics=self.metrics, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
         self.grpc = self.http = None
+        # the scrape's port is bound here with the others, and serves from here on (what it reports is no health)
+        self.metrics_port = None
+        if s.metrics_port:
+            try:
+                self.metrics_port = self.metrics.serve(s.metrics_port, s.host, api_key=s.api_key)
+            except OSError as e:
+                raise OSError(f"cannot listen on {s.host}:{s.metrics_port} (metrics): {e}") from None
         if s.grpc_port is not None:
             self.grpc = Server(engine, s.host, s.grpc_port, **limits)
         if s.http_port is not None:
@@ -98,9 +105,9 @@ class Servers:
             name = self.http.service.model_name
             lines.append(f"hcfjax serve: OpenAI-compatible HTTP on http://{host}:{self.http.port}/v1 (model {name!r})")
             where.append(f"HTTP http://{host}:{self.http.port}/v1")
-        if self.listen.metrics_port:
-            ports["metrics"] = self.metrics.serve(self.listen.metrics_port, host, api_key=self.listen.api_key)
-            lines.append(f"hcfjax serve: metrics on http://{host}:{ports['metrics']}/metrics")
+        if self.metrics_port:
+            ports["metrics"] = self.metrics_port
+            lines.append(f"hcfjax serve: metrics on http://{host}:{self.metrics_port}/metrics")
         return Up(lines, where, ports)
 
     def shutdown(self, grace: float) -> None:
@@ -141,7 +148,10 @@ class FrontProcess:
         if self.process.pid is None:
             self.host.start()
             # the child starts with these blocked (a mask survives fork and exec) until it ignores them: a Ctrl-C
-            # while it imports would otherwise end it with a traceback; here they wait, and arrive once unblocked
+            # while it imports would otherwise end it with a traceback; here they wait, and arrive once unblocked.
+            # (multiprocessing's resource tracker, started by a process's first start(), unblocks them in this
+            # thread as it starts: it runs first.)
+            resource_tracker.ensure_running()
             held = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
             try:
                 self.process.start()
@@ -162,14 +172,18 @@ class FrontProcess:
         self.spawn()
         if not self.check(timeout):
             self.stop(0)
-            raise OSError(f"the front-end process did not start within {timeout:g} s")
+            raise OSError(f"the front-end process did not bind its ports within {timeout:g} s")
         self._control.send(("start",))
+        if not self._control.poll(timeout):
+            self.stop(0)
+            raise OSError(f"the front-end process did not start its servers within {timeout:g} s")
         return self._expect("up")
 
     def _expect(self, kind: str):
         try:
             got, value = self._control.recv()
         except (EOFError, OSError):
+            self.process.join(5)
             got, value = "error", f"the front-end process ended (exit status {self.process.exitcode})"
         if got != kind:
             self.stop(0)
@@ -210,18 +224,40 @@ def _front_main(control, link, front: _Front) -> None:
         engine = LinkedEngine(link, front.model, front.max_model_len, front.limits)
         servers = Servers(engine, front.listen)
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits
-        with contextlib.suppress(OSError):
-            control.send(("error", str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"))
+        _tell(control, "error", _said(e))
         return
+    order = _tell(control, "bound", None) and _heard(control)
     grace = 0.0
-    try:
-        control.send(("bound", None))
-        if control.recv()[0] == "start":
-            control.send(("up", servers.start()))
-            _, grace = control.recv()  # ("stop", grace)
-    except (EOFError, OSError):  # the parent is gone
-        pass
+    if order and order[0] == "start":
+        try:
+            up = servers.start()
+        except Exception as e:  # noqa: BLE001 - as above
+            _tell(control, "error", _said(e))
+        else:
+            order = _tell(control, "up", up) and _heard(control)
+            grace = order[1] if order else 0.0  # ("stop", grace), or the parent is gone
     servers.shutdown(grace)
+
+
+def _said(e: Exception) -> str:
+    return str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+
+
+def _tell(control, kind: str, value) -> bool:
+    """Sends the parent a message; False if it is gone."""
+    try:
+        control.send((kind, value))
+        return True
+    except OSError:
+        return False
+
+
+def _heard(control) -> tuple | None:
+    """The parent's next order; None if it is gone."""
+    try:
+        return control.recv()
+    except (EOFError, OSError):
+        return None
 
 
 def serve(
@@ -244,17 +280,13 @@ def serve(
     from hcfjax.serving.startup import ready_line, warm_up
 
     front = FrontProcess(engine, listen)
-    front.spawn()  # its imports and ports while the steps compile
-    if warmup:
-        try:
-            warm_up(engine, announce, check=front.check)
-        except BaseException:  # (Ctrl-C too)
-            front.stop(0)
-            raise
     try:
+        front.spawn()  # its imports and ports while the steps compile
+        if warmup:
+            warm_up(engine, announce, check=front.check)
+        engine.start()
+        up = front.start()  # (a Ctrl-C until here ends the command as not yet ready)
         with until_signal(announce, alive=front.alive):
-            engine.start()
-            up = front.start()
             for line in up.lines:
                 announce(line)
             announce(ready_line(started, up.where))
