@@ -50,6 +50,19 @@ def _refusal(e: Exception) -> tuple:
     return type(e).__name__, str(e), getattr(e, "param", None), getattr(e, "code", None)
 
 
+def _receive(conn, take: Callable) -> None:
+    """take(*message) for each message on `conn` until the pipe ends; one that fails is logged and skipped."""
+    while True:
+        try:
+            message = conn.recv()
+        except (OSError, EOFError):
+            return
+        try:
+            take(*message)
+        except Exception:  # noqa: BLE001 - one bad message does not end the link
+            log.exception("the engine link could not take a message")
+
+
 class EngineHost:
     """Serves `engine` to the LinkedEngine at the other end of `conn`: its requests go in through Engine.add, with
     this host as their events sink, and each step's Outputs go back as one message."""
@@ -98,15 +111,7 @@ class EngineHost:
             pass
 
     def _serve(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (OSError, EOFError):
-                break
-            try:
-                self._take(*message)
-            except Exception:  # noqa: BLE001 - one bad message does not end the link
-                log.exception("the engine link could not take a message")
+        _receive(self.conn, self._take)
         with self._outbox_lock:  # the front end is gone: nobody reads what its requests would produce
             orphans, self._live = list(self._live), set()
         for rid in orphans:
@@ -267,15 +272,7 @@ class LinkedEngine(Submitting):
         raise REFUSALS.get(name, EngineStopped)(message)
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (OSError, EOFError):
-                break
-            try:
-                self._take(*message)
-            except Exception:  # noqa: BLE001 - one bad message does not end the link
-                log.exception("the engine link could not take a message")
+        _receive(self.conn, self._take)
         self._fail("the engine's process ended", ended=True)
 
     def _take(self, kind: str, *rest) -> None:
