@@ -151,8 +151,8 @@ def test_outputs_cross_once_a_step(engine):
     """A step's Outputs for every request go over the pipe as one message (the engine thread sends once a step)."""
     linked, host = engine_helpers.linked(engine)
     sent = []
-    send = host._send
-    host._send = lambda message: (sent.append(message[0]), send(message))[1]
+    send = host.conn.send
+    host.conn.send = lambda message: (sent.append(message[0]), send(message))[1]
     steps = engine.snapshot()["steps"]
     reqs = [linked.submit(p, max_new_tokens=8, stop_token_ids=[]) for p in ("def f(x):", "import os")]
     outs = [list(linked.stream(r, timeout=30)) for r in reqs]

@@ -92,21 +92,26 @@ class EngineHost:
                 self._live.discard(out.request_id)
 
     def flush(self) -> None:
-        """Sends the Outputs put since the last flush, as one message."""
-        with self._outbox_lock:
-            batch, self._outbox = self._outbox, []
-        if batch:
-            self._send(("outputs", batch))
+        """Sends the Outputs put since the last flush, as one message (batches leave in the order they were
+        taken, whichever thread flushes)."""
+        with self._send_lock:
+            with self._outbox_lock:
+                batch, self._outbox = self._outbox, []
+            if batch:
+                self._send(("outputs", batch), locked=True)
 
     def _failed(self, error: str) -> None:
         """The engine's loop failed: its requests' last Outputs (each with the error) go first, then the failure."""
         self.flush()
         self._send(("failed", error))
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, locked: bool = False) -> None:
         try:
-            with self._send_lock:
+            if locked:
                 self.conn.send(message)
+            else:
+                with self._send_lock:
+                    self.conn.send(message)
         except (OSError, EOFError):  # the front end has gone: _serve sees the end of the pipe and aborts its requests
             pass
 
