@@ -28,14 +28,10 @@ def linked(engine: Engine, timeout_s: float = 60.0):
     import multiprocessing
 
     from hcfjax.serving.engine_link import EngineHost, LinkedEngine
-    from hcfjax.serving.remote import ModelFront, RemoteLimits
 
     ours, theirs = multiprocessing.Pipe()
     host = EngineHost(engine, theirs).start()
-    c = engine.config
-    front = ModelFront(engine.cfg, engine.model.tokenizer, engine.model.path)
-    limits = RemoteLimits(c.max_slots, c.dp, c.max_queue)
-    return LinkedEngine(ours, front, engine.max_model_len, limits, timeout_s), host
+    return LinkedEngine(ours, *host.front(), timeout_s), host
 
 
 def assert_idle(engine: Engine, timeout: float) -> None:

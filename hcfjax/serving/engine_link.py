@@ -1,8 +1,8 @@
 """An Engine served to front ends in another process, over a pipe (a multiprocessing Connection).
 
     parent, child = multiprocessing.Pipe()
-    EngineHost(engine, parent).start()                     # the engine's process
-    engine = LinkedEngine(child, front, max_model_len, limits)   # the front end's: what Server / HTTPServer take
+    host = EngineHost(engine, parent).start()              # the engine's process
+    engine = LinkedEngine(child, *host.front())            # the front end's: what Server / HTTPServer take
 
 The engine's loop then shares its interpreter with nothing but the pipe's reader: the front ends' threads (one per
 gRPC stream, the HTTP event loop, tokenizing prompts, building responses) run in their own process, so they no
@@ -80,6 +80,13 @@ class EngineHost:
     def start(self) -> EngineHost:
         self._thread.start()
         return self
+
+    def front(self) -> tuple[ModelFront, int, RemoteLimits]:
+        """What a LinkedEngine over this engine is built with (after its pipe): the model without its weights, the
+        context, and the limits the servers size their thread pools from."""
+        e, c = self.engine, self.engine.config
+        model = ModelFront(e.cfg, e.model.tokenizer, e.model.path)
+        return model, e.max_model_len, RemoteLimits(c.max_slots, c.dp, c.max_queue)
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

@@ -127,17 +127,11 @@ class FrontProcess:
     needs and binds its ports while this process compiles; start() (once the engine runs) has it listen."""
 
     def __init__(self, engine, listen: Listen):
-        c = engine.config
-        front = _Front(
-            ModelFront(engine.cfg, engine.model.tokenizer, engine.model.path),
-            engine.max_model_len,
-            RemoteLimits(c.max_slots, c.dp, c.max_queue),
-            listen,
-        )
         context = multiprocessing.get_context("spawn")
         self._control, control = context.Pipe()
         link, child_link = context.Pipe()
         self.host = EngineHost(engine, link)
+        front = _Front(*self.host.front(), listen)
         self.process = context.Process(
             target=_front_main, args=(control, child_link, front), name="hcfjax-front", daemon=True
         )
