@@ -181,11 +181,11 @@ def test_front_process_serves_grpc_http_and_metrics_then_ends_open_streams(engin
         assert "hcfjax_engine_steps_total" in scrape(up.ports["metrics"])  # the engine's gauges, over the link
         call = client.generate_stream(stub, "def f(x):", max_new_tokens=N_LONG, ignore_eos=True)
         next(call)
-        front.stop(grace=2)
+        front.shutdown(grace=2)
         chunks = list(call)
         assert chunks[-1].finish_reason == pb.FINISH_REASON_ABORT and chunks[-1].usage.output_tokens < N_LONG
         channel.close()
     finally:
-        front.stop(0)
+        front.shutdown(0)
     assert not front.alive()
     engine_helpers.assert_idle(engine, timeout=10)

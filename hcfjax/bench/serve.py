@@ -295,8 +295,7 @@ def start(args) -> Served:
     from hcfjax.engine import Engine
     from hcfjax.kernels import engine_summary
     from hcfjax.serving.config import load_model
-    from hcfjax.serving.front_process import FrontProcess, Listen
-    from hcfjax.serving.server import Server
+    from hcfjax.serving.front_process import FrontProcess, Listen, Servers
 
     if args.pd:
         from hcfjax.config import ModelConfig
@@ -313,13 +312,10 @@ def start(args) -> Served:
     spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
     engine = Engine(model, engine_config(args, spec))
     warm = engine.warmup()
-    if args.front == "thread":
-        server = Server(engine).start()
-        port = server.port
-    else:
-        engine.start()
-        server = FrontProcess(engine, Listen(grpc_port=0))
-        port = server.start().ports["grpc"]
+    engine.start()
+    listen = Listen(grpc_port=0)
+    server = Servers(engine, listen) if args.front == "thread" else FrontProcess(engine, listen)
+    port = server.start().ports["grpc"]
     summary = f"colocated, the gRPC server {FRONTS[args.front]}; {engine_summary(engine)}"
     return Served(port, model.cfg, engine.max_model_len, warm, summary, model, engine, server)
 
@@ -407,11 +403,8 @@ def main(argv=None) -> None:
     compiles_run = engine.snapshot()["compiles"] - compiles_warm if engine else "n/a"
     if engine is not None:
         options = engine.config.options  # the offline decode runs as the engine did
-        if args.front == "thread":
-            served.server.shutdown()
-        else:
-            served.server.stop()
-            engine.shutdown()
+        served.server.shutdown()
+        engine.shutdown()
         served.engine = served.server = engine = None  # the cache's memory goes back before an offline decode
     else:
         stop_pd(served.procs)

@@ -6,7 +6,7 @@ over the engine in this one.
     engine.warmup(); engine.start()
     up = front.start()          # the child listens: up.lines to print, up.where, up.ports
     ...
-    front.stop(grace=3.0)       # the servers shut down (the engine aborts what is in flight), the child exits
+    front.shutdown(grace=3.0)   # the servers shut down (the engine aborts what is in flight), the child exits
     engine.shutdown()
 
 The child (spawned: no inherited jax or CUDA state; it keeps jax on the CPU and never computes) serves
@@ -110,7 +110,7 @@ class Servers:
             lines.append(f"hcfjax serve: metrics on http://{host}:{self.metrics_port}/metrics")
         return Up(lines, where, ports)
 
-    def shutdown(self, grace: float) -> None:
+    def shutdown(self, grace: float = 3.0) -> None:
         """New requests refused; the engine aborts what is in flight, so every open stream, gRPC or HTTP, gets its
         end; what is still open after `grace` seconds is closed."""
         if self.http is not None:
@@ -165,11 +165,11 @@ class FrontProcess:
         """Has the child listen (spawning it first if need be); returns once it does. OSError if it cannot."""
         self.spawn()
         if not self.check(timeout):
-            self.stop(0)
+            self.shutdown(0)
             raise OSError(f"the front-end process did not bind its ports within {timeout:g} s")
         self._control.send(("start",))
         if not self._control.poll(timeout):
-            self.stop(0)
+            self.shutdown(0)
             raise OSError(f"the front-end process did not start its servers within {timeout:g} s")
         return self._expect("up")
 
@@ -180,14 +180,14 @@ class FrontProcess:
             self.process.join(5)
             got, value = "error", f"the front-end process ended (exit status {self.process.exitcode})"
         if got != kind:
-            self.stop(0)
+            self.shutdown(0)
             raise OSError(value)
         return value
 
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def stop(self, grace: float = 3.0) -> None:
+    def shutdown(self, grace: float = 3.0) -> None:
         """Shuts the servers down (each open stream gets its end) and waits for the child to exit."""
         if self._stopped:
             return
@@ -287,5 +287,5 @@ def serve(
         if not front.alive():
             raise OSError(f"the front-end process ended (exit status {front.process.exitcode})")
     finally:
-        front.stop(grace)
+        front.shutdown(grace)
         engine.shutdown(timeout=grace)
