@@ -232,10 +232,10 @@ class Server:
 
 @contextlib.contextmanager
 def until_signal(announce, alive=lambda: True):
-    """Runs the block (start the servers in it), then waits until SIGINT or SIGTERM (or until alive() is false: the
-    servers' process died). The handlers are in place before
-    the block runs, so a signal right after a server announces itself is not lost; the previous handlers come back on
-    exit, so a second signal during the caller's shutdown acts as usual. Call from the main thread.
+    """Runs the block (start or announce the servers in it), then waits until SIGINT or SIGTERM (or until alive() is
+    false: the servers' process died). The handlers are in place before the block runs, so a signal right after a
+    server announces itself is not lost; the previous handlers come back on exit, so a second signal during the
+    caller's shutdown acts as usual. Call from the main thread.
 
     While serving, what exists before the servers start (the model, the compiled steps, the engine) is kept out of
     the cyclic garbage collector's scans (gc.freeze, after a collection), as vLLM's engine does: otherwise its
