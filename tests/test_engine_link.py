@@ -86,14 +86,20 @@ def test_the_engine_going_away_ends_the_front_ends_requests(engine):
 
 
 def test_the_front_end_going_away_aborts_its_requests(engine):
-    """Its requests would otherwise decode to their end for nobody; their pages come back within steps."""
-    linked, _ = engine_helpers.linked(engine)
+    """Its requests would otherwise decode to their end for nobody; their pages come back within steps, and the
+    host's hooks leave the engine."""
+    hooks = lambda: (engine._after_step, engine._on_failure)  # noqa: E731
+    before = hooks()
+    linked, host = engine_helpers.linked(engine)
+    assert hooks() != before
     req = linked.submit("def f(x):", **LONG)
     next(linked.stream(req))
     steps = engine.snapshot()["steps"]
     cut(linked.conn)  # as if the front end's process died
     engine_helpers.assert_idle(engine, timeout=10)
     assert engine.snapshot()["steps"] - steps < N_LONG - 2
+    host.join(10)
+    assert hooks() == before
 
 
 def test_an_engine_failure_reaches_the_front_end(model):

@@ -295,14 +295,20 @@ class Engine(Submitting):
         for req in list(self._requests.values()):
             req.events.put(Output(req.id, [], "", reason, req.usage(), error))
 
-    def on_failure(self, tell: Callable[[str], None]) -> None:
-        """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy."""
-        self._on_failure.append(tell)
+    def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
+        """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy.
+        -> a call that removes it."""
+        self._on_failure = [*self._on_failure, tell]  # (a new list: the loop may be running over the old one)
+        return lambda: self._forget("_on_failure", tell)
 
-    def after_step(self, done: Callable[[], None]) -> None:
+    def after_step(self, done: Callable[[], None]) -> Callable[[], None]:
         """done() runs after each step, once the step's Outputs are out (a front end in another process sends them
-        on together), and after the last ones when the engine stops."""
-        self._after_step.append(done)
+        on together), and after the last ones when the engine stops. -> a call that removes it."""
+        self._after_step = [*self._after_step, done]
+        return lambda: self._forget("_after_step", done)
+
+    def _forget(self, hooks: str, hook: Callable) -> None:
+        setattr(self, hooks, [h for h in getattr(self, hooks) if h != hook])
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

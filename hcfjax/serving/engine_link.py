@@ -74,8 +74,7 @@ class EngineHost:
         self._send_lock = threading.Lock()
         self._live: set[str] = set()  # ids the front end added that have not ended
         self._thread = threading.Thread(target=self._serve, name="hcfjax-engine-link", daemon=True)
-        engine.after_step(self.flush)
-        engine.on_failure(self._failed)
+        self._unhook = (engine.after_step(self.flush), engine.on_failure(self._failed))
 
     def start(self) -> EngineHost:
         self._thread.start()
@@ -128,6 +127,8 @@ class EngineHost:
             orphans, self._live = list(self._live), set()
         for rid in orphans:
             self.engine.abort(rid)
+        for unhook in self._unhook:  # (their ABORTs need no flush: nobody reads them)
+            unhook()
 
     def _take(self, kind: str, *rest) -> None:
         if kind == "abort":
@@ -210,8 +211,10 @@ class LinkedEngine(Submitting):
     def ready(self) -> bool:
         return not self._stopping and self.failure is None
 
-    def on_failure(self, tell: Callable[[str], None]) -> None:
-        self._on_failure.append(tell)
+    def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
+        """As Engine.on_failure: tell(error) runs if the engine fails or goes away. -> a call that removes it."""
+        self._on_failure = [*self._on_failure, tell]
+        return lambda: setattr(self, "_on_failure", [t for t in self._on_failure if t != tell])
 
     def tokenize(self, text: str) -> list[int]:
         return self.door.encode(text)

@@ -21,6 +21,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -193,6 +194,7 @@ class Server:
         except RuntimeError as e:  # grpc raises when it cannot bind
             raise OSError(f"cannot listen on {host}:{port}: {e}") from None
         self._stopped = threading.Event()
+        self._unhook: Callable[[], None] = lambda: None  # (start: removes the health hook from the engine)
 
     def _count_refusal(self, code: str) -> None:
         if self.metrics is not None:
@@ -201,7 +203,7 @@ class Server:
     def start(self) -> Server:
         """Starts the engine's loop and the server; health says SERVING, until shutdown or an error that stops the
         engine's loop (then NOT_SERVING: the process should be restarted)."""
-        self.engine.on_failure(lambda _: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._unhook = self.engine.on_failure(lambda _: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         self.engine.start()
         self._server.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -222,6 +224,8 @@ class Server:
         done = self._server.stop(grace)
         if stop_engine:
             self.engine.shutdown(timeout=grace)
+        else:  # the engine serves on: this server's health no longer follows it
+            self._unhook()
         done.wait(grace + 1.0)
         if self.metrics is not None:
             self.metrics.close()
