@@ -135,6 +135,21 @@ def test_a_submit_without_an_answer_is_aborted(model):
     assert theirs.recv()[:3] == ("submit", 0, "r1") and theirs.recv() == ("abort", "r1")
 
 
+def test_an_abort_never_blocks_its_caller(model):
+    """The HTTP server aborts on its event loop when a client goes: a pipe the engine does not drain must not stall
+    it. The abort waits on the link's own thread and goes once the pipe takes it."""
+    ours, theirs = multiprocessing.Pipe()
+    linked = LinkedEngine(ours, ModelFront(model.cfg, None, None), 64, RemoteLimits())
+    taken, send = threading.Event(), ours.send
+    ours.send = lambda message: (taken.wait(), send(message))
+    caller = threading.Thread(target=linked.abort, args=("r1",), daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive() and not theirs.poll()  # returned, with the message still waiting to go
+    taken.set()
+    assert theirs.poll(10) and theirs.recv() == ("abort", "r1")
+
+
 def test_a_message_that_fails_does_not_end_the_link(engine):
     linked, host = engine_helpers.linked(engine)
     host._send(("outputs", [("no such output",)]))

@@ -201,8 +201,10 @@ class LinkedEngine(Submitting):
         self._ended = False  # the pipe has ended: the engine's process is gone
         self.failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
+        self._aborts: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # ids for the sender below; None ends it
         self._reader = threading.Thread(target=self._read, name="hcfjax-engine-link", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._send_aborts, name="hcfjax-engine-link-aborts", daemon=True).start()
 
     # -- the Engine surface ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -246,10 +248,9 @@ class LinkedEngine(Submitting):
         return stream_events(request.events, timeout)
 
     def abort(self, request_id: str) -> None:
-        try:
-            self._send(("abort", request_id))
-        except EngineStopped:  # the engine is gone, and its requests with it
-            pass
+        """Asks the engine to abort the request. Never blocks the caller (the HTTP server's event loop calls it when
+        a client goes): a thread of this link's sends it, after whatever was sent before."""
+        self._aborts.put(request_id)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Refuses new requests; the engine aborts those in flight (each gets its ABORT event) and stops."""
@@ -289,6 +290,14 @@ class LinkedEngine(Submitting):
     def _read(self) -> None:
         _receive(self.conn, self._take)
         self._fail("the engine's process ended", ended=True)
+        self._aborts.put(None)
+
+    def _send_aborts(self) -> None:
+        while (rid := self._aborts.get()) is not None:
+            try:
+                self._send(("abort", rid))
+            except EngineStopped:  # the engine is gone, and its requests with it
+                return
 
     def _take(self, kind: str, *rest) -> None:
         if kind == "outputs":
