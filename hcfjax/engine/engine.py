@@ -146,6 +146,7 @@ class Engine(Submitting):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: str | None = None  # why the loop stopped, if an error stopped it
+        self._hooks_lock = threading.Lock()  # (hooks come and go from front ends' threads)
         self._on_failure: list[Callable[[str], None]] = []
         self._after_step: list[Callable[[], None]] = []
         self.steps = 0
@@ -298,17 +299,23 @@ class Engine(Submitting):
     def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
         """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy.
         -> a call that removes it."""
-        self._on_failure = [*self._on_failure, tell]  # (a new list: the loop may be running over the old one)
-        return lambda: self._forget("_on_failure", tell)
+        return self._hook("_on_failure", tell)
 
     def after_step(self, done: Callable[[], None]) -> Callable[[], None]:
         """done() runs after each step, once the step's Outputs are out (a front end in another process sends them
         on together), and after the last ones when the engine stops. -> a call that removes it."""
-        self._after_step = [*self._after_step, done]
-        return lambda: self._forget("_after_step", done)
+        return self._hook("_after_step", done)
 
-    def _forget(self, hooks: str, hook: Callable) -> None:
-        setattr(self, hooks, [h for h in getattr(self, hooks) if h != hook])
+    def _hook(self, hooks: str, hook: Callable) -> Callable[[], None]:
+        """Adds `hook` to the list named `hooks` -> a call that removes it. Each change makes a new list: the loop
+        may be running over the old one."""
+
+        def change(lists):
+            with self._hooks_lock:
+                setattr(self, hooks, lists(getattr(self, hooks)))
+
+        change(lambda old: [*old, hook])
+        return lambda: change(lambda old: [h for h in old if h != hook])
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

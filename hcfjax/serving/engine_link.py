@@ -215,8 +215,14 @@ class LinkedEngine(Submitting):
 
     def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
         """As Engine.on_failure: tell(error) runs if the engine fails or goes away. -> a call that removes it."""
-        self._on_failure = [*self._on_failure, tell]
-        return lambda: setattr(self, "_on_failure", [t for t in self._on_failure if t != tell])
+        with self._lock:
+            self._on_failure = [*self._on_failure, tell]
+
+        def remove():
+            with self._lock:
+                self._on_failure = [t for t in self._on_failure if t != tell]
+
+        return remove
 
     def tokenize(self, text: str) -> list[int]:
         return self.door.encode(text)
