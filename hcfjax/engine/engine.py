@@ -315,7 +315,7 @@ class Engine(Submitting):
                 setattr(self, hooks, lists(getattr(self, hooks)))
 
         change(lambda old: [*old, hook])
-        return lambda: change(lambda old: [h for h in old if h != hook])
+        return lambda: change(lambda old: [h for h in old if h is not hook])
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

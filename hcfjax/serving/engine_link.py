@@ -18,6 +18,7 @@ every request in flight ends with an error and the front end is no longer ready.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -37,6 +38,9 @@ REFUSALS = {cls.__name__: cls for cls in (InvalidRequest, QueueFull, EngineStopp
 
 class NoAnswer(EngineStopped):
     """The engine's process did not answer a call in time."""
+
+
+_END = object()  # ends a LinkedEngine's abort sender
 
 
 def _wire(out: Output) -> tuple:
@@ -201,7 +205,7 @@ class LinkedEngine(Submitting):
         self._ended = False  # the pipe has ended: the engine's process is gone
         self.failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
-        self._aborts: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # ids for the sender below; None ends it
+        self._aborts: queue.SimpleQueue = queue.SimpleQueue()  # ids for the sender below; _END ends it
         self._reader = threading.Thread(target=self._read, name="hcfjax-engine-link", daemon=True)
         self._reader.start()
         threading.Thread(target=self._send_aborts, name="hcfjax-engine-link-aborts", daemon=True).start()
@@ -220,7 +224,7 @@ class LinkedEngine(Submitting):
 
         def remove():
             with self._lock:
-                self._on_failure = [t for t in self._on_failure if t != tell]
+                self._on_failure = [t for t in self._on_failure if t is not tell]
 
         return remove
 
@@ -245,8 +249,9 @@ class LinkedEngine(Submitting):
         except Exception as e:
             with self._lock:
                 self._requests.pop(rid, None)
-            if isinstance(e, NoAnswer):  # the engine may have queued it all the same
-                self.abort(rid)
+            if isinstance(e, NoAnswer):  # the engine may have queued it all the same: told now, before a retry
+                with contextlib.suppress(EngineStopped):
+                    self._send(("abort", rid))
             raise
         return req
 
@@ -296,14 +301,16 @@ class LinkedEngine(Submitting):
     def _read(self) -> None:
         _receive(self.conn, self._take)
         self._fail("the engine's process ended", ended=True)
-        self._aborts.put(None)
+        self._aborts.put(_END)
 
     def _send_aborts(self) -> None:
-        while (rid := self._aborts.get()) is not None:
+        while (rid := self._aborts.get()) is not _END:
             try:
                 self._send(("abort", rid))
             except EngineStopped:  # the engine is gone, and its requests with it
                 return
+            except Exception:  # noqa: BLE001 - the aborts after it still go
+                log.exception("the engine link could not send an abort")
 
     def _take(self, kind: str, *rest) -> None:
         if kind == "outputs":
