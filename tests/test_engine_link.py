@@ -88,7 +88,7 @@ def test_the_engine_going_away_ends_the_front_ends_requests(engine):
 def test_the_front_end_going_away_aborts_its_requests(engine):
     """Its requests would otherwise decode to their end for nobody; their pages come back within steps, and the
     host's hooks leave the engine."""
-    hooks = lambda: (engine._after_step, engine._on_failure)  # noqa: E731
+    hooks = lambda: (engine._after_step.current, engine._on_failure.current)  # noqa: E731
     before = hooks()
     linked, host = engine_helpers.linked(engine)
     assert hooks() != before

@@ -67,7 +67,7 @@ class Timings:
         engine.scheduler.schedule = timed("plan", schedule)
         engine.runner.dispatch = timed("dispatch", dispatch)
         engine._process = waited
-        engine._after_step[:] = [timed("send", hook) for hook in engine._after_step]
+        engine._after_step.current = tuple(timed("send", hook) for hook in engine._after_step)
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PARTS, 0.0)

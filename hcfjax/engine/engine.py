@@ -24,6 +24,7 @@ from hcfjax.detokenize import TextStream
 from hcfjax.engine import memory
 from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
 from hcfjax.engine.executables import ExecutableCache
+from hcfjax.engine.hooks import Hooks
 from hcfjax.engine.request import FinishReason, Output, Request, Status, stream_events
 from hcfjax.engine.runner import Dispatched, ModelRunner
 from hcfjax.engine.scheduler import Scheduler, SchedulerConfig
@@ -146,9 +147,7 @@ class Engine(Submitting):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: str | None = None  # why the loop stopped, if an error stopped it
-        self._hooks_lock = threading.Lock()  # (hooks come and go from front ends' threads)
-        self._on_failure: list[Callable[[str], None]] = []
-        self._after_step: list[Callable[[], None]] = []
+        self._on_failure, self._after_step = Hooks(), Hooks()
         self.steps = 0
 
     # -- the caller's side (any thread) ----------------------------------------------------------------------------
@@ -299,23 +298,12 @@ class Engine(Submitting):
     def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
         """tell(error) runs (on the loop's thread) if an error stops the loop: a front end turns unhealthy.
         -> a call that removes it."""
-        return self._hook("_on_failure", tell)
+        return self._on_failure.add(tell)
 
     def after_step(self, done: Callable[[], None]) -> Callable[[], None]:
         """done() runs after each step, once the step's Outputs are out (a front end in another process sends them
         on together), and after the last ones when the engine stops. -> a call that removes it."""
-        return self._hook("_after_step", done)
-
-    def _hook(self, hooks: str, hook: Callable) -> Callable[[], None]:
-        """Adds `hook` to the list named `hooks` -> a call that removes it. Each change makes a new list: the loop
-        may be running over the old one."""
-
-        def change(lists):
-            with self._hooks_lock:
-                setattr(self, hooks, lists(getattr(self, hooks)))
-
-        change(lambda old: [*old, hook])
-        return lambda: change(lambda old: [h for h in old if h is not hook])
+        return self._after_step.add(done)
 
     def warmup(self, progress=None, rest_later: bool = False) -> float:
         """Compiles every step shape before serving (call before start()); returns the seconds it took.

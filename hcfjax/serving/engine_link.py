@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from hcfjax.engine import EngineStopped, FinishReason, InvalidRequest, Output, QueueFull, Usage
+from hcfjax.engine.hooks import Hooks
 from hcfjax.engine.request import stream_events
 from hcfjax.frontdoor import Checked, FrontDoor, Submitting
 from hcfjax.serving.remote import ModelFront, RemoteLimits
@@ -204,7 +205,7 @@ class LinkedEngine(Submitting):
         self._stopping = False
         self._ended = False  # the pipe has ended: the engine's process is gone
         self.failure: str | None = None
-        self._on_failure: list[Callable[[str], None]] = []
+        self._on_failure = Hooks()
         self._aborts: queue.SimpleQueue = queue.SimpleQueue()  # ids for the sender below; _END ends it
         self._reader = threading.Thread(target=self._read, name="hcfjax-engine-link", daemon=True)
         self._reader.start()
@@ -219,14 +220,7 @@ class LinkedEngine(Submitting):
 
     def on_failure(self, tell: Callable[[str], None]) -> Callable[[], None]:
         """As Engine.on_failure: tell(error) runs if the engine fails or goes away. -> a call that removes it."""
-        with self._lock:
-            self._on_failure = [*self._on_failure, tell]
-
-        def remove():
-            with self._lock:
-                self._on_failure = [t for t in self._on_failure if t is not tell]
-
-        return remove
+        return self._on_failure.add(tell)
 
     def tokenize(self, text: str) -> list[int]:
         return self.door.encode(text)
