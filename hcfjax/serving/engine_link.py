@@ -76,7 +76,7 @@ class EngineHost:
         self.engine, self.conn = engine, conn
         self._outbox: list[tuple] = []
         self._outbox_lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # (flush holds it across taking a batch and sending it)
         self._live: set[str] = set()  # ids the front end added that have not ended
         self._thread = threading.Thread(target=self._serve, name="hcfjax-engine-link", daemon=True)
         self._unhook = (engine.after_step(self.flush), engine.on_failure(self._failed))
@@ -109,20 +109,17 @@ class EngineHost:
             with self._outbox_lock:
                 batch, self._outbox = self._outbox, []
             if batch:
-                self._send(("outputs", batch), locked=True)
+                self._send(("outputs", batch))
 
     def _failed(self, error: str) -> None:
         """The engine's loop failed: its requests' last Outputs (each with the error) go first, then the failure."""
         self.flush()
         self._send(("failed", error))
 
-    def _send(self, message: tuple, locked: bool = False) -> None:
+    def _send(self, message: tuple) -> None:
         try:
-            if locked:
+            with self._send_lock:
                 self.conn.send(message)
-            else:
-                with self._send_lock:
-                    self.conn.send(message)
         except (OSError, EOFError):  # the front end has gone: _serve sees the end of the pipe and aborts its requests
             pass
 
