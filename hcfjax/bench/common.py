@@ -172,6 +172,16 @@ def gpu_gaps(planes, reps: int = 1, min_us: float = 5.0) -> tuple[float, dict[tu
     return idle / reps, by_pair
 
 
+def write_records(path: str, planes) -> None:
+    """Every record of the busiest GPU plane in start order, as tab-separated name, start (us from the first) and
+    duration (us): the sequence of a step's launches, to see which small kernels and copies it runs."""
+    events = sorted(busiest_gpu_events(planes), key=lambda ev: ev.start_ns)
+    t0 = events[0].start_ns if events else 0
+    with open(path, "w") as f:
+        for ev in events:
+            f.write(f"{ev.name}\t{(ev.start_ns - t0) / 1e3:.1f}\t{ev.duration_ns / 1e3:.1f}\n")
+
+
 def idle_gaps(spans):
     """(start, stop, name) records (any order, any one time unit) -> (gap, the record that ended last before it,
     the record after it) for each stretch in which none of them runs, in time order."""

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from hcfjax.bench.common import (
-    busiest_gpu_events,
     gpu_gaps,
     header,
     kernel_seconds,
@@ -33,6 +32,7 @@ from hcfjax.bench.common import (
     record_counts,
     traced_planes,
     widest,
+    write_records,
 )
 from hcfjax.engine.request import Status
 
@@ -91,16 +91,6 @@ def output_room(batch: int, context: int, steps: int, budget: int) -> int:
     return batch * -(-context // budget) + 2 * steps + 64
 
 
-def write_records(path: str, planes) -> None:
-    """Every record of the busiest GPU plane in start order, as tab-separated name, start (us from the first) and
-    duration (us): the sequence of a step's launches, to see which small kernels and copies it runs."""
-    events = sorted(busiest_gpu_events(planes), key=lambda ev: ev.start_ns)
-    t0 = events[0].start_ns if events else 0
-    with open(path, "w") as f:
-        for ev in events:
-            f.write(f"{ev.name}\t{(ev.start_ns - t0) / 1e3:.1f}\t{ev.duration_ns / 1e3:.1f}\n")
-
-
 def kernel_differences(engine: dict[str, float], offline: dict[str, float], n: int = 10) -> str:
     """The n kernel names whose time per step differs most between the engine's step and the offline one (engine
     minus offline, ms; a name only one side runs counts fully), then the sums of both sides."""
@@ -150,7 +140,7 @@ def loop_case(
 
 
 def main(argv=None) -> None:
-    from hcfjax.bench.generate import decode_kernels, decode_rate
+    from hcfjax.bench.generate import decode_profile, decode_rate
     from hcfjax.engine import Engine, EngineConfig
     from hcfjax.serving.config import SCHEMES, load_model
 
@@ -204,7 +194,7 @@ def main(argv=None) -> None:
     for batch in args.batches:
         row = loop_case(engine, timings, batch, args.context, args.steps, args.profile, rng, args.records)
         covered = f"{sum(row['kernels'].values()) / row['wall']:.0%}" if row["kernels"] else "n/a"
-        offline, offline_kernels = "n/a | n/a", None
+        offline, off = "n/a | n/a", None
         if args.offline:  # (beside the engine's cache: both fit at these sizes)
             stats, gen = decode_rate(
                 model, batch, args.context, 2 * args.steps, config.options, rng, max_prefill_tokens=args.context
@@ -212,7 +202,8 @@ def main(argv=None) -> None:
             step = 1 / stats["decode_tokens_per_s"] * batch
             offline = f"{step * 1e3:.2f} | {step / row['wall']:.0%}"
             if args.profile:
-                offline_kernels = decode_kernels(gen, 2 * args.steps)
+                where = args.records.format(batch=f"{batch}-offline") if args.records else None
+                off = decode_profile(gen, 2 * args.steps, where)
         ms = lambda k, row=row: f"{row[k] * 1e3:.2f}"  # noqa: E731
         print(
             f"| {row['batch']} | {ms('wall')} | {covered} | {ms('plan')} | {ms('dispatch')} | {ms('wait')} | "
@@ -229,8 +220,14 @@ def main(argv=None) -> None:
                 f"({n['copy_s'] * 1e3:.2f} ms)",
                 flush=True,
             )
-        if row["kernels"] and offline_kernels:
-            print(f"  engine against offline, ms per step: {kernel_differences(row['kernels'], offline_kernels)}")
+        if row["kernels"] and off:
+            n = off["counts"]
+            print(
+                f"  offline per step: GPU idle {off['idle'] * 1e3:.2f} ms; {n['kernels']:.0f} kernels, "
+                f"{n['copies']:.0f} copies and memsets ({n['copy_s'] * 1e3:.2f} ms)",
+                flush=True,
+            )
+            print(f"  engine against offline, ms per step: {kernel_differences(row['kernels'], off['kernels'])}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,18 @@ import numpy as np
 import hcfjax
 from hcfjax import cache as kvcache
 from hcfjax.bench import spec_step
-from hcfjax.bench.common import copy_bandwidth, count, header, kernel_times, matmul_flops, torch_copy_bandwidth
+from hcfjax.bench.common import (
+    copy_bandwidth,
+    count,
+    gpu_gaps,
+    header,
+    kernel_seconds,
+    matmul_flops,
+    record_counts,
+    torch_copy_bandwidth,
+    traced_planes,
+    write_records,
+)
 from hcfjax.bench.hlo_names import describe
 from hcfjax.config import ModelConfig
 from hcfjax.kernels import kernels_in_use
@@ -195,19 +206,26 @@ def floor_cells(floor: float | None, took: float, fmt: str) -> str:
     return f"{floor * 1e3:{fmt}} ms | {floor / took:.0%}"
 
 
-def decode_kernels(gen, new_tokens: int) -> dict[str, float]:
-    """Seconds per decode step by kernel name of generate's offline decode: a trace of gen(new_tokens) less one of
-    gen(1) (the prefill and the first token), over its new_tokens - 1 steps."""
+def decode_profile(gen, new_tokens: int, records: str | None = None) -> dict:
+    """generate's decode under the profiler, per decode step: a trace of gen(new_tokens) less one of gen(1) (the
+    prefill and the first token), over its new_tokens - 1 steps. -> {"kernels": seconds by kernel name, "idle": GPU
+    idle seconds, "counts": record_counts}; records: also write the gen(new_tokens) trace's records there."""
     sync = lambda _: None  # noqa: E731 (generate returns host values)
-    whole = kernel_times(lambda: gen(new_tokens), reps=1, wait=sync)
-    first = kernel_times(lambda: gen(1), reps=1, wait=sync)
-    return {k: (v - first.get(k, 0.0)) / (new_tokens - 1) for k, v in whole.items()}
+    whole = traced_planes(lambda: gen(new_tokens), reps=1, wait=sync)
+    first = traced_planes(lambda: gen(1), reps=1, wait=sync)
+    if records:
+        write_records(records, whole)
+    steps = new_tokens - 1
+    kernels, counts = (
+        {k: (v - f(first).get(k, 0.0)) / steps for k, v in f(whole).items()} for f in (kernel_seconds, record_counts)
+    )
+    return {"kernels": kernels, "idle": (gpu_gaps(whole)[0] - gpu_gaps(first)[0]) / steps, "counts": counts}
 
 
 def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:
     """Table rows: the decode's kernels per step (a trace of gen(new_tokens) less one of gen(1), the prefill and the
     first token), the `top` longest, then all of them against the step's wall time; and the `top` kernels' names."""
-    per = {k: v for k, v in decode_kernels(gen, new_tokens).items() if v > 0}
+    per = {k: v for k, v in decode_profile(gen, new_tokens)["kernels"].items() if v > 0}
     if not per:
         return [f"| {batch} | (no GPU kernels in the trace) | | |"], []
     longest = sorted(per.items(), key=lambda kv: -kv[1])[:top]
