@@ -15,6 +15,7 @@ import time
 from concurrent import futures
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hcfjax.serving import hcfjax_pb2 as pb
@@ -162,3 +163,33 @@ def test_router_retries_a_failed_prefill_on_another_prefill_worker():
         router.stop(0)
         for s in (pre_a, pre_b, dec):
             s.stop(0)
+
+
+def test_a_refused_request_leaves_no_prefill_route():
+    """The decode worker notes the router's prefill worker for a request before the engine can admit it, and takes
+    the note back when the engine refuses the request (nothing would prefill it and drop the note)."""
+    import types
+
+    from hcfjax.engine import QueueFull
+    from hcfjax.pd.service import PREFILL_METADATA, DecodeGenerationService
+
+    seen = []
+
+    class Refusing:
+        def submit(self, prompt, **kwargs):
+            seen.append(dict(remote.routes))
+            raise QueueFull("the queue is full")
+
+    class Context:
+        def invocation_metadata(self):
+            return ((PREFILL_METADATA, "prefill:1"),)
+
+        def abort(self, code, message):
+            raise RuntimeError(code)
+
+    remote = types.SimpleNamespace(routes={})
+    service = DecodeGenerationService(Refusing(), remote, "socket")
+    with pytest.raises(RuntimeError) as refused:
+        list(service.Generate(pb.GenerateRequest(text="x", request_id="r1"), Context()))
+    assert refused.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert seen == [{"r1": "prefill:1"}] and remote.routes == {}

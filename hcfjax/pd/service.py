@@ -159,11 +159,19 @@ class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
         super().__init__(engine, metrics)
         self.remote, self.transport = remote, transport
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        """The router's prefill worker is noted for the request before the engine can admit it; a request the engine
+        refuses takes its note back (it would otherwise stay, as nothing prefills it)."""
         addr = dict(context.invocation_metadata()).get(PREFILL_METADATA)
-        if addr and request.request_id:
-            self.remote.routes[request.request_id] = addr
-        yield from super().Generate(request, context)
+        rid = request.request_id if addr else ""
+        if rid:
+            self.remote.routes[rid] = addr
+        try:
+            return super()._submit(request, context)
+        except BaseException:  # (context.abort raises)
+            if rid:
+                self.remote.routes.pop(rid, None)
+            raise
 
     def Info(self, request, context) -> pdpb.WorkerInfo:
         e, snap = self.engine, self.engine.snapshot()
