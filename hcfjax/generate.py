@@ -82,17 +82,8 @@ def forward(model: Model, tokens) -> jax.Array:
 @functools.cache
 def _decode(xla: tuple):
     """decode_steps jitted with these XLA compiler options (as step_program)."""
-    static = ("cfg", "spec", "opts", "width", "check_every")
+    static = ("cfg", "spec", "opts", "width")
     return jax.jit(decode_steps, static_argnames=static, donate_argnames=("state",), compiler_options=dict(xla) or None)
-
-
-def steps_between_checks(width: int) -> int:
-    """Decode steps between the decode loop's checks for a live row (hcfjax.step.decode_steps' check_every) for an
-    output `width` wide. More steps between checks save more of the loop's waits for the host, but up to
-    check_every - 1 steps run after the last row ends (half that on average): about sqrt(width / 4) balances the two
-    where a wait costs a tenth of a step, at most CHECK_EVERY. A function of the width only, so one program still
-    serves every limit up to it."""
-    return max(1, min(CHECK_EVERY, math.isqrt(width // 4)))
 
 
 def round_up_eighth(n: int) -> int:
@@ -102,7 +93,6 @@ def round_up_eighth(n: int) -> int:
     return -(-n // step) * step
 
 
-CHECK_EVERY = 8  # at most this many decode steps between the loop's checks for a live row (check_every)
 MOCK_PROMPT = [0]  # the prompt of a mock row (a decode plan's rank short of requests, or a batch's padding)
 ROW_MULTIPLE = 8  # a batch of several rows decodes in a multiple of this many rows on one device (padded_rows)
 
@@ -218,26 +208,13 @@ def generate(
         dec = jax.device_put(DecodeInputs(active, page_table, sp, seeds))
         decode = _decode(options.compiler_options())
         limit = jnp.int32(max_new_tokens)
-        out, counts, _ = decode(
-            model.params,
-            cfg,
-            state,
-            dec,
-            stop_arr,
-            limit,
-            speculative,
-            options,
-            width=width,
-            check_every=steps_between_checks(width),
-        )
+        out, counts, _ = decode(model.params, cfg, state, dec, stop_arr, limit, speculative, options, width=width)
     else:
         local_table = page_table - (np.arange(b, dtype=np.int32) // (b // ranks) * (b // ranks) * pages)[:, None]
         dec = jax.device_put(DecodeInputs(active, local_table, sp, seeds), decode_plan.rows())
         params = decode_plan.place_params(model.params)
         state = decode_plan.place_state(state)  # the prefill's cache handed to the ranks owning its pages
-        run = decode_plan.wrap_decode_steps(
-            cfg, params, state, width, speculative, options, steps_between_checks(width)
-        )
+        run = decode_plan.wrap_decode_steps(cfg, params, state, width, speculative, options)
         out, counts, _ = run(params, state, dec, stop_arr, jnp.int32(max_new_tokens))
         if not out.is_fully_addressable:  # multi-process: every process gets all rows
             from jax.experimental import multihost_utils

@@ -229,16 +229,9 @@ def decode_steps(
     experts_fn=None,
     axis: str | None = None,
     width: int | None = None,
-    check_every: int = 1,
 ):
     """Decodes every slot of dec.active from its first token (sampled at prefill) until a token in stop_ids [S']
     (padded with PAD) or max_new_tokens tokens, in one while_loop of `step`s.
-
-    check_every: the loop asks whether any row still decodes once every this many steps (the steps between run in
-    an inner loop of that fixed count). A GPU's while loop copies its condition to the host and waits for it before
-    each iteration, so the device idles while the next step's first kernels launch; an inner loop of known trip
-    count launches its steps back to back. A row that ends mid-way writes nothing more, so the result is the same;
-    at most check_every - 1 steps run after the last row ends.
 
     max_new_tokens: an int, or a traced scalar at most `width` (static), the output's width: one compiled program
     serves every limit up to it. Under a data-parallel plan (axis set, inside shard_map) every rank keeps stepping
@@ -265,7 +258,7 @@ def decode_steps(
             running = jax.lax.psum(running, axis)  # all ranks agree on the number of live requests
         return running > 0
 
-    def one_step(carry):
+    def body(carry):
         state, out, done, c = carry
         live = ~done
         state, _, nxt, _ = step(params, cfg, state, None, dataclasses.replace(dec, active=live), spec, opts, experts_fn)
@@ -286,11 +279,6 @@ def decode_steps(
             c["evaluated"] = c["evaluated"] + (live[:, None] & (n_acc[:, None] >= jnp.arange(k)[None]))
             c["accepted"] = c["accepted"] + (live[:, None] & (n_acc[:, None] >= jnp.arange(1, k + 1)[None]))
         return state, out, done, c
-
-    def body(carry):
-        if check_every == 1:
-            return one_step(carry)
-        return jax.lax.fori_loop(0, check_every, lambda _, carry: one_step(carry), carry)
 
     state, out, _, counters = jax.lax.while_loop(cond, body, (state, out, done, counters))
     return out[:, :width], counters, state

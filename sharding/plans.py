@@ -104,13 +104,13 @@ class Plan:
         xla = dict(opts.compiler_options(prefill=with_prefill)) or None
         return jax.jit(fn, donate_argnums=(1,), compiler_options=xla)
 
-    def wrap_decode_steps(self, cfg, params, state, width: int, spec, opts, check_every: int = 1):
+    def wrap_decode_steps(self, cfg, params, state, width: int, spec, opts):
         """hcfjax.step.decode_steps under the decode plan: the whole decode loop inside one shard_map (the ranks
         agree on when to stop). -> jitted fn(params, state, dec, stop_ids, max_new_tokens) -> (tokens [S, width],
         counters, state); max_new_tokens a scalar at most width. The same plan, model and settings get the same
         function back, so a second generate call reuses its compiled program."""
         leaves, tree = jax.tree.flatten((param_specs(params, self), _state_specs(state)), is_leaf=_is_spec)
-        return _decode_steps_program(self, cfg, width, spec, opts, check_every, tuple(leaves), tree)
+        return _decode_steps_program(self, cfg, width, spec, opts, tuple(leaves), tree)
 
 
 def _is_spec(x) -> bool:
@@ -118,14 +118,14 @@ def _is_spec(x) -> bool:
 
 
 @functools.cache
-def _decode_steps_program(plan: Plan, cfg, width: int, spec, opts, check_every: int, spec_leaves: tuple, spec_tree):
+def _decode_steps_program(plan: Plan, cfg, width: int, spec, opts, spec_leaves: tuple, spec_tree):
     from hcfjax.step import decode_steps
 
     row = P("ep")
     experts = ep_experts("ep", opts.ep_exchange)
 
     def local(params, state, dec, stops, limit):
-        return decode_steps(params, cfg, state, dec, stops, limit, spec, opts, experts, "ep", width, check_every)
+        return decode_steps(params, cfg, state, dec, stops, limit, spec, opts, experts, "ep", width)
 
     params_spec, st = jax.tree.unflatten(spec_tree, spec_leaves)
     counters = {"count": row, "steps": row, "evaluated": row, "accepted": row}

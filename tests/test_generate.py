@@ -47,18 +47,17 @@ def test_limits_and_lengths_within_their_buckets_share_the_compiled_steps(v3_mod
 
 
 def test_stop_tokens_end_a_row(v3_model):
-    """A stop token ends its row, also while another row decodes on. 20 tokens: the decode loop checks for a live
-    row every 2 steps (generate.steps_between_checks), and the stop falls between two checks, so the step after it
-    must leave the ended row's tokens alone."""
-    free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=20, stop_token_ids=[])
+    # 6 tokens: the shapes of test_ragged_batch_equals_each_prompt_alone's single prompts (compiled there)
+    free = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[])
     stop = free.tokens[0][3]
-    out = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=20, stop_token_ids=[stop])
+    out = hcfjax.generate(v3_model, [[5, 9, 2]], max_new_tokens=6, stop_token_ids=[stop])
     first = free.tokens[0].index(stop)
     assert out.tokens[0] == free.tokens[0][: first + 1]
     assert out.stats["new_tokens"] == first + 1
+    # a row that stops while another decodes on: each row as it decodes alone
     other = [8] * 13
-    alone = hcfjax.generate(v3_model, [other], max_new_tokens=20, stop_token_ids=[stop]).tokens[0]
-    both = hcfjax.generate(v3_model, [[5, 9, 2], other], max_new_tokens=20, stop_token_ids=[stop])
+    alone = hcfjax.generate(v3_model, [other], max_new_tokens=6, stop_token_ids=[stop]).tokens[0]
+    both = hcfjax.generate(v3_model, [[5, 9, 2], other], max_new_tokens=6, stop_token_ids=[stop])
     assert both.tokens == [out.tokens[0], alone] and len(alone) > first + 1, (both.tokens, alone)
 
 
