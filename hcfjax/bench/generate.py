@@ -216,10 +216,13 @@ def decode_profile(gen, new_tokens: int, records: str | None = None) -> dict:
     if records:
         write_records(records, whole)
     steps = new_tokens - 1
-    kernels, counts = (
-        {k: (v - f(first).get(k, 0.0)) / steps for k, v in f(whole).items()} for f in (kernel_seconds, record_counts)
-    )
-    return {"kernels": kernels, "idle": (gpu_gaps(whole)[0] - gpu_gaps(first)[0]) / steps, "counts": counts}
+
+    def per_step(measure) -> dict[str, float]:
+        before = measure(first)
+        return {k: (v - before.get(k, 0.0)) / steps for k, v in measure(whole).items()}
+
+    idle = (gpu_gaps(whole)[0] - gpu_gaps(first)[0]) / steps
+    return {"kernels": per_step(kernel_seconds), "idle": idle, "counts": per_step(record_counts)}
 
 
 def step_profile(gen, new_tokens: int, batch: int, step: float, top: int = 8) -> tuple[list[str], list[str]]:
