@@ -165,31 +165,80 @@ def test_router_retries_a_failed_prefill_on_another_prefill_worker():
             s.stop(0)
 
 
+class _Context:
+    """A decode worker's call from the router, which named prefill worker "prefill:1"."""
+
+    def invocation_metadata(self):
+        from hcfjax.pd.service import PREFILL_METADATA
+
+        return ((PREFILL_METADATA, "prefill:1"),)
+
+    def abort(self, code, message):
+        raise RuntimeError(code)
+
+
+def _refused(service) -> None:
+    with pytest.raises(RuntimeError) as refused:
+        list(service.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), request_id="r1"), _Context()))
+    assert refused.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_a_refused_request_leaves_no_prefill_route():
     """The decode worker notes the router's prefill worker for a request before the engine can admit it, and takes
     the note back when the engine refuses the request (nothing would prefill it and drop the note)."""
-    import types
-
     from hcfjax.engine import QueueFull
-    from hcfjax.pd.service import PREFILL_METADATA, DecodeGenerationService
+    from hcfjax.pd.service import DecodeGenerationService
 
-    seen = []
+    seen, routes = [], {}
 
     class Refusing:
         def submit(self, prompt, **kwargs):
-            seen.append(dict(remote.routes))
+            seen.append(dict(routes))
             raise QueueFull("the queue is full")
 
-    class Context:
-        def invocation_metadata(self):
-            return ((PREFILL_METADATA, "prefill:1"),)
+    _refused(DecodeGenerationService(Refusing(), routes, {}))
+    assert seen == [{"r1": "prefill:1"}] and routes == {}
 
-        def abort(self, code, message):
-            raise RuntimeError(code)
 
-    remote = types.SimpleNamespace(routes={})
-    service = DecodeGenerationService(Refusing(), remote, "socket")
-    with pytest.raises(RuntimeError) as refused:
-        list(service.Generate(pb.GenerateRequest(text="x", request_id="r1"), Context()))
-    assert refused.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert seen == [{"r1": "prefill:1"}] and remote.routes == {}
+def test_prefill_routes_cross_the_engine_link_ahead_of_the_submit():
+    """With the decode worker's server in a process of its own, its notes of the router's prefill worker go over the
+    engine link to the engine's RemotePrefill: each one is in place before the engine sees the submit that follows
+    it, and a refused request's note is taken back there too."""
+    import multiprocessing
+    import types
+
+    from hcfjax.engine import QueueFull
+    from hcfjax.pd.service import DecodeGenerationService
+    from hcfjax.serving.engine_link import EngineHost, LinkedEngine
+    from hcfjax.serving.remote import ModelFront, RemoteLimits, load_front
+
+    seen = []
+
+    class Refusing:  # the engine's side: what EngineHost uses of an Engine
+        remote = types.SimpleNamespace(routes={})
+
+        def after_step(self, hook):
+            return lambda: None
+
+        on_failure = after_step
+
+        def snapshot(self):
+            return {}
+
+        def add(self, rid, checked, events):
+            seen.append(dict(self.remote.routes))
+            raise QueueFull("the queue is full")
+
+    engine = Refusing()
+    here, there = multiprocessing.Pipe()
+    host = EngineHost(engine, here).start()
+    front = load_front()
+    linked = LinkedEngine(there, ModelFront(front.cfg, front.tokenizer), 4096, RemoteLimits(2, 1, 0))
+    try:
+        _refused(DecodeGenerationService(linked, linked.routes, {}))
+        linked.routes["r2"] = "prefill:2"
+        assert linked.snapshot() == {}  # (a call's answer comes after every message sent before it)
+        assert seen == [{"r1": "prefill:1"}] and engine.remote.routes == {"r2": "prefill:2"}
+    finally:
+        there.close()
+        host.join(5)

@@ -49,10 +49,13 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
 
 
 def run_decode(model, args, plans, engine_config, announce) -> None:
+    """The engine and its remote prefill here; its gRPC server in a process of its own (hcfjax.serving.front_process,
+    as `hcfjax serve`'s), so the streams' threads never take the interpreter lock from the engine's loop."""
     from hcfjax.engine import Engine
     from hcfjax.pd.decode import RemotePrefill
-    from hcfjax.pd.service import GrpcPrefill, decode_server
+    from hcfjax.pd.service import DecodeListen, GrpcPrefill, decode_info
     from hcfjax.pd.transport import make_transport
+    from hcfjax.serving.front_process import serve
     from sharding.plans import decode_plan
 
     _log_to_stderr()
@@ -62,16 +65,13 @@ def run_decode(model, args, plans, engine_config, announce) -> None:
     remote.connect = connect
     plan = decode_plan(**plans["decode"]) if "decode" in plans else None
     engine = Engine(model, engine_config, decode_plan=plan, remote=remote)
-    if args.warmup:  # the all-slot decode step now, the decode steps of fewer rows in the background
-        announce(f"hcfjax serve: compiled in {engine.warmup(rest_later=True):.1f} s")
-    with until_signal(announce):
-        engine.start()
-        server = decode_server(engine, remote, args.transport, args.host, args.port, api_key=args.api_key).start()
-        announce(f"hcfjax serve: decode worker listening on {server.address} (transport {receiver.address})")
-    server.stop(args.grace)
-    engine.shutdown(args.grace)
-    remote.shutdown()
-    receiver.close()
+    info = decode_info(engine, args.transport)
+    listen = DecodeListen(args.host, args.port, info, receiver.address, args.api_key)
+    try:  # the all-slot decode step compiled before listening, the decode steps of fewer rows in the background
+        serve(engine, listen, grace=args.grace, warmup=args.warmup, announce=announce)
+    finally:
+        remote.shutdown()
+        receiver.close()
 
 
 def run_router(args, announce) -> None:

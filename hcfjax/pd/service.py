@@ -5,6 +5,7 @@ GrpcPrefill, the decode worker's client of a remote prefill worker.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import threading
@@ -15,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hcfjax.pd.decode import RemotePrefill
 from hcfjax.pd.prefill import PrefillJob, PrefillWorker
 from hcfjax.pd.transport import TransferError
 from hcfjax.serving import hcfjax_pb2 as pb
 from hcfjax.serving import pd_pb2 as pdpb
 from hcfjax.serving import pd_pb2_grpc as pd_grpc
 from hcfjax.serving.client import with_api_key
+from hcfjax.serving.front_process import Up
 from hcfjax.serving.guards import GENERATION_PREFIX, PD_PREFIX, ApiKeyInterceptor, add_generation_service
 from hcfjax.serving.server import GenerationService, sampling_of
 
@@ -152,12 +153,22 @@ class GrpcPrefill:
         self._channel.close()
 
 
-class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
-    """hcfjax.v1.Generation on a decode worker: the router's choice of prefill worker comes as call metadata."""
+def decode_info(engine, transport: str) -> dict:
+    """What a decode worker's Worker.Info says that does not change while it serves."""
+    c = engine.config
+    dtype = jnp.dtype(engine.runner.state.cache.kv.dtype).name
+    layers = engine.cfg.num_hidden_layers
+    return dict(role="decode", page_size=c.page_size, cache_dtype=dtype, layers=layers, transport=transport,
+                dp=c.dp, max_slots=c.max_slots)  # fmt: skip
 
-    def __init__(self, engine, remote: RemotePrefill, transport: str, metrics=None):
+
+class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
+    """hcfjax.v1.Generation on a decode worker: the router's choice of prefill worker comes as call metadata and is
+    noted in `routes` (RemotePrefill.routes, or a LinkedEngine's notes to it); `info`: decode_info's fields."""
+
+    def __init__(self, engine, routes, info: dict, metrics=None):
         super().__init__(engine, metrics)
-        self.remote, self.transport = remote, transport
+        self.routes, self.info = routes, info
 
     def _submit(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         """The router's prefill worker is noted for the request before the engine can admit it; a request the engine
@@ -165,29 +176,18 @@ class DecodeGenerationService(GenerationService, pd_grpc.WorkerServicer):
         addr = dict(context.invocation_metadata()).get(PREFILL_METADATA)
         rid = request.request_id if addr else ""
         if rid:
-            self.remote.routes[rid] = addr
+            self.routes[rid] = addr
         try:
             return super()._submit(request, context)
         except BaseException:  # (context.abort raises)
             if rid:
-                self.remote.routes.pop(rid, None)
+                self.routes.pop(rid, None)
             raise
 
     def Info(self, request, context) -> pdpb.WorkerInfo:
-        e, snap = self.engine, self.engine.snapshot()
-        return pdpb.WorkerInfo(
-            role="decode",
-            page_size=e.config.page_size,
-            cache_dtype=jnp.dtype(e.runner.state.cache.kv.dtype).name,
-            layers=e.cfg.num_hidden_layers,
-            transport=self.transport,
-            dp=e.config.dp,
-            max_slots=e.config.max_slots,
-            total_pages=snap["total_pages"],
-            free_pages=snap["free_pages"],
-            running=snap["running"],
-            queued=snap["queued"],
-        )
+        snap = self.engine.snapshot()
+        load = {k: snap[k] for k in ("total_pages", "free_pages", "running", "queued")}
+        return pdpb.WorkerInfo(**self.info, **load)
 
 
 class WorkerServer:
@@ -235,10 +235,9 @@ def prefill_server(worker: PrefillWorker, transport: str, host="127.0.0.1", port
     return WorkerServer(register, host, port, api_key=api_key)
 
 
-def decode_server(
-    engine, remote: RemotePrefill, transport: str, host="127.0.0.1", port=0, metrics=None, api_key=None
-) -> WorkerServer:
-    svc = DecodeGenerationService(engine, remote, transport, metrics)
+def decode_server(engine, routes, info: dict, host="127.0.0.1", port=0, metrics=None, api_key=None) -> WorkerServer:
+    """The decode worker's gRPC server over `engine` (an Engine, or a LinkedEngine in the servers' own process)."""
+    svc = DecodeGenerationService(engine, routes, info, metrics)
     c = engine.config
     workers = c.dp * c.max_slots + c.max_queue + 8
 
@@ -247,3 +246,36 @@ def decode_server(
         pd_grpc.add_WorkerServicer_to_server(svc, server)
 
     return WorkerServer(register, host, port, max_workers=workers, api_key=api_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeListen:
+    """A decode worker's servers, for hcfjax.serving.front_process (which runs them in a process of their own over
+    the engine): where to listen, the key, what Worker.Info says (decode_info) and, for the listening line, the
+    transport's address."""
+
+    host: str
+    port: int
+    info: dict
+    transport_address: str
+    api_key: str | None = None
+
+    def servers(self, engine) -> DecodeServers:
+        return DecodeServers(engine, self)
+
+
+class DecodeServers:
+    """DecodeListen's server over a LinkedEngine, as front_process.Servers are for `hcfjax serve`."""
+
+    def __init__(self, engine, listen: DecodeListen):
+        self.listen = listen
+        s = listen
+        self.server = decode_server(engine, engine.routes, s.info, s.host, s.port, api_key=s.api_key)
+
+    def start(self) -> Up:
+        address, transport = self.server.start().address, self.listen.transport_address
+        line = f"hcfjax serve: decode worker listening on {address} (transport {transport})"
+        return Up([line], [f"decode worker {address}"], {"grpc": self.server.port})
+
+    def shutdown(self, grace: float = 3.0) -> None:
+        self.server.stop(grace)

@@ -136,6 +136,14 @@ class EngineHost:
         if kind == "abort":
             self.engine.abort(rest[0])
             return
+        if kind == "route":  # a PD decode worker's note of the router's prefill worker for a request (None: drop it)
+            rid, address = rest
+            routes = self.engine.remote.routes
+            if address is None:
+                routes.pop(rid, None)
+            else:
+                routes[rid] = address
+            return
         call, *args = rest
         try:
             self._send(("reply", call, True, self._answer(kind, *args)))
@@ -184,6 +192,25 @@ class LinkedRequest:
         return self._usage
 
 
+class LinkedRoutes:
+    """A PD decode worker's notes of the router's prefill worker for each request (hcfjax.pd.decode.RemotePrefill's
+    `routes`), kept at the engine's end: each note and its removal is sent ahead of what follows it."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self._send = send
+
+    def __setitem__(self, rid: str, address: str) -> None:
+        self._note(rid, address)
+
+    def pop(self, rid: str, default=None) -> None:
+        self._note(rid, None)
+        return default
+
+    def _note(self, rid: str, address: str | None) -> None:
+        with contextlib.suppress(EngineStopped):  # the engine is gone: the submit after it says so
+            self._send(("route", rid, address))
+
+
 class LinkedEngine(Submitting):
     """The Engine surface that hcfjax.serving.server and .http use, over the EngineHost at the other end of
     `conn`; requests are checked against `front`'s model and a context of max_model_len, as the engine's door
@@ -204,6 +231,7 @@ class LinkedEngine(Submitting):
         self.failure: str | None = None
         self._on_failure = Hooks()
         self._aborts: queue.SimpleQueue = queue.SimpleQueue()  # ids for the sender below; _END ends it
+        self.routes = LinkedRoutes(self._send)
         self._reader = threading.Thread(target=self._read, name="hcfjax-engine-link", daemon=True)
         self._reader.start()
         threading.Thread(target=self._send_aborts, name="hcfjax-engine-link-aborts", daemon=True).start()

@@ -10,10 +10,11 @@ over the engine in this one.
     engine.shutdown()
 
 The child (spawned: no inherited jax or CUDA state; it keeps jax on the CPU and never computes) serves
-hcfjax.serving.server.Server / hcfjax.serving.http.HTTPServer over a LinkedEngine (hcfjax.serving.engine_link),
-so a stream's thread, the HTTP event loop, tokenizing and building responses never take the GIL from the engine's
-loop. It ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a service manager's stop, reaches the whole process
-group: the parent decides) and stops when told or when the parent's end of the pipe closes.
+hcfjax.serving.server.Server / hcfjax.serving.http.HTTPServer (a PD decode worker: its gRPC server,
+hcfjax.pd.service.DecodeListen) over a LinkedEngine (hcfjax.serving.engine_link), so a stream's thread, the HTTP
+event loop, tokenizing and building responses never take the GIL from the engine's loop. It ignores SIGINT and
+SIGTERM (a terminal's Ctrl-C, or a service manager's stop, reaches the whole process group: the parent decides) and
+stops when told or when the parent's end of the pipe closes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Listen:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
+    def servers(self, engine) -> Servers:
+        return Servers(engine, self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Up:
@@ -61,7 +65,7 @@ class _Front:
     model: ModelFront
     max_model_len: int
     limits: RemoteLimits
-    listen: Listen
+    listen: Listen  # (or hcfjax.pd.service.DecodeListen: anything whose servers(engine) gives start and shutdown)
 
 
 class Servers:
@@ -216,7 +220,7 @@ def _front_main(control, link, front: _Front) -> None:
     jax.config.update("jax_platforms", "cpu")  # (nothing here computes; a GPU backend would take device memory)
     try:
         engine = LinkedEngine(link, front.model, front.max_model_len, front.limits)
-        servers = Servers(engine, front.listen)
+        servers = front.listen.servers(engine)
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits
         _tell(control, "error", _said(e))
         return
@@ -263,8 +267,9 @@ def serve(
     started: float | None = None,
     announce=lambda line: print(line, flush=True),
 ) -> None:
-    """Runs `listen`'s servers in a front-end process over `engine` until SIGINT or SIGTERM (call from the main
-    thread), then shuts both down gracefully. OSError if the servers cannot listen or their process dies.
+    """Runs `listen`'s servers (a Listen's, or a PD decode worker's: hcfjax.pd.service.DecodeListen) in a front-end
+    process over `engine` until SIGINT or SIGTERM (call from the main thread), then shuts both down gracefully.
+    OSError if the servers cannot listen or their process dies.
 
     warmup: compile the engine step shapes that hold all the others before listening, so no request waits for a
     compile (the smaller shapes compile in the background; hcfjax.serving.startup.warm_up).
