@@ -268,8 +268,7 @@ class DecodeServers:
     """DecodeListen's server over a LinkedEngine, as front_process.Servers are for `hcfjax serve`."""
 
     def __init__(self, engine, listen: DecodeListen):
-        self.listen = listen
-        s = listen
+        self.listen = s = listen
         self.server = decode_server(engine, engine.routes, s.info, s.host, s.port, api_key=s.api_key)
 
     def start(self) -> Up:

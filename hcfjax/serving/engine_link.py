@@ -202,7 +202,8 @@ class LinkedRoutes:
     def __setitem__(self, rid: str, address: str) -> None:
         self._note(rid, address)
 
-    def pop(self, rid: str, default=None) -> None:
+    def pop(self, rid: str, default=None):
+        """Drops the note at the engine's end. -> default (the note itself is not known here)."""
         self._note(rid, None)
         return default
 
