@@ -210,7 +210,7 @@ def test_prefill_routes_cross_the_engine_link_ahead_of_the_submit():
     from hcfjax.engine import QueueFull
     from hcfjax.pd.service import DecodeGenerationService
     from hcfjax.serving.engine_link import EngineHost, LinkedEngine
-    from hcfjax.serving.remote import ModelFront, RemoteLimits, load_front
+    from hcfjax.serving.remote import RemoteLimits, load_front
 
     seen = []
 
@@ -232,8 +232,7 @@ def test_prefill_routes_cross_the_engine_link_ahead_of_the_submit():
     engine = Refusing()
     here, there = multiprocessing.Pipe()
     host = EngineHost(engine, here).start()
-    front = load_front()
-    linked = LinkedEngine(there, ModelFront(front.cfg, front.tokenizer), 4096, RemoteLimits(2, 1, 0))
+    linked = LinkedEngine(there, load_front(), 4096, RemoteLimits(2, 1, 0))
     try:
         _refused(DecodeGenerationService(linked, linked.routes, {}))
         linked.routes["r2"] = "prefill:2"
