@@ -63,9 +63,16 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
         keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
 
-    k = cfg.num_experts_per_tok
-    _, ids = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    top, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    # Without a bias the choice's top values are the chosen scores (group limiting only masks the others).
+    weights = jnp.take_along_axis(scores, ids, axis=-1) if "router_bias" in p else top
+    return scale_weights(cfg, weights), ids.astype(jnp.int32)
+
+
+def scale_weights(cfg: ModelConfig, weights: jax.Array) -> jax.Array:
+    """The chosen experts' scores [N, K] -> their routing weights: normalised over the K and/or scaled, as the
+    model's gate does."""
+    k = weights.shape[-1]
     normalise = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     if cfg.model_type == "deepseek_v2":
         # DeepSeek-V2's gate normalises the top-k weights or scales them, never both (transformers' V2 router
@@ -74,7 +81,7 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
     else:
         # DeepSeek-V3's gate (and transformers'): normalised when asked, then always scaled.
         weights = (normalise if cfg.norm_topk_prob else weights) * cfg.routed_scaling_factor
-    return weights, ids.astype(jnp.int32)
+    return weights
 
 
 def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None) -> jax.Array:
