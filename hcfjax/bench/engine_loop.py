@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 
 import jax
@@ -142,6 +143,7 @@ def loop_case(
 def main(argv=None) -> None:
     from hcfjax.bench.generate import decode_profile, decode_rate
     from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.options import Options
     from hcfjax.serving.config import SCHEMES, load_model
 
     ap = argparse.ArgumentParser(prog="python -m hcfjax.bench.engine_loop", description=__doc__.split("\n")[0])
@@ -172,6 +174,7 @@ def main(argv=None) -> None:
         max_model_len=context,
         token_budget=args.token_budget,
         min_prefill_bucket=64,
+        options=Options.from_env(os.environ),  # HCFJAX_MLA etc. (hcfjax.options)
     )
     rng = np.random.default_rng(0)
     engine = Engine(model, config)
