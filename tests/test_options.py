@@ -1,0 +1,46 @@
+"""Options (hcfjax/options.py): read from the HCFJAX_* environment by the CLI, and the compiler options they
+become."""
+
+import pytest
+
+
+def test_options_from_the_environment():
+    """Only the CLI reads HCFJAX_* variables, into Options; a bad value names its variable."""
+    from hcfjax.options import Options
+
+    env = {"HCFJAX_MLA": "kernel", "HCFJAX_MLA_QK8": "1", "HCFJAX_INT4_KERNEL": "0", "HCFJAX_EP_EXCHANGE": "ragged"}
+    got = Options.from_env({**env, "HCFJAX_PREFILL_ATTENTION": "fused", "HCFJAX_MLA_CONVERTERS": "0"}, two_rows=False)
+    want = ("kernel", True, "reference", "ragged", False, "fused", False)
+    assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows, got.prefill_attention) == want[:6]
+    assert got.mla_converters is want[6] and Options().mla_converters is True
+    assert Options().prefill_attention_mode() == "blocked"  # auto: fused on GPUs only
+    assert Options.from_env({}) == Options() and hash(Options.from_env({})) == hash(Options())
+    with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):
+        Options.from_env({"HCFJAX_MLA_QK8": "yes"})
+    with pytest.raises(ValueError, match="HCFJAX_MLA"):
+        Options.from_env({"HCFJAX_MLA": "bogus"})
+    with pytest.raises(ValueError, match="HCFJAX_PREFILL_ATTENTION"):
+        Options.from_env({"HCFJAX_PREFILL_ATTENTION": "flash"})
+    assert Options.from_env({"HCFJAX_XLA_GEMM": "triton"}).xla_gemm == "triton"
+    with pytest.raises(ValueError, match="HCFJAX_XLA_GEMM"):
+        Options.from_env({"HCFJAX_XLA_GEMM": "cutlass"})
+
+
+def test_xla_gemm_compiler_options(monkeypatch):
+    """Options.xla_gemm becomes a GPU compiler option: auto takes cuBLAS for decode-only programs only; no option on
+    other backends, whatever it says."""
+    from hcfjax import options
+    from hcfjax.options import Options
+
+    assert Options(xla_gemm="cublas").compiler_options() == Options().compiler_options() == ()
+    assert Options(xla_gemm="cublas").xla_gemm_mode() == "default"
+    monkeypatch.setattr(options, "on_gpu", lambda: True)
+    cublas = (("xla_gpu_enable_triton_gemm", False),)
+    got = {
+        g: (Options(xla_gemm=g).compiler_options(), Options(xla_gemm=g).compiler_options(prefill=True))
+        for g in ("auto", "cublas", "triton")
+    }
+    assert got == {"auto": (cublas, ()), "cublas": (cublas, cublas), "triton": ((), ())}
+    assert [Options().xla_gemm_mode(), Options().xla_gemm_mode(prefill=True)] == ["cublas", "default"]
+    with pytest.raises(ValueError, match="xla_gemm"):
+        Options(xla_gemm="cutlass")
