@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from hcfjax.config import ModelConfig
 from hcfjax.layers import mlp
-from hcfjax.options import DEFAULT, Options, on_gpu
+from hcfjax.options import DEFAULT, Options
 from hcfjax.quant import (
     ACT_GROUP,
     QWeight,
@@ -31,21 +31,15 @@ def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
     return opts.grouped_down_input and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
 
 
-def router_partials(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
-    """x [N, D] @ w [D, E] in float32 as [P, N, E], the partial products of P `width`-wide slices of D (P = 1 where
-    D is one slice or does not split into them). With few rows the product is a single [N, E] output tile, which a
-    GEMM without split-K (cuBLAS in a decode step, Options.xla_gemm) computes on one CTA down the whole of D; the
-    partial products run side by side."""
+def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
+    """x [N, D] @ w [D, E] in float32, as the sum of the partial products of `width`-wide slices of D. With few
+    rows the product is a single [N, E] output tile, which a GEMM without split-K (cuBLAS in a decode step,
+    Options.xla_gemm) computes on one CTA down the whole of D; the partial products run side by side."""
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     (n, d), e = x.shape, w.shape[-1]
     if d % width or d == width:
-        return (x @ w)[None]
-    return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e))
-
-
-def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
-    """x [N, D] @ w [D, E] in float32: `router_partials` summed."""
-    return router_partials(x, w, width).sum(0)
+        return x @ w
+    return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e)).sum(0)
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -90,51 +84,14 @@ def scale_weights(cfg: ModelConfig, weights: jax.Array) -> jax.Array:
     return weights
 
 
-def route_kernel(p: dict, cfg: ModelConfig, x: jax.Array, real: jax.Array | None, interpret: bool):
-    """`route` and the copies' order by expert (`expert_counts`, `by_expert`) on one routing kernel
-    (pallas_kernels/moe_route.py; Options.routing_kernel). x [N, D], real [N] bool or None ->
-    (weights [N, K], ids [N, K], (group_sizes [E], order [N*K], pos [N*K]) as `experts` takes them). The copies of
-    one expert come in any order; padding tokens' copies (not `real`) last."""
-    from pallas_kernels import moe_route
-
-    limited = cfg.topk_method != "greedy" and cfg.n_group > 1 and cfg.topk_group < cfg.n_group
-    scores, ids, rank, counts = moe_route.route(
-        router_partials(x, p["router"]),
-        p.get("router_bias"),
-        real,
-        top_k=cfg.num_experts_per_tok,
-        scoring="sigmoid" if cfg.scoring_func == "sigmoid" else "softmax",
-        groups=cfg.n_group if limited else 1,
-        keep=cfg.topk_group if limited else 1,
-        group_score="top2" if cfg.topk_method == "noaux_tc" else "max",
-        interpret=interpret,
-    )
-    pos, order = moe_route.positions(ids, rank, counts, real)
-    return scale_weights(cfg, scores), ids, (counts[:-1], order, pos)
-
-
-def experts(
-    p: dict,
-    x: jax.Array,
-    weights: jax.Array,
-    ids: jax.Array,
-    opts: Options = DEFAULT,
-    x_q=None,
-    sorted_copies=None,
-) -> jax.Array:
+def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
-    QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it.
-    sorted_copies: (group_sizes [E], order [N*K], pos [N*K]) where the router made them (`route_kernel`), else
-    counted and ordered here."""
+    QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it."""
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
-    if sorted_copies is None:
-        flat = ids.reshape(-1)  # [N*K]
-        group_sizes = expert_counts(flat, num_experts)  # [E]
-        pairwise = flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing")
-        order, pos = by_expert(flat, num_experts, pairwise)
-    else:
-        group_sizes, order, pos = sorted_copies
+    flat = ids.reshape(-1)  # [N*K]
+    group_sizes = expert_counts(flat, num_experts)  # [E]
+    order, pos = by_expert(flat, num_experts, flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing"))
     token = order // k  # source token of each sorted copy
     xs = x[token]  # [N*K, D]
     copies_q = None
@@ -209,18 +166,13 @@ def moe(
     x_q: x quantised (`quantize_tokens(x)`) where the caller has it, for the local experts and the shared ones."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    local_real = None if real is None or experts_fn is not None else real.reshape(-1)
-    sorted_copies = None
-    if experts_fn is None and opts.on("routing_kernel"):
-        weights, ids, sorted_copies = route_kernel(p, cfg, flat, local_real, interpret=not on_gpu())
-    else:
-        weights, ids = route(p, cfg, flat)
+    weights, ids = route(p, cfg, flat)
     routed = ids
-    if local_real is not None:  # past the last expert: counted in no group, sorted last
-        routed = jnp.where(local_real[:, None], ids, p["experts"]["gate"].shape[0])
+    if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last
+        routed = jnp.where(real.reshape(-1, 1), ids, p["experts"]["gate"].shape[0])
     flat_q = None if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
     if experts_fn is None:
-        out = experts(p["experts"], flat, weights, routed, opts, flat_q, sorted_copies)
+        out = experts(p["experts"], flat, weights, routed, opts, flat_q)
     else:
         out = experts_fn(p["experts"], flat, weights, routed, opts)
     if "shared" in p:

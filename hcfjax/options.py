@@ -61,10 +61,6 @@ class Options:
         each copy's position counted pairwise in one [M, M] reduction, where a GPU sort is several kernels of tens of
         microseconds a layer. auto: on GPUs (a CPU sorts a few thousand copies in a fiftieth of the comparisons'
         time).
-    routing_kernel: a step's routing on one kernel (pallas_kernels/moe_route.py: the router's partial products
-        summed, scored, group-limited, the top k and each copy's rank within its expert, one program a token),
-        where XLA runs about a dozen small kernels; the copies of one expert then come in any order. auto: on GPUs;
-        on other backends True runs it in Pallas's interpreter. Local experts only (an EP plan routes on XLA).
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -88,14 +84,13 @@ class Options:
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
     sort_free_routing: bool | str = "auto"
-    routing_kernel: bool | str = False
     xla_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing", "routing_kernel"):
+        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -120,11 +115,10 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing / routing_kernel resolved for this
-        backend."""
+        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing resolved for this backend."""
         value = getattr(self, switch)
         if value == "auto":
-            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing", "routing_kernel") and on_gpu()
+            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing") and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:
@@ -152,7 +146,7 @@ class Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
         HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1,
-        HCFJAX_ROUTING_KERNEL=0|1, HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
+        HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
         HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
@@ -161,7 +155,6 @@ class Options:
             ("HCFJAX_MLA_QK8", "mla_qk8"),
             ("HCFJAX_MLA_CONVERTERS", "mla_converters"),
             ("HCFJAX_INT4_DIGITS", "int4_digits"),
-            ("HCFJAX_ROUTING_KERNEL", "routing_kernel"),
         )
         for var, name in flags:
             if var in environ:

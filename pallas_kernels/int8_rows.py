@@ -39,7 +39,7 @@ def _ptx(asm: str, *args):
     return out
 
 
-def div_rn(x, y, exact: bool):
+def _div(x, y, exact: bool):
     """x / y, IEEE-rounded on the GPU (`exact`); jnp's division in the interpreter."""
     return _ptx("div.rn.f32 $0, $1, $2;", x, y) if exact else x / y
 
@@ -74,7 +74,7 @@ def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
     ).max()
     scale = jnp.maximum(amax, 1e-8) * INV_127
     s_ref[...] = scale
-    inv = div_rn(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
+    inv = _div(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
 
     @pl.loop(0, steps)
     def _(i):
