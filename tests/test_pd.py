@@ -71,7 +71,10 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
     if warm:  # every prefill, decode and install shape compiled first: none compiles while serving
         from hcfjax.pd import prefill as pf
 
-        worker.warmup(256)
+        told = []
+        worker.warmup(256, progress=lambda done, total: told.append((done, total)))
+        total = told[0][1]  # every shape and gather, one after another
+        assert told == [(i, total) for i in range(total + 1)] and total > len(worker.shapes(256))
         engine.warmup()
         compiled = (pf._layer._cache_size(), engine.snapshot()["compiles"], engine.runner._install._cache_size())
         jax.monitoring.register_event_duration_secs_listener(count)
@@ -369,11 +372,12 @@ def test_router_refuses_what_needs_no_model_before_placing():
 def test_router_is_not_ready_until_a_worker_of_each_role_answers():
     """The router's health says NOT_SERVING, and its start-up line waits, until a prefill and a decode worker both
     answer their health checks (stand-in workers: a worker server with Worker.Info, no model, behind the
-    deployment's API key, which the router sends)."""
+    deployment's API key, which the router sends); a client's `wait_serving` waits for both."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from hcfjax.pd.router import Router, RouterServer
     from hcfjax.pd.service import WorkerServer
+    from hcfjax.serving import client
 
     class Info(pd_grpc.WorkerServicer):
         def Info(self, request, context):
@@ -387,6 +391,10 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
         with grpc.insecure_channel(address) as ch:
             return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
+    def wait_serving(address, timeout):  # as a client (bench.serve --pd) waits before its first request
+        with grpc.insecure_channel(address) as ch:
+            client.wait_serving(ch, timeout)
+
     (pre, pre_addr), (dec, dec_addr) = worker(), worker()
     pre.start()  # the decode worker is not up yet
     heard = []
@@ -395,9 +403,12 @@ def test_router_is_not_ready_until_a_worker_of_each_role_answers():
     try:
         assert router_health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert heard == [(False, server.address)]
+        with pytest.raises(TimeoutError, match="SERVING"):
+            wait_serving(server.address, 0.3)
         dec.start()
         router.check_all()
         assert router_health(server.address) == health_pb2.HealthCheckResponse.SERVING
+        wait_serving(server.address, 10.0)
         assert heard[-1] == (True, server.address)
         pre.stop(0)
         for _ in range(router.down_after):

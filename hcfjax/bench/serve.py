@@ -31,8 +31,9 @@ reports the GPU's kernels per step.
 
 --pd runs the same workload against prefill/decode disaggregation (hcfjax/pd/): a prefill worker, a decode worker
 and the router as three processes (on one GPU they share it, each worker with 45% of its memory; --pd-gpus 0,1 gives
-each worker a GPU of its own), the KV cache moved over the given transport; a few warm-up prompts of each length
-bucket go through first.
+each worker a GPU of its own), the KV cache moved over the given transport. The two workers load and compile side
+by side; once the router's health says SERVING (it has heard both), a few warm-up prompts of each length bucket go
+through first.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -143,23 +145,28 @@ def role_env(gpu: str | None = None, mem_fraction: float | None = None, **extra)
     return env
 
 
-def launch_role(role_args: list[str], env: dict, procs: list) -> str:
-    """Starts `hcfjax serve ROLE_ARGS` (appended to procs), echoes its output, and returns the address it
-    listens on once it says so."""
+def launch_role(role_args: list[str], env: dict, procs: list) -> Future:
+    """Starts `hcfjax serve ROLE_ARGS` (appended to procs) and echoes its output from a thread; -> a future of the
+    address it listens on, once it says so (an error if it exits before)."""
     import re
     import subprocess
 
     cmd = [sys.executable, "-m", "hcfjax.cli", "serve", *role_args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     procs.append(p)
-    for line in p.stdout:
-        print("  |", line.rstrip(), flush=True)
-        m = re.search(r"listening on (\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [print("  |", x.rstrip()) for x in p.stdout], daemon=True).start()
-            return m.group(1)
-    stop_pd(procs)
-    raise SystemExit(f"{role_args[:2]} exited before listening")
+    address: Future = Future()
+
+    def echo() -> None:
+        for line in p.stdout:
+            print("  |", line.rstrip(), flush=True)
+            m = re.search(r"listening on (\S+)", line)
+            if m and not address.done():
+                address.set_result(m.group(1))
+        if not address.done():
+            address.set_exception(SystemExit(f"{role_args[:2]} exited before listening"))
+
+    threading.Thread(target=echo, daemon=True).start()
+    return address
 
 
 def launch_router(prefill: str, decode: str, procs: list) -> int:
@@ -168,22 +175,33 @@ def launch_router(prefill: str, decode: str, procs: list) -> int:
         role_env(JAX_PLATFORMS="cpu"),
         procs,
     )
-    return int(router.rsplit(":", 1)[1])
+    return int(router.result().rsplit(":", 1)[1])
 
 
 def start_pd(args) -> tuple[list, int, float]:
-    """The three PD processes (`hcfjax serve --role ...`), the workers warmed up; -> (processes, the router's port,
-    seconds to start). With --pd-gpus each worker sees only its GPU; without, both share the default device,
-    each with 45% of its memory."""
+    """The three PD processes (`hcfjax serve --role ...`), the workers warmed up and the router serving; ->
+    (processes, the router's port, seconds to start). With --pd-gpus each worker sees only its GPU; without, both
+    share the default device, each with 45% of its memory."""
+    import grpc
+
+    from hcfjax.serving.client import wait_serving
+
     t0 = time.perf_counter()
     gpus = pd_gpus(args.pd_gpus)
     shared = gpus is None or gpus[0] == gpus[1]
     fraction = 0.45 if shared else None
     pre_args, dec_args = pd_role_args(args, *pd_configs(args))
     procs: list = []
-    pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
-    dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
-    return procs, launch_router(pre, dec, procs), time.perf_counter() - t0
+    try:  # the two workers load and compile side by side
+        pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
+        dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
+        port = launch_router(pre.result(), dec.result(), procs)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # until the router has heard both workers
+            wait_serving(channel, timeout=120.0)
+    except BaseException:
+        stop_pd(procs)
+        raise
+    return procs, port, time.perf_counter() - t0
 
 
 def stop_pd(procs) -> None:

@@ -322,23 +322,31 @@ class PrefillWorker:
                 send(0, self.layers)
         return first_tok, drafts
 
-    def warmup(self, max_len: int) -> float:
+    def warmup(self, max_len: int, progress=None) -> float:
         """Compiles every batch shape prompts up to max_len tokens can take (rows x chunk buckets), on rows that
         write nothing, and the gathers of every page count a send takes, so no request waits for a compile;
-        returns the seconds it took."""
+        returns the seconds it took. progress(done, total) is told as each compile ends (shapes and gathers)."""
         t0 = time.perf_counter()
-        for shape in self.shapes(max_len):
-            jax.block_until_ready(self.run_empty(shape))
         c, total = self.config, self.cfg.num_hidden_layers
         groups = self._groups() + ([(total, self.layers)] if self.spec is not None else [])
-        with self._mesh():  # what a send gathers, for every page width: the whole cache, or a layerwise piece
-            widths = {self._gather_width(n) for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1)}
-            # (a batch with a prompt past the threshold sends every row's cache layerwise, short rows' too)
-            layerwise = max_len >= c.layerwise_threshold
-            for w in sorted(widths):
+        # what a send gathers, for every page width: the whole cache, or a layerwise piece (a batch with a prompt
+        # past the threshold sends every row's cache layerwise, short rows' too)
+        widths = {self._gather_width(n) for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1)}
+        layerwise = max_len >= c.layerwise_threshold
+        pieces = sorted({self.layers} | ({hi - lo for lo, hi in groups} if layerwise else set()))
+        gathers = [(w, layers) for w in sorted(widths) for layers in pieces]
+        shapes = self.shapes(max_len)
+        todo = len(shapes) + len(gathers)
+        tell = progress or (lambda done, total: None)
+        tell(0, todo)
+        for i, shape in enumerate(shapes):
+            jax.block_until_ready(self.run_empty(shape))
+            tell(i + 1, todo)
+        with self._mesh():
+            for i, (w, layers) in enumerate(gathers):
                 pages = np.full(w, self._pad_page, np.int32)
-                for layers in {self.layers} | ({hi - lo for lo, hi in groups} if layerwise else set()):
-                    jax.block_until_ready(_take_pages(self.cache, pages, np.int32(0), layers))
+                jax.block_until_ready(_take_pages(self.cache, pages, np.int32(0), layers))
+                tell(len(shapes) + i + 1, todo)
         return time.perf_counter() - t0
 
     def _gather_width(self, n: int) -> int:

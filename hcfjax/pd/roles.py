@@ -30,6 +30,7 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
     from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
+    from hcfjax.serving.startup import CompileProgress
     from sharding.plans import prefill_plan
 
     _log_to_stderr()
@@ -38,7 +39,8 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
     worker = PrefillWorker(model, transport.sender(), prefill_config, plan)
     if args.warmup:
         limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
-        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit):.1f} s")
+        progress = CompileProgress("hcfjax serve: compiling prefill shapes")
+        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit, progress):.1f} s")
     with until_signal(announce):
         worker.start()
         server = prefill_server(worker, args.transport, args.host, args.port, api_key=args.api_key).start()

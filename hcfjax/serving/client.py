@@ -12,6 +12,7 @@ api_key=KEY on each call (sent as the metadata `authorization: Bearer KEY`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -26,6 +27,25 @@ def connect(host: str = "127.0.0.1", port: int = 50051, *, ready_timeout: float 
     if ready_timeout is not None:
         grpc.channel_ready_future(channel).result(timeout=ready_timeout)
     return channel, pb_grpc.GenerationStub(channel)
+
+
+def wait_serving(channel, timeout: float, service: str = "") -> None:
+    """Waits until the server's gRPC health says SERVING for `service` ("": the server as a whole). A PD router
+    listens before its workers answer and says NOT_SERVING until a prefill and a decode worker do; its requests fail
+    with UNAVAILABLE meanwhile. TimeoutError after `timeout` seconds."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout
+    while True:
+        try:
+            request = health_pb2.HealthCheckRequest(service=service)
+            if health.Check(request, timeout=5.0).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass  # not listening yet, or busy
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not say SERVING within {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def make_request(
