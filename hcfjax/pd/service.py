@@ -235,9 +235,9 @@ def prefill_server(worker: PrefillWorker, transport: str, host="127.0.0.1", port
     return WorkerServer(register, host, port, api_key=api_key)
 
 
-def decode_server(engine, routes, info: dict, host="127.0.0.1", port=0, metrics=None, api_key=None) -> WorkerServer:
+def decode_server(engine, routes, info: dict, host="127.0.0.1", port=0, api_key=None) -> WorkerServer:
     """The decode worker's gRPC server over `engine` (an Engine, or a LinkedEngine in the servers' own process)."""
-    svc = DecodeGenerationService(engine, routes, info, metrics)
+    svc = DecodeGenerationService(engine, routes, info)
     c = engine.config
     workers = c.dp * c.max_slots + c.max_queue + 8
 
