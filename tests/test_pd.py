@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hcfjax
 from hcfjax.engine import Engine, EngineConfig
@@ -367,6 +369,27 @@ def test_router_refuses_what_needs_no_model_before_placing():
         assert e.value.args == (grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
     finally:
         router.stop()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=12), st.integers(1, 4), st.sampled_from([64, 200, 512]))
+def test_every_batch_the_worker_takes_has_a_warmed_up_shape(model, lengths, rows, budget):
+    """`shapes(max_len)` leaves out multi-row batches whose longest prompt cannot fit beside the other rows in the
+    token budget, or is layerwise; every batch `_take_batch` forms from any queue still has its shape in it."""
+    from hcfjax.pd.prefill import PrefillJob
+
+    config = PrefillConfig(num_pages=512, max_rows=rows, token_budget=budget, layerwise_threshold=300)
+    worker = PrefillWorker(model, make_transport("socket").sender(), config)
+    warmed = set(worker.shapes(600))
+    every = {worker._shape(r, k) for r in range(1, rows + 1) for k in (16, 32, 64, 128, 256, 512, 1024)}
+    assert warmed <= every and (len(warmed) < len(every)) == (rows > 1)
+    pending = [PrefillJob(str(i), [1] * n, SamplingParams(), 0, 0, "") for i, n in enumerate(lengths)]
+    while pending:
+        batch = worker._take_batch(pending)
+        assert worker._shape(len(batch), max(len(j.tokens) for j in batch)) in warmed
+        for j in batch:
+            worker._release(j)
+            pending.remove(j)
 
 
 def test_router_is_not_ready_until_a_worker_of_each_role_answers():

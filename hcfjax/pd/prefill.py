@@ -360,9 +360,17 @@ class PrefillWorker:
         return [(lo, min(lo + g, total)) for lo in range(0, total, g)]
 
     def shapes(self, max_len: int) -> list[tuple[int, int, int, int]]:
-        """Every (rows, chunk, padded length, page-table width) a batch of prompts up to max_len tokens takes."""
+        """Every (rows, chunk, padded length, page-table width) a batch of prompts up to max_len tokens takes. A
+        batch of r > 1 rows holds no prompt past the token budget less the other rows' tokens (one each at least),
+        nor a layerwise one (`_take_batch`), so its longest prompt is shorter than max_len may be."""
         c = self.config
-        return sorted({self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max_len)})
+
+        def longest(rows: int) -> int:
+            return max_len if rows == 1 else min(max_len, c.token_budget - (rows - 1), c.layerwise_threshold - 1)
+
+        return sorted(
+            {self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max(longest(r), 1))}
+        )
 
     def run_empty(self, shape: tuple[int, int, int, int]):
         """Dispatches one forward of this batch shape on rows that write nothing (the warm-up's, and what
