@@ -169,38 +169,51 @@ def launch_role(role_args: list[str], env: dict, procs: list) -> Future:
     return address
 
 
+def address_of(role: Future, procs: list) -> str:
+    """The address a launched role (launch_role) listens on, once it says so; if it exits first, every process in
+    procs is stopped and the error raised."""
+    try:
+        return role.result()
+    except BaseException:
+        stop_pd(procs)
+        raise
+
+
 def launch_router(prefill: str, decode: str, procs: list) -> int:
+    """Starts the router over the two workers; -> its port, once its health says SERVING: it listens before it has
+    heard the workers, and answers UNAVAILABLE until then."""
+    import grpc
+
+    from hcfjax.serving.client import wait_serving
+
     router = launch_role(
         ["--role", "router", "--prefill", prefill, "--decode", decode, "--port", "0"],
         role_env(JAX_PLATFORMS="cpu"),
         procs,
     )
-    return int(router.result().rsplit(":", 1)[1])
+    port = int(address_of(router, procs).rsplit(":", 1)[1])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            wait_serving(channel, timeout=120.0)
+        except TimeoutError:
+            stop_pd(procs)
+            raise
+    return port
 
 
 def start_pd(args) -> tuple[list, int, float]:
     """The three PD processes (`hcfjax serve --role ...`), the workers warmed up and the router serving; ->
     (processes, the router's port, seconds to start). With --pd-gpus each worker sees only its GPU; without, both
-    share the default device, each with 45% of its memory."""
-    import grpc
-
-    from hcfjax.serving.client import wait_serving
-
+    share the default device, each with 45% of its memory. The two workers load and compile side by side."""
     t0 = time.perf_counter()
     gpus = pd_gpus(args.pd_gpus)
     shared = gpus is None or gpus[0] == gpus[1]
     fraction = 0.45 if shared else None
     pre_args, dec_args = pd_role_args(args, *pd_configs(args))
     procs: list = []
-    try:  # the two workers load and compile side by side
-        pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
-        dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
-        port = launch_router(pre.result(), dec.result(), procs)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # until the router has heard both workers
-            wait_serving(channel, timeout=120.0)
-    except BaseException:
-        stop_pd(procs)
-        raise
+    pre = launch_role(pre_args, role_env(gpus and gpus[0], fraction), procs)
+    dec = launch_role(dec_args, role_env(gpus and gpus[1], fraction), procs)
+    port = launch_router(address_of(pre, procs), address_of(dec, procs), procs)
     return procs, port, time.perf_counter() - t0
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from hcfjax import trace
-from hcfjax.bench.serve import launch_role, launch_router, pd_role_args, role_env, stop_pd
+from hcfjax.bench.serve import address_of, launch_role, launch_router, pd_role_args, role_env, stop_pd
 from hcfjax.bench.serve_clients import run_clients, warm_pd
 from hcfjax.sim.deployment import Deployment, Pool
 
@@ -41,22 +40,21 @@ class Workers:
         self.configs, self.gpus, self.env = configs, gpus, env
         self.procs: list = []
         self.pre_args, self.dec_args = pd_role_args(args, *configs)
-        self._launcher = ThreadPoolExecutor(1)
         pre_env = role_env(gpus and gpus[0], PREFILL_MEM_FRACTION if gpus else None, **env)
-        self._prefill = self._launcher.submit(launch_role, self.pre_args, pre_env, self.procs)
+        self._prefill = launch_role(self.pre_args, pre_env, self.procs)
 
     def prefill_ready(self) -> str:
-        return self._prefill.result()
+        """The prefill worker's address, once it listens."""
+        return address_of(self._prefill, self.procs)
 
     def start_decode(self) -> int:
-        """Starts the decode worker and the router; -> the router's port."""
+        """Starts the decode worker and the router; -> the router's port, once it serves."""
         dec_env = role_env(self.gpus and self.gpus[1], DECODE_MEM_FRACTION if self.gpus else None, **self.env)
         dec = launch_role(self.dec_args, dec_env, self.procs)
-        return launch_router(self.prefill_ready(), dec, self.procs)
+        return launch_router(self.prefill_ready(), address_of(dec, self.procs), self.procs)
 
     def stop(self) -> None:
-        stop_pd(self.procs)  # a prefill worker still starting exits too, which ends its launcher
-        self._launcher.shutdown(wait=False)
+        stop_pd(self.procs)  # a prefill worker still starting exits too
 
 
 def calibrate_prefill(model, config, longest: int, reps: int) -> list[tuple[tuple[int, int, int, int], float]]:
