@@ -80,15 +80,15 @@ def discovering():
         yield
 
 
-def discover(fn, *args) -> None:
+def discover(fn, *args, **kwargs) -> None:
     """Within `lowering_processes`: hands the kernels that the jitted `fn` launches for `args` (arrays or
-    ShapeDtypeStructs) to the processes, all of them, before fn is lowered for real. A trace that fails here
-    (nothing it needs is checked yet) is left to the real one, which reports its error."""
+    ShapeDtypeStructs) and `kwargs` to the processes, all of them, before fn is lowered for real. A trace that
+    fails here (nothing it needs is checked yet) is left to the real one, which reports its error."""
     if _pool is None:
         return
     try:
         with discovering():
-            fn.trace(*args)
+            fn.trace(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the real trace raises it again, where it is reported
         pass
 
@@ -134,9 +134,14 @@ def lowered_kernels() -> int:
 @contextlib.contextmanager
 def lowering_processes(workers: int):
     """Within: kernels not yet lowered are lowered in `workers` spawned processes, for this process's GPU
-    architecture. The processes ignore SIGINT (the caller's Ctrl-C ends them) and end on leaving."""
+    architecture. The processes ignore SIGINT (the caller's Ctrl-C ends them) and end on leaving. Within another
+    `lowering_processes` (any thread's), its processes serve."""
     global _pool
     from jax.experimental.mosaic.gpu import utils
+
+    if _pool is not None:
+        yield
+        return
 
     arch = utils._infer_arch()  # the device's, asked here: the workers have no GPU to ask
     pool = concurrent.futures.ProcessPoolExecutor(

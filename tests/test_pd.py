@@ -71,14 +71,12 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
     compiles: list[str] = []  # XLA compiles after the warm-up, eager ops' too (a send's gather, an install's pad)
     count = lambda event, secs, **kw: compiles.append(kw.get("fun_name", "?")) if event == BACKEND_COMPILE else None
     if warm:  # every prefill, decode and install shape compiled first: none compiles while serving
-        from hcfjax.pd import prefill as pf
-
         told = []
         worker.warmup(256, progress=lambda done, total: told.append((done, total)))
-        total = told[0][1]  # every shape and gather, one after another
+        total = told[0][1]  # every shape's programs and every gather
         assert told == [(i, total) for i in range(total + 1)] and total > len(worker.shapes(256))
         engine.warmup()
-        compiled = (pf._layer._cache_size(), engine.snapshot()["compiles"], engine.runner._install._cache_size())
+        compiled = (engine.snapshot()["compiles"], engine.runner._install._cache_size())
         jax.monitoring.register_event_duration_secs_listener(count)
     engine.start()
     try:
@@ -94,7 +92,8 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
         snap = engine.snapshot()
         assert snap["free_pages"] == snap["total_pages"] and snap["running"] == 0
         if warm:
-            assert (pf._layer._cache_size(), snap["compiles"], engine.runner._install._cache_size()) == compiled
+            assert worker.compiles == []
+            assert (snap["compiles"], engine.runner._install._cache_size()) == compiled
             # left: the decode side joins a layerwise request's pieces (it does not know the prefill's layer groups)
             assert set(compiles) <= {"jit(concatenate)"}, compiles
         return tokens, worker, worker.sender.stats
@@ -117,9 +116,10 @@ def test_pd_in_process_equals_colocated_under_both_plans(model, colocated):
 
 
 def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
-    """jax.experimental.transfer pulls (the socket transport runs in the speculative test below), after a warm-up,
-    which leaves nothing to compile while serving."""
-    tokens, _, stats = run_pd(model, "jax", plans=False, warm=True)
+    """jax.experimental.transfer pulls (the socket transport runs in the speculative test below) under both plans,
+    after a warm-up, which leaves nothing to compile while serving: the prefill worker's programs compiled ahead of
+    time for the shapes and shardings its batches meet."""
+    tokens, _, stats = run_pd(model, "jax", plans=True, warm=True)
     assert tokens == colocated
     assert stats["messages"] >= 1
 

@@ -16,10 +16,9 @@ step later (see engine.py).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
+import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import numpy as np
 
 from hcfjax import cache as kvcache
 from hcfjax.engine import landing, memory
-from hcfjax.engine.executables import ExecutableCache, step_key
+from hcfjax.engine.executables import ExecutableCache, compile_ahead, compile_all, step_key
 from hcfjax.engine.landing import LandedCache
 from hcfjax.engine.scheduler import StepPlan
 from hcfjax.engine.shapes import StepShapes, decode_bucket
@@ -39,7 +38,6 @@ from hcfjax.options import DEFAULT, Options
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
 from hcfjax.step import DecodeInputs, PrefillInputs, empty_state, step_program
-from pallas_kernels import lowering_cache
 
 log = logging.getLogger("hcfjax.engine")
 
@@ -211,7 +209,7 @@ class ModelRunner:
         xla = self.options.compiler_options(prefill=pre is not None)
         if self.plan is None:
             args = (self.params, self.cfg, self.state, pre, dec, self.spec, self.options)
-            compile_now = lambda: _compiled(step_program(xla), *args)  # noqa: E731
+            compile_now = lambda: compile_ahead(step_program(xla), *args)  # noqa: E731
             if self.disk is None:
                 return compile_now()
             key = step_key(("step", self.cfg, self.spec, self.options), (self.params, self.state, pre, dec))
@@ -221,7 +219,7 @@ class ModelRunner:
             self._planned[parts] = self.plan.wrap_step(
                 self.cfg, self.params, self.state, *parts, self.eplb is not None, self.spec, self.options
             )
-        return _compiled(self._planned[parts], self.params, self.state, pre, dec)
+        return compile_ahead(self._planned[parts], self.params, self.state, pre, dec)
 
     def rebalance_experts(self, step: int) -> None:
         """Re-places the experts for the loads EPLB has seen (between steps; the compiled steps stay valid)."""
@@ -325,40 +323,19 @@ class ModelRunner:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile_all(self, todo, inputs, progress=None, background: bool = False) -> None:
-        if not todo:
-            return
-        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hcfjax-compile")
-        if background:
-            self._later_pool = pool
-            if self._stop_later.is_set():  # stopped before the thread got here
-                pool.shutdown(wait=False, cancel_futures=True)
+        def register(pool):
+            if background:
+                self._later_pool = pool
+                if self._stop_later.is_set():  # stopped before the thread got here
+                    pool.shutdown(wait=False, cancel_futures=True)
+
+        def check():
+            if self._weights is not None and self._weights.done() and self._weights.exception():
+                raise self._weights.exception()  # the weights cannot load: no use compiling for them
+
         on_gpu = any(d.platform == "gpu" for d in self._landing.device_set)
-        # kernels lowered in processes of their own, so the shapes' traces do not take turns lowering them (as many
-        # as the host allows: a few shapes can launch many distinct kernels)
-        lowerers = max(1, min(os.cpu_count() or 1, 8))
-        lowering = lowering_cache.lowering_processes(lowerers) if on_gpu else contextlib.nullcontext()
-        with lowering:
-            try:
-                futures = {pool.submit(self._compile, *inputs[k]): k for k in todo}
-                if progress is not None:
-                    progress(0, len(todo))
-                pending, finished = set(futures), 0
-                while pending:
-                    # a wait with a timeout: a Ctrl-C that the OS hands to another thread is raised here within
-                    # the timeout, not when the next compile ends
-                    done, pending = concurrent.futures.wait(pending, 0.25, concurrent.futures.FIRST_COMPLETED)
-                    if self._weights is not None and self._weights.done() and self._weights.exception():
-                        raise self._weights.exception()  # the weights cannot load: no use compiling for them
-                    for f in done:
-                        self.executables[futures[f]] = f.result()
-                        finished += 1
-                        if progress is not None:
-                            progress(finished, len(todo))
-            except BaseException:  # Ctrl-C or a failed compile: drop the compiles not started, wait for none
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            pool.shutdown()
+        jobs = {k: functools.partial(self._compile, *inputs[k]) for k in todo}
+        compile_all(jobs, self.executables.__setitem__, on_gpu, progress, check, register)
 
     def idle_prefill(self, shape: tuple[int, int]) -> PrefillInputs:
         """A prefill part that writes nothing: `shape` (rows per rank, tokens) rows that end no prompt."""
@@ -485,10 +462,3 @@ class ModelRunner:
             slot[i] = req.slot - self._rank(req) * self.slots_per_rank
         sp = SamplingBatch.host(sampling, filters)
         return DecodeInputs(active, self._table(pages), sp, seed, slot)
-
-
-def _compiled(fn, *args) -> jax.stages.Compiled:
-    """fn (jitted) lowered and compiled for args; during a warm-up its kernels first lower side by side
-    (lowering_cache.discover), where they would otherwise lower one after another as the trace meets them."""
-    lowering_cache.discover(fn, *args)
-    return fn.lower(*args).compile()

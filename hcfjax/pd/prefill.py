@@ -25,6 +25,7 @@ the error. Nothing here blocks on a transfer.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -36,11 +37,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from hcfjax import cache as kvcache
 from hcfjax import trace
 from hcfjax.config import ModelConfig
 from hcfjax.engine import memory
+from hcfjax.engine.executables import compile_ahead, compile_all, lowering_workers
 from hcfjax.engine.pages import PageAllocator
 from hcfjax.generate import bucket
 from hcfjax.model import Model, embed, final_hidden
@@ -50,6 +54,7 @@ from hcfjax.quantize import cache_dtype_for
 from hcfjax.sampling import SamplingBatch, SamplingParams
 from hcfjax.speculative import Drafts, SpeculativeConfig
 from hcfjax.step import PrefillInputs, finish_prefill, prefill_layer
+from pallas_kernels import lowering_cache
 
 log = logging.getLogger("hcfjax.pd")
 
@@ -93,22 +98,32 @@ class PrefillConfig:
             raise ValueError("forced_acceptance is for benchmarks only; a serving worker verifies drafts for real")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "is_moe", "opts"), donate_argnames=("cache",))
-def _layer(seg, i, cfg: ModelConfig, is_moe: bool, layer, x, start, cache, table, n, opts: Options):
+# The worker's programs: each compiles ahead of time once per shape of its operands (PrefillWorker._call); static
+# arguments are keyword-only, as a compiled program is called without them.
+@functools.partial(jax.jit, static_argnames="chunk")
+def _embed(params, tokens, *, chunk: int) -> tuple[jax.Array, ...]:
+    """The prompts' embeddings [B, T, D] as chunks of `chunk` tokens."""
+    x = embed(params, tokens)
+    return tuple(x[:, s : s + chunk] for s in range(0, tokens.shape[1], chunk))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "is_moe", "opts"), donate_argnames="cache")
+def _layer(seg, i, layer, x, start, cache, table, n, *, cfg: ModelConfig, is_moe: bool, opts: Options):
     """Layer `layer` (params: row i of the stacked segment) over one chunk of x [B, Tc, D] at positions start.."""
     p = jax.tree.map(lambda a: a[i], seg)
     return prefill_layer(p, cfg, is_moe, layer, x, start, cache, table, n, opts)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "opts"), donate_argnames=("cache",))
-def _finish(params, cfg: ModelConfig, x, pre: PrefillInputs, cache, spec: SpeculativeConfig | None, opts: Options):
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "opts"), donate_argnames="cache")
+def _finish(params, chunks, pre: PrefillInputs, cache, *, cfg: ModelConfig, spec: SpeculativeConfig | None, opts):
     """The first tokens (and with speculation the MTP modules over the prompts and the first drafts), as the
     engine's step makes them after its prefill: the same keys, the same tokens and drafts."""
+    x = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
     return finish_prefill(params, cfg, final_hidden(params, cfg, x), pre, cache, spec, opts)
 
 
 @functools.partial(jax.jit, static_argnames="layers")
-def _take_pages(cache: kvcache.KVCache, pages, lo, layers: int):
+def _take_pages(cache: kvcache.KVCache, pages, lo, *, layers: int):
     """Layers [lo, lo + layers) of these pages [n]: kv [layers, n, page_size, D] and the scales (None for a bf16
     cache). One compile per page count and number of layers (lo is traced)."""
     take = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, lo, layers)[:, pages]
@@ -135,9 +150,15 @@ class PrefillWorker:
         device = jax.devices()[0] if plan is None else plan.mesh.devices.flat[0]
         per_page = memory.page_bytes(self.cfg.kv_dim, self.layers, c.page_size, dtype)
         memory.fit_pages(c.num_pages, True, per_page, memory.device_memory(device), 0, 1, "--prefill-pages")
+        # every operand that is not a weight lives on all of the plan's devices (replicated), so each program has
+        # one sharding to compile for
+        self._sharding = NamedSharding(plan.mesh, P()) if plan is not None else SingleDeviceSharding(device)
+        new_cache = lambda: kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
         with memory.allocating(f"the prefill worker's KV scratch ({c.num_pages} pages)", "--prefill-pages"):
-            self.cache = kvcache.init_cache(self.cfg, c.num_pages + 1, c.page_size, dtype, num_layers=self.layers)
-            jax.block_until_ready(self.cache)
+            self.cache = jax.block_until_ready(jax.jit(new_cache, out_shardings=self._sharding)())
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # key (_call) -> its compiled program
+        self._recording: dict | None = None  # while the warm-up records a forward's programs (_recorded)
+        self.compiles: list[tuple[tuple, float]] = []  # (key, seconds) of each program compiled on first use
         self.alloc = PageAllocator(c.num_pages, c.page_size)
         self._pad_page = c.num_pages
         self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
@@ -291,63 +312,115 @@ class PrefillWorker:
 
     def _forward(self, tokens, n, table, seed, count, sampling, tc: int, send, layerwise: bool):
         """The layer-major forward of a batch; send(lo, hi) hands layers [lo, hi) to the transport (each group
-        once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent, the warm-up).
+        once dispatched in layerwise mode, all at the end otherwise; None: nothing is sent).
         -> (first tokens [B], Drafts [B] or None), on the device."""
         cfg, opts = self.cfg, self.config.options
-        total, t = cfg.num_hidden_layers, tokens.shape[1]
+        (b, t), m = tokens.shape, table.shape[1]
+        total = cfg.num_hidden_layers
         with self._mesh():
-            tokens_j, table_j, n_j = jax.device_put((tokens, table, n))
-            x = _embed(self.params, tokens_j)
+            zeros = np.zeros(n.shape, np.int32)
+            sp = SamplingBatch.host(sampling, filters=True)  # one program for any request
+            tokens_j, table_j, n_j, zeros, sp, seed_j, count_j = self._put((tokens, table, n, zeros, sp, seed, count))
+            xs = self._call(("embed", b, t, tc), _embed, self.params, tokens_j, chunk=tc)
             groups = iter(self._groups())
             group = next(groups)
-            for seg, (first, count_seg, is_moe) in zip(self.params["segments"], cfg.layer_segments, strict=True):
+            segments = zip(self.params["segments"], cfg.layer_segments, strict=True)
+            for k, (seg, (first, count_seg, is_moe)) in enumerate(segments):
+                static = dict(cfg=cfg, is_moe=is_moe, opts=opts)
                 for i in range(count_seg):
-                    layer = first + i
-                    outs = []
-                    for s in range(0, t, tc):
-                        chunk = x[:, s : s + tc]
-                        xo, self.cache = _layer(seg, i, cfg, is_moe, layer, chunk, s, self.cache, table_j, n_j, opts)
+                    layer, outs = first + i, []
+                    for c, x in enumerate(xs):
+                        args = (seg, i, layer, x, c * tc, self.cache, table_j, n_j)
+                        xo, self.cache = self._call(("layer", k, b, tc, m), _layer, *args, **static)
                         outs.append(xo)
-                    x = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+                    xs = tuple(outs)
                     if layerwise and layer + 1 == group[1]:
                         send(*group)
                         group = next(groups, None)
-            sp = SamplingBatch.of(sampling, filters=True)  # one program for any request
-            zeros, seed_j, count_j = jax.device_put((np.zeros(n.shape, np.int32), seed, count))
             pre = PrefillInputs(tokens_j, zeros, n_j, table_j, zeros, sp, seed_j, count_j)
-            first_tok, drafts, self.cache = _finish(self.params, cfg, x, pre, self.cache, self.spec, opts)
+            static = dict(cfg=cfg, spec=self.spec, opts=opts)
+            key = ("finish", b, t, tc, m)
+            first_tok, drafts, self.cache = self._call(key, _finish, self.params, xs, pre, self.cache, **static)
             if self.spec is not None and layerwise and send is not None:
                 send(total, self.layers)
             if not layerwise and send is not None:
                 send(0, self.layers)
         return first_tok, drafts
 
+    def _call(self, key: tuple, fn, *args, **static):
+        """Runs fn's program for these operands: compiled ahead of time and kept under `key` (the operands' shapes
+        it was compiled for), or compiled now (a pause for the batch, logged). While the warm-up records a forward
+        (_recorded), the program is only noted and its outputs' shapes returned."""
+        if self._recording is not None:
+            self._recording.setdefault(key, (fn, args, static))
+            return jax.tree.map(self._spec, fn.eval_shape(*args, **static))  # traced once per operands' shapes
+        program = self._programs.get(key)
+        if program is None:
+            t0 = time.perf_counter()
+            program = self._programs[key] = self._compile(fn, args, static)
+            self.compiles.append((key, time.perf_counter() - t0))
+            log.info("compiled the prefill program %s in %.1f s", key, self.compiles[-1][1])
+        return program(*args)
+
+    def _compile(self, fn, args, static) -> jax.stages.Compiled:
+        with self._mesh():
+            return compile_ahead(fn, *args, **static)
+
+    def _put(self, tree):
+        """Host arrays onto the worker's devices, in one transfer (their shapes while the warm-up records)."""
+        if self._recording is not None:
+            return jax.tree.map(self._spec, tree)
+        return jax.device_put(tree, self._sharding)
+
+    def _spec(self, a) -> jax.ShapeDtypeStruct:
+        """An operand's shape and dtype on the worker's devices."""
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding)
+
+    def _recorded(self, shape: tuple[int, int, int, int]) -> dict:
+        """The programs a batch of this shape runs, {key: (fn, operands, static arguments)}: the forward traced on
+        the operands' shapes, nothing run or compiled."""
+        self._recording, cache = {}, self.cache
+        try:
+            self.run_empty(shape)
+            return self._recording
+        finally:
+            self._recording, self.cache = None, cache
+
     def warmup(self, max_len: int, progress=None) -> float:
-        """Compiles every batch shape prompts up to max_len tokens can take (rows x chunk buckets), on rows that
-        write nothing, and the gathers of every page count a send takes, so no request waits for a compile;
-        returns the seconds it took. progress(done, total) is told as each compile ends (shapes and gathers)."""
+        """Compiles every program a batch of prompts up to max_len tokens runs (for every rows x chunk x length
+        shape: the embedding, each segment's layer and the last step) and the gathers of every page count a send
+        takes, several at once and nothing run, so no request waits for a compile; returns the seconds it took.
+        progress(done, total) is told as each compile ends."""
         t0 = time.perf_counter()
+        on_gpu = any(d.platform == "gpu" for d in self._sharding.device_set)
+        # on a GPU the forwards are recorded with the kernels they meet handed to processes of their own, which
+        # lower them meanwhile (largest shapes first, whose kernels take longest)
+        lowering = lowering_cache.lowering_processes(lowering_workers())
+        with lowering if on_gpu else contextlib.nullcontext():
+            with lowering_cache.discovering():
+                todo = {}
+                for shape in sorted(self.shapes(max_len), key=lambda s: (-s[0] * s[1], -s[2])):
+                    todo.update(self._recorded(shape))
+            todo.update(self._gathers(max_len))
+            log.info("recorded %d prefill programs in %.1f s", len(todo), time.perf_counter() - t0)
+            jobs = {k: functools.partial(self._compile, *v) for k, v in todo.items() if k not in self._programs}
+            compile_all(jobs, self._programs.__setitem__, on_gpu, progress)
+        return time.perf_counter() - t0
+
+    def _gathers(self, max_len: int) -> dict:
+        """The programs of what a send gathers, for every page width: the whole cache, or a layerwise piece (a
+        batch with a prompt past the threshold sends every row's cache layerwise, short rows' too)."""
         c, total = self.config, self.cfg.num_hidden_layers
         groups = self._groups() + ([(total, self.layers)] if self.spec is not None else [])
-        # what a send gathers, for every page width: the whole cache, or a layerwise piece (a batch with a prompt
-        # past the threshold sends every row's cache layerwise, short rows' too)
         widths = {self._gather_width(n) for n in range(1, min(self.alloc.pages_for(max_len), c.num_pages) + 1)}
         layerwise = max_len >= c.layerwise_threshold
         pieces = sorted({self.layers} | ({hi - lo for lo, hi in groups} if layerwise else set()))
-        gathers = [(w, layers) for w in sorted(widths) for layers in pieces]
-        shapes = self.shapes(max_len)
-        todo = len(shapes) + len(gathers)
-        tell = progress or (lambda done, total: None)
-        tell(0, todo)
-        for i, shape in enumerate(shapes):
-            jax.block_until_ready(self.run_empty(shape))
-            tell(i + 1, todo)
-        with self._mesh():
-            for i, (w, layers) in enumerate(gathers):
-                pages = np.full(w, self._pad_page, np.int32)
-                jax.block_until_ready(_take_pages(self.cache, pages, np.int32(0), layers))
-                tell(len(shapes) + i + 1, todo)
-        return time.perf_counter() - t0
+        lo = self._spec(np.int32(0))
+        return {
+            ("take", w, layers): (_take_pages, (self.cache, self._spec(np.zeros(w, np.int32)), lo), dict(layers=layers))
+            for w in sorted(widths)
+            for layers in pieces
+        }
 
     def _gather_width(self, n: int) -> int:
         """The pages a send of n pages gathers: its power of two over a host-staged transport (the padding is cut
@@ -360,7 +433,8 @@ class PrefillWorker:
         return [(lo, min(lo + g, total)) for lo in range(0, total, g)]
 
     def shapes(self, max_len: int) -> list[tuple[int, int, int, int]]:
-        """Every (rows, chunk, padded length, page-table width) a batch of prompts up to max_len tokens takes. A
+        """Every (rows, chunk, padded length, page-table width) a batch of prompts up to max_len tokens takes (a
+        prompt past the chunk runs as whole chunks: its length pads to a multiple of the chunk). A
         batch of r > 1 rows holds no prompt past the token budget less the other rows' tokens (one each at least),
         nor a layerwise one (`_take_batch`), so its longest prompt is shorter than max_len may be."""
         c = self.config
@@ -368,9 +442,11 @@ class PrefillWorker:
         def longest(rows: int) -> int:
             return max_len if rows == 1 else min(max_len, c.token_budget - (rows - 1), c.layerwise_threshold - 1)
 
-        return sorted(
-            {self._shape(r, k) for r in range(1, c.max_rows + 1) for k in _powers(c.min_bucket, max(longest(r), 1))}
-        )
+        def lengths(rows: int) -> list[int]:  # one of each length bucket; past the chunk, every multiple of it
+            top = max(longest(rows), 1)
+            return _powers(c.min_bucket, top) + list(range(2 * c.chunk, top + c.chunk, c.chunk))
+
+        return sorted({self._shape(r, k) for r in range(1, c.max_rows + 1) for k in lengths(r)})
 
     def run_empty(self, shape: tuple[int, int, int, int]):
         """Dispatches one forward of this batch shape on rows that write nothing (the warm-up's, and what
@@ -382,8 +458,6 @@ class PrefillWorker:
         return self._forward(tokens, z, table, z.astype(np.uint32), z, sampling, tc, None, False)
 
     def _mesh(self):
-        import contextlib
-
         return jax.set_mesh(self.plan.mesh) if self.plan is not None else contextlib.nullcontext()
 
     def _send(self, batch: list[PrefillJob], lo: int, hi: int) -> None:
@@ -392,7 +466,8 @@ class PrefillWorker:
             held = self._held[j.key]
             pages = np.full(self._gather_width(len(held)), self._pad_page, np.int32)
             pages[: len(held)] = held
-            kv, scale = _take_pages(self.cache, pages, np.int32(lo), hi - lo)
+            pages, lo_j = self._put((pages, np.int32(lo)))
+            kv, scale = self._call(("take", len(pages), hi - lo), _take_pages, self.cache, pages, lo_j, layers=hi - lo)
             self.sender.send(j.dest, Piece(j.key, (lo, hi), kv, scale, total, pages=len(held)))
 
     def _finish(self, job: PrefillJob, result, row: int) -> None:
@@ -423,8 +498,3 @@ def _powers(lo: int, hi: int) -> list[int]:
     while out[-1] < hi:
         out.append(out[-1] * 2)
     return out
-
-
-@jax.jit
-def _embed(params, tokens):
-    return embed(params, tokens)
