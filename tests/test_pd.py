@@ -3,6 +3,7 @@ tokens as the colocated engine, with the cache sent whole or layer by layer over
 processes behind the router too (over gRPC and its OpenAI HTTP API), where a decode worker killed mid-stream gives
 its client UNAVAILABLE and leaves no pages held on the prefill side."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -122,6 +123,37 @@ def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
     tokens, _, stats = run_pd(model, "jax", plans=True, warm=True)
     assert tokens == colocated
     assert stats["messages"] >= 1
+
+
+def test_a_restarted_prefill_worker_loads_its_compiled_programs(tmp_path):
+    """Programs kept under executable_cache: a second worker of the same config loads every one its warm-up needs,
+    compiles nothing, and makes the same first tokens. (bfloat16, as the engine's restart test: XLA:CPU cannot
+    serialize the float32 sort of top-p sampling.)"""
+    import numpy as np
+
+    from tests.engine_helpers import xla_compiles
+
+    model = hcfjax.load()
+    config = PrefillConfig(num_pages=8, page_size=16, max_rows=1, chunk=32, layerwise_threshold=64)
+    config = dataclasses.replace(config, executable_cache=str(tmp_path))
+    first = PrefillWorker(model, make_transport("socket").sender(), config)
+    first.warmup(64)
+    stored = len(list(tmp_path.glob("*.step")))
+    assert first.disk.misses == len(first._programs) == stored and first.disk.hits == 0
+    second = PrefillWorker(model, make_transport("socket").sender(), config)
+    prompt = model.tokenizer.encode(PROMPTS[0]).ids
+    tokens, table = np.zeros((1, 64), np.int32), np.arange(4, dtype=np.int32)[None]
+    tokens[0, : len(prompt)] = prompt
+    n, zero = np.array([len(prompt)], np.int32), np.zeros(1, np.int32)
+    with xla_compiles() as compiles:
+        second.warmup(64)
+        firsts = [
+            w._forward(tokens, n, table, zero.astype(np.uint32), zero, [SAMPLED], 32, None, False)[0]
+            for w in (first, second)
+        ]
+    assert second.disk.hits == stored and second.disk.misses == 0 and second.compiles == []
+    assert not [c for c in compiles if "concatenate" not in c], compiles
+    assert int(firsts[0][0]) == int(firsts[1][0])
 
 
 def test_a_host_staged_cache_installs_on_one_program_per_power_of_two_pages(model):

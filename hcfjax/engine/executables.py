@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from pallas_kernels import lowering_cache
 
@@ -42,10 +43,11 @@ def source_digest() -> str:
 
 
 def step_key(static: tuple, operands) -> str:
-    """The key of a step compiled for `operands` (a pytree of arrays) and `static` (hashable, with reprs that say
-    what they are: configs, options)."""
+    """The key of a step compiled for `operands` (a pytree of arrays or Python scalars) and `static` (hashable,
+    with reprs that say what they are: configs, options)."""
     dev = jax.devices()[0]
-    leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(operands)]
+    leaf = lambda x: (np.shape(x), str(getattr(x, "dtype", type(x).__name__)), str(getattr(x, "sharding", None)))
+    leaves = [leaf(x) for x in jax.tree.leaves(operands)]
     parts = (
         source_digest(),
         jax.__version__,

@@ -44,7 +44,7 @@ from hcfjax import cache as kvcache
 from hcfjax import trace
 from hcfjax.config import ModelConfig
 from hcfjax.engine import memory
-from hcfjax.engine.executables import compile_ahead, compile_all, lowering_workers
+from hcfjax.engine.executables import ExecutableCache, compile_ahead, compile_all, lowering_workers, step_key
 from hcfjax.engine.pages import PageAllocator
 from hcfjax.generate import bucket
 from hcfjax.model import Model, embed, final_hidden
@@ -86,6 +86,7 @@ class PrefillConfig:
     cache_dtype: str = "auto"  # auto (the scheme's), float or int8 (quantize.cache_dtype_for): as the decoders'
     speculative: SpeculativeConfig | None = None  # the decode workers' (the first drafts are made here)
     options: Options = DEFAULT  # how the model runs (hcfjax.options)
+    executable_cache: str | None = None  # a directory where compiled programs are kept (hcfjax.engine.executables)
 
     def __post_init__(self):
         sizes = ("num_pages", "page_size", "max_rows", "token_budget", "chunk", "min_bucket", "layerwise_threshold")
@@ -159,6 +160,7 @@ class PrefillWorker:
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # key (_call) -> its compiled program
         self._recording: dict | None = None  # while the warm-up records a forward's programs (_recorded)
         self.compiles: list[tuple[tuple, float]] = []  # (key, seconds) of each program compiled on first use
+        self.disk = None if c.executable_cache is None else ExecutableCache(c.executable_cache)
         self.alloc = PageAllocator(c.num_pages, c.page_size)
         self._pad_page = c.num_pages
         self._queue: queue.Queue[PrefillJob | None] = queue.Queue()
@@ -363,8 +365,13 @@ class PrefillWorker:
         return program(*args)
 
     def _compile(self, fn, args, static) -> jax.stages.Compiled:
+        """fn's program for these operands, compiled (or loaded from the executable cache)."""
         with self._mesh():
-            return compile_ahead(fn, *args, **static)
+            compile_now = lambda: compile_ahead(fn, *args, **static)  # noqa: E731
+            if self.disk is None:
+                return compile_now()
+            key = step_key(("prefill", fn.__name__, tuple(sorted(static.items()))), args)
+            return self.disk.get_or_compile(key, compile_now, self._sharding.device_set)
 
     def _put(self, tree):
         """Host arrays onto the worker's devices, in one transfer (their shapes while the warm-up records)."""

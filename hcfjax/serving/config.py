@@ -195,7 +195,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def step_cache(args: argparse.Namespace) -> str | None:
-    """Where compiled engine steps are kept: beside jax's cache under --compile-cache (None: off)."""
+    """Where compiled engine steps (and a prefill worker's programs) are kept: beside jax's cache under
+    --compile-cache (None: off)."""
     cache = getattr(args, "compile_cache", "off")
     return None if cache in (None, "off") else os.path.join(os.path.expanduser(cache), "steps")
 
@@ -217,6 +218,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         cache_dtype=KV_CACHE[args.kv_cache],
         speculative=speculative_config(args),
         options=run_options(),
+        executable_cache=step_cache(args),
     )
 
 
