@@ -39,8 +39,8 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
     worker = PrefillWorker(model, transport.sender(), prefill_config, plan)
     if args.warmup:
         limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
-        progress = CompileProgress("hcfjax serve: compiling prefill shapes")
-        announce(f"hcfjax serve: prefill shapes compiled in {worker.warmup(limit, progress):.1f} s")
+        progress = CompileProgress("hcfjax serve: compiling prefill programs")
+        announce(f"hcfjax serve: prefill programs compiled in {worker.warmup(limit, progress):.1f} s")
     with until_signal(announce):
         worker.start()
         server = prefill_server(worker, args.transport, args.host, args.port, api_key=args.api_key).start()
