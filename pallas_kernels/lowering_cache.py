@@ -36,6 +36,7 @@ _lock = threading.Lock()
 _exported: dict[Hashable, concurrent.futures.Future] = {}
 _CHECKS = (jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),)
 _pool: tuple[concurrent.futures.ProcessPoolExecutor, tuple[int, int]] | None = None
+_users = 0  # lowering_processes contexts open
 _discovering = jax_config.bool_state(
     "hcfjax_kernel_discovery",
     False,
@@ -134,27 +135,29 @@ def lowered_kernels() -> int:
 @contextlib.contextmanager
 def lowering_processes(workers: int):
     """Within: kernels not yet lowered are lowered in `workers` spawned processes, for this process's GPU
-    architecture. The processes ignore SIGINT (the caller's Ctrl-C ends them) and end on leaving. Within another
-    `lowering_processes` (any thread's), its processes serve."""
-    global _pool
+    architecture. The processes ignore SIGINT (the caller's Ctrl-C ends them). Contexts on any thread share one
+    pool, which ends when the last of them is left."""
+    global _pool, _users
     from jax.experimental.mosaic.gpu import utils
 
-    if _pool is not None:
-        yield
-        return
-
-    arch = utils._infer_arch()  # the device's, asked here: the workers have no GPU to ask
-    pool = concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
-    )
     with _lock:
-        _pool = (pool, arch)
+        if _pool is None:
+            arch = utils._infer_arch()  # the device's, asked here: the workers have no GPU to ask
+            pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+            )
+            _pool = (pool, arch)
+        _users += 1
     try:
         yield
     finally:
         with _lock:
-            _pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+            _users -= 1
+            last, pool = _users == 0, _pool[0]
+            if last:
+                _pool = None
+        if last:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _export(build, avals) -> jax.export.Exported:

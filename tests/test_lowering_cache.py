@@ -119,3 +119,18 @@ def test_a_discovery_trace_without_processes_lowers_nothing():
     with lowering_cache.discovering():
         out = f.trace(x, q, scale, sizes).out_info
     assert lowering_cache.lowered_kernels() == before and out.shape == (24, 128)
+
+
+def test_lowering_contexts_share_one_pool_until_the_last_is_left(monkeypatch):
+    """lowering_processes entered again (a prefill worker's warm-up around compile_all, another thread's compiles)
+    takes the pool already there; leaving the first context keeps it for the other, leaving the last ends it."""
+    first, second = lowering_cache.lowering_processes(1), lowering_cache.lowering_processes(1)
+    first.__enter__()
+    pool, stopped = lowering_cache._pool, []
+    monkeypatch.setattr(pool[0], "shutdown", lambda **kw: stopped.append(kw))
+    second.__enter__()
+    assert lowering_cache._pool is pool
+    first.__exit__(None, None, None)
+    assert lowering_cache._pool is pool and stopped == []
+    second.__exit__(None, None, None)
+    assert lowering_cache._pool is None and stopped == [{"wait": False, "cancel_futures": True}]

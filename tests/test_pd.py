@@ -65,7 +65,6 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
     rows = 1 if warm else 4  # one row per batch keeps the warm-up's shapes few
     config = PrefillConfig(num_pages=64, page_size=16, max_rows=rows, layerwise_threshold=64, layer_group=2, chunk=128)
     worker = PrefillWorker(model, transport.sender(), config, prefill_plan(2) if plans else None)
-    worker.start()
     remote = RemotePrefill(receiver, [LocalPrefill(worker)], timeout_s=60)
     dp = 2 if plans else 1
     engine = Engine(model, EngineConfig(max_slots=2, dp=dp), decode_plan(2) if plans else None, remote=remote)
@@ -79,6 +78,7 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
         engine.warmup()
         compiled = (engine.snapshot()["compiles"], engine.runner._install._cache_size())
         jax.monitoring.register_event_duration_secs_listener(count)
+    worker.start()
     engine.start()
     try:
         reqs = [engine.submit(p, max_new_tokens=N) for p in PROMPTS]
@@ -125,7 +125,7 @@ def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):
     assert stats["messages"] >= 1
 
 
-def test_a_restarted_prefill_worker_loads_its_compiled_programs(tmp_path):
+def test_a_restarted_prefill_worker_loads_its_compiled_programs(tmp_path, request):
     """Programs kept under executable_cache: a second worker of the same config loads every one its warm-up needs,
     compiles nothing, and makes the same first tokens. (bfloat16, as the engine's restart test: XLA:CPU cannot
     serialize the float32 sort of top-p sampling.)"""
@@ -137,10 +137,12 @@ def test_a_restarted_prefill_worker_loads_its_compiled_programs(tmp_path):
     config = PrefillConfig(num_pages=8, page_size=16, max_rows=1, chunk=32, layerwise_threshold=64)
     config = dataclasses.replace(config, executable_cache=str(tmp_path))
     first = PrefillWorker(model, make_transport("socket").sender(), config)
+    request.addfinalizer(first.sender.close)
     first.warmup(64)
     stored = len(list(tmp_path.glob("*.step")))
     assert first.disk.misses == len(first._programs) == stored and first.disk.hits == 0
     second = PrefillWorker(model, make_transport("socket").sender(), config)
+    request.addfinalizer(second.sender.close)
     prompt = model.tokenizer.encode(PROMPTS[0]).ids
     tokens, table = np.zeros((1, 64), np.int32), np.arange(4, dtype=np.int32)[None]
     tokens[0, : len(prompt)] = prompt

@@ -359,16 +359,24 @@ class PrefillWorker:
         program = self._programs.get(key)
         if program is None:
             t0 = time.perf_counter()
-            program = self._programs[key] = self._compile(fn, args, static)
+            program = self._programs[key] = self._compiled(key, fn, args, static)
             self.compiles.append((key, time.perf_counter() - t0))
             log.info("compiled the prefill program %s in %.1f s", key, self.compiles[-1][1])
         return program(*args)
 
+    def _compiled(self, key: tuple, fn, args, static) -> jax.stages.Compiled:
+        """fn's program for these operands (compiled, or loaded from the executable cache), checked to leave its
+        outputs where the worker's next programs take them: every operand lives on all the worker's devices."""
+        program = self._compile(fn, args, static)
+        for out in jax.tree.leaves(program.out_info):
+            if not out.sharding.is_equivalent_to(self._sharding, len(out.shape)):
+                raise RuntimeError(f"the prefill program {key} leaves an output as {out.sharding}, not replicated")
+        return program
+
     def _compile(self, fn, args, static) -> jax.stages.Compiled:
-        """fn's program for these operands, compiled (or loaded from the executable cache)."""
         with self._mesh():
             compile_now = lambda: compile_ahead(fn, *args, **static)  # noqa: E731
-            if self.disk is None:
+            if self.disk is None or self.plan is not None:  # (a stored program loads onto one device)
                 return compile_now()
             key = step_key(("prefill", fn.__name__, tuple(sorted(static.items()))), args)
             return self.disk.get_or_compile(key, compile_now, self._sharding.device_set)
@@ -398,6 +406,8 @@ class PrefillWorker:
         shape: the embedding, each segment's layer and the last step) and the gathers of every page count a send
         takes, several at once and nothing run, so no request waits for a compile; returns the seconds it took.
         progress(done, total) is told as each compile ends."""
+        if self._thread is not None:
+            raise RuntimeError("warm the prefill worker up before start(): its batches would run on shapes alone")
         t0 = time.perf_counter()
         on_gpu = any(d.platform == "gpu" for d in self._sharding.device_set)
         # on a GPU the forwards are recorded with the kernels they meet handed to processes of their own, which
@@ -410,7 +420,7 @@ class PrefillWorker:
                     todo.update(self._recorded(shape))
             todo.update(self._gathers(max_len))
             log.info("recorded %d prefill programs in %.1f s", len(todo), time.perf_counter() - t0)
-            jobs = {k: functools.partial(self._compile, *v) for k, v in todo.items() if k not in self._programs}
+            jobs = {k: functools.partial(self._compiled, k, *v) for k, v in todo.items() if k not in self._programs}
             compile_all(jobs, self._programs.__setitem__, on_gpu, progress)
         return time.perf_counter() - t0
 
@@ -449,9 +459,9 @@ class PrefillWorker:
         def longest(rows: int) -> int:
             return max_len if rows == 1 else min(max_len, c.token_budget - (rows - 1), c.layerwise_threshold - 1)
 
-        def lengths(rows: int) -> list[int]:  # one of each length bucket; past the chunk, every multiple of it
+        def lengths(rows: int) -> list[int]:  # a length of each bucket and of each multiple of the chunk, up to top
             top = max(longest(rows), 1)
-            return _powers(c.min_bucket, top) + list(range(2 * c.chunk, top + c.chunk, c.chunk))
+            return [min(k, top) for k in [*_powers(1, top), *range(c.chunk, top + c.chunk, c.chunk)]]
 
         return sorted({self._shape(r, k) for r in range(1, c.max_rows + 1) for k in lengths(r)})
 
