@@ -367,19 +367,17 @@ class PrefillWorker:
     def _compiled(self, key: tuple, fn, args, static) -> jax.stages.Compiled:
         """fn's program for these operands (compiled, or loaded from the executable cache), checked to leave its
         outputs where the worker's next programs take them: every operand lives on all the worker's devices."""
-        program = self._compile(fn, args, static)
+        with self._mesh():
+            compile_now = lambda: compile_ahead(fn, *args, **static)  # noqa: E731
+            if self.disk is None or self.plan is not None:  # (a stored program loads onto one device)
+                program = compile_now()
+            else:
+                stored = step_key(("prefill", fn.__name__, tuple(sorted(static.items()))), args)
+                program = self.disk.get_or_compile(stored, compile_now, self._sharding.device_set)
         for out in jax.tree.leaves(program.out_info):
             if not out.sharding.is_equivalent_to(self._sharding, len(out.shape)):
                 raise RuntimeError(f"the prefill program {key} leaves an output as {out.sharding}, not replicated")
         return program
-
-    def _compile(self, fn, args, static) -> jax.stages.Compiled:
-        with self._mesh():
-            compile_now = lambda: compile_ahead(fn, *args, **static)  # noqa: E731
-            if self.disk is None or self.plan is not None:  # (a stored program loads onto one device)
-                return compile_now()
-            key = step_key(("prefill", fn.__name__, tuple(sorted(static.items()))), args)
-            return self.disk.get_or_compile(key, compile_now, self._sharding.device_set)
 
     def _put(self, tree):
         """Host arrays onto the worker's devices, in one transfer (their shapes while the warm-up records)."""
