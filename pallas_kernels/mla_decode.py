@@ -82,19 +82,18 @@ def mla_decode_reference(
 
 def kernel_scales(scales, pt, layer=None):
     """The int8 scales as the kernel's TMA reads them, [N, 2, page] (a 64-token box needs the token axis innermost),
-    and the page table that indexes them.
+    and whether they are in the table's order (KernelSpec.scale_rows).
 
-    Token-minor scales ([P, 2, page], or [L, P, 2, page] with `layer`) are used as they are: no per-call pass.
-    hcfjax.cache's [.., P, page, 2] are gathered for the table's pages only and transposed, [B * max_pages, 2, page]
-    (16 B per table token moved per call, against the 584 B the kernel reads per token), indexed by b * max_pages + j.
+    Token-minor scales ([P, 2, page], or [L, P, 2, page] with `layer`) are used as they are, at the cache's pages:
+    no per-call pass. hcfjax.cache's [.., P, page, 2] are gathered for the table's pages only and transposed,
+    [B * max_pages, 2, page] (16 B per table token moved per call, against the 584 B the kernel reads per token):
+    row b's block j at b * max_pages + j.
     """
     b, n = pt.shape
     if scales.shape[-2] == 2:  # token-minor
-        if layer is None:
-            return scales, pt
-        return scales.reshape(-1, *scales.shape[-2:]), pt + jnp.asarray(layer, jnp.int32) * scales.shape[-3]
+        return (scales if layer is None else scales.reshape(-1, *scales.shape[-2:])), False
     g = scales[pt] if layer is None else scales[layer, pt]  # [B, n, page, 2]
-    return jnp.swapaxes(g, -1, -2).reshape(b * n, 2, -1), jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+    return jnp.swapaxes(g, -1, -2).reshape(b * n, 2, -1), True
 
 
 def check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer) -> None:
@@ -248,12 +247,13 @@ def mla_decode(
     ps = kv_pages.shape[-2]
     n_pages = kv_pages.shape[-3]
     pt = page_table.astype(jnp.int32)
-    sc = pts = None
+    sc, scale_rows, layer_op = None, False, None
     if quant:
-        sc, pts = kernel_scales(scales, pt, layer)
+        sc, scale_rows = kernel_scales(scales, pt, layer)
     if layer is not None:
-        # Index the whole cache in the kernel (page + layer * P) instead of slicing out a layer copy.
-        pt = pt + jnp.asarray(layer, jnp.int32) * n_pages
+        # The kernel indexes the whole cache (page + layer * P) instead of a layer's copy sliced out, and adds the
+        # layer's offset itself: the table goes in as it is, the same for every layer.
+        layer_op = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         kv_pages = kv_pages.reshape(-1, ps, c + r)
     # Fewer heads than one tile (V2-Lite's 16) are not padded here nor sliced after; other counts are padded to
     # whole tiles (head_tiles).
@@ -313,8 +313,10 @@ def mla_decode(
         stack=stack,
         transposed=transposed,
         converters=converters,
+        layer_pages=0 if layer is None else n_pages,
+        scale_rows=scale_rows,
     )
-    outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pts, pt, plan.vis, plan.work, qs)
+    outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pt, plan.vis, plan.work, qs, layer_op)
 
     def per_token(lse):  # [N, T', heads] -> [N, T, io_heads] (stacked tokens: one row of the kernel's lse holds all)
         if stack == 1:

@@ -352,8 +352,8 @@ def _p_tile(ctx: Cta, slot):
 
 
 def _kernel(spec: KernelSpec, *refs):
-    names = ["q_nope", "q_pe"] + (["qs"] if spec.qk8 else []) + ["kv"] + (["sc", "pts"] if spec.quant else [])
-    names += ["pt", "vis", "work"]
+    names = ["q_nope", "q_pe"] + (["qs"] if spec.qk8 else []) + ["kv"] + (["sc"] if spec.quant else [])
+    names += ["pt"] + (["layer"] if spec.layer_pages else []) + ["vis", "work"]
     ins = dict(zip(names, refs[: len(names)], strict=True))
     rest = list(refs[len(names) :])
     out = (rest.pop(0), rest.pop(0)) if spec.batch else None
@@ -437,13 +437,16 @@ def _launch_kernel(spec: KernelSpec):
     )
 
 
-def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pts, pt, vis, work, qs=None):
-    """Runs the attention kernel. -> (out [batch, T, H, C] bf16, lse [batch, T, H] f32) if spec.batch, then
-    (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
+def attention(spec: KernelSpec, q_nope, q_pe, kv, sc, pt, vis, work, qs=None, layer=None):
+    """Runs the attention kernel (layer: [1] int32 with spec.layer_pages, else None). -> (out [batch, T, H, C] bf16,
+    lse [batch, T, H] f32) if spec.batch, then (partial [slots, T, H, C], lse [slots, T, H]) if spec.slots."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if (layer is None) != (not spec.layer_pages):
+        raise ValueError("a layer operand goes with spec.layer_pages, and only with it")
     kern = functools.partial(_launch_kernel, spec)
-    args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc, pts) if spec.quant else ()) + (pt, vis, work)
+    args = (q_nope, q_pe) + ((qs,) if spec.qk8 else ()) + (kv,) + ((sc,) if spec.quant else ()) + (pt,)
+    args += ((layer,) if spec.layer_pages else ()) + (vis, work)
     if spec.interpret:
         # Enough simulated TMA engines for every copy the kernel keeps in flight.
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(num_tma_threads_per_device=16)):

@@ -41,11 +41,14 @@ class Cta:
     n_steps: object
     dest: object
 
-    def page(self, i, table):
-        """(page, offset in page) of the unit's block i."""
+    def page(self, i):
+        """(page, offset in page) of the unit's block i in the cache, and its page-table column."""
         tok = self.start + i * BLOCK_KV
         j = jnp.minimum(lax.div(tok, self.spec.page_size), self.spec.max_pages - 1)
-        return table[self.b, j], lax.rem(tok, self.spec.page_size)
+        page = self.ins["pt"][self.b, j]
+        if self.spec.layer_pages:
+            page = page + self.ins["layer"][0] * self.spec.layer_pages
+        return page, lax.rem(tok, self.spec.page_size), j
 
     def scores(self, slot: int | jax.Array, order):
         """S = Q . K^T [64 heads, 64 tokens] of the block in `slot`, f32 (transposed: S^T = K . Q^T [64 tokens,
@@ -186,7 +189,10 @@ class Cta:
         """Where block i lies: (page, offset) in the cache and, int8, in the scales' table. Global loads: the v3
         loader reads them before it waits for the slot, so their latency overlaps the wait instead of following it
         (ncu's dominant stall in this kernel was long_scoreboard, docs/kernels.md)."""
-        return self.page(i, self.ins["pt"]), self.page(i, self.ins["pts"]) if self.spec.quant else None
+        page, off, j = self.page(i)
+        if not self.spec.quant:
+            return (page, off), None
+        return (page, off), (self.b * self.spec.max_pages + j if self.spec.scale_rows else page, off)
 
     def issue(self, i, slot, p: int, scales: bool, where=None):
         """Starts loading part p of the unit's block i into `slot`: a TMA into the part (bf16 caches) or into its int8
@@ -279,7 +285,7 @@ class Cta:
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         if self.spec.quant:
-            page, off = self.page(i, self.ins["pt"])
+            page, off, _ = self.page(i)
             for p in range(3):  # one per part: a TMA box is at most 256 wide
                 col, w = self.spec.part(p)
                 src = self.ins["kv"].at[page, pl.ds(off, BLOCK_KV), pl.ds(col, w)]

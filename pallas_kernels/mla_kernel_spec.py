@@ -125,6 +125,13 @@ class KernelSpec:
     # slots (three warpgroups: the loader converts the first half and the rope, WG1 the next block's second half
     # before its own P.V).
     converters: bool = False
+    # The cache holds every layer's pages ([L * P, page, C+R]): the kernel takes the layer as an operand and reads
+    # page pt[b, j] + layer * layer_pages (0: a one-layer cache, no operand), so the page table needs no pass per
+    # layer.
+    layer_pages: int = 0
+    # int8 scales gathered into the table's order, [B * max_pages, 2, page] (`mla_decode.kernel_scales`): row b's
+    # block j is at b * max_pages + j. Otherwise the scales are token-minor and lie at the cache's page.
+    scale_rows: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -147,6 +154,10 @@ class KernelSpec:
             raise ValueError("transposed needs q_heads, and neither qk8 nor pair")
         if self.converters and not (self.transposed and self.quant):
             raise ValueError("converters need an int8 cache and transposed tiles")
+        if self.scale_rows and not self.quant:
+            raise ValueError("scale_rows needs an int8 cache")
+        if self.layer_pages < 0:
+            raise ValueError(f"layer_pages must be >= 0, got {self.layer_pages}")
 
     @property
     def io_heads(self) -> int:

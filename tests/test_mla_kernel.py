@@ -329,13 +329,14 @@ def test_kernel_scales_index_the_same_token_in_both_layouts(layer):
     _, _, _, sc, pt, _ = make(31, [100, 7], 1, 16, max_pages=2, quant=True)
     if layer is not None:
         sc = jnp.stack([sc * 0 - 1, sc])  # [L=2, P, page, 2]; layer 0 is a decoy
-    for scales in (sc, jnp.swapaxes(sc, -1, -2)):
-        got, table = M.kernel_scales(scales, pt, layer)
-        assert got.shape[1:] == (2, PAGE)
-        want = (sc if layer is None else sc[layer])[pt]  # [B, n, page, 2]
-        np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got[table], -1, -2)), np.asarray(want))
-    got, table = M.kernel_scales(jnp.swapaxes(sc, -1, -2), pt, layer)
-    assert got.shape[0] == sc.size // (2 * PAGE)  # token-minor: the cache itself, no per-call copy
+    want = (sc if layer is None else sc[layer])[pt]  # [B, n, page, 2]
+    got, rows = M.kernel_scales(sc, pt, layer)  # gathered in the table's order: row b's block j at b * n + j
+    assert rows and got.shape == (pt.size, 2, PAGE)
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got, -1, -2)).reshape(want.shape), np.asarray(want))
+    got, rows = M.kernel_scales(jnp.swapaxes(sc, -1, -2), pt, layer)  # token-minor: the cache itself, no copy
+    assert not rows and got.shape[0] == sc.size // (2 * PAGE)
+    at = pt if layer is None else pt + layer * sc.shape[1]  # the kernel reads them at the cache's page
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got[at], -1, -2)), np.asarray(want))
 
 
 def test_model_layer_index_reads_that_layer():
@@ -344,6 +345,31 @@ def test_model_layer_index_reads_that_layer():
     out = M.mla_decode(qn, qp, stacked, pt, lengths, 0.1, layer=jnp.int32(1), interpret=True)
     want = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1)
     assert rel(np.asarray(out, np.float32), np.asarray(want, np.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("minor", [False, True])
+def test_int8_kernel_reads_its_layer_of_a_stacked_cache(minor):
+    # The kernel adds the layer's offset to the page table itself, for the cache and for token-minor scales; scales
+    # gathered in the table's order are found by row and column. Layer 0 is a decoy the kernel must not read.
+    qn, qp, kv, sc, pt, lengths = make(19, [130, 7, 64], 1, 16, max_pages=3, quant=True)
+    decoy = jnp.zeros_like(sc).at[..., 0].set(1e3)
+    scales = jnp.stack([decoy, sc])
+    if minor:
+        scales = jnp.swapaxes(scales, -1, -2)
+    out = M.mla_decode(
+        qn,
+        qp,
+        jnp.stack([kv[::-1], kv]),
+        pt,
+        lengths,
+        0.1,
+        scales=scales,
+        layer=jnp.int32(1),
+        interpret=True,
+        blocks_per_split=1,
+    )
+    want = float64_attention(qn, qp, kv, sc, pt, lengths, 0.1)[0]
+    assert rel(np.asarray(out, np.float32), want) < 1e-2
 
 
 def test_selection_uses_the_reference_off_gpu():
