@@ -340,17 +340,19 @@ def test_kernel_scales_index_the_same_token_in_both_layouts(layer):
 
 
 def test_model_layer_index_reads_that_layer():
-    qn, qp, kv, _, pt, lengths = make(17, [50], 1, 16, max_pages=1)
-    stacked = jnp.stack([kv[::-1], kv])  # [L=2, P, page, C+R]
-    out = M.mla_decode(qn, qp, stacked, pt, lengths, 0.1, layer=jnp.int32(1), interpret=True)
+    qn, qp, kv, _, pt, lengths = make(17, [50, 130, 7], 1, 16, max_pages=3)
+    decoy = jax.random.normal(jax.random.key(5), kv.shape, jnp.float32).astype(kv.dtype)
+    stacked = jnp.stack([decoy, kv, decoy])  # [L=3, P, page, C+R]: any other offset reads a decoy
+    out = M.mla_decode(qn, qp, stacked, pt, lengths, 0.1, layer=jnp.int32(1), interpret=True, blocks_per_split=1)
     want = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1)
     assert rel(np.asarray(out, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
-@pytest.mark.parametrize("minor", [False, True])
-def test_int8_kernel_reads_its_layer_of_a_stacked_cache(minor):
+@pytest.mark.parametrize("minor,qk8", [(False, False), (True, False), (False, True)])
+def test_int8_kernel_reads_its_layer_of_a_stacked_cache(minor, qk8):
     # The kernel adds the layer's offset to the page table itself, for the cache and for token-minor scales; scales
-    # gathered in the table's order are found by row and column. Layer 0 is a decoy the kernel must not read.
+    # gathered in the table's order are found by row and column (also with Q.K on int8, qk8). Layer 0 is a decoy
+    # the kernel must not read.
     qn, qp, kv, sc, pt, lengths = make(19, [130, 7, 64], 1, 16, max_pages=3, quant=True)
     decoy = jnp.zeros_like(sc).at[..., 0].set(1e3)
     scales = jnp.stack([decoy, sc])
@@ -367,6 +369,7 @@ def test_int8_kernel_reads_its_layer_of_a_stacked_cache(minor):
         layer=jnp.int32(1),
         interpret=True,
         blocks_per_split=1,
+        qk8=qk8,
     )
     want = float64_attention(qn, qp, kv, sc, pt, lengths, 0.1)[0]
     assert rel(np.asarray(out, np.float32), want) < 1e-2

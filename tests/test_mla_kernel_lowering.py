@@ -70,7 +70,7 @@ def test_wrapper_rejects_unabsorbed_query():
         (128, 4096, "bf16", False, False, False, None, 128, 1, False),
         (4, 4096, "int8", True, True, False, None, 128, 1, False),
         (2, 256, "int8", True, False, False, None, 128, 1, False),
-        (32, 4096, "bf16", False, False, False, False, 128, 1, False),
+        (32, 4096, "bf16", True, False, False, False, 128, 1, False),
         (
             128,
             4096,
@@ -86,7 +86,7 @@ def test_wrapper_rejects_unabsorbed_query():
         # V2-Lite's 16 heads at the engine's batch (the sparse merge): Q and the outputs as 16 of a tile's rows
         # (KernelSpec.q_heads), in the kernel and in the combine kernel
         (64, 2048, "int8", True, False, False, None, 16, 1, False),
-        (64, 2048, "int8", False, False, True, None, 16, 1, False),
+        (64, 2048, "int8", True, False, True, None, 16, 1, False),
         # MTP verification at 16 heads: 3 tokens stacked in one tile (KernelSpec.stack), through the combine kernel
         (64, 2048, "int8", True, False, False, None, 16, 3, False),
         (32, 4096, "bf16", False, False, False, None, 16, 2, False),
