@@ -4,7 +4,8 @@ Per token and layer the cache holds only MLA's latent c_kv (kv_lora_rank = C) fo
 (qk_rope_head_dim = R), in fixed-size pages:
 
     kv     [L, P, page_size, C + R]   bf16/f32, or int8
-    scale  [L, P, page_size, 2]       f32 per-token scales of (c_kv, k_pe), int8 caches only
+    scale  [L, P, 2, page_size]       f32 per-token scales of (c_kv, k_pe), int8 caches only (token-minor, as
+                                      the MLA decode kernel's 64-token boxes read them where they lie)
 
 A sequence owns a list of pages (its row of a page table [B, max_pages]); token at position t lives in page
 page_table[b, t // page_size], slot t % page_size, in every layer. Prefill and decode write it, attention and the
@@ -27,7 +28,7 @@ from pallas_kernels.int8_quant import quantize_int8  # re-exported
 @dataclasses.dataclass
 class KVCache:
     kv: jax.Array  # [L, P, page_size, C + R]
-    scale: jax.Array | None = None  # [L, P, page_size, 2] when kv is int8
+    scale: jax.Array | None = None  # [L, P, 2, page_size] when kv is int8 (scale_shape)
 
     @property
     def page_size(self) -> int:
@@ -40,6 +41,13 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         return self.kv.dtype == jnp.int8
+
+
+def scale_shape(kv_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales' shape beside an int8 cache (or a piece of one) of kv_shape [L, P, page_size, C + R]: [L, P, 2,
+    page_size]."""
+    layers, pages, page_size, _ = kv_shape
+    return (layers, pages, 2, page_size)
 
 
 def entry_bytes(kv_dim: int, dtype) -> int:
@@ -55,7 +63,7 @@ def init_cache(
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     shape = (layers, num_pages, page_size, cfg.kv_dim)
     if jnp.dtype(dtype) == jnp.int8:
-        return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:3] + (2,), jnp.float32))
+        return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(scale_shape(shape), jnp.float32))
     return KVCache(jnp.zeros(shape, dtype))
 
 
@@ -77,7 +85,7 @@ def write(
         return KVCache(cache.kv.at[layer, page, slot].set(entry, mode="drop"))
     entry, scales = jax.lax.optimization_barrier(quantize_entry(ckv, kpe))
     kv = cache.kv.at[layer, page, slot].set(entry, mode="drop")
-    scale = cache.scale.at[layer, page, slot].set(scales, mode="drop")
+    scale = cache.scale.at[layer, page, :, slot].set(scales, mode="drop")  # ([B, T, 2]: the indexed axes lead)
     return KVCache(kv, scale)
 
 
@@ -110,6 +118,6 @@ def read(cache: KVCache, layer, page_table: jax.Array, c: int, dtype) -> tuple[j
     entry = entry.reshape(b, n * cache.page_size, -1)
     if not cache.quantized:
         return entry[..., :c].astype(dtype), entry[..., c:].astype(dtype)
-    scale = cache.scale[layer, page_table].reshape(b, n * cache.page_size, 2)
+    scale = jnp.swapaxes(cache.scale[layer, page_table], -1, -2).reshape(b, n * cache.page_size, 2)
     ef = entry.astype(jnp.float32)
     return (ef[..., :c] * scale[..., :1]).astype(dtype), (ef[..., c:] * scale[..., 1:]).astype(dtype)

@@ -60,7 +60,8 @@ def mla_decode_reference(
     if scales is None:
         ckv, kpe = entry[..., :c].astype(dt), entry[..., c:].astype(dt)
     else:
-        sc = scales if scales.shape[-1] == 2 else jnp.swapaxes(scales, -1, -2)  # token-minor [P, 2, page] too
+        # token-minor [P, 2, page] (hcfjax.cache's; also what a 2-token page reads as) or [P, page, 2]
+        sc = jnp.swapaxes(scales, -1, -2) if scales.shape[-2] == 2 else scales
         sc = sc[page_table].reshape(b, n * ps, 2)
         ef = entry.astype(jnp.float32)
         ckv, kpe = (ef[..., :c] * sc[..., :1]).astype(dt), (ef[..., c:] * sc[..., 1:]).astype(dt)
@@ -84,10 +85,10 @@ def kernel_scales(scales, pt, layer=None):
     """The int8 scales as the kernel's TMA reads them, [N, 2, page] (a 64-token box needs the token axis innermost),
     and whether they are in the table's order (KernelSpec.scale_rows).
 
-    Token-minor scales ([P, 2, page], or [L, P, 2, page] with `layer`) are used as they are, at the cache's pages:
-    no per-call pass. hcfjax.cache's [.., P, page, 2] are gathered for the table's pages only and transposed,
-    [B * max_pages, 2, page] (16 B per table token moved per call, against the 584 B the kernel reads per token):
-    row b's block j at b * max_pages + j.
+    Token-minor scales ([P, 2, page], or [L, P, 2, page] with `layer`: hcfjax.cache's) are used as they are, at the
+    cache's pages: no per-call pass. Token-major ones, [.., P, page, 2], are gathered for the table's pages only
+    and transposed, [B * max_pages, 2, page] (16 B per table token moved per call, against the 584 B the kernel
+    reads per token): row b's block j at b * max_pages + j.
     """
     b, n = pt.shape
     if scales.shape[-2] == 2:  # token-minor
@@ -219,8 +220,8 @@ def mla_decode(
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
     q_nope [B, T, H, C] (absorbed latent query), q_pe [B, T, H, R]; kv_pages [P, page, C+R] bf16 or int8 (with
-    scales [P, page, 2] f32 as hcfjax.cache stores them, or token-minor [P, 2, page], which the kernel reads with no
-    per-call pass: `kernel_scales`), or the whole cache [L, P, page, C+R] (and [L, ...] scales) with `layer`;
+    scales token-minor [P, 2, page] f32 as hcfjax.cache stores them, which the kernel reads with no per-call pass,
+    or [P, page, 2]: `kernel_scales`), or the whole cache [L, P, page, C+R] (and [L, ...] scales) with `layer`;
     page_table [B, max_pages]; lengths [B] cache tokens including the T queries, which sit at the last T positions
     (or at `positions` [B, T]).
     -> out [B, T, H, C] in q's dtype (and lse [B, T, H] f32).  `interpret` runs Mosaic GPU's interpreter (CPU tests).

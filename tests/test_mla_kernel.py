@@ -429,9 +429,11 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         assert seen.pop() == want, (heads, t, qk8, conv, dtype)
 
 
-def test_model_decode_shares_one_plan_across_layers(monkeypatch):
+@pytest.mark.parametrize("int8", [False, True])
+def test_model_decode_shares_one_plan_across_layers(monkeypatch, int8):
     """A decode step of a 2-layer model (a dense and an MoE segment, so two scans) with the kernel in interpret mode:
-    the forward builds one plan for both layers, leaves none behind, and gives the reference path's logits."""
+    the forward builds one plan for both layers, leaves none behind, and gives the reference path's logits; also
+    over an int8 cache, whose token-minor scales the kernel reads in place."""
     from hcfjax import attention
     from hcfjax.attention import CacheContext
     from hcfjax.model import hidden_states, logits
@@ -441,7 +443,12 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch):
     cfg = preset_config("tiny-v3", num_hidden_layers=2, kv_lora_rank=128, qk_rope_head_dim=64)
     m = random_model(cfg, seed=3, dtype=jnp.bfloat16)
     b, page, pages = 3, PAGE, 3
-    cache = kvcache.KVCache(jax.random.normal(jax.random.key(5), (2, b * pages, page, 192), jnp.bfloat16))
+    kv = jax.random.normal(jax.random.key(5), (2, b * pages, page, 192), jnp.float32)
+    if int8:
+        entry, scales = kvcache.quantize_entry(kv[..., :128], kv[..., 128:])
+        cache = kvcache.KVCache(entry, jnp.swapaxes(scales, -1, -2))  # [L, P, 2, page]
+    else:
+        cache = kvcache.KVCache(kv.astype(jnp.bfloat16))
     table = jnp.asarray(np.random.default_rng(2).permutation(b * pages).reshape(b, pages), jnp.int32)
     kv_len = jnp.array([1, 70, 190], jnp.int32)  # one token, mid-page, the last page's tail
     tok = jnp.array([[5], [9], [200]], jnp.int32)

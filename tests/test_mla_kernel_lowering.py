@@ -176,7 +176,7 @@ def test_bench_cases_name_their_head_count():
 
     assert parse_case("bf16:128x4096") == ("bf16", 128, 4096, "full", 128, 1)
     assert parse_case("int8:32x16384:mixed:h16") == ("int8", 32, 16384, "mixed", 16, 1)
-    assert parse_case("int8t:1x4096:h64") == ("int8t", 1, 4096, "full", 64, 1)
+    assert parse_case("int8g:1x4096:h64") == ("int8g", 1, 4096, "full", 64, 1)
     assert parse_case("bf16:64x4096:mixed:t3") == ("bf16", 64, 4096, "mixed", 128, 3)
     assert parse_case("bf16:64x4096:h16:t2") == ("bf16", 64, 4096, "full", 16, 2)
     for bad in ["bf16", "fp8:1x4096", "bf16:1x4096:ragged", "bf16:1x4096:mixed:skew", "bf16:1x4096:h0", "bf16:1x64:t0"]:

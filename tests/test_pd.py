@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hcfjax
+from hcfjax import cache as kvcache
 from hcfjax.engine import Engine, EngineConfig
 from hcfjax.pd.decode import LocalPrefill, RemotePrefill
 from hcfjax.pd.prefill import PrefillConfig, PrefillWorker
@@ -183,13 +184,13 @@ def test_a_host_staged_cache_installs_on_one_program_per_power_of_two_pages(mode
             pages = [5, 9, 2]
             shape = (cache.kv.shape[0], len(pages), runner.cache_page_size, cache.kv.shape[-1])
             kv = np.arange(np.prod(shape)).reshape(shape).astype(cache.kv.dtype)
-            scale = None if cache.scale is None else np.full(shape[:3] + (2,), 0.5, np.float32)
+            scale = None if cache.scale is None else np.full(kvcache.scale_shape(shape), 0.5, np.float32)
             before = np.asarray(runner.state.cache.kv)  # (the install donates the state it is given)
             landed = runner.landing.stage(kv, scale)
             assert landed.kv.shape[1] == 4 and landed.pages == 3
             runner._install_pages(pages, landed, 0, 7, 40, 3)
             for n in range(1, runner.max_pages + 1):
-                part = None if scale is None else np.zeros(shape[:1] + (n,) + shape[2:3] + (2,), np.float32)
+                part = None if scale is None else np.zeros(kvcache.scale_shape((shape[0], n, *shape[2:])), np.float32)
                 runner.landing.stage(np.zeros(shape[:1] + (n,) + shape[2:], kv.dtype), part)
             assert len(compiles) == powers, compiles
         finally:

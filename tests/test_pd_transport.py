@@ -26,7 +26,7 @@ def bf16_cache(seed: int) -> tuple[np.ndarray, None]:
 
 def int8_cache(seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return rng.integers(-127, 128, (L, P, PS, D), dtype=np.int8), rng.random((L, P, PS, 2), dtype=np.float32)
+    return rng.integers(-127, 128, (L, P, PS, D), dtype=np.int8), rng.random((L, P, 2, PS), dtype=np.float32)
 
 
 def same_bits(a, b) -> bool:

@@ -94,7 +94,7 @@ def run(args) -> str:
         x, kv = layer(x, w, steps)
         qc, sc = quantize_int8(kv[..., :512])
         qr, sr = quantize_int8(kv[..., 512:])
-        return x, jnp.concatenate([qc, qr], -1), jnp.stack([sc, sr], -1)
+        return x, jnp.concatenate([qc, qr], -1), jnp.stack([sc, sr], -2)  # scales token-minor, as the cache keeps them
 
     w = jax.random.normal(jax.random.key(0), (KV_DIM, KV_DIM), jnp.bfloat16) / KV_DIM**0.5
     inputs = {t: jax.random.normal(jax.random.key(t), (t, KV_DIM), jnp.bfloat16) for t in args.lengths}

@@ -85,7 +85,7 @@ class Landing:
             )
         if scale is not None:
             got = (jnp.dtype(scale.dtype).name, tuple(scale.shape))
-            want = (self.scale_dtype.name, shape[:3] + (2,))
+            want = (self.scale_dtype.name, kvcache.scale_shape(shape))
             if got != want:
                 raise ValueError(f"transferred scales are {got[0]}{got[1]}, expected {want[0]}{want[1]}")
 
@@ -114,7 +114,7 @@ class Landing:
                 continue
             arrays = [((self.layers, n, self.page_size, self.width), self.dtype)]
             if self.quantized:
-                arrays.append(((self.layers, n, self.page_size, 2), self.scale_dtype))
+                arrays.append((kvcache.scale_shape(arrays[0][0]), self.scale_dtype))
             for shape, dtype in arrays:
                 spec = jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
                 _pad_on_device.lower(spec, pages=b).compile()

@@ -263,7 +263,7 @@ class ModelRunner:
         b = 1
         while b < 2 * self.max_pages:
             kv = np.zeros((cache.kv.shape[0], b, self.cache_page_size, cache.kv.shape[-1]), cache.kv.dtype)
-            scale = None if cache.scale is None else np.zeros(kv.shape[:-1] + (2,), cache.scale.dtype)
+            scale = None if cache.scale is None else np.zeros(kvcache.scale_shape(kv.shape), cache.scale.dtype)
             self._install_pages([], self.landing.stage(kv, scale), self.num_slots, 0, 0, 0, drafts)
             b *= 2
         if device_arrays:

@@ -9,8 +9,8 @@ table is always CTX wide, so mixed and skew rows leave most of it unused (what t
 H query heads, 128 (DeepSeek-V3) unless `hH` says otherwise (h16: V2-Lite; the kernel runs heads in 64-row tiles, so
 below 64 its MMAs do 64 heads' work, which TFLOP/s does not count). `tT`: T query tokens per row (MTP verification:
 the row's last T positions, causal), FlashInfer likewise (qo_indptr of T a row, causal).
-Cache `int8` uses hcfjax.cache's scale layout [P, page, 2] (the wrapper gathers and transposes the table's scales per
-call), `int8t` the proposed token-minor [P, 2, page] (no per-call pass).
+Cache `int8` uses hcfjax.cache's token-minor scales [P, 2, page] (read where they lie), `int8g` token-major ones [P,
+page, 2] (the wrapper gathers and transposes the table's scales per call).
 
 Bandwidth is cache bytes actually read (sum of lengths x (c_kv + k_pe), plus 8 bytes of scales per int8 token) over
 the time. Times are the mean of `reps` back-to-back calls with one sync at the end (device time plus launch gaps; a
@@ -165,7 +165,7 @@ def run_checks(versions=(None,), quick=False) -> bool:
         dict(batch=2, context=256, dtype="bf16", heads=16, c=128, r=64),
         dict(batch=2, context=256, dtype="int8", heads=16, c=128, r=64),
         dict(batch=3, context=512, dtype="bf16", heads=128, t=3, kind="mixed"),
-        dict(batch=3, context=512, dtype="int8t", heads=128, t=3, kind="mixed"),
+        dict(batch=3, context=512, dtype="int8g", heads=128, t=3, kind="mixed"),
         dict(batch=4, context=4096, dtype="bf16"),
         dict(batch=4, context=4096, dtype="int8"),
         dict(batch=1, context=16384, dtype="bf16"),

@@ -26,9 +26,9 @@ CASES = (
     "bf16:32x16384:mixed",
     "bf16:32x16384:skew",
     "int8:32x4096",
-    "int8t:32x4096",
+    "int8g:32x4096",
     "int8:128x4096",
-    "int8t:128x4096",
+    "int8g:128x4096",
     "int8:1x16384",
     "bf16:64x16384",
     "bf16:32x4096:t2",
@@ -58,12 +58,12 @@ def make_inputs(key, batch, context, heads=128, c=512, r=64, page=64, dtype="bf1
     pt = jax.random.permutation(ks[3], batch * n).reshape(batch, n).astype(jnp.int32)
     lengths = jnp.asarray(case_lengths(batch, context, kind, t))
     scales = None
-    if dtype in ("int8", "int8t"):
+    if dtype in ("int8", "int8g"):
         qc, sc = quantize_int8(kv[..., :c])
         qr, sr = quantize_int8(kv[..., c:])
         kv, scales = jnp.concatenate([qc, qr], -1), jnp.stack([sc, sr], -1)
-        if dtype == "int8t":
-            scales = jnp.swapaxes(scales, 1, 2)  # the proposed token-minor cache layout [P, 2, page]
+        if dtype == "int8":
+            scales = jnp.swapaxes(scales, 1, 2)  # hcfjax.cache's token-minor layout [P, 2, page]
     return qn, qp, kv, pt, lengths, scales
 
 
@@ -132,8 +132,8 @@ def parse_case(text):
         heads = int(rest.pop()[1:])
     kind = rest[0] if rest else "full"
     b, ctx = (int(v) for v in shape.split("x"))
-    if dtype not in ("bf16", "int8", "int8t"):
-        raise ValueError(f"cache must be bf16, int8 or int8t, got {dtype!r}")
+    if dtype not in ("bf16", "int8", "int8g"):
+        raise ValueError(f"cache must be bf16, int8 or int8g, got {dtype!r}")
     if kind not in ("full", "mixed", "skew") or len(rest) > 1:
         raise ValueError(f"case {text!r}: lengths must be full, mixed or skew")
     if heads < 1 or t < 1:
