@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import jax.numpy as jnp
 import numpy as np
 
+from hcfjax.cache import scale_shape
+
 KINDS = ("inprocess", "socket", "jax")
 _PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
 _ALIGN = 64
@@ -24,7 +26,7 @@ class Piece:
     key: str  # request id
     layers: tuple[int, int]  # [l0, l1) of the cache's layers
     kv: Any  # [l1 - l0, n_pages, page_size, D] numpy or jax array (maybe not ready yet)
-    scale: Any | None  # [l1 - l0, n_pages, 2, page_size] f32 for int8 caches (hcfjax.cache.scale_shape), else None
+    scale: Any | None  # [l1 - l0, n_pages, 2, page_size] f32 for int8 caches (scale_shape), else None
     total_layers: int  # the request is complete when layers [0, total_layers) have all arrived
     pages: int | None = None  # the key's pages, kv's first (None: all of kv's); past them padding, cut on the host
 
@@ -86,7 +88,7 @@ def check_piece(p: Piece) -> None:
         raise ValueError(f"piece {p.key}: layers {p.layers} not within [0, {p.total_layers})")
     if len(p.kv.shape) != 4 or p.kv.shape[0] != l1 - l0:
         raise ValueError(f"piece {p.key}: kv {p.kv.shape} is not [{l1 - l0}, n_pages, page_size, D]")
-    if p.scale is not None and tuple(p.scale.shape) != (*p.kv.shape[:2], 2, p.kv.shape[2]):
+    if p.scale is not None and tuple(p.scale.shape) != scale_shape(tuple(p.kv.shape)):
         raise ValueError(f"piece {p.key}: scale {p.scale.shape} does not match kv {p.kv.shape}")
     if p.pages is not None and not 0 < p.pages <= p.kv.shape[1]:
         raise ValueError(f"piece {p.key}: {p.pages} pages, but kv {p.kv.shape} holds {p.kv.shape[1]}")
