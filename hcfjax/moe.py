@@ -22,6 +22,8 @@ from hcfjax.quant import (
     ragged_dot,
     token_quant_mode,
 )
+from pallas_kernels import moe_route
+from pallas_kernels.moe_route import RouteSpec, route_reference
 
 
 def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
@@ -42,60 +44,61 @@ def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
     return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e)).sum(0)
 
 
-def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Top-k expert choice per token.  x [N, D] -> (weights [N, K] f32, expert ids [N, K] int32)."""
-    logits = router_logits(x, p["router"])  # [N, E]
-    n, e = logits.shape
-    g = cfg.n_group
-    if cfg.scoring_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    else:
-        scores = jax.nn.softmax(logits, axis=-1)
-    choice = scores + p["router_bias"] if "router_bias" in p else scores  # bias steers choice, not weights
-
-    if cfg.topk_method != "greedy" and g > 1 and cfg.topk_group < g:
-        grouped = choice.reshape(n, g, e // g)
-        if cfg.topk_method == "noaux_tc":
-            group_scores = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [N, G]
-        else:
-            group_scores = grouped.max(-1)
-        top_groups = jax.lax.top_k(group_scores, cfg.topk_group)[1]  # [N, topk_group]
-        keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
-        choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
-
-    top, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    # Without a bias the choice's top values are the chosen scores (group limiting only masks the others).
-    weights = jnp.take_along_axis(scores, ids, axis=-1) if "router_bias" in p else top
-    return scale_weights(cfg, weights), ids.astype(jnp.int32)
-
-
-def scale_weights(cfg: ModelConfig, weights: jax.Array) -> jax.Array:
-    """The chosen experts' scores [N, K] -> their routing weights: normalised over the K and/or scaled, as the
-    model's gate does."""
-    k = weights.shape[-1]
-    normalise = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+def route_spec(cfg: ModelConfig) -> RouteSpec:
+    """How the model's gate routes (pallas_kernels.moe_route.RouteSpec): its scoring, group limit and the scaling
+    of the chosen experts' scores."""
+    k = cfg.num_experts_per_tok
     if cfg.model_type == "deepseek_v2":
         # DeepSeek-V2's gate normalises the top-k weights or scales them, never both (transformers' V2 router
         # ignores norm_topk_prob and always scales).
-        weights = normalise if k > 1 and cfg.norm_topk_prob else weights * cfg.routed_scaling_factor
+        normalise = k > 1 and cfg.norm_topk_prob
+        factor = 1.0 if normalise else cfg.routed_scaling_factor
     else:
         # DeepSeek-V3's gate (and transformers'): normalised when asked, then always scaled.
-        weights = (normalise if cfg.norm_topk_prob else weights) * cfg.routed_scaling_factor
-    return weights
+        normalise, factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+    limited = cfg.topk_method != "greedy" and cfg.n_group > 1 and cfg.topk_group < cfg.n_group
+    return RouteSpec(
+        top_k=k,
+        scoring=cfg.scoring_func,
+        groups=cfg.n_group if limited else 1,
+        top_groups=cfg.topk_group if limited else 1,
+        group_score="top2" if cfg.topk_method == "noaux_tc" else "max",
+        normalise=normalise,
+        factor=float(factor),
+    )
 
 
-def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None) -> jax.Array:
+def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k expert choice per token.  x [N, D] -> (weights [N, K] f32, expert ids [N, K] int32)."""
+    return route_reference(router_logits(x, p["router"]), route_spec(cfg), p.get("router_bias"))
+
+
+def route_mode(n: int, num_experts: int, opts: Options = DEFAULT) -> str:
+    """Where n tokens are routed and their copies put in expert order: on the routing kernel
+    (pallas_kernels/moe_route.py, mode 'kernel' or 'interpret') where opts.fused_routing asks for it, the GEMM
+    kernels run (opts.mode("moe")) and the tokens are a decode step's few; else 'reference' (XLA)."""
+    return opts.mode("moe") if opts.fused_routing and moe_route.applies(n, num_experts) else "reference"
+
+
+def experts(
+    p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None, copies=None
+) -> jax.Array:
     """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
-    QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it."""
+    QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it. copies: the
+    copies already in expert order, as `moe_route.route_copies` gives them (group sizes, pos, token, int8 rows or
+    None), where the routing kernel ordered them."""
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
-    flat = ids.reshape(-1)  # [N*K]
-    group_sizes = expert_counts(flat, num_experts)  # [E]
-    order, pos = by_expert(flat, num_experts, flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing"))
-    token = order // k  # source token of each sorted copy
+    if copies is None:
+        flat = ids.reshape(-1)  # [N*K]
+        group_sizes = expert_counts(flat, num_experts)  # [E]
+        pairwise = flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing")
+        order, pos = by_expert(flat, num_experts, pairwise)
+        token, copies_q = order // k, None  # the source token of each sorted copy
+    else:
+        group_sizes, pos, token, copies_q = copies
     xs = x[token]  # [N*K, D]
-    copies_q = None
-    if int8_activations(p["gate"]):  # w4a8 / w8a8: the N tokens quantised, then their K copies gathered as int8
+    if int8_activations(p["gate"]) and copies_q is None:  # w4a8 / w8a8: the tokens quantised, their copies gathered
         xq, sc = quantize_tokens(x, token_quant_mode(x, opts)) if x_q is None else x_q
         copies_q = (xq[token], sc[token])
     if grouped_down_input(p["down"], opts):  # the product quantised per 128 channels by its producer
@@ -109,9 +112,9 @@ def experts(p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Opt
     # Each token's K copies gathered back from their sorted rows and summed with the routing weights: one fusion,
     # where a scatter-add into zeros is three kernels (zeros, the weights' gather, the scatter). Copies routed past
     # the last expert (padding) lie outside every group, where the products leave any value: they count zero.
-    copies = y[pos].reshape(n, k, -1).astype(jnp.float32)
-    copies = jnp.where((ids < num_experts)[..., None], copies, 0.0)
-    return (copies * weights[..., None]).sum(1).astype(x.dtype)
+    back = y[pos].reshape(n, k, -1).astype(jnp.float32)
+    back = jnp.where((ids < num_experts)[..., None], back, 0.0)
+    return (back * weights[..., None]).sum(1).astype(x.dtype)
 
 
 def expert_counts(flat: jax.Array, num_experts: int) -> jax.Array:
@@ -166,13 +169,26 @@ def moe(
     x_q: x quantised (`quantize_tokens(x)`) where the caller has it, for the local experts and the shared ones."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    weights, ids = route(p, cfg, flat)
+    num_experts = p["experts"]["gate"].shape[0]
+    logits = router_logits(flat, p["router"])
+    flat_q = None if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
+    mode = route_mode(*logits.shape, opts) if experts_fn is None and logits.shape[1] == num_experts else "reference"
+    copies = None
+    if mode == "reference":
+        weights, ids = route_reference(logits, route_spec(cfg), p.get("router_bias"))
+    else:  # routed and put in expert order by one kernel, with the int8 rows of the copies where the experts take them
+        if int8_activations(p["experts"]["gate"]) and flat_q is None:
+            flat_q = quantize_tokens(flat, token_quant_mode(flat, opts))
+        keep = None if real is None else real.reshape(-1)
+        q = flat_q if int8_activations(p["experts"]["gate"]) else None
+        weights, ids, *copies = moe_route.route_copies(
+            logits, route_spec(cfg), p.get("router_bias"), keep, q, interpret=mode == "interpret"
+        )
     routed = ids
     if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last
-        routed = jnp.where(real.reshape(-1, 1), ids, p["experts"]["gate"].shape[0])
-    flat_q = None if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
+        routed = jnp.where(real.reshape(-1, 1), ids, num_experts)
     if experts_fn is None:
-        out = experts(p["experts"], flat, weights, routed, opts, flat_q)
+        out = experts(p["experts"], flat, weights, routed, opts, flat_q, copies)
     else:
         out = experts_fn(p["experts"], flat, weights, routed, opts)
     if "shared" in p:

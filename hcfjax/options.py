@@ -61,6 +61,9 @@ class Options:
         each copy's position counted pairwise in one [M, M] reduction, where a GPU sort is several kernels of tens of
         microseconds a layer. auto: on GPUs (a CPU sorts a few thousand copies in a fiftieth of the comparisons'
         time).
+    fused_routing: a decode step's routing (scores, top-k, the copies' expert order and their int8 rows) on one
+        Pallas kernel (pallas_kernels/moe_route.py) where the GEMM kernels run, instead of XLA's dozen small
+        kernels. Opt-in: it has fewer launches but is slower than they are together (docs/kernels.md).
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -84,6 +87,7 @@ class Options:
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
     sort_free_routing: bool | str = "auto"
+    fused_routing: bool = False
     xla_gemm: str = "auto"
 
     def __post_init__(self):
@@ -145,7 +149,7 @@ class Options:
     def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
-        HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1,
+        HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_FUSED_ROUTING=0|1,
         HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
         HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the environment."""
         got, source = {}, {}
@@ -155,6 +159,7 @@ class Options:
             ("HCFJAX_MLA_QK8", "mla_qk8"),
             ("HCFJAX_MLA_CONVERTERS", "mla_converters"),
             ("HCFJAX_INT4_DIGITS", "int4_digits"),
+            ("HCFJAX_FUSED_ROUTING", "fused_routing"),
         )
         for var, name in flags:
             if var in environ:

@@ -39,8 +39,8 @@ def _ptx(asm: str, *args):
     return out
 
 
-def _div(x, y, exact: bool):
-    """x / y, IEEE-rounded on the GPU (`exact`); jnp's division in the interpreter."""
+def ieee_div(x, y, exact: bool):
+    """x / y for f32 arrays of one shape, IEEE-rounded on the GPU (`exact`); jnp's division in the interpreter."""
     return _ptx("div.rn.f32 $0, $1, $2;", x, y) if exact else x / y
 
 
@@ -74,7 +74,7 @@ def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
     ).max()
     scale = jnp.maximum(amax, 1e-8) * INV_127
     s_ref[...] = scale
-    inv = _div(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
+    inv = ieee_div(jnp.full((block,), 1.0, jnp.float32), jnp.full((block,), scale, jnp.float32), exact)
 
     @pl.loop(0, steps)
     def _(i):

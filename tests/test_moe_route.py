@@ -1,0 +1,101 @@
+"""The routing kernel (pallas_kernels/moe_route.py, Triton lowering, run by Pallas's interpreter here) against the
+jnp routing the model runs elsewhere (`route_reference`, itself checked against DeepSeek's gate in
+test_moe_gate.py) and a stable argsort of the copies; and the MoE block on it against the block without it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe_route import RouteSpec, applies, copies_reference, route_copies, route_reference
+
+V3_GATE = RouteSpec(top_k=4, scoring="sigmoid", groups=4, top_groups=2, group_score="top2", normalise=True, factor=2.5)
+CASES = [  # tokens, experts, spec, bias, row width (0: no int8 rows)
+    (37, 64, RouteSpec(top_k=6, factor=1.5), False, 160),  # V2-Lite's gate, tokens over two programs
+    (20, 32, V3_GATE, True, 96),  # noaux_tc: sigmoid, a bias, groups scored by their best two
+    (9, 16, RouteSpec(top_k=3, groups=4, top_groups=2, normalise=True), False, 0),  # group-limited greedy
+]
+
+
+@pytest.mark.parametrize("n, e, spec, bias, d", CASES)
+def test_kernel_routes_and_orders_as_the_references(n, e, spec, bias, d):
+    """Same ids, group sizes, places, source tokens and int8 rows as the references, weights within an ulp; the
+    padding tokens' copies after every real one, in token order. Ties in the logits (repeated values) take the
+    lower expert first, as lax.top_k."""
+    rng = np.random.default_rng(n)
+    logits = rng.normal(size=(n, e)).astype(np.float32)
+    logits[:, e // 2] = logits[:, 1]  # ties
+    logits = jnp.asarray(logits)
+    b = jnp.asarray(rng.normal(size=e).astype(np.float32)) if bias else None
+    real = jnp.asarray(rng.random(n) < 0.75)
+    x_q = None
+    if d:
+        x_q = (jnp.asarray(rng.integers(-127, 128, (n, d), dtype=np.int8)), jnp.asarray(rng.random(n, np.float32)))
+    w, ids, sizes, pos, token, rows = route_copies(logits, spec, b, real, x_q, interpret=True)
+    want_w, want_ids = route_reference(logits, spec, b)
+    want_sizes, want_pos, want_token, want_rows = copies_reference(want_ids, e, real, x_q)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(w, want_w, rtol=3e-7, atol=0)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(token, want_token)
+    real_copies = int(np.asarray(real).sum()) * spec.top_k
+    assert (np.asarray(pos).reshape(n, -1)[~np.asarray(real)] >= real_copies).all()
+    if d:
+        np.testing.assert_array_equal(rows[0], want_rows[0])
+        np.testing.assert_array_equal(rows[1], want_rows[1])
+    else:
+        assert rows is None
+
+
+def test_moe_block_on_the_kernel_equals_the_block_without_it():
+    """moe.moe with Options.fused_routing and the GEMM kernels' mode 'interpret' routes a decode batch on the
+    kernel (one pallas_call named moe_route, no argsort or pairwise order left); its output and load are the XLA
+    routing's, padding rows zero. Without the option, or past `applies`, XLA routes."""
+    from hcfjax import moe
+    from hcfjax.options import Options
+    from hcfjax.random_model import preset_config, random_model
+    from tests.conftest import jaxpr_eqns
+
+    cfg = preset_config("tiny-v3")
+    layer = jax.tree.map(lambda a: a[0], random_model(cfg, dtype=jnp.float32).params["segments"][1]["mlp"])
+    x = jax.random.normal(jax.random.key(1), (6, cfg.hidden_size), jnp.float32)
+    real = jnp.asarray([True, True, False, True, True, False])
+
+    def block(opts):
+        return jax.jit(lambda p, x: moe.moe(p, cfg, x, with_load=real, opts=opts, real=real))
+
+    fused = Options(moe="interpret", fused_routing=True)
+    got, load = block(fused)(layer, x)
+    want, want_load = block(Options(moe="reference"))(layer, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(load, want_load)
+    eqns = [e for e, _ in jaxpr_eqns(block(fused).trace(layer, x).jaxpr.jaxpr)]
+    names = [e.params["name"] for e in eqns if e.primitive.name == "pallas_call"]
+    assert names.count("moe_route") == 1 and not any(e.primitive.name in ("sort", "scatter") for e in eqns)
+    assert moe.route_mode(6, cfg.n_routed_experts, fused) == "interpret"
+    assert moe.route_mode(6, cfg.n_routed_experts, Options(moe="interpret")) == "reference"  # opt-in
+    assert moe.route_mode(4096, cfg.n_routed_experts, fused) == "reference"
+    assert applies(256, 64) and applies(64, 256) and not applies(512, 64)
+
+
+def test_lowers_for_hopper():
+    """The kernel lowers for sm_90 at a decode step's shapes (V2-Lite at batch 256 with its int8 rows, V3's gate at
+    batch 64), one program per 16 tokens, with IEEE division."""
+    from pallas_kernels.cross_lower import lower_triton_for_hopper
+
+    spec = jax.ShapeDtypeStruct
+    v2 = lambda lg, r, q, s: route_copies(lg, RouteSpec(top_k=6), None, r, (q, s))  # noqa: E731
+    text = lower_triton_for_hopper(
+        v2,
+        spec((256, 64), jnp.float32),
+        spec((256,), jnp.bool_),
+        spec((256, 2048), jnp.int8),
+        spec((256,), jnp.float32),
+    )
+    assert "moe_route" in text and "grid_x = 16" in text and "div.rn.f32" in text
+    v3 = RouteSpec(top_k=8, scoring="sigmoid", groups=8, top_groups=4, group_score="top2", normalise=True, factor=2.5)
+    text = lower_triton_for_hopper(
+        lambda lg, b: route_copies(lg, v3, b), spec((64, 256), jnp.float32), spec((256,), jnp.float32)
+    )
+    assert "grid_x = 4" in text
