@@ -222,13 +222,18 @@ def _kernel(*refs, spec: RouteSpec, n: int, e: int, d: int, np_: int, ep: int, h
                 plt.store(cq_ref.at[at[:, None] * d + c[None, :]], row, mask=live[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret"))
-def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interpret: bool = False):
+def default_warps(n: int, e: int) -> int:
+    """Warps a program runs with: 4, or 8 once its [N, E] tables (padded) pass 8,192 elements."""
+    return 8 if _pow2(max(n, BLOCK_TOKENS)) * _pow2(max(e, BLOCK_TOKENS)) >= 8192 else 4
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_warps"))
+def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interpret=False, num_warps=None):
     """logits [N, E] f32 -> (weights [N, K] f32, ids [N, K] int32, group sizes [E] int32, pos [N K] int32, token
     [N K] int32, rows): as route_reference and copies_reference give them, in one kernel. real: bool [N], the
     tokens that are not padding (None: all); padding tokens' copies are counted in no group and placed last.
     x_q: (q [N, D] int8, scale [N] f32), the tokens quantised; rows: their copies in place order, (q [N K, D] int8,
-    scale [N K] f32), or None without x_q."""
+    scale [N K] f32), or None without x_q. num_warps: a program's warps (default_warps by default)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
@@ -268,7 +273,7 @@ def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interp
         kernel,
         out_shape=tuple(out),
         grid=(pl.cdiv(n, BLOCK_TOKENS),),
-        compiler_params=plt.CompilerParams(num_warps=8 if np_ * ep >= 8192 else 4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps or default_warps(n, e), num_stages=1),
         interpret=interpret,
         name="moe_route",
     )(*args)

@@ -404,3 +404,20 @@ def test_dense8_bench_checks_each_row_against_the_exact_product(capsys):
     assert all(r[2].startswith("error") for r in rows if r[1].startswith(("kernel", "  tokens' quantisation")))
     xla_quant = [r for r in rows if r[1] == "  the same in XLA"]  # the quantisation alone, its own reference
     assert len(xla_quant) == 2 and all(r[-1].strip(" |") == "0.0e+00" for r in xla_quant)
+
+
+def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
+    """bench.route on a CPU: the routing kernel (interpreted) against XLA's routing as the model runs it, V3's gate
+    (bias, groups) with padding rows; no times without a GPU. Its check names what differs."""
+    import numpy as np
+
+    from pallas_kernels.bench import route
+
+    route.main(["--tokens", "20", "--gates", "tiny-v3"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-v3 ")]
+    assert [r[2] for r in rows[:2]] == ["kernel, 4 warps", "XLA (the model without it)"]
+    assert rows[0][-1] == "ok |" and rows[0][3] == "n/a (no GPU)"
+    w, ids, sizes, pos, token, rows_q = (np.arange(3.0), np.arange(3), np.ones(2), np.arange(4), np.arange(4), ([1],))
+    want = (w, ids, sizes, pos, token, rows_q)
+    assert route.check(want, want) == "ok"
+    assert route.check((w * (1 + 1e-5), ids, sizes, pos[::-1], token, ([2],)), want) == "DIFFERS: weights, places, rows"

@@ -1,0 +1,120 @@
+"""A decode step's routing on its kernel (pallas_kernels.moe_route, `Options.fused_routing`) against XLA's
+kernels as the model runs it without the kernel (hcfjax.moe: the jnp routing, the experts' counts, the pairwise
+order and its inverse, the gathers of the copies' int8 rows and scales), on the GPU.
+
+    python -m pallas_kernels.bench.route [--tokens 64,256] [--gates v2-lite,deepseek-v3] [--warps 4,8,16]
+
+A gate is a model preset's (hcfjax.random_model): its experts, top-k, scoring, group limit and row width. Each row
+gives the kernels' time (CUPTI records, `hcfjax.bench.common.kernel_seconds`: the kernels alone, no gaps), the
+launches a call runs (each a gap in a step), and whether the outputs equal XLA's: ids, group sizes, places, source
+tokens and int8 rows exactly, weights within 1e-6. --warps times the kernel at each warp count (default: its own).
+On a CPU the kernel runs in Pallas's interpreter and only the checks are made.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hcfjax.bench.common import header, kernel_seconds, record_counts, traced_planes
+from hcfjax.moe import PAIRWISE_SORT_MAX, by_expert, expert_counts, route_spec
+from hcfjax.random_model import preset_config
+from pallas_kernels.moe_route import applies, default_warps, route_copies, route_reference
+
+
+def xla_routing(spec, e: int):
+    """The model's routing without the kernel, as hcfjax.moe runs it on a GPU (pairwise order)."""
+
+    def run(logits, bias, real, x_q):
+        w, ids = route_reference(logits, spec, bias)
+        flat = jnp.where(real[:, None], ids, e).reshape(-1)
+        order, pos = by_expert(flat, e, flat.shape[0] <= PAIRWISE_SORT_MAX)
+        token = order // spec.top_k
+        return w, ids, expert_counts(flat, e), pos, token, (x_q[0][token], x_q[1][token])
+
+    return jax.jit(run)
+
+
+def inputs(cfg, n: int, rng):
+    e, d = cfg.n_routed_experts, cfg.hidden_size
+    logits = jnp.asarray(rng.normal(size=(n, e)).astype(np.float32))
+    bias = jnp.asarray(rng.normal(size=e).astype(np.float32) * 0.1) if cfg.topk_method == "noaux_tc" else None
+    real = jnp.asarray(np.arange(n) % 8 != 7)  # every eighth row padding, as a decode batch's idle slots
+    x_q = (jnp.asarray(rng.integers(-127, 128, (n, d), dtype=np.int8)), jnp.asarray(rng.random(n, np.float32)))
+    return logits, bias, real, x_q
+
+
+def check(got, want) -> str:
+    """'ok' where the kernel's outputs equal XLA's (weights within 1e-6 relative), else what differs."""
+    names = ("weights", "ids", "group sizes", "places", "tokens", "rows")
+    bad = []
+    for name, a, b in zip(names, got, want, strict=True):
+        if name == "weights":
+            same = np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+        elif name == "rows":
+            same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+        else:
+            same = np.array_equal(np.asarray(a), np.asarray(b))
+        if not same:
+            bad.append(name)
+    return "ok" if not bad else "DIFFERS: " + ", ".join(bad)
+
+
+def timed(fn, args) -> tuple[float | None, float | None]:
+    """(microseconds of kernels a call, launches a call) on the GPU; (None, None) elsewhere."""
+    if jax.default_backend() != "gpu":
+        return None, None
+    planes = traced_planes(fn, *args, reps=50)
+    return sum(kernel_seconds(planes, 50).values()) * 1e6, record_counts(planes, 50)["kernels"]
+
+
+def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]:
+    cfg = preset_config(gate)
+    spec, e = route_spec(cfg), cfg.n_routed_experts
+    if not applies(n, e):
+        return [[gate, str(n), "kernel", "n/a", "n/a", f"past the kernel's tables ({n} x {e})"]]
+    args = inputs(cfg, n, rng)
+    want = xla_routing(spec, e)(*args)
+    gpu = jax.default_backend() == "gpu"
+    rows = []
+    for w in warps:
+
+        def kernel(logits, bias, real, x_q, w=w):
+            return route_copies(logits, spec, bias, real, x_q, interpret=not gpu, num_warps=w)
+
+        fn = jax.jit(kernel)
+        us, launches = timed(fn, args)
+        label = f"kernel, {w or default_warps(n, e)} warps"
+        rows.append([gate, str(n), label, _num(us), _num(launches, 0), check(fn(*args), want)])
+    us, launches = timed(xla_routing(spec, e), args)
+    rows.append([gate, str(n), "XLA (the model without it)", _num(us), _num(launches, 0), "reference"])
+    return rows
+
+
+def _num(value, digits: int = 1) -> str:
+    return "n/a (no GPU)" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="64,256", help="decode batches (tokens routed at once)")
+    ap.add_argument("--gates", default="v2-lite,deepseek-v3", help="model presets whose gates route")
+    ap.add_argument("--warps", default="", help="the kernel's warp counts to time (default: its own)")
+    args = ap.parse_args(argv)
+    warps = [int(w) for w in args.warps.split(",") if w] or [None]
+    rng = np.random.default_rng(0)
+    print(header(), flush=True)
+    lines = ["| gate | tokens | routing | us | launches | check |", "|---|---|---|---|---|---|"]
+    for gate in args.gates.split(","):
+        for n in (int(t) for t in args.tokens.split(",")):
+            for row in run_case(gate, n, warps, rng):
+                lines.append("| " + " | ".join(row) + " |")
+                print(lines[-1], flush=True)
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
