@@ -263,6 +263,12 @@ class ModelConfig:
         top_k = f.int("num_experts_per_tok", 0, lo=0)
         if n_experts and not 0 < top_k <= n_experts:
             raise ConfigError(f"num_experts_per_tok={top_k} must be in 1..n_routed_experts={n_experts}")
+        eligible = topk_group * (n_experts // n_group)  # the experts of the groups a group-limited gate keeps
+        if n_experts and topk_method != "greedy" and topk_group < n_group and eligible < top_k:
+            raise ConfigError(
+                f"num_experts_per_tok={top_k} exceeds the {eligible} experts of topk_group={topk_group} groups"
+                f" (n_routed_experts={n_experts} in n_group={n_group})"
+            )
         moe_width = f.int("moe_intermediate_size", 0, lo=0)
         if n_experts and not moe_width:
             raise ConfigError("moe_intermediate_size must be >= 1 for routed experts (n_routed_experts > 0)")

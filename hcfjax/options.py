@@ -97,6 +97,8 @@ class Options:
         for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.fused_routing, bool):
+            raise ValueError(f"Options.fused_routing must be True or False, got {self.fused_routing!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
                 f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"

@@ -122,14 +122,18 @@ def _route_all(logits_ref, bias_ref, *, spec: RouteSpec, n: int, e: int, np_: in
         scores = ieee_div(ex, jnp.broadcast_to(ex.sum(axis=1, keepdims=True), ex.shape), exact)
     choice = scores
     if has_bias:  # the bias steers the choice; the weights are the scores
-        bias = plt.load(bias_ref.at[cols], mask=valid, other=0.0)
-        choice = jnp.where(valid[None, :], scores + bias[None, :], neg)
+        choice = scores + plt.load(bias_ref.at[cols], mask=valid, other=0.0)[None, :]
+    choice = jnp.where(valid[None, :], choice, neg)
     if spec.limited:
         choice = _limit_groups(choice, cols, spec, e)
     rank = jnp.full(choice.shape, -1, jnp.int32)
     for j in range(spec.top_k):  # the best left, the lowest index first among equals (as lax.top_k)
         top = choice.max(axis=1)
-        idx = jnp.min(jnp.where(choice == top[:, None], cols[None, :], ep), axis=1)
+        free = (rank < 0) & valid[None, :]
+        idx = jnp.min(jnp.where((choice == top[:, None]) & free, cols[None, :], ep), axis=1)
+        # None equal to the best (a NaN score, or fewer eligible experts than K): the lowest expert not yet chosen,
+        # so that every token still has K distinct experts and every copy a place.
+        idx = jnp.where(idx == ep, jnp.min(jnp.where(free, cols[None, :], ep), axis=1), idx)
         hit = cols[None, :] == idx[:, None]
         rank = jnp.where(hit, j, rank)
         choice = jnp.where(hit, neg, choice)
@@ -210,16 +214,17 @@ def _kernel(*refs, spec: RouteSpec, n: int, e: int, d: int, np_: int, ep: int, h
             plt.debug_barrier()
         rows = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
         live = rows < n
-        places = [jnp.where(live, plt.load(pos_ref.at[rows * k + j], mask=live, other=0), m) for j in range(k)]
+        places = [plt.load(pos_ref.at[rows * k + j], mask=live, other=0) for j in range(k)]
+        places = [jnp.where(live & (at >= 0) & (at < m), at, m) for at in places]  # never outside the copies
         scale = plt.load(xs_ref.at[rows], mask=live, other=0.0)
         for at in places:
-            plt.store(cs_ref.at[at], scale, mask=live)
+            plt.store(cs_ref.at[at], scale, mask=at < m)
         chunk = math.gcd(d, ROW_CHUNK)  # whole chunks: no masked column aliases the next row
         for c0 in range(0, d, chunk):
             c = c0 + jnp.arange(chunk, dtype=jnp.int32)
             row = plt.load(xq_ref.at[rows[:, None] * d + c[None, :]], mask=live[:, None], other=0)
             for at in places:
-                plt.store(cq_ref.at[at[:, None] * d + c[None, :]], row, mask=live[:, None])
+                plt.store(cq_ref.at[at[:, None] * d + c[None, :]], row, mask=(at < m)[:, None])
 
 
 def default_warps(n: int, e: int) -> int:

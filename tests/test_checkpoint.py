@@ -157,6 +157,7 @@ BASE = json.loads((FIXTURES / "tiny_v3" / "config.json").read_text())
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         ("model_type", "llama", "model_type='llama'"),
         ("n_group", 3, "not divisible by n_group=3"),
+        ("num_experts_per_tok", 9, "exceeds the 8 experts of topk_group=2 groups"),
         ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling.type='dynamic'"),
         ("kv_lora_rank", None, "kv_lora_rank"),
     ],

@@ -10,10 +10,14 @@ import pytest
 from pallas_kernels.moe_route import RouteSpec, applies, copies_reference, route_copies, route_reference
 
 V3_GATE = RouteSpec(top_k=4, scoring="sigmoid", groups=4, top_groups=2, group_score="top2", normalise=True, factor=2.5)
+V2_GATE = RouteSpec(top_k=6, groups=8, top_groups=3, normalise=True)  # DeepSeek-V2's 160 experts, group-limited
+V3_FULL = RouteSpec(top_k=8, scoring="sigmoid", groups=8, top_groups=4, group_score="top2", normalise=True, factor=2.5)
 CASES = [  # tokens, experts, spec, bias, row width (0: no int8 rows)
-    (37, 64, RouteSpec(top_k=6, factor=1.5), False, 160),  # V2-Lite's gate, tokens over two programs
+    (37, 64, RouteSpec(top_k=6, factor=1.5), False, 160),  # V2-Lite's gate, tokens over three programs
     (20, 32, V3_GATE, True, 96),  # noaux_tc: sigmoid, a bias, groups scored by their best two
-    (9, 16, RouteSpec(top_k=3, groups=4, top_groups=2, normalise=True), False, 0),  # group-limited greedy
+    (3, 20, RouteSpec(top_k=3, normalise=True), False, 64),  # experts not a power of two
+    (17, 160, V2_GATE, False, 0),
+    (16, 256, V3_FULL, True, 0),  # DeepSeek-V3's gate
 ]
 
 
@@ -73,6 +77,9 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
     eqns = [e for e, _ in jaxpr_eqns(block(fused).trace(layer, x).jaxpr.jaxpr)]
     names = [e.params["name"] for e in eqns if e.primitive.name == "pallas_call"]
     assert names.count("moe_route") == 1 and not any(e.primitive.name in ("sort", "scatter") for e in eqns)
+    ep = lambda p, x, w, i, opts: jnp.zeros_like(x)  # noqa: E731  (an expert-parallel plan's experts_fn)
+    ep_eqns = jax.make_jaxpr(lambda p, x: moe.moe(p, cfg, x, experts_fn=ep, opts=fused))(layer, x).jaxpr
+    assert not any(e.params.get("name") == "moe_route" for e, _ in jaxpr_eqns(ep_eqns))
     assert moe.route_mode(6, cfg.n_routed_experts, fused) == "interpret"
     assert moe.route_mode(6, cfg.n_routed_experts, Options(moe="interpret")) == "reference"  # opt-in
     assert moe.route_mode(4096, cfg.n_routed_experts, fused) == "reference"
@@ -94,8 +101,29 @@ def test_lowers_for_hopper():
         spec((256,), jnp.float32),
     )
     assert "moe_route" in text and "grid_x = 16" in text and "div.rn.f32" in text
+    assert "gpu.barrier" in text  # the places read back after every thread's stores
     v3 = RouteSpec(top_k=8, scoring="sigmoid", groups=8, top_groups=4, group_score="top2", normalise=True, factor=2.5)
     text = lower_triton_for_hopper(
         lambda lg, b: route_copies(lg, v3, b), spec((64, 256), jnp.float32), spec((256,), jnp.float32)
     )
     assert "grid_x = 4" in text
+
+
+def test_a_nan_row_still_gives_every_copy_one_place():
+    """A token whose scores are NaN (bad input) still gets K distinct experts, and every copy a place of its own: the
+    places are a permutation, each place's token and int8 row are its copy's, and the other tokens route as the
+    reference routes them (no write lands outside the outputs or on another token's row)."""
+    n, e, k, d = 9, 16, 4, 32
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(n, e)).astype(np.float32)
+    logits[2, 5] = np.nan
+    x_q = (jnp.asarray(rng.integers(-127, 128, (n, d), dtype=np.int8)), jnp.asarray(rng.random(n, np.float32)))
+    spec = RouteSpec(top_k=k)
+    _, ids, _, pos, token, rows = route_copies(jnp.asarray(logits), spec, x_q=x_q, interpret=True)
+    ids, pos, token = np.asarray(ids), np.asarray(pos), np.asarray(token)
+    assert all(len(set(row)) == k and row.min() >= 0 and row.max() < e for row in ids)
+    np.testing.assert_array_equal(np.sort(pos), np.arange(n * k))
+    np.testing.assert_array_equal(token[pos], np.arange(n * k) // k)
+    np.testing.assert_array_equal(np.asarray(rows[0])[pos], np.repeat(np.asarray(x_q[0]), k, axis=0))
+    clean = np.arange(n) != 2
+    np.testing.assert_array_equal(ids[clean], np.asarray(route_reference(jnp.asarray(logits), spec)[1])[clean])
