@@ -13,6 +13,9 @@ token by token, after those of experts below e; copies of padding tokens (not `r
 `route_reference` is the routing in jnp (the model's path elsewhere), `copies_reference` the order and rows as a
 stable argsort and gathers; the kernel gives the same ids, group sizes, places and rows, and weights within an ulp
 or two (its sums run in another order).
+
+The model takes it only with Options.fused_routing: it is fewer launches, but slower than XLA's kernels together
+(docs/kernels.md, "Routing in one kernel").
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels.int8_rows import ieee_div
 
 MAX_ROUTED = 16384  # N x E (padded to powers of two) up to which the kernel routes: a decode step's tokens
-BLOCK_TOKENS = 16  # tokens whose rows a program writes (also the dot's least dimension)
+BLOCK_TOKENS = 16  # tokens whose outputs and rows a program writes
 ROW_CHUNK = 512  # int8 columns of a row copied at once (a power of two)
 
 
