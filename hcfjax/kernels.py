@@ -12,25 +12,32 @@ from hcfjax import fp8, quant
 from hcfjax.attention import decode_mode
 from hcfjax.config import ModelConfig
 from hcfjax.engine import memory
+from hcfjax.moe import route_mode
 from hcfjax.options import Options
 
 
 def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, opts: Options) -> str:
     """E.g. "Pallas MLA decode, Pallas int4 grouped GEMM": decode attention over a paged cache of `cache_dtype` in
-    pages of `page_size` tokens, and the routed experts of `params`."""
+    pages of `page_size` tokens, and the routed experts of `params` (", Pallas routing" where a decode step routes
+    on its kernel, Options.fused_routing)."""
     cache = kvcache.init_cache(cfg, 1, page_size, cache_dtype, num_layers=1)
     one = jnp.zeros((1, 1), jnp.int32)
     mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
     mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
     w = next((seg["mlp"]["experts"]["gate"] for seg in params["segments"] if "experts" in seg["mlp"]), None)
+    routing = ", Pallas routing" if w is not None and route_mode(1, w.shape[0], opts) != "reference" else ""
+    return f"{mla}, {_experts_in_use(w, opts)}{routing}"
+
+
+def _experts_in_use(w, opts: Options) -> str:
+    """What the routed experts whose gate weight is `w` run on."""
     if isinstance(w, fp8.Fp8Weight):
         on = fp8.kernel_mode(opts, w) != "reference"
-        return f"{mla}, {'Pallas fp8 block-scaled GEMM' if on else 'jnp fp8 block-scaled experts (XLA fp8 dots)'}"
+        return "Pallas fp8 block-scaled GEMM" if on else "jnp fp8 block-scaled experts (XLA fp8 dots)"
     if not isinstance(w, quant.QWeight) or w.bits != 4:
-        return f"{mla}, XLA ragged_dot experts"
+        return "XLA ragged_dot experts"
     x = jax.ShapeDtypeStruct((1, w.k), jnp.bfloat16)
-    moe = "Pallas int4 grouped GEMM" if quant._int4_mode(opts, x, w) != "reference" else "jnp int4 reference experts"
-    return f"{mla}, {moe}"
+    return "Pallas int4 grouped GEMM" if quant._int4_mode(opts, x, w) != "reference" else "jnp int4 reference experts"
 
 
 def engine_summary(engine) -> str:

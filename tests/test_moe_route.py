@@ -83,6 +83,11 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
     assert moe.route_mode(6, cfg.n_routed_experts, fused) == "interpret"
     assert moe.route_mode(6, cfg.n_routed_experts, Options(moe="interpret")) == "reference"  # opt-in
     assert moe.route_mode(4096, cfg.n_routed_experts, fused) == "reference"
+    from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
+
+    params = {"segments": [{"mlp": {"experts": {"gate": layer["experts"]["gate"]}}}]}
+    said = [kernels_in_use(cfg, params, jnp.float32, 16, o) for o in (fused, Options(moe="interpret"))]
+    assert said[0].endswith("XLA ragged_dot experts, Pallas routing") and "routing" not in said[1]
     assert applies(256, 64) and applies(64, 256) and not applies(512, 64)
 
 
