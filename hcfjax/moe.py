@@ -91,11 +91,7 @@ def experts(
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
     if copies is None:
-        flat = ids.reshape(-1)  # [N*K]
-        group_sizes = expert_counts(flat, num_experts)  # [E]
-        pairwise = flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing")
-        order, pos = by_expert(flat, num_experts, pairwise)
-        token, copies_q = order // k, None  # the source token of each sorted copy
+        (group_sizes, pos, token), copies_q = order_copies(ids, num_experts, opts), None
     else:
         group_sizes, pos, token, copies_q = copies
     xs = x[token]  # [N*K, D]
@@ -116,6 +112,15 @@ def experts(
     back = y[pos].reshape(n, k, -1).astype(jnp.float32)
     back = jnp.where((ids < num_experts)[..., None], back, 0.0)
     return (back * weights[..., None]).sum(1).astype(x.dtype)
+
+
+def order_copies(ids: jax.Array, num_experts: int, opts: Options = DEFAULT):
+    """The tokens' copies ids [N, K] in expert order, as XLA puts them: (group sizes [E], pos [N K] each copy's
+    sorted position, token [N K] the source token at each position). Ids past the last expert are padding, last."""
+    flat = ids.reshape(-1)  # [N*K]
+    pairwise = flat.shape[0] <= PAIRWISE_SORT_MAX and opts.on("sort_free_routing")
+    order, pos = by_expert(flat, num_experts, pairwise)
+    return expert_counts(flat, num_experts), pos, order // ids.shape[1]
 
 
 def expert_counts(flat: jax.Array, num_experts: int) -> jax.Array:
@@ -178,10 +183,10 @@ def moe(
     if mode == "reference":
         weights, ids = route_reference(logits, route_spec(cfg), p.get("router_bias"))
     else:  # routed and put in expert order by one kernel, with the int8 rows of the copies where the experts take them
-        if int8_activations(p["experts"]["gate"]) and flat_q is None:
-            flat_q = quantize_tokens(flat, token_quant_mode(flat, opts))
+        q = None
+        if int8_activations(p["experts"]["gate"]):
+            q = flat_q = quantize_tokens(flat, token_quant_mode(flat, opts)) if flat_q is None else flat_q
         keep = None if real is None else real.reshape(-1)
-        q = flat_q if int8_activations(p["experts"]["gate"]) else None
         weights, ids, *copies = moe_route.route_copies(
             logits, route_spec(cfg), p.get("router_bias"), keep, q, interpret=mode == "interpret"
         )

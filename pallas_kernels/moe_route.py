@@ -2,7 +2,7 @@
 top-k experts and weights, the experts' group sizes, every token copy's place in expert order and, for int8
 activations, the copies' int8 rows and scales in that order (the grouped gate/up kernel's input).
 
-XLA runs the same as about ten small kernels a layer (the scores, top-k, the experts' counts, the pairwise order
+XLA runs the same as about a dozen small kernels a layer (the scores, top-k, the experts' counts, the pairwise order
 and its inverse scatter, the gathers of the rows and of their scales, the scales' padding), each a launch and a gap.
 
 A copy's place depends on every token routed before it, so each program routes all N tokens (N x E logits, a few

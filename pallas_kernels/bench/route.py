@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax.bench.common import header, kernel_seconds, record_counts, traced_planes
-from hcfjax.moe import PAIRWISE_SORT_MAX, by_expert, expert_counts, route_spec
+from hcfjax.moe import order_copies, route_spec
+from hcfjax.options import Options
 from hcfjax.random_model import preset_config
 from pallas_kernels.moe_route import applies, default_warps, route_copies, route_reference
 
@@ -30,10 +31,8 @@ def xla_routing(spec, e: int):
 
     def run(logits, bias, real, x_q):
         w, ids = route_reference(logits, spec, bias)
-        flat = jnp.where(real[:, None], ids, e).reshape(-1)
-        order, pos = by_expert(flat, e, flat.shape[0] <= PAIRWISE_SORT_MAX)
-        token = order // spec.top_k
-        return w, ids, expert_counts(flat, e), pos, token, (x_q[0][token], x_q[1][token])
+        sizes, pos, token = order_copies(jnp.where(real[:, None], ids, e), e, Options(sort_free_routing=True))
+        return w, ids, sizes, pos, token, (x_q[0][token], x_q[1][token])
 
     return jax.jit(run)
 
