@@ -1,21 +1,22 @@
-"""A decode step's expert routing in one kernel (Pallas, Triton lowering): from the router's logits to each token's
-top-k experts and weights, the experts' group sizes, every token copy's place in expert order and, for int8
+"""A decode step's expert routing in two kernels (Pallas, Triton lowering): from the router's logits to each
+token's top-k experts and weights, the experts' group sizes, every token copy's place in expert order and, for int8
 activations, the copies' int8 rows and scales in that order (the grouped gate/up kernel's input).
 
 XLA runs the same as about a dozen small kernels a layer (the scores, top-k, the experts' counts, the pairwise order
 and its inverse scatter, the gathers of the rows and of their scales, the scales' padding), each a launch and a gap.
 
-A copy's place depends on every token routed before it, so each program routes all N tokens (N x E logits, a few
-kilobytes), then writes its own block of tokens: their experts and weights, their copies' places, the source token
-at each place, and K copies of their int8 rows. Places follow a stable sort by expert: the copies of expert e,
-token by token, after those of experts below e; copies of padding tokens (not `real`) come last, in token order.
+A copy's place depends on every token routed before it, so the work is split at that dependence. The first launch
+routes each block of 16 tokens in its own program (their ids and weights) and counts the copies its real tokens make
+of each expert. The second, again a program per block, reads every block's counts (a few hundred integers), places
+its own tokens' copies, and writes the source token at each place and the copies' int8 rows. Places follow a stable
+sort by expert: the copies of expert e, token by token, after those of experts below e; copies of padding tokens
+(not `real`) come last, in token order.
 
 `route_reference` is the routing in jnp (the model's path elsewhere), `copies_reference` the order and rows as a
-stable argsort and gathers; the kernel gives the same ids, group sizes, places and rows, and weights within an ulp
-or two (its sums run in another order).
+stable argsort and gathers; the kernels give the same ids, group sizes, places and rows, and weights within an ulp
+or two (their sums run in another order).
 
-The model takes it only with Options.fused_routing: it is fewer launches, but slower than XLA's kernels together
-(docs/kernels.md, "Routing in one kernel").
+The model takes them only with Options.fused_routing (docs/kernels.md, "Routing on kernels").
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import ieee_div
 
-MAX_ROUTED = 16384  # N x E (padded to powers of two) up to which the kernel routes: a decode step's tokens
+MAX_ROUTED = 16384  # a program's table elements at most: [16, E] and [N / 16, E], padded to powers of two
+MAX_TOKENS = 4096  # tokens routed at once at most (a decode step's are a few hundred)
 BLOCK_TOKENS = 16  # tokens whose outputs and rows a program writes
-ROW_CHUNK = 512  # int8 columns of a row copied at once (a power of two)
+ROW_CHUNK = 256  # int8 columns of the rows a program of the second launch copies (a power of two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,21 +99,27 @@ def copies_reference(ids: jax.Array, num_experts: int, real: jax.Array | None = 
 
 
 def applies(n: int, e: int) -> bool:
-    """Whether the kernel routes n tokens over e experts (their padded product fits a program's registers)."""
-    return 0 < n and _pow2(max(n, BLOCK_TOKENS)) * _pow2(max(e, BLOCK_TOKENS)) <= MAX_ROUTED
+    """Whether the kernels route n tokens over e experts: up to MAX_TOKENS, where a program's tables, [16 tokens,
+    E] and the blocks' counts [N / 16, E] (padded to powers of two), fit its registers."""
+    ep = _pow2(max(e, BLOCK_TOKENS))
+    return 0 < n <= MAX_TOKENS and BLOCK_TOKENS * ep <= MAX_ROUTED and _pow2(_blocks(n)) * ep <= MAX_ROUTED
 
 
 def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-def _route_all(logits_ref, bias_ref, *, spec: RouteSpec, n: int, e: int, np_: int, ep: int, has_bias, exact):
-    """Every token routed, as tables over (token, expert) [Np, Ep]: (exists [Np], weight (the chosen experts'
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK_TOKENS)
+
+
+def _route_rows(logits_ref, bias_ref, rows, *, spec: RouteSpec, n: int, e: int, ep: int, has_bias, exact):
+    """Tokens `rows` routed, as tables over (token, expert) [len(rows), Ep]: (exists, weight (the chosen experts'
     routing weights, zero elsewhere), rank (each chosen expert's place in the token's top-k, -1 elsewhere)). Tokens
     past n do not exist; experts past e are never chosen."""
     import jax.experimental.pallas.triton as plt
 
-    rows, cols = jnp.arange(np_, dtype=jnp.int32), jnp.arange(ep, dtype=jnp.int32)
+    cols = jnp.arange(ep, dtype=jnp.int32)
     exists, valid = rows < n, cols < e
     logits = plt.load(
         logits_ref.at[rows[:, None] * e + cols[None, :]], mask=exists[:, None] & valid[None, :], other=0.0
@@ -126,17 +134,18 @@ def _route_all(logits_ref, bias_ref, *, spec: RouteSpec, n: int, e: int, np_: in
     choice = scores
     if has_bias:  # the bias steers the choice; the weights are the scores
         choice = scores + plt.load(bias_ref.at[cols], mask=valid, other=0.0)[None, :]
-    choice = jnp.where(valid[None, :], choice, neg)
+    # A NaN score (bad input) counts as -inf: then a pick's best is a free expert's score, or -inf, which every
+    # free expert has once no finite score is left (a NaN row, or a group limit keeping fewer than K experts), so
+    # every token gets K distinct experts and every copy a place.
+    choice = jnp.where(valid[None, :] & (choice == choice), choice, neg)
     if spec.limited:
-        choice = _limit_groups(choice, cols, spec, e)
+        limit = _limit_groups_3d if e == ep and (e // spec.groups) & (e // spec.groups - 1) == 0 else _limit_groups
+        choice = limit(choice, cols, spec, e)
     rank = jnp.full(choice.shape, -1, jnp.int32)
     for j in range(spec.top_k):  # the best left, the lowest index first among equals (as lax.top_k)
         top = choice.max(axis=1)
         free = (rank < 0) & valid[None, :]
         idx = jnp.min(jnp.where((choice == top[:, None]) & free, cols[None, :], ep), axis=1)
-        # None equal to the best (a NaN score, or fewer eligible experts than K): the lowest expert not yet chosen,
-        # so that every token still has K distinct experts and every copy a place.
-        idx = jnp.where(idx == ep, jnp.min(jnp.where(free, cols[None, :], ep), axis=1), idx)
         hit = cols[None, :] == idx[:, None]
         rank = jnp.where(hit, j, rank)
         choice = jnp.where(hit, neg, choice)
@@ -173,118 +182,165 @@ def _limit_groups(choice, cols, spec: RouteSpec, e: int):
     return jnp.where(keep, choice, neg)
 
 
-def _kernel(*refs, spec: RouteSpec, n: int, e: int, d: int, np_: int, ep: int, has_bias, with_rows, exact):
+def _limit_groups_3d(choice, cols, spec: RouteSpec, e: int):
+    """_limit_groups where the experts fill their power-of-two width and a group's are a power of two: the groups'
+    scores as reductions over [tokens, groups, experts of a group] (one or three, not one or three a group)."""
+    neg = jnp.float32(-jnp.inf)
+    g, size = spec.groups, e // spec.groups
+    vals = choice.reshape(choice.shape[0], g, size)
+    best = vals.max(axis=2)  # [T, G]
+    if spec.group_score == "top2" and size > 1:
+        local = jnp.arange(size, dtype=jnp.int32)[None, None, :]
+        first = jnp.min(jnp.where(vals == best[:, :, None], local, size), axis=2)
+        best = best + jnp.where(local == first[:, :, None], neg, vals).max(axis=2)
+    groups = jnp.arange(g, dtype=jnp.int32)[None, :]
+    keep = jnp.zeros(best.shape, jnp.bool_)
+    for _ in range(spec.top_groups):  # the best group left, the lower first among equals
+        top = best.max(axis=1)
+        pick = jnp.min(jnp.where((best == top[:, None]) & ~keep, groups, g), axis=1)
+        hit = groups == pick[:, None]
+        keep, best = keep | hit, jnp.where(hit, neg, best)
+    keep = jnp.broadcast_to(keep[:, :, None], vals.shape).reshape(choice.shape)
+    return jnp.where(keep, choice, neg)
+
+
+def _choose_kernel(logits_ref, bias_ref, real_ref, w_ref, ids_ref, counts_ref, *, spec, n, e, ep, has_bias, exact):
+    """The first launch, a program per 16 tokens: their top-k ids and weights, and how many copies of each expert
+    their real tokens make (a row of the blocks' counts [blocks, Ep])."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
-    logits_ref, bias_ref, real_ref = refs[:3]
-    xq_ref, xs_ref = refs[3:5] if with_rows else (None, None)
-    w_ref, ids_ref, sizes_ref, pos_ref, token_ref = refs[5:10] if with_rows else refs[3:8]
-    cq_ref, cs_ref = refs[10:12] if with_rows else (None, None)
-    k, m = spec.top_k, n * spec.top_k
-    every, cols = jnp.arange(np_, dtype=jnp.int32), jnp.arange(ep, dtype=jnp.int32)
-    exists, weight, rank = _route_all(
-        logits_ref, bias_ref, spec=spec, n=n, e=e, np_=np_, ep=ep, has_bias=has_bias, exact=exact
+    k, m, block = spec.top_k, n * spec.top_k, pl.program_id(0)
+    rows = block * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
+    cols = jnp.arange(ep, dtype=jnp.int32)
+    exists, weight, rank = _route_rows(
+        logits_ref, bias_ref, rows, spec=spec, n=n, e=e, ep=ep, has_bias=has_bias, exact=exact
     )
-    chosen = rank >= 0
-    real = plt.load(real_ref.at[every], mask=exists, other=0) != 0
-
-    # Places: a real token's copy of expert c after every copy of the experts below c and of c by earlier tokens;
-    # a padding token's k-th copy after every real copy and the padding tokens' before it.
-    count = jnp.where(chosen & (exists & real)[:, None], 1, 0)  # [Np, Ep]
-    totals = count.sum(axis=0)
-    starts = jnp.cumsum(totals) - totals
-    before = jnp.cumsum(count, axis=0) - count
-    padding = jnp.where(exists & ~real, 1, 0)
-    pads_before = jnp.cumsum(padding) - padding
-    place = jnp.where(real[:, None], starts[None, :] + before, totals.sum() + pads_before[:, None] * k + rank)
-
-    # This program's tokens' outputs, scattered from the tables; a masked lane's address is past the end.
-    bn = BLOCK_TOKENS
-    mine = chosen & (exists & (every // bn == pl.program_id(0)))[:, None]
-    slot = jnp.where(mine, every[:, None] * k + rank, m)
+    mine = (rank >= 0) & exists[:, None]
+    slot = jnp.where(mine, rows[:, None] * k + rank, m)  # a masked lane's address past the end
     plt.store(ids_ref.at[slot], jnp.broadcast_to(cols[None, :], slot.shape), mask=mine)
     plt.store(w_ref.at[slot], weight, mask=mine)
-    plt.store(pos_ref.at[slot], place, mask=mine)
-    plt.store(token_ref.at[jnp.where(mine, place, m)], jnp.broadcast_to(every[:, None], slot.shape), mask=mine)
+    real = plt.load(real_ref.at[rows], mask=exists, other=0) != 0
+    plt.store(counts_ref.at[block * ep + cols], jnp.where(mine & real[:, None], 1, 0).sum(axis=0))
 
-    @pl.when(pl.program_id(0) == 0)
+
+def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_rows):
+    """The second launch, a program per 16 tokens and ROW_CHUNK columns of their rows: each of their copies' place
+    in expert order, the source token at each place and, with int8 rows, the copies' rows (these columns) and
+    scales there. A real token's copy of expert c lands after every copy of the experts below c and of c by
+    earlier tokens (the blocks' counts give the earlier blocks' share, a cumulative sum down the block's own tokens
+    the rest); a padding token's k-th copy after every real copy and the padding tokens' before it. The programs of
+    a block's first columns write the places, tokens and scales."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.triton as plt
+
+    ids_ref, counts_ref, real_ref = refs[:3]
+    xq_ref, xs_ref = refs[3:5] if with_rows else (None, None)
+    sizes_ref, pos_ref, token_ref = refs[5:8] if with_rows else refs[3:6]
+    cq_ref, cs_ref = refs[8:10] if with_rows else (None, None)
+    m, block, blocks = n * k, pl.program_id(0), _blocks(n)
+    first = pl.program_id(1) == 0
+    cols, b = jnp.arange(ep, dtype=jnp.int32), jnp.arange(bp, dtype=jnp.int32)
+    counts = plt.load(counts_ref.at[b[:, None] * ep + cols[None, :]], mask=(b < blocks)[:, None], other=0)
+    totals = counts.sum(axis=0)
+    base = jnp.cumsum(totals) - totals + jnp.where((b < block)[:, None], counts, 0).sum(axis=0)  # [Ep]
+    every = jnp.arange(_pow2(blocks * BLOCK_TOKENS), dtype=jnp.int32)
+    padding = (every < n) & (plt.load(real_ref.at[every], mask=every < n, other=1) == 0)
+    rows = block * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
+    live = rows < n
+    real = plt.load(real_ref.at[rows], mask=live, other=0) != 0
+    pads_before = jnp.where(padding & (every < block * BLOCK_TOKENS), 1, 0).sum()
+    own_pad = jnp.where(live & ~real, 1, 0)
+    pad_rank = pads_before + jnp.cumsum(own_pad) - own_pad  # [16]: padding tokens before each token
+
+    ids = [plt.load(ids_ref.at[rows * k + j], mask=live, other=ep) for j in range(k)]
+    hits = [cols[None, :] == i[:, None] for i in ids]  # [16, Ep] each
+    count = sum(jnp.where(h, 1, 0) for h in hits) * jnp.where(real, 1, 0)[:, None]
+    at_expert = base[None, :] + jnp.cumsum(count, axis=0) - count  # a real copy's place, by expert [16, Ep]
+    places = []
+    for j, h in enumerate(hits):
+        at = jnp.where(real, jnp.where(h, at_expert, 0).sum(axis=1), totals.sum() + pad_rank * k + j)
+        at = jnp.where(live & (at >= 0) & (at < m), at, m)  # never outside the copies
+        places.append(at)
+        at = jnp.where(first, at, m)  # one program of the block writes the places and tokens
+        plt.store(pos_ref.at[jnp.where(live & first, rows * k + j, m)], at, mask=live & first)
+        plt.store(token_ref.at[at], rows, mask=at < m)
+
+    @pl.when((block == 0) & first)
     def _():
         plt.store(sizes_ref.at[cols], totals, mask=cols < e)
 
-    if with_rows:  # each copy's int8 row and scale at its place, the places read back (after every store)
-        if exact:  # on the GPU (the interpreter runs a program's stores in order)
-            plt.debug_barrier()
-        rows = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
-        live = rows < n
-        places = [plt.load(pos_ref.at[rows * k + j], mask=live, other=0) for j in range(k)]
-        places = [jnp.where(live & (at >= 0) & (at < m), at, m) for at in places]  # never outside the copies
+    if with_rows:
         scale = plt.load(xs_ref.at[rows], mask=live, other=0.0)
         for at in places:
-            plt.store(cs_ref.at[at], scale, mask=at < m)
-        chunk = math.gcd(d, ROW_CHUNK)  # whole chunks: no masked column aliases the next row
-        for c0 in range(0, d, chunk):
-            c = c0 + jnp.arange(chunk, dtype=jnp.int32)
-            row = plt.load(xq_ref.at[rows[:, None] * d + c[None, :]], mask=live[:, None], other=0)
-            for at in places:
-                plt.store(cq_ref.at[at[:, None] * d + c[None, :]], row, mask=(at < m)[:, None])
+            plt.store(cs_ref.at[jnp.where(first, at, m)], scale, mask=(at < m) & first)
+        c = pl.program_id(1) * _row_chunk(d) + jnp.arange(_row_chunk(d), dtype=jnp.int32)
+        row = plt.load(xq_ref.at[rows[:, None] * d + c[None, :]], mask=live[:, None], other=0)
+        for at in places:
+            plt.store(cq_ref.at[at[:, None] * d + c[None, :]], row, mask=(at < m)[:, None])
+
+
+def _row_chunk(d: int) -> int:
+    """Columns of the rows a program copies: whole chunks, so that no masked column aliases the next row."""
+    return math.gcd(d, ROW_CHUNK)
 
 
 def default_warps(n: int, e: int) -> int:
-    """Warps a program runs with: 4, or 8 once its [N, E] tables (padded) pass 8,192 elements."""
-    return 8 if _pow2(max(n, BLOCK_TOKENS)) * _pow2(max(e, BLOCK_TOKENS)) >= 8192 else 4
+    """Warps a program runs with: 4, or 8 once the blocks' counts (padded) pass 8,192 elements."""
+    return 8 if _pow2(_blocks(n)) * _pow2(max(e, BLOCK_TOKENS)) >= 8192 else 4
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_warps"))
 def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interpret=False, num_warps=None):
     """logits [N, E] f32 -> (weights [N, K] f32, ids [N, K] int32, group sizes [E] int32, pos [N K] int32, token
-    [N K] int32, rows): as route_reference and copies_reference give them, in one kernel. real: bool [N], the
-    tokens that are not padding (None: all); padding tokens' copies are counted in no group and placed last.
-    x_q: (q [N, D] int8, scale [N] f32), the tokens quantised; rows: their copies in place order, (q [N K, D] int8,
-    scale [N K] f32), or None without x_q. num_warps: a program's warps (default_warps by default)."""
+    [N K] int32, rows): as route_reference and copies_reference give them, in two launches (the choice, then the
+    places and copies). real: bool [N], the tokens that are not padding (None: all); padding tokens' copies are
+    counted in no group and placed last. x_q: (q [N, D] int8, scale [N] f32), the tokens quantised; rows: their
+    copies in place order, (q [N K, D] int8, scale [N K] f32), or None without x_q. num_warps: a program's warps
+    (default_warps by default)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
     n, e = logits.shape
     if not applies(n, e):
-        raise ValueError(f"{n} tokens x {e} experts: more than the kernel routes ({MAX_ROUTED} padded)")
-    k, m = spec.top_k, n * spec.top_k
-    np_, ep = _pow2(max(n, BLOCK_TOKENS)), _pow2(max(e, BLOCK_TOKENS))
+        raise ValueError(f"{n} tokens x {e} experts: more than the kernels route ({MAX_ROUTED} padded)")
+    k, m, blocks = spec.top_k, n * spec.top_k, _blocks(n)
+    ep = _pow2(max(e, BLOCK_TOKENS))
     real = jnp.ones(n, jnp.int32) if real is None else real.astype(jnp.int32)
     bias_in = jnp.zeros(e, jnp.float32) if bias is None else bias.astype(jnp.float32)
-    args = [logits.astype(jnp.float32).reshape(-1), bias_in, real]
-    out = [
-        jax.ShapeDtypeStruct((m,), jnp.float32),
-        jax.ShapeDtypeStruct((m,), jnp.int32),
-        jax.ShapeDtypeStruct((e,), jnp.int32),
-        jax.ShapeDtypeStruct((m,), jnp.int32),
-        jax.ShapeDtypeStruct((m,), jnp.int32),
-    ]
+    params = plt.CompilerParams(num_warps=num_warps or default_warps(n, e), num_stages=1)
+    choose = functools.partial(
+        _choose_kernel, spec=spec, n=n, e=e, ep=ep, has_bias=bias is not None, exact=not interpret
+    )
+    w, ids, counts = pl.pallas_call(
+        choose,
+        out_shape=(
+            jax.ShapeDtypeStruct((m,), jnp.float32),
+            jax.ShapeDtypeStruct((m,), jnp.int32),
+            jax.ShapeDtypeStruct((blocks * ep,), jnp.int32),
+        ),
+        grid=(blocks,),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_route_choose",
+    )(logits.astype(jnp.float32).reshape(-1), bias_in, real)
+    args = [ids, counts, real]
+    out = [jax.ShapeDtypeStruct((e,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32)]
+    out.append(jax.ShapeDtypeStruct((m,), jnp.int32))
     d = 0
     if x_q is not None:
         d = x_q[0].shape[1]
         args += [x_q[0].reshape(-1), x_q[1].reshape(-1).astype(jnp.float32)]
         out += [jax.ShapeDtypeStruct((m * d,), jnp.int8), jax.ShapeDtypeStruct((m,), jnp.float32)]
-    kernel = functools.partial(
-        _kernel,
-        spec=spec,
-        n=n,
-        e=e,
-        d=d,
-        np_=np_,
-        ep=ep,
-        has_bias=bias is not None,
-        with_rows=x_q is not None,
-        exact=not interpret,
-    )
+    place = functools.partial(_place_kernel, k=k, n=n, e=e, d=d, ep=ep, bp=_pow2(blocks), with_rows=x_q is not None)
     res = pl.pallas_call(
-        kernel,
+        place,
         out_shape=tuple(out),
-        grid=(pl.cdiv(n, BLOCK_TOKENS),),
-        compiler_params=plt.CompilerParams(num_warps=num_warps or default_warps(n, e), num_stages=1),
+        grid=(blocks, d // _row_chunk(d) if d else 1),
+        compiler_params=params,
         interpret=interpret,
-        name="moe_route",
+        name="moe_route_place",
     )(*args)
-    w, ids, sizes, pos, token = res[:5]
-    rows = (res[5].reshape(m, d), res[6]) if x_q is not None else None
+    sizes, pos, token = res[:3]
+    rows = (res[3].reshape(m, d), res[4]) if x_q is not None else None
     return w.reshape(n, k), ids.reshape(n, k), sizes, pos, token, rows

@@ -54,8 +54,8 @@ def test_kernel_routes_and_orders_as_the_references(n, e, spec, bias, d):
 
 def test_moe_block_on_the_kernel_equals_the_block_without_it():
     """moe.moe with Options.fused_routing and the GEMM kernels' mode 'interpret' routes a decode batch on the
-    kernel (one pallas_call named moe_route, no argsort or pairwise order left); its output and load are the XLA
-    routing's, padding rows zero. Without the option, or past `applies`, XLA routes."""
+    kernels (two pallas_calls, the choice and the places, no argsort or pairwise order left); its output and load
+    are the XLA routing's, padding rows zero. Without the option, or past `applies`, XLA routes."""
     from hcfjax import moe
     from hcfjax.options import Options
     from hcfjax.random_model import preset_config, random_model
@@ -76,24 +76,25 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
     np.testing.assert_array_equal(load, want_load)
     eqns = [e for e, _ in jaxpr_eqns(block(fused).trace(layer, x).jaxpr.jaxpr)]
     names = [e.params["name"] for e in eqns if e.primitive.name == "pallas_call"]
-    assert names.count("moe_route") == 1 and not any(e.primitive.name in ("sort", "scatter") for e in eqns)
+    assert names.count("moe_route_choose") == names.count("moe_route_place") == 1
+    assert not any(e.primitive.name in ("sort", "scatter") for e in eqns)
     ep = lambda p, x, w, i, opts: jnp.zeros_like(x)  # noqa: E731  (an expert-parallel plan's experts_fn)
     ep_eqns = jax.make_jaxpr(lambda p, x: moe.moe(p, cfg, x, experts_fn=ep, opts=fused))(layer, x).jaxpr
-    assert not any(e.params.get("name") == "moe_route" for e, _ in jaxpr_eqns(ep_eqns))
+    assert not any(str(e.params.get("name")).startswith("moe_route") for e, _ in jaxpr_eqns(ep_eqns))
     assert moe.route_mode(6, cfg.n_routed_experts, fused) == "interpret"
     assert moe.route_mode(6, cfg.n_routed_experts, Options(moe="interpret")) == "reference"  # opt-in
-    assert moe.route_mode(4096, cfg.n_routed_experts, fused) == "reference"
+    assert moe.route_mode(4097, cfg.n_routed_experts, fused) == "reference"
     from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
 
     params = {"segments": [{"mlp": {"experts": {"gate": layer["experts"]["gate"]}}}]}
     said = [kernels_in_use(cfg, params, jnp.float32, 16, o) for o in (fused, Options(moe="interpret"))]
     assert said[0].endswith("XLA ragged_dot experts, Pallas routing") and "routing" not in said[1]
-    assert applies(256, 64) and applies(64, 256) and not applies(512, 64)
+    assert applies(4096, 64) and applies(1024, 256) and not applies(4097, 64) and not applies(1025, 256)
 
 
 def test_lowers_for_hopper():
-    """The kernel lowers for sm_90 at a decode step's shapes (V2-Lite at batch 256 with its int8 rows, V3's gate at
-    batch 64), one program per 16 tokens, with IEEE division."""
+    """The kernels lower for sm_90 at a decode step's shapes (V2-Lite at batch 256 with its int8 rows, V3's gate at
+    batch 64), one program per 16 tokens each, with IEEE division."""
     from pallas_kernels.cross_lower import lower_triton_for_hopper
 
     spec = jax.ShapeDtypeStruct
@@ -105,13 +106,13 @@ def test_lowers_for_hopper():
         spec((256, 2048), jnp.int8),
         spec((256,), jnp.float32),
     )
-    assert "moe_route" in text and "grid_x = 16" in text and "div.rn.f32" in text
-    assert "gpu.barrier" in text  # the places read back after every thread's stores
+    assert "moe_route_choose" in text and "moe_route_place" in text and "div.rn.f32" in text
+    assert text.count("grid_x = 16") == 2
     v3 = RouteSpec(top_k=8, scoring="sigmoid", groups=8, top_groups=4, group_score="top2", normalise=True, factor=2.5)
     text = lower_triton_for_hopper(
         lambda lg, b: route_copies(lg, v3, b), spec((64, 256), jnp.float32), spec((256,), jnp.float32)
     )
-    assert "grid_x = 4" in text
+    assert text.count("grid_x = 4") == 2
 
 
 def test_a_nan_row_still_gives_every_copy_one_place():
