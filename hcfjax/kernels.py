@@ -19,7 +19,7 @@ from hcfjax.options import Options
 def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, opts: Options) -> str:
     """E.g. "Pallas MLA decode, Pallas int4 grouped GEMM": decode attention over a paged cache of `cache_dtype` in
     pages of `page_size` tokens, and the routed experts of `params` (", Pallas routing" where a decode step routes
-    on its kernel, Options.fused_routing)."""
+    on its kernels, Options.fused_routing)."""
     cache = kvcache.init_cache(cfg, 1, page_size, cache_dtype, num_layers=1)
     one = jnp.zeros((1, 1), jnp.int32)
     mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)

@@ -74,11 +74,11 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def route_mode(n: int, num_experts: int, opts: Options = DEFAULT) -> str:
-    """Where n tokens are routed and their copies put in expert order: on the routing kernel
-    (pallas_kernels/moe_route.py, mode 'kernel' or 'interpret') where opts.fused_routing asks for it, the MoE
-    kernels' mode (opts.mode("moe")) is not 'reference' and the tokens are a decode step's few; else 'reference'
-    (XLA)."""
-    return opts.mode("moe") if opts.fused_routing and moe_route.applies(n, num_experts) else "reference"
+    """Where n tokens are routed and their copies put in expert order: on the routing kernels
+    (pallas_kernels/moe_route.py, mode 'kernel' or 'interpret') where opts.fused_routing is on (auto: on GPUs), the
+    MoE kernels' mode (opts.mode("moe")) is not 'reference' and the tokens are a decode step's few; else
+    'reference' (XLA)."""
+    return opts.mode("moe") if opts.on("fused_routing") and moe_route.applies(n, num_experts) else "reference"
 
 
 def experts(

@@ -61,9 +61,10 @@ class Options:
         each copy's position counted pairwise in one [M, M] reduction, where a GPU sort is several kernels of tens of
         microseconds a layer. auto: on GPUs (a CPU sorts a few thousand copies in a fiftieth of the comparisons'
         time).
-    fused_routing: a decode step's routing (scores, top-k, the copies' expert order and their int8 rows) on one
-        Pallas kernel (pallas_kernels/moe_route.py) where the GEMM kernels run, instead of XLA's dozen small
-        kernels. Opt-in: it has fewer launches but is slower than they are together (docs/kernels.md).
+    fused_routing: a decode step's routing (scores, top-k, the copies' expert order and their int8 rows) on two
+        Pallas kernels (pallas_kernels/moe_route.py) where the GEMM kernels run, instead of XLA's dozen small
+        kernels: fewer launches, and faster together (docs/kernels.md, "Routing on two kernels"). auto: on GPUs
+        (a CPU runs the kernels only in Pallas's interpreter).
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -87,18 +88,16 @@ class Options:
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
     sort_free_routing: bool | str = "auto"
-    fused_routing: bool = False
+    fused_routing: bool | str = "auto"
     xla_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing"):
+        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.fused_routing, bool):
-            raise ValueError(f"Options.fused_routing must be True or False, got {self.fused_routing!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
                 f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"
@@ -121,10 +120,11 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing resolved for this backend."""
+        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing / fused_routing resolved for this
+        backend."""
         value = getattr(self, switch)
         if value == "auto":
-            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing") and on_gpu()
+            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing") and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:

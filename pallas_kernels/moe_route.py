@@ -16,7 +16,8 @@ sort by expert: the copies of expert e, token by token, after those of experts b
 stable argsort and gathers; the kernels give the same ids, group sizes, places and rows, and weights within an ulp
 or two (their sums run in another order).
 
-The model takes them only with Options.fused_routing (docs/kernels.md, "Routing on kernels").
+The model routes a decode step on them where Options.fused_routing is on (auto: on GPUs; docs/kernels.md,
+"Routing on two kernels").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels.int8_rows import ieee_div
 
 MAX_ROUTED = 16384  # a program's table elements at most: [16, E] and [N / 16, E], padded to powers of two
-MAX_TOKENS = 4096  # tokens routed at once at most (a decode step's are a few hundred)
+MAX_TOKENS = 1024  # tokens routed at once at most: a decode step's, up to 256 rows of four tokens
 BLOCK_TOKENS = 16  # tokens whose outputs and rows a program writes
 ROW_CHUNK = 256  # int8 columns of the rows a program of the second launch copies (a power of two)
 
@@ -286,8 +287,10 @@ def _row_chunk(d: int) -> int:
 
 
 def default_warps(n: int, e: int) -> int:
-    """Warps a program runs with: 4, or 8 once the blocks' counts (padded) pass 8,192 elements."""
-    return 8 if _pow2(_blocks(n)) * _pow2(max(e, BLOCK_TOKENS)) >= 8192 else 4
+    """Warps a program runs with: 8 for 256 experts or more (their [16, E] tables) or once the blocks' counts
+    (padded) pass 8,192 elements, else 4."""
+    ep = _pow2(max(e, BLOCK_TOKENS))
+    return 8 if ep >= 256 or _pow2(_blocks(n)) * ep >= 8192 else 4
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_warps"))

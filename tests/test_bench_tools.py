@@ -407,7 +407,7 @@ def test_dense8_bench_checks_each_row_against_the_exact_product(capsys):
 
 
 def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
-    """bench.route on a CPU: the routing kernel (interpreted) against XLA's routing as the model runs it, V3's gate
+    """bench.route on a CPU: the routing kernels (interpreted) against XLA's routing as the model runs it, V3's gate
     (bias, groups) with padding rows; no times without a GPU. Its check names what differs."""
     import numpy as np
 
@@ -415,7 +415,7 @@ def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
 
     route.main(["--tokens", "20", "--gates", "tiny-v3"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-v3 ")]
-    assert [r[2] for r in rows[:2]] == ["kernel, 4 warps", "XLA (the model without it)"]
+    assert [r[2] for r in rows[:2]] == ["kernels, 4 warps", "XLA (the model without it)"]
     assert rows[0][-1] == "ok |" and rows[0][3] == "n/a (no GPU)"
     w, ids, sizes, pos, token, rows_q = (np.arange(3.0), np.arange(3), np.ones(2), np.arange(4), np.arange(4), ([1],))
     want = (w, ids, sizes, pos, token, rows_q)

@@ -44,3 +44,19 @@ def test_xla_gemm_compiler_options(monkeypatch):
     assert [Options().xla_gemm_mode(), Options().xla_gemm_mode(prefill=True)] == ["cublas", "default"]
     with pytest.raises(ValueError, match="xla_gemm"):
         Options(xla_gemm="cutlass")
+
+
+def test_fused_routing_is_on_for_gpus_unless_turned_off(monkeypatch):
+    """Options.fused_routing: auto routes a decode step on its kernels on GPUs only; HCFJAX_FUSED_ROUTING=0 turns
+    it off there, =1 on anywhere; a value other than auto, True or False is refused."""
+    from hcfjax import moe, options
+    from hcfjax.options import Options
+
+    assert Options().fused_routing == "auto" and not Options().on("fused_routing")
+    assert Options.from_env({"HCFJAX_FUSED_ROUTING": "1"}).on("fused_routing")
+    monkeypatch.setattr(options, "on_gpu", lambda: True)
+    assert Options().on("fused_routing") and not Options.from_env({"HCFJAX_FUSED_ROUTING": "0"}).on("fused_routing")
+    assert moe.route_mode(64, 64, Options()) == "kernel"
+    assert moe.route_mode(64, 64, Options.from_env({"HCFJAX_INT4_KERNEL": "0"})) == "reference"  # XLA's experts
+    with pytest.raises(ValueError, match="fused_routing"):
+        Options(fused_routing="yes")

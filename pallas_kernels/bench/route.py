@@ -1,5 +1,5 @@
-"""A decode step's routing on its kernel (pallas_kernels.moe_route, `Options.fused_routing`) against XLA's
-kernels as the model runs it without the kernel (hcfjax.moe: the jnp routing, the experts' counts, the pairwise
+"""A decode step's routing on its kernels (pallas_kernels.moe_route, `Options.fused_routing`) against XLA's
+kernels as the model runs it without them (hcfjax.moe: the jnp routing, the experts' counts, the pairwise
 order and its inverse, the gathers of the copies' int8 rows and scales), on the GPU.
 
     python -m pallas_kernels.bench.route [--tokens 64,256] [--gates v2-lite,deepseek-v3] [--warps 4,8,16]
@@ -7,8 +7,8 @@ order and its inverse, the gathers of the copies' int8 rows and scales), on the 
 A gate is a model preset's (hcfjax.random_model): its experts, top-k, scoring, group limit and row width. Each row
 gives the kernels' time (CUPTI records, `hcfjax.bench.common.kernel_seconds`: the kernels alone, no gaps), the
 launches a call runs (each a gap in a step), and whether the outputs equal XLA's: ids, group sizes, places, source
-tokens and int8 rows exactly, weights within 1e-6. --warps times the kernel at each warp count (default: its own).
-On a CPU the kernel runs in Pallas's interpreter and only the checks are made.
+tokens and int8 rows exactly, weights within 1e-6. --warps times the kernels at each warp count (default: theirs).
+On a CPU the kernels run in Pallas's interpreter and only the checks are made.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def inputs(cfg, n: int, rng):
 
 
 def check(got, want) -> str:
-    """'ok' where the kernel's outputs equal XLA's (weights within 1e-6 relative), else what differs."""
+    """'ok' where the kernels' outputs equal XLA's (weights within 1e-6 relative), else what differs."""
     names = ("weights", "ids", "group sizes", "places", "tokens", "rows")
     bad = []
     for name, a, b in zip(names, got, want, strict=True):
@@ -74,7 +74,7 @@ def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]
     cfg = preset_config(gate)
     spec, e = route_spec(cfg), cfg.n_routed_experts
     if not applies(n, e):
-        return [[gate, str(n), "kernel", "n/a", "n/a", f"past the kernel's tables ({n} x {e})"]]
+        return [[gate, str(n), "kernels", "n/a", "n/a", f"past the kernels' tables ({n} x {e})"]]
     args = inputs(cfg, n, rng)
     want = xla_routing(spec, e)(*args)
     gpu = jax.default_backend() == "gpu"
@@ -86,7 +86,7 @@ def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]
 
         fn = jax.jit(kernel)
         us, launches = timed(fn, args)
-        label = f"kernel, {w or default_warps(n, e)} warps"
+        label = f"kernels, {w or default_warps(n, e)} warps"
         rows.append([gate, str(n), label, _num(us), _num(launches, 0), check(fn(*args), want)])
     us, launches = timed(xla_routing(spec, e), args)
     rows.append([gate, str(n), "XLA (the model without it)", _num(us), _num(launches, 0), "reference"])
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="64,256", help="decode batches (tokens routed at once)")
     ap.add_argument("--gates", default="v2-lite,deepseek-v3", help="model presets whose gates route")
-    ap.add_argument("--warps", default="", help="the kernel's warp counts to time (default: its own)")
+    ap.add_argument("--warps", default="", help="the kernels' warp counts to time (default: theirs)")
     args = ap.parse_args(argv)
     warps = [int(w) for w in args.warps.split(",") if w] or [None]
     rng = np.random.default_rng(0)
