@@ -7,10 +7,10 @@ and its inverse scatter, the gathers of the rows and of their scales, the scales
 
 A copy's place depends on every token routed before it, so the work is split at that dependence. The first launch
 routes each block of 16 tokens in its own program (their ids and weights) and counts the copies its real tokens make
-of each expert. The second, again a program per block, reads every block's counts (a few hundred integers), places
-its own tokens' copies, and writes the source token at each place and the copies' int8 rows. Places follow a stable
-sort by expert: the copies of expert e, token by token, after those of experts below e; copies of padding tokens
-(not `real`) come last, in token order.
+of each expert. The second, a program per block and chunk of row columns, reads every block's counts (a few hundred
+integers), places its own tokens' copies, and writes the source token at each place and its columns of the copies'
+int8 rows. Places follow a stable sort by expert: the copies of expert e, token by token, after those of experts
+below e; copies of padding tokens (not `real`) come last, in token order.
 
 `route_reference` is the routing in jnp (the model's path elsewhere), `copies_reference` the order and rows as a
 stable argsort and gathers; the kernels give the same ids, group sizes, places and rows, and weights within an ulp
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from pallas_kernels.int8_rows import ieee_div
 
 MAX_ROUTED = 16384  # a program's table elements at most: [16, E] and [N / 16, E], padded to powers of two
-MAX_TOKENS = 1024  # tokens routed at once at most: a decode step's, up to 256 rows of four tokens
+MAX_TOKENS = 256  # tokens routed at once at most: a decode step's (the sizes measured against XLA's routing)
 BLOCK_TOKENS = 16  # tokens whose outputs and rows a program writes
-ROW_CHUNK = 256  # int8 columns of the rows a program of the second launch copies (a power of two)
+ROW_CHUNK = 256  # int8 columns of the rows a program of the second launch copies at most (a power of two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _route_rows(logits_ref, bias_ref, rows, *, spec: RouteSpec, n: int, e: int, 
     # every token gets K distinct experts and every copy a place.
     choice = jnp.where(valid[None, :] & (choice == choice), choice, neg)
     if spec.limited:
-        limit = _limit_groups_3d if e == ep and (e // spec.groups) & (e // spec.groups - 1) == 0 else _limit_groups
+        limit = _limit_groups_3d if e == ep else _limit_groups
         choice = limit(choice, cols, spec, e)
     rank = jnp.full(choice.shape, -1, jnp.int32)
     for j in range(spec.top_k):  # the best left, the lowest index first among equals (as lax.top_k)
@@ -171,21 +171,24 @@ def _limit_groups(choice, cols, spec: RouteSpec, e: int):
             best = best + jnp.where(cols[None, :] == first[:, None], neg, vals).max(axis=1)
         scores.append(best)
     keep = jnp.zeros(choice.shape, jnp.bool_)
-    for _ in range(spec.top_groups):
-        top, pick = scores[0], jnp.zeros(scores[0].shape, jnp.int32)
+    picked = [jnp.zeros(scores[0].shape, jnp.bool_) for _ in range(spec.groups)]
+    for _ in range(spec.top_groups):  # the best group left, the lower first among equals (-inf ones too)
+        top = scores[0]
         for j in range(1, spec.groups):
-            better = scores[j] > top
-            top, pick = jnp.where(better, scores[j], top), jnp.where(better, j, pick)
+            top = jnp.maximum(top, scores[j])
+        found = jnp.zeros(top.shape, jnp.bool_)
         for j in range(spec.groups):
-            hit = pick == j
+            hit = ~found & ~picked[j] & (scores[j] == top)
+            found, picked[j] = found | hit, picked[j] | hit
             keep = keep | (hit[:, None] & member[j][None, :])
             scores[j] = jnp.where(hit, neg, scores[j])
     return jnp.where(keep, choice, neg)
 
 
 def _limit_groups_3d(choice, cols, spec: RouteSpec, e: int):
-    """_limit_groups where the experts fill their power-of-two width and a group's are a power of two: the groups'
-    scores as reductions over [tokens, groups, experts of a group] (one or three, not one or three a group)."""
+    """_limit_groups where the experts fill their padded width (E a power of two, at least 16, so a group's experts
+    are a power of two too): the groups' scores as reductions over [tokens, groups, experts of a group] (one or
+    three, not one or three a group)."""
     neg = jnp.float32(-jnp.inf)
     g, size = spec.groups, e // spec.groups
     vals = choice.reshape(choice.shape[0], g, size)

@@ -173,7 +173,7 @@ FILE_SECONDS = {
     "test_parity": 25,
     "test_multihost": 24,
     "test_fuzz": 22,
-    "test_moe_route": 18,
+    "test_moe_route": 20,
     "test_lowering_cache": 17,
     "test_checkpoint": 15,
     "test_embedded": 12,

@@ -83,13 +83,13 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
     assert not any(str(e.params.get("name")).startswith("moe_route") for e, _ in jaxpr_eqns(ep_eqns))
     assert moe.route_mode(6, cfg.n_routed_experts, fused) == "interpret"
     assert moe.route_mode(6, cfg.n_routed_experts, Options(moe="interpret")) == "reference"  # auto: GPUs only
-    assert moe.route_mode(1025, cfg.n_routed_experts, fused) == "reference"
+    assert moe.route_mode(257, cfg.n_routed_experts, fused) == "reference"
     from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
 
     params = {"segments": [{"mlp": {"experts": {"gate": layer["experts"]["gate"]}}}]}
     said = [kernels_in_use(cfg, params, jnp.float32, 16, o) for o in (fused, Options(moe="interpret"))]
     assert said[0].endswith("XLA ragged_dot experts, Pallas routing") and "routing" not in said[1]
-    assert applies(1024, 64) and applies(1024, 256) and not applies(1025, 64) and not applies(64, 4096)
+    assert applies(256, 64) and applies(256, 256) and not applies(257, 64) and not applies(64, 4096)
 
 
 def test_lowers_for_hopper():
@@ -133,3 +133,18 @@ def test_a_nan_row_still_gives_every_copy_one_place():
     np.testing.assert_array_equal(np.asarray(rows[0])[pos], np.repeat(np.asarray(x_q[0]), k, axis=0))
     clean = np.arange(n) != 2
     np.testing.assert_array_equal(ids[clean], np.asarray(route_reference(jnp.asarray(logits), spec)[1])[clean])
+
+
+@pytest.mark.parametrize("e", [20, 32])  # groups scored by loops (experts not a power of two) and as one 3-D view
+def test_groups_scored_minus_infinity_are_still_picked_in_order(e):
+    """A bias of -inf leaves group 0 one finite expert pair and group 1 one finite expert (its top-2 score -inf),
+    the others none: the second group kept is the lowest of the -inf ones not yet kept, as the reference keeps it,
+    not group 0 again."""
+    spec = RouteSpec(top_k=6, scoring="sigmoid", groups=4, top_groups=2, group_score="top2")
+    size = e // 4
+    bias = np.full(e, -np.inf, np.float32)
+    bias[:size] = 0
+    bias[2 * size - 1] = 0
+    logits = jnp.asarray(np.linspace(-1, 1, 2 * e, dtype=np.float32).reshape(2, e))
+    _, ids, *_ = route_copies(logits, spec, jnp.asarray(bias), interpret=True)
+    np.testing.assert_array_equal(ids, route_reference(logits, spec, jnp.asarray(bias))[1])
