@@ -420,4 +420,6 @@ def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
     w, ids, sizes, pos, token, rows_q = (np.arange(3.0), np.arange(3), np.ones(2), np.arange(4), np.arange(4), ([1],))
     want = (w, ids, sizes, pos, token, rows_q)
     assert route.check(want, want) == "ok"
+    per = {"moe_route_choose": 4.12, "moe_route_place": 4.5, "loop_convert_fusion": 1.0}
+    assert route.kernels_label(8, per) == "kernels, 8 warps (choose 4.1 + place 4.5)"
     assert route.check((w * (1 + 1e-5), ids, sizes, pos[::-1], token, ([2],)), want) == "DIFFERS: weights, places, rows"

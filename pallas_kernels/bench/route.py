@@ -7,7 +7,8 @@ order and its inverse, the gathers of the copies' int8 rows and scales), on the 
 A gate is a model preset's (hcfjax.random_model): its experts, top-k, scoring, group limit and row width. Each row
 gives the kernels' time (CUPTI records, `hcfjax.bench.common.kernel_seconds`: the kernels alone, no gaps), the
 launches a call runs (each a gap in a step), and whether the outputs equal XLA's: ids, group sizes, places, source
-tokens and int8 rows exactly, weights within 1e-6. --warps times the kernels at each warp count (default: theirs).
+tokens and int8 rows exactly, weights within 1e-6. The kernels' label gives the choice's and the places' times
+apart. --warps times the kernels at each warp count (default: theirs).
 On a CPU the kernels run in Pallas's interpreter and only the checks are made.
 """
 
@@ -62,12 +63,20 @@ def check(got, want) -> str:
     return "ok" if not bad else "DIFFERS: " + ", ".join(bad)
 
 
-def timed(fn, args) -> tuple[float | None, float | None]:
-    """(microseconds of kernels a call, launches a call) on the GPU; (None, None) elsewhere."""
+def timed(fn, args) -> tuple[float | None, float | None, dict[str, float]]:
+    """(microseconds of kernels a call, launches a call, microseconds by kernel name) on the GPU; (None, None, {})
+    elsewhere."""
     if jax.default_backend() != "gpu":
-        return None, None
+        return None, None, {}
     planes = traced_planes(fn, *args, reps=50)
-    return sum(kernel_seconds(planes, 50).values()) * 1e6, record_counts(planes, 50)["kernels"]
+    per = {name: sec * 1e6 for name, sec in kernel_seconds(planes, 50).items()}
+    return sum(per.values()), record_counts(planes, 50)["kernels"], per
+
+
+def kernels_label(warps: int, per: dict[str, float]) -> str:
+    """E.g. 'kernels, 4 warps (choose 4.1 + place 4.5)': the routing kernels' microseconds apart, where timed."""
+    parts = [f"{name.removeprefix('moe_route_')} {us:.1f}" for name, us in per.items() if name.startswith("moe_route")]
+    return f"kernels, {warps} warps" + (" (" + " + ".join(parts) + ")" if parts else "")
 
 
 def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]:
@@ -85,10 +94,10 @@ def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]
             return route_copies(logits, spec, bias, real, x_q, interpret=not gpu, num_warps=w)
 
         fn = jax.jit(kernel)
-        us, launches = timed(fn, args)
-        label = f"kernels, {w or default_warps(n, e)} warps"
+        us, launches, per = timed(fn, args)
+        label = kernels_label(w or default_warps(n, e), per)
         rows.append([gate, str(n), label, _num(us), _num(launches, 0), check(fn(*args), want)])
-    us, launches = timed(xla_routing(spec, e), args)
+    us, launches, _ = timed(xla_routing(spec, e), args)
     rows.append([gate, str(n), "XLA (the model without it)", _num(us), _num(launches, 0), "reference"])
     return rows
 
