@@ -94,7 +94,7 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
 
 def test_lowers_for_hopper():
     """The kernels lower for sm_90 at a decode step's shapes (V2-Lite at batch 256 with its int8 rows, V3's gate at
-    batch 64), one program per 16 tokens each, with IEEE division."""
+    batch 64, V2's 160 experts in groups at batch 32), one program per 16 tokens each, with IEEE division."""
     from pallas_kernels.cross_lower import lower_triton_for_hopper
 
     spec = jax.ShapeDtypeStruct
@@ -113,6 +113,8 @@ def test_lowers_for_hopper():
         lambda lg, b: route_copies(lg, v3, b), spec((64, 256), jnp.float32), spec((256,), jnp.float32)
     )
     assert text.count("grid_x = 4") == 2
+    text = lower_triton_for_hopper(lambda lg: route_copies(lg, V2_GATE), spec((32, 160), jnp.float32))  # groups looped
+    assert text.count("grid_x = 2") == 2
 
 
 def test_a_nan_row_still_gives_every_copy_one_place():
