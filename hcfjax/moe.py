@@ -87,7 +87,7 @@ def experts(
     """Routed experts as grouped matmuls.  x [N, D], weights/ids [N, K]; gate/up [E, D, F], down [E, F, D] (arrays or
     QWeights of those logical shapes). x_q: x quantised (`quantize_tokens(x)`) where the caller has it. copies: the
     copies already in expert order, as `moe_route.route_copies` gives them (group sizes, pos, token, int8 rows or
-    None), where the routing kernel ordered them."""
+    None), where the routing kernels ordered them."""
     n, k = ids.shape
     num_experts = p["gate"].shape[0]
     if copies is None:

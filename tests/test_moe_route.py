@@ -1,6 +1,6 @@
-"""The routing kernel (pallas_kernels/moe_route.py, Triton lowering, run by Pallas's interpreter here) against the
+"""The routing kernels (pallas_kernels/moe_route.py, Triton lowering, run by Pallas's interpreter here) against the
 jnp routing the model runs elsewhere (`route_reference`, itself checked against DeepSeek's gate in
-test_moe_gate.py) and a stable argsort of the copies; and the MoE block on it against the block without it."""
+test_moe_gate.py) and a stable argsort of the copies; and the MoE block on them against the block without them."""
 
 import jax
 import jax.numpy as jnp
