@@ -182,7 +182,7 @@ def moe(
     copies = None
     if mode == "reference":
         weights, ids = route_reference(logits, route_spec(cfg), p.get("router_bias"))
-    else:  # routed and put in expert order by one kernel, with the int8 rows of the copies where the experts take them
+    else:  # routed and put in expert order by the routing kernels, with the copies' int8 rows for int8 experts
         q = None
         if int8_activations(p["experts"]["gate"]):
             q = flat_q = quantize_tokens(flat, token_quant_mode(flat, opts)) if flat_q is None else flat_q

@@ -247,13 +247,13 @@ def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_
     cols, b = jnp.arange(ep, dtype=jnp.int32), jnp.arange(bp, dtype=jnp.int32)
     counts = plt.load(counts_ref.at[b[:, None] * ep + cols[None, :]], mask=(b < blocks)[:, None], other=0)
     totals = counts.sum(axis=0)
-    base = jnp.cumsum(totals) - totals + jnp.where((b < block)[:, None], counts, 0).sum(axis=0)  # [Ep]
-    every = jnp.arange(_pow2(blocks * BLOCK_TOKENS), dtype=jnp.int32)
-    padding = (every < n) & (plt.load(real_ref.at[every], mask=every < n, other=1) == 0)
+    earlier = jnp.where((b < block)[:, None], counts, 0).sum(axis=0)  # [Ep]: the earlier blocks' copies
+    base = jnp.cumsum(totals) - totals + earlier
     rows = block * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
     live = rows < n
     real = plt.load(real_ref.at[rows], mask=live, other=0) != 0
-    pads_before = jnp.where(padding & (every < block * BLOCK_TOKENS), 1, 0).sum()
+    # The earlier blocks are whole, and each of their real tokens made K copies: the rest of their tokens are padding.
+    pads_before = block * BLOCK_TOKENS - earlier.sum() // k
     own_pad = jnp.where(live & ~real, 1, 0)
     pad_rank = pads_before + jnp.cumsum(own_pad) - own_pad  # [16]: padding tokens before each token
 
@@ -309,7 +309,9 @@ def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interp
 
     n, e = logits.shape
     if not applies(n, e):
-        raise ValueError(f"{n} tokens x {e} experts: more than the kernels route ({MAX_ROUTED} padded)")
+        raise ValueError(
+            f"{n} tokens x {e} experts: more than the kernels route ({MAX_TOKENS} tokens, {MAX_ROUTED} padded)"
+        )
     k, m, blocks = spec.top_k, n * spec.top_k, _blocks(n)
     ep = _pow2(max(e, BLOCK_TOKENS))
     real = jnp.ones(n, jnp.int32) if real is None else real.astype(jnp.int32)
@@ -331,8 +333,7 @@ def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interp
         name="moe_route_choose",
     )(logits.astype(jnp.float32).reshape(-1), bias_in, real)
     args = [ids, counts, real]
-    out = [jax.ShapeDtypeStruct((e,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32)]
-    out.append(jax.ShapeDtypeStruct((m,), jnp.int32))
+    out = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((e,), (m,), (m,))]  # group sizes, pos, token
     d = 0
     if x_q is not None:
         d = x_q[0].shape[1]
