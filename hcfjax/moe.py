@@ -23,6 +23,7 @@ from hcfjax.quant import (
     token_quant_mode,
 )
 from pallas_kernels import moe_route
+from pallas_kernels.moe_int4 import HS_PAD
 from pallas_kernels.moe_route import RouteSpec, route_reference
 
 
@@ -33,15 +34,21 @@ def grouped_down_input(down, opts: Options = DEFAULT) -> bool:
     return opts.grouped_down_input and isinstance(down, QWeight) and down.act == "int8" and down.group == ACT_GROUP
 
 
-def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
-    """x [N, D] @ w [D, E] in float32, as the sum of the partial products of `width`-wide slices of D. With few
-    rows the product is a single [N, E] output tile, which a GEMM without split-K (cuBLAS in a decode step,
-    Options.xla_gemm) computes on one CTA down the whole of D; the partial products run side by side."""
+def router_partials(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
+    """x [N, D] @ w [D, E] in float32 as the partial products of `width`-wide slices of D, [C, N, E], which
+    `router_logits` adds up (and the routing kernels, where they route). With few rows the product is a single
+    [N, E] output tile, which a GEMM without split-K (cuBLAS in a decode step, Options.xla_gemm) computes on one CTA
+    down the whole of D; the partial products run side by side."""
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     (n, d), e = x.shape, w.shape[-1]
     if d % width or d == width:
-        return x @ w
-    return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e)).sum(0)
+        return (x @ w)[None]
+    return jnp.einsum("nck,cke->cne", x.reshape(n, d // width, width), w.reshape(d // width, width, e))
+
+
+def router_logits(x: jax.Array, w: jax.Array, width: int = 128) -> jax.Array:
+    """x [N, D] @ w [D, E] in float32, as the sum of `router_partials`."""
+    return router_partials(x, w, width).sum(0)
 
 
 def route_spec(cfg: ModelConfig) -> RouteSpec:
@@ -176,19 +183,22 @@ def moe(
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     num_experts = p["experts"]["gate"].shape[0]
-    logits = router_logits(flat, p["router"])
+    partials = router_partials(flat, p["router"])
     flat_q = None if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
-    mode = route_mode(*logits.shape, opts) if experts_fn is None and logits.shape[1] == num_experts else "reference"
+    n, e = partials.shape[1:]
+    mode = route_mode(n, e, opts) if experts_fn is None and e == num_experts else "reference"
     copies = None
     if mode == "reference":
-        weights, ids = route_reference(logits, route_spec(cfg), p.get("router_bias"))
+        weights, ids = route_reference(partials.sum(0), route_spec(cfg), p.get("router_bias"))
     else:  # routed and put in expert order by the routing kernels, with the copies' int8 rows for int8 experts
+        logits = partials if moe_route.adds_partials(*partials.shape) else partials.sum(0)
         q = None
         if int8_activations(p["experts"]["gate"]):
             q = flat_q = quantize_tokens(flat, token_quant_mode(flat, opts)) if flat_q is None else flat_q
         keep = None if real is None else real.reshape(-1)
+        # The copies' scales come with the zero tail the int4 kernel reads past the last copy (no pad before it).
         weights, ids, *copies = moe_route.route_copies(
-            logits, route_spec(cfg), p.get("router_bias"), keep, q, interpret=mode == "interpret"
+            logits, route_spec(cfg), p.get("router_bias"), keep, q, interpret=mode == "interpret", scales_tail=HS_PAD
         )
     routed = ids
     if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last

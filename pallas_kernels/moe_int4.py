@@ -198,10 +198,10 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     token tile past x's last row is zero-filled by the TMA, so x goes in as it is when M is a multiple of 8 (V3's
     top-8 always is); otherwise it is padded to whole 8-row tiles, one copy of x (the tiled TMA's row count must be
     a multiple of its 8-row tile), and to one block when M < bm. The weight scales are used as stored
-    ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales are padded by bm (a few
-    bytes: their copy into smem is a plain [bm] slice, which must stay in bounds); per-group scales [K/G, M'] (x_q
-    from a producer that quantised in groups) are padded only if M' is short of that (the gate/up kernel's quantised
-    output leaves HS_PAD rows)."""
+    ([E, K/G, N]); each CTA finds its token block from group_sizes itself. The token scales need a block's worth
+    past M (a few bytes: their copy into smem is a plain [bm] slice, which must stay in bounds): per-row scales [M']
+    and per-group scales [K/G, M'] (x_q from a producer that quantised in groups) are padded only if M' is short of
+    that (the gate/up kernel's quantised output and the routing kernels' copies leave HS_PAD rows)."""
     m = x.shape[0]
     pad = ((0, max(bm, -(-m // ROW_ALIGN) * ROW_ALIGN) - m), (0, 0))
     args = [group_sizes.astype(jnp.int32)]
@@ -210,7 +210,10 @@ def kernel_operands(x, weights, group_sizes, act: str, bm: int, x_q=None):
     if act == "int8":
         xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32 or [K/G, M'] f32
         need = m + xs_block(bm) + ROW_ALIGN
-        xs = jnp.pad(xs, (0, xs_block(bm) + ROW_ALIGN)) if xs.ndim == 1 else _pad_rows(xs, need)
+        if xs.ndim == 2:
+            xs = _pad_rows(xs, need)
+        elif xs.shape[0] < need:
+            xs = jnp.pad(xs, (0, need - xs.shape[0]))
         args += [jnp.pad(xq, pad), xs]
     else:
         args.append(jnp.pad(x, pad))

@@ -106,6 +106,13 @@ def applies(n: int, e: int) -> bool:
     return 0 < n <= MAX_TOKENS and BLOCK_TOKENS * ep <= MAX_ROUTED and _pow2(_blocks(n)) * ep <= MAX_ROUTED
 
 
+def adds_partials(parts: int, n: int, e: int) -> bool:
+    """Whether the choice kernel takes the router's product as `parts` partial products [parts, n, e] and adds
+    them itself (one XLA reduction less): where a program's share, parts x [16, E] f32, is at most 64 KiB (V2-Lite's
+    16 slices of 64 experts); a larger sum (V3's 56 x 256) reads faster spread over XLA's reduction."""
+    return applies(n, e) and parts * BLOCK_TOKENS * _pow2(max(e, BLOCK_TOKENS)) * 4 <= 64 * 1024
+
+
 def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -114,17 +121,18 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK_TOKENS)
 
 
-def _route_rows(logits_ref, bias_ref, rows, *, spec: RouteSpec, n: int, e: int, ep: int, has_bias, exact):
+def _route_rows(logits_ref, bias_ref, rows, *, spec: RouteSpec, n: int, e: int, ep: int, parts: int, has_bias, exact):
     """Tokens `rows` routed, as tables over (token, expert) [len(rows), Ep]: (exists, weight (the chosen experts'
     routing weights, zero elsewhere), rank (each chosen expert's place in the token's top-k, -1 elsewhere)). Tokens
-    past n do not exist; experts past e are never chosen."""
+    past n do not exist; experts past e are never chosen. The logits are the sum of `parts` [N, E] slices."""
     import jax.experimental.pallas.triton as plt
 
     cols = jnp.arange(ep, dtype=jnp.int32)
     exists, valid = rows < n, cols < e
-    logits = plt.load(
-        logits_ref.at[rows[:, None] * e + cols[None, :]], mask=exists[:, None] & valid[None, :], other=0.0
-    )
+    at, mask = rows[:, None] * e + cols[None, :], exists[:, None] & valid[None, :]
+    logits = plt.load(logits_ref.at[at], mask=mask, other=0.0)
+    for c in range(1, parts):  # the router's partial products, added in order
+        logits = logits + plt.load(logits_ref.at[c * n * e + at], mask=mask, other=0.0)
     neg = jnp.float32(-jnp.inf)
     logits = jnp.where(valid[None, :], logits, neg)
     if spec.scoring == "sigmoid":
@@ -208,7 +216,9 @@ def _limit_groups_3d(choice, cols, spec: RouteSpec, e: int):
     return jnp.where(keep, choice, neg)
 
 
-def _choose_kernel(logits_ref, bias_ref, real_ref, w_ref, ids_ref, counts_ref, *, spec, n, e, ep, has_bias, exact):
+def _choose_kernel(
+    logits_ref, bias_ref, real_ref, w_ref, ids_ref, counts_ref, *, spec, n, e, ep, parts, has_bias, exact
+):
     """The first launch, a program per 16 tokens: their top-k ids and weights, and how many copies of each expert
     their real tokens make (a row of the blocks' counts [blocks, Ep])."""
     import jax.experimental.pallas as pl
@@ -218,7 +228,7 @@ def _choose_kernel(logits_ref, bias_ref, real_ref, w_ref, ids_ref, counts_ref, *
     rows = block * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
     cols = jnp.arange(ep, dtype=jnp.int32)
     exists, weight, rank = _route_rows(
-        logits_ref, bias_ref, rows, spec=spec, n=n, e=e, ep=ep, has_bias=has_bias, exact=exact
+        logits_ref, bias_ref, rows, spec=spec, n=n, e=e, ep=ep, parts=parts, has_bias=has_bias, exact=exact
     )
     mine = (rank >= 0) & exists[:, None]
     slot = jnp.where(mine, rows[:, None] * k + rank, m)  # a masked lane's address past the end
@@ -228,13 +238,13 @@ def _choose_kernel(logits_ref, bias_ref, real_ref, w_ref, ids_ref, counts_ref, *
     plt.store(counts_ref.at[block * ep + cols], jnp.where(mine & real[:, None], 1, 0).sum(axis=0))
 
 
-def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_rows):
+def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_rows, tail: int):
     """The second launch, a program per 16 tokens and ROW_CHUNK columns of their rows: each of their copies' place
     in expert order, the source token at each place and, with int8 rows, the copies' rows (these columns) and
     scales there. A real token's copy of expert c lands after every copy of the experts below c and of c by
     earlier tokens (the blocks' counts give the earlier blocks' share, a cumulative sum down the block's own tokens
     the rest); a padding token's k-th copy after every real copy and the padding tokens' before it. The programs of
-    a block's first columns write the places, tokens and scales."""
+    a block's first columns write the places, tokens and scales, and block 0's the scales' `tail` zeros."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
@@ -278,6 +288,13 @@ def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_
         scale = plt.load(xs_ref.at[rows], mask=live, other=0.0)
         for at in places:
             plt.store(cs_ref.at[jnp.where(first, at, m)], scale, mask=(at < m) & first)
+        if tail:  # the scales' zero tail, past the copies
+
+            @pl.when((block == 0) & first)
+            def _():
+                t = jnp.arange(_pow2(tail), dtype=jnp.int32)
+                plt.store(cs_ref.at[m + t], jnp.zeros(t.shape, jnp.float32), mask=t < tail)
+
         c = pl.program_id(1) * _row_chunk(d) + jnp.arange(_row_chunk(d), dtype=jnp.int32)
         row = plt.load(xq_ref.at[rows[:, None] * d + c[None, :]], mask=live[:, None], other=0)
         for at in places:
@@ -296,18 +313,23 @@ def default_warps(n: int, e: int) -> int:
     return 8 if ep >= 256 or _pow2(_blocks(n)) * ep >= 8192 else 4
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_warps"))
-def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interpret=False, num_warps=None):
-    """logits [N, E] f32 -> (weights [N, K] f32, ids [N, K] int32, group sizes [E] int32, pos [N K] int32, token
-    [N K] int32, rows): as route_reference and copies_reference give them, in two launches (the choice, then the
-    places and copies). real: bool [N], the tokens that are not padding (None: all); padding tokens' copies are
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_warps", "scales_tail"))
+def route_copies(
+    logits, spec: RouteSpec, bias=None, real=None, x_q=None, interpret=False, num_warps=None, scales_tail: int = 0
+):
+    """logits [N, E] f32, or the router's partial products [C, N, E] f32 (the choice adds them, in order; see
+    `adds_partials`) -> (weights [N, K] f32, ids [N, K] int32, group sizes [E] int32, pos [N K] int32, token [N K]
+    int32, rows): as route_reference and copies_reference give them, in two launches (the choice, then the places
+    and copies). real: bool [N], the tokens that are not padding (None: all); padding tokens' copies are
     counted in no group and placed last. x_q: (q [N, D] int8, scale [N] f32), the tokens quantised; rows: their
-    copies in place order, (q [N K, D] int8, scale [N K] f32), or None without x_q. num_warps: a program's warps
-    (default_warps by default)."""
+    copies in place order, (q [N K, D] int8, scale [N K + scales_tail] f32, zeros past N K: a consumer that reads
+    past the last copy, the int4 kernel, takes them without padding them), or None without x_q. num_warps: a
+    program's warps (default_warps by default)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
-    n, e = logits.shape
+    n, e = logits.shape[-2:]
+    parts = logits.shape[0] if logits.ndim == 3 else 1
     if not applies(n, e):
         raise ValueError(
             f"{n} tokens x {e} experts: more than the kernels route ({MAX_TOKENS} tokens, {MAX_ROUTED} padded)"
@@ -318,7 +340,7 @@ def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interp
     bias_in = jnp.zeros(e, jnp.float32) if bias is None else bias.astype(jnp.float32)
     params = plt.CompilerParams(num_warps=num_warps or default_warps(n, e), num_stages=1)
     choose = functools.partial(
-        _choose_kernel, spec=spec, n=n, e=e, ep=ep, has_bias=bias is not None, exact=not interpret
+        _choose_kernel, spec=spec, n=n, e=e, ep=ep, parts=parts, has_bias=bias is not None, exact=not interpret
     )
     w, ids, counts = pl.pallas_call(
         choose,
@@ -338,8 +360,10 @@ def route_copies(logits, spec: RouteSpec, bias=None, real=None, x_q=None, interp
     if x_q is not None:
         d = x_q[0].shape[1]
         args += [x_q[0].reshape(-1), x_q[1].reshape(-1).astype(jnp.float32)]
-        out += [jax.ShapeDtypeStruct((m * d,), jnp.int8), jax.ShapeDtypeStruct((m,), jnp.float32)]
-    place = functools.partial(_place_kernel, k=k, n=n, e=e, d=d, ep=ep, bp=_pow2(blocks), with_rows=x_q is not None)
+        out += [jax.ShapeDtypeStruct((m * d,), jnp.int8), jax.ShapeDtypeStruct((m + scales_tail,), jnp.float32)]
+    place = functools.partial(
+        _place_kernel, k=k, n=n, e=e, d=d, ep=ep, bp=_pow2(blocks), with_rows=x_q is not None, tail=scales_tail
+    )
     res = pl.pallas_call(
         place,
         out_shape=tuple(out),

@@ -61,8 +61,9 @@ def ragged_dot_reference(
     x [M, K] rows sorted by expert, (q, scale) the experts of W [E, K, N], group_sizes [E] (sum <= M; rows past the
     sum give 0) -> [M, N] in x's dtype. w4a16/w8a16: dequantise, then a bf16 ragged_dot with f32 accumulation. int8
     activations: per-token int8 x, int8 x int8 -> int32 per K group, then weight group scales and token scales;
-    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations), or quantize_int8_groups(x)
-    (scales per row and K group, [K/G, M'] with M' >= M) where the producer quantised x in groups.
+    x_q = quantize_int8(x) when the caller has it already (ignored for bf16 activations; its scales [M' >= M]), or
+    quantize_int8_groups(x) (scales per row and K group, [K/G, M'] with M' >= M) where the producer quantised x in
+    groups.
     """
     if act == "bf16":
         w = dequantize(q, scale, bits, x.dtype)
@@ -85,7 +86,7 @@ def _int8_act_ragged_dot(x, q, scale, bits: int, group_sizes, x_q=None) -> jax.A
     g, e, m = group_of(q, scale, bits), q.shape[0], x.shape[0]
     qmax = 7 if bits == 4 else 127
     c = max(d for d in range(1, min(g, (2**24 - 1) // (127 * qmax)) + 1) if g % d == 0)  # exact f32 chunk sums
-    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M] f32 or per group [K/G, M'] f32
+    xq, xs = quantize_int8(x) if x_q is None else x_q  # [M, K] int8, [M' >= M] f32 or per group [K/G, M'] f32
     is_grouped = xs.ndim == 2
     if is_grouped and xs.shape[0] != k // g:
         raise ValueError(f"group scales {xs.shape} do not match {k // g} K groups of {g}")
@@ -113,4 +114,4 @@ def _int8_act_ragged_dot(x, q, scale, bits: int, group_sizes, x_q=None) -> jax.A
     # The first group starts the sum: a carry made from the inputs has their type inside shard_map (varying over
     # the EP axis), where a zeros carry would not match the loop body's output.
     y = lax.fori_loop(1, k // g, group, group(0, jnp.zeros((m, n), jnp.float32)))
-    return (y if is_grouped else y * xs[:, None]).astype(x.dtype)
+    return (y if is_grouped else y * xs[:m, None]).astype(x.dtype)

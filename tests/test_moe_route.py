@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_route import RouteSpec, applies, copies_reference, route_copies, route_reference
+from pallas_kernels.moe_route import (
+    RouteSpec,
+    adds_partials,
+    applies,
+    copies_reference,
+    route_copies,
+    route_reference,
+)
 
 V3_GATE = RouteSpec(top_k=4, scoring="sigmoid", groups=4, top_groups=2, group_score="top2", normalise=True, factor=2.5)
 V2_GATE = RouteSpec(top_k=6, groups=8, top_groups=3, normalise=True)  # DeepSeek-V2's 160 experts, group-limited
@@ -23,9 +30,9 @@ CASES = [  # tokens, experts, spec, bias, row width (0: no int8 rows)
 
 @pytest.mark.parametrize("n, e, spec, bias, d", CASES)
 def test_kernel_routes_and_orders_as_the_references(n, e, spec, bias, d):
-    """Same ids, group sizes, places, source tokens and int8 rows as the references, weights within an ulp; the
-    padding tokens' copies after every real one, in token order. Ties in the logits (repeated values) take the
-    lower expert first, as lax.top_k."""
+    """Same ids, group sizes, places, source tokens and int8 rows as the references, weights within an ulp, the
+    scales' tail zeros; the padding tokens' copies after every real one, in token order. Ties in the logits
+    (repeated values) take the lower expert first, as lax.top_k."""
     rng = np.random.default_rng(n)
     logits = rng.normal(size=(n, e)).astype(np.float32)
     logits[:, e // 2] = logits[:, 1]  # ties
@@ -35,7 +42,8 @@ def test_kernel_routes_and_orders_as_the_references(n, e, spec, bias, d):
     x_q = None
     if d:
         x_q = (jnp.asarray(rng.integers(-127, 128, (n, d), dtype=np.int8)), jnp.asarray(rng.random(n, np.float32)))
-    w, ids, sizes, pos, token, rows = route_copies(logits, spec, b, real, x_q, interpret=True)
+    tail = 3 * n  # the scales' zero tail: not a power of two, longer than a block
+    w, ids, sizes, pos, token, rows = route_copies(logits, spec, b, real, x_q, interpret=True, scales_tail=tail)
     want_w, want_ids = route_reference(logits, spec, b)
     want_sizes, want_pos, want_token, want_rows = copies_reference(want_ids, e, real, x_q)
     np.testing.assert_array_equal(ids, want_ids)
@@ -47,21 +55,26 @@ def test_kernel_routes_and_orders_as_the_references(n, e, spec, bias, d):
     assert (np.asarray(pos).reshape(n, -1)[~np.asarray(real)] >= real_copies).all()
     if d:
         np.testing.assert_array_equal(rows[0], want_rows[0])
-        np.testing.assert_array_equal(rows[1], want_rows[1])
+        np.testing.assert_array_equal(rows[1][: n * spec.top_k], want_rows[1])
+        np.testing.assert_array_equal(rows[1][n * spec.top_k :], np.zeros(tail, np.float32))
     else:
         assert rows is None
 
 
-def test_moe_block_on_the_kernel_equals_the_block_without_it():
+@pytest.mark.parametrize("hidden", [128, 256])  # the router's product whole, and as two partial products
+def test_moe_block_on_the_kernel_equals_the_block_without_it(hidden):
     """moe.moe with Options.fused_routing and the GEMM kernels' mode 'interpret' routes a decode batch on the
-    kernels (two pallas_calls, the choice and the places, no argsort or pairwise order left); its output and load
-    are the XLA routing's, padding rows zero. Without the option, or past `applies`, XLA routes."""
+    kernels (two pallas_calls, the choice and the places, no argsort or pairwise order left, no sum of the router's
+    partial products); its output and load are the XLA routing's, padding rows zero. Without the option, or past
+    `applies`, XLA routes."""
+    import dataclasses
+
     from hcfjax import moe
     from hcfjax.options import Options
     from hcfjax.random_model import preset_config, random_model
     from tests.conftest import jaxpr_eqns
 
-    cfg = preset_config("tiny-v3")
+    cfg = dataclasses.replace(preset_config("tiny-v3"), hidden_size=hidden)
     layer = jax.tree.map(lambda a: a[0], random_model(cfg, dtype=jnp.float32).params["segments"][1]["mlp"])
     x = jax.random.normal(jax.random.key(1), (6, cfg.hidden_size), jnp.float32)
     real = jnp.asarray([True, True, False, True, True, False])
@@ -78,6 +91,8 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it():
     names = [e.params["name"] for e in eqns if e.primitive.name == "pallas_call"]
     assert names.count("moe_route_choose") == names.count("moe_route_place") == 1
     assert not any(e.primitive.name in ("sort", "scatter") for e in eqns)
+    partial_sums = [e for e in eqns if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape[1:] == (6, 16)]
+    assert not partial_sums  # the router's partial products [C, 6 tokens, 16 experts] added by the choice kernel
     ep = lambda p, x, w, i, opts: jnp.zeros_like(x)  # noqa: E731  (an expert-parallel plan's experts_fn)
     ep_eqns = jax.make_jaxpr(lambda p, x: moe.moe(p, cfg, x, experts_fn=ep, opts=fused))(layer, x).jaxpr
     assert not any(str(e.params.get("name")).startswith("moe_route") for e, _ in jaxpr_eqns(ep_eqns))
@@ -150,3 +165,20 @@ def test_groups_scored_minus_infinity_are_still_picked_in_order(e):
     logits = jnp.asarray(np.linspace(-1, 1, 2 * e, dtype=np.float32).reshape(2, e))
     _, ids, *_ = route_copies(logits, spec, jnp.asarray(bias), interpret=True)
     np.testing.assert_array_equal(ids, route_reference(logits, spec, jnp.asarray(bias))[1])
+
+
+def test_the_choice_adds_the_routers_partial_products():
+    """Given the router's product as partial products [C, N, E] (V2-Lite's slices of D), the kernels route as from
+    their sum: dyadic partials, so the sum is exact in any order and the outputs must be equal. V3's larger sums are
+    left to XLA (`adds_partials`)."""
+    n, e, c, d = 21, 64, 16, 32
+    rng = np.random.default_rng(5)
+    partials = jnp.asarray(np.round(rng.normal(size=(c, n, e)) * 2**10).astype(np.float32) / 2**12)
+    real = jnp.asarray(rng.random(n) < 0.8)
+    x_q = (jnp.asarray(rng.integers(-127, 128, (n, d), dtype=np.int8)), jnp.asarray(rng.random(n, np.float32)))
+    spec = RouteSpec(top_k=6, factor=1.5)
+    got = route_copies(partials, spec, None, real, x_q, interpret=True)
+    want = route_copies(partials.sum(0), spec, None, real, x_q, interpret=True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert adds_partials(16, 64, 64) and adds_partials(16, 256, 64) and not adds_partials(56, 64, 256)
