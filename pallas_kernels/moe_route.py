@@ -234,7 +234,7 @@ def _choose_kernel(
     slot = jnp.where(mine, rows[:, None] * k + rank, m)  # a masked lane's address past the end
     plt.store(ids_ref.at[slot], jnp.broadcast_to(cols[None, :], slot.shape), mask=mine)
     plt.store(w_ref.at[slot], weight, mask=mine)
-    real = plt.load(real_ref.at[rows], mask=exists, other=0) != 0
+    real = plt.load(real_ref.at[rows], mask=exists, other=False)
     plt.store(counts_ref.at[block * ep + cols], jnp.where(mine & real[:, None], 1, 0).sum(axis=0))
 
 
@@ -261,7 +261,7 @@ def _place_kernel(*refs, k: int, n: int, e: int, d: int, ep: int, bp: int, with_
     base = jnp.cumsum(totals) - totals + earlier
     rows = block * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
     live = rows < n
-    real = plt.load(real_ref.at[rows], mask=live, other=0) != 0
+    real = plt.load(real_ref.at[rows], mask=live, other=False)
     # The earlier blocks are whole, and each of their real tokens made K copies: the rest of their tokens are padding.
     pads_before = block * BLOCK_TOKENS - earlier.sum() // k
     own_pad = jnp.where(live & ~real, 1, 0)
@@ -336,8 +336,11 @@ def route_copies(
         )
     k, m, blocks = spec.top_k, n * spec.top_k, _blocks(n)
     ep = _pow2(max(e, BLOCK_TOKENS))
-    real = jnp.ones(n, jnp.int32) if real is None else real.astype(jnp.int32)
-    bias_in = jnp.zeros(e, jnp.float32) if bias is None else bias.astype(jnp.float32)
+    # The kernels read `real` as bool, so that a decode step's mask goes in as it is, and no bias as any f32 array
+    # they never load: in a layer loop a cast or a zeros array is a launch of its own each layer.
+    real = jnp.ones(n, jnp.bool_) if real is None else real.astype(jnp.bool_)
+    flat = logits.astype(jnp.float32).reshape(-1)
+    bias_in = flat if bias is None else bias.astype(jnp.float32)
     params = plt.CompilerParams(num_warps=num_warps or default_warps(n, e), num_stages=1)
     choose = functools.partial(
         _choose_kernel, spec=spec, n=n, e=e, ep=ep, parts=parts, has_bias=bias is not None, exact=not interpret
@@ -353,7 +356,7 @@ def route_copies(
         compiler_params=params,
         interpret=interpret,
         name="moe_route_choose",
-    )(logits.astype(jnp.float32).reshape(-1), bias_in, real)
+    )(flat, bias_in, real)
     args = [ids, counts, real]
     out = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((e,), (m,), (m,))]  # group sizes, pos, token
     d = 0

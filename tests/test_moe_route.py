@@ -93,6 +93,8 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it(hidden):
     assert not any(e.primitive.name in ("sort", "scatter") for e in eqns)
     partial_sums = [e for e in eqns if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape[1:] == (6, 16)]
     assert not partial_sums  # the router's partial products [C, 6 tokens, 16 experts] added by the choice kernel
+    casts = [e for e in eqns if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape == (6,)]
+    assert not casts  # the real-rows mask goes into the kernels as it is (a cast is a launch each layer)
     ep = lambda p, x, w, i, opts: jnp.zeros_like(x)  # noqa: E731  (an expert-parallel plan's experts_fn)
     ep_eqns = jax.make_jaxpr(lambda p, x: moe.moe(p, cfg, x, experts_fn=ep, opts=fused))(layer, x).jaxpr
     assert not any(str(e.params.get("name")).startswith("moe_route") for e, _ in jaxpr_eqns(ep_eqns))
