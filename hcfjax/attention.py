@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from hcfjax import cache as kvcache
 from hcfjax.config import ModelConfig
 from hcfjax.fp8 import Fp8Weight
-from hcfjax.layers import apply_rope, rms_norm
+from hcfjax.layers import StackRow, apply_rope, rms_norm, rope_table
 from hcfjax.options import DEFAULT, Options, on_gpu
 from hcfjax.quant import linear
+from pallas_kernels import latent_write
 from pallas_kernels.mla_decode import (
     MlaPlan,
     converters_apply,
@@ -121,6 +122,36 @@ def project_kv(
     kv = linear(x, p["kv_a"], opts, x_q)
     ckv = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
     return ckv, apply_rope(kv[..., cfg.kv_lora_rank :], positions, cfg.rope, rope_table)
+
+
+def latent_write_mode(cfg: ModelConfig, cache: kvcache.KVCache, x: jax.Array, opts: Options = DEFAULT) -> str:
+    """Where a cached forward of tokens x [B, T, D] writes its new latents: on the latent-write kernel
+    (pallas_kernels/latent_write.py: 'kernel' or 'interpret', as opts.mode("mla") says) for a decode step's bf16
+    tokens into an int8 cache, else 'reference' (project_kv, then cache.write: XLA)."""
+    tokens, c, r = x.shape[0] * x.shape[1], cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    fits = cache.quantized and latent_write.applies(tokens, c, r, x.dtype)
+    return opts.mode("mla", fits) if fits else "reference"
+
+
+def write_new_latents(
+    p: dict, cfg: ModelConfig, x, positions, ctx: CacheContext, layer, opts: Options = DEFAULT, x_q=None
+) -> kvcache.KVCache:
+    """ctx's cache with the latents of tokens x [B, T, D] at positions [B, T] written in `layer` (kv_a, the norm of
+    c_kv, the rope of k_pe): project_kv then cache.write, or one kernel for all of it (`latent_write_mode`)."""
+    mode = latent_write_mode(cfg, ctx.cache, x, opts)
+    if mode == "reference":
+        ckv, kpe = project_kv(p, cfg, x, positions, opts, ctx.rope_table, x_q)
+        return kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
+    kv = linear(x, p["kv_a"], opts, x_q)
+    norm = p["kv_a_norm"]
+    stack, row = (norm.stack, norm.index) if isinstance(norm, StackRow) else (norm, 0)
+    table = ctx.rope_table or rope_table(positions, cfg.rope, cfg.qk_rope_head_dim)
+    cache = ctx.cache
+    kv_cache, scale = latent_write.write_latents(
+        cache.kv, cache.scale, layer, kv, stack, row, table, positions, ctx.valid, ctx.page_table,
+        eps=cfg.rms_norm_eps, interleave=cfg.rope.interleave, interpret=mode == "interpret",
+    )  # fmt: skip
+    return kvcache.KVCache(kv_cache, scale)
 
 
 def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -331,6 +362,10 @@ def mla(
     """
     table = None if ctx is None else ctx.rope_table
     q_nope, q_pe = project_q(p, cfg, x, positions, opts, table, x_q)
+    if ctx is not None and absorbed:  # the new latents go to the cache, which the attention then reads
+        ctx = dataclasses.replace(ctx, cache=write_new_latents(p, cfg, x, positions, ctx, layer, opts, x_q))
+        out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
+        return out_proj(out, p["o"], cfg, opts), ctx
     ckv, kpe = project_kv(p, cfg, x, positions, opts, table, x_q)
     if ctx is None:
         key_pos = positions[:, None, :]  # [B, 1, S=T]
@@ -338,9 +373,6 @@ def mla(
     else:
         cache = kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
         ctx = dataclasses.replace(ctx, cache=cache)
-        if absorbed:
-            out = attend_absorbed_paged(p, cfg, q_nope, q_pe, ctx, layer, positions, opts)
-            return out_proj(out, p["o"], cfg, opts), ctx
         if opts.prefill_attention_mode() == "fused":
             impl = "cudnn" if on_gpu() else None
             out = attend_expanded_fused(p, cfg, q_nope, q_pe, ckv, kpe, ctx, layer, positions, impl)

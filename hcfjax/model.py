@@ -112,13 +112,17 @@ def run_layers(
         ctx = dataclasses.replace(ctx, rope_table=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
-        norms = {k: seg[k] for k in ("attn_norm", "mlp_norm")}  # read by row in place (layers.StackRow)
+        # The norms' weights are read by row in place (layers.StackRow), the latent's too.
+        norms = {k: seg[k] for k in ("attn_norm", "mlp_norm")}
+        kv_norm = seg["attn"]["kv_a_norm"]
         rest = {k: v for k, v in seg.items() if k not in norms}
+        rest["attn"] = {k: v for k, v in seg["attn"].items() if k != "kv_a_norm"}
 
-        def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, first=first):
+        def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, kv_norm=kv_norm, first=first):
             x, ctx = carry
             p, layer = xs
             p = p | {k: StackRow(stack, layer - first) for k, stack in norms.items()}
+            p["attn"] = p["attn"] | {"kv_a_norm": StackRow(kv_norm, layer - first)}
             load_mask = with_load if collect else False
             x, ctx, *load = decoder_layer(
                 p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, load_mask, opts, real
