@@ -417,9 +417,12 @@ def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-v3 ")]
     assert [r[2] for r in rows[:2]] == ["kernels, 4 warps", "XLA (the model without it)"]
     assert rows[0][-1] == "ok |" and rows[0][3] == "n/a (no GPU)"
-    w, ids, sizes, pos, token, rows_q = (np.arange(3.0), np.arange(3), np.ones(2), np.arange(4), np.arange(4), ([1],))
-    want = (w, ids, sizes, pos, token, rows_q)
-    assert route.check(want, want) == "ok"
+    w, ids, sizes, pos, token = np.arange(3.0), np.arange(3), np.ones(2), np.arange(4), np.arange(4)
+    want = (w, ids, sizes, pos, token, ([1, 2], np.asarray([0.5, 0.25])))
+    tail = ([1, 2], np.asarray([0.5, 0.25, 0.0, 0.0]))  # the kernels' scales with their zero tail
+    assert route.check(want, want) == "ok" and route.check((*want[:5], tail), want) == "ok"
+    assert route.check((*want[:5], ([1, 2], np.asarray([0.5, 0.5, 0.0]))), want) == "DIFFERS: rows"
     per = {"moe_route_choose": 4.12, "moe_route_place": 4.5, "loop_convert_fusion": 1.0}
     assert route.kernels_label(8, per) == "kernels, 8 warps (choose 4.1 + place 4.5)"
-    assert route.check((w * (1 + 1e-5), ids, sizes, pos[::-1], token, ([2],)), want) == "DIFFERS: weights, places, rows"
+    got = (w * (1 + 1e-5), ids, sizes, pos[::-1], token, ([2, 2], want[5][1]))
+    assert route.check(got, want) == "DIFFERS: weights, places, rows"
