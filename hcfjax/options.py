@@ -65,6 +65,9 @@ class Options:
         Pallas kernels (pallas_kernels/moe_route.py) where the GEMM kernels run, instead of XLA's dozen small
         kernels: fewer launches, and faster together (docs/kernels.md, "Routing on two kernels"). auto: on GPUs
         (a CPU runs the kernels only in Pallas's interpreter).
+    fused_cache_write: a decode step over an int8 cache writes its new latents (the kv_a norm, the rope, the
+        quantisation, the paged stores) on one Pallas kernel (pallas_kernels/latent_write.py) where the MLA kernel
+        runs, instead of XLA's six kernels a layer (docs/kernels.md, "Cache entries in one kernel"). auto: on GPUs.
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -89,13 +92,15 @@ class Options:
     branch_free_sampling: bool | str = "auto"
     sort_free_routing: bool | str = "auto"
     fused_routing: bool | str = "auto"
+    fused_cache_write: bool | str = "auto"
     xla_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        for name in ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing"):
+        switches = ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")
+        for name in (*switches, "fused_cache_write"):
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -120,11 +125,12 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing / fused_routing resolved for this
-        backend."""
+        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing / fused_routing / fused_cache_write
+        resolved for this backend."""
         value = getattr(self, switch)
         if value == "auto":
-            return switch in ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing") and on_gpu()
+            gpu_only = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing", "fused_cache_write")
+            return switch in gpu_only and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:
@@ -152,7 +158,7 @@ class Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
         HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_FUSED_ROUTING=0|1,
-        HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
+        HCFJAX_FUSED_CACHE_WRITE=0|1, HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
         HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
@@ -162,6 +168,7 @@ class Options:
             ("HCFJAX_MLA_CONVERTERS", "mla_converters"),
             ("HCFJAX_INT4_DIGITS", "int4_digits"),
             ("HCFJAX_FUSED_ROUTING", "fused_routing"),
+            ("HCFJAX_FUSED_CACHE_WRITE", "fused_cache_write"),
         )
         for var, name in flags:
             if var in environ:

@@ -122,8 +122,9 @@ def test_a_decode_step_writes_its_latents_on_the_kernel(monkeypatch):
     np.testing.assert_array_equal(h, want_h)
     monkeypatch.undo()
     x = jnp.zeros((b, 1, cfg.hidden_size), jnp.bfloat16)
-    interpret = attention.Options(mla="interpret")
+    interpret = attention.Options(mla="interpret", fused_cache_write=True)
     assert attention.latent_write_mode(cfg, cache, x, interpret) == "interpret"
+    assert attention.latent_write_mode(cfg, cache, x, attention.Options(mla="interpret")) == "reference"  # CPU
     assert attention.latent_write_mode(cfg, cache, x.astype(jnp.float32), interpret) == "reference"
     bf16_cache = kvcache.init_cache(cfg, 2, page, jnp.bfloat16)
     assert attention.latent_write_mode(cfg, bf16_cache, x, interpret) == "reference"

@@ -60,3 +60,26 @@ def test_fused_routing_is_on_for_gpus_unless_turned_off(monkeypatch):
     assert moe.route_mode(64, 64, Options.from_env({"HCFJAX_INT4_KERNEL": "0"})) == "reference"  # XLA's experts
     with pytest.raises(ValueError, match="fused_routing"):
         Options(fused_routing="yes")
+
+
+def test_fused_cache_write_is_on_for_gpus_unless_turned_off(monkeypatch):
+    """Options.fused_cache_write: auto writes a decode step's latents into an int8 cache on the kernel on GPUs only;
+    HCFJAX_FUSED_CACHE_WRITE=0 turns it off there, =1 on anywhere; other values are refused."""
+    import jax.numpy as jnp
+
+    from hcfjax import attention, options
+    from hcfjax import cache as kvcache
+    from hcfjax.options import Options
+    from hcfjax.random_model import preset_config
+
+    cfg = preset_config("tiny-v3")
+    cache, x = kvcache.init_cache(cfg, 2, 4, jnp.int8), jnp.zeros((2, 1, cfg.hidden_size), jnp.bfloat16)
+    assert attention.latent_write_mode(cfg, cache, x, Options()) == "reference"
+    forced = Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "1", "HCFJAX_MLA": "interpret"})
+    assert attention.latent_write_mode(cfg, cache, x, forced) == "interpret"
+    monkeypatch.setattr(options, "on_gpu", lambda: True)
+    assert attention.latent_write_mode(cfg, cache, x, Options()) == "kernel"
+    off = Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "0"})
+    assert attention.latent_write_mode(cfg, cache, x, off) == "reference"
+    with pytest.raises(ValueError, match="HCFJAX_FUSED_CACHE_WRITE"):
+        Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "yes"})
