@@ -127,10 +127,11 @@ def project_kv(
 def latent_write_mode(cfg: ModelConfig, cache: kvcache.KVCache, x: jax.Array, opts: Options = DEFAULT) -> str:
     """Where a cached forward of tokens x [B, T, D] writes its new latents: on the latent-write kernel
     (pallas_kernels/latent_write.py: 'kernel' or 'interpret', as opts.mode("mla") says) for a decode step's bf16
-    tokens into an int8 cache where opts.fused_cache_write is on (auto: on GPUs), else 'reference' (project_kv,
-    then cache.write: XLA)."""
+    tokens into an int8 cache it addresses where opts.fused_cache_write is on, else 'reference' (project_kv, then
+    cache.write: XLA)."""
     tokens, c, r = x.shape[0] * x.shape[1], cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    fits = opts.on("fused_cache_write") and cache.quantized and latent_write.applies(tokens, c, r, x.dtype)
+    fits = cache.quantized and latent_write.applies(tokens, c, r, x.dtype, cache.kv.size)
+    fits = fits and opts.on("fused_cache_write")
     return opts.mode("mla", fits) if fits else "reference"
 
 

@@ -67,7 +67,8 @@ class Options:
         (a CPU runs the kernels only in Pallas's interpreter).
     fused_cache_write: a decode step over an int8 cache writes its new latents (the kv_a norm, the rope, the
         quantisation, the paged stores) on one Pallas kernel (pallas_kernels/latent_write.py) where the MLA kernel
-        runs, instead of XLA's six kernels a layer (docs/kernels.md, "Cache entries in one kernel"). auto: on GPUs.
+        runs, instead of XLA's six kernels a layer (docs/kernels.md, "Cache entries in one kernel"). auto: off
+        (opt-in until a GPU run has checked its stores into caches over 4 GiB).
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a
@@ -129,7 +130,7 @@ class Options:
         resolved for this backend."""
         value = getattr(self, switch)
         if value == "auto":
-            gpu_only = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing", "fused_cache_write")
+            gpu_only = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")
             return switch in gpu_only and on_gpu()
         return bool(value)
 

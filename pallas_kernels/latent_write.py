@@ -41,7 +41,7 @@ def _quantize(v, exact: bool):
 
 
 def _kernel(
-    kv_ref, w_ref, rows_ref, cos_ref, sin_ref, pos_ref, valid_ref, table_ref, _kv_in, _s_in, kv_out, s_out,
+    kv_ref, w_ref, layer_ref, row_ref, cos_ref, sin_ref, pos_ref, valid_ref, table_ref, _kv_in, _s_in, kv_out, s_out,
     *, c: int, r: int, t: int, pages: int, eps: float, interleave: bool, exact: bool,
 ):  # fmt: skip
     """One token: its entry from the projection's row, stored at (cache layer, page, slot) unless the token is not
@@ -50,7 +50,7 @@ def _kernel(
     import jax.experimental.pallas.triton as plt
 
     n = pl.program_id(0)
-    layer, w_row = rows_ref[0], rows_ref[1]
+    layer, w_row = layer_ref[0], row_ref[0]
     page_size, max_pages = kv_out.shape[2], table_ref.shape[1]
     pos = pos_ref[n]
     block = pos // page_size
@@ -93,10 +93,19 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def applies(tokens: int, c: int, r: int, dtype) -> bool:
-    """Whether the kernel writes `tokens` new entries of a C + R latent projected in `dtype`: a decode step's
-    tokens, bf16, C and R/2 powers of two (the kernel's vectors)."""
-    return 0 < tokens <= MAX_TOKENS and dtype == jnp.bfloat16 and _pow2(c) and r % 2 == 0 and _pow2(r // 2)
+def addressable(cache_bytes: int) -> bool:
+    """Whether the kernel's stores reach every byte of an int8 cache of this size. Pallas's Triton lowering takes
+    32-bit element offsets up to 2^32 bytes and 64-bit ones past that; a signed 32-bit offset wraps past 2^31, so an
+    int8 cache between 2 and 4 GiB would have its last layers' entries stored outside it."""
+    return cache_bytes <= 2**31 or cache_bytes > 2**32
+
+
+def applies(tokens: int, c: int, r: int, dtype, cache_bytes: int = 0) -> bool:
+    """Whether the kernel writes `tokens` new entries of a C + R latent projected in `dtype` into an int8 cache of
+    `cache_bytes`: a decode step's tokens, bf16, C and R/2 powers of two (the kernel's vectors), a cache whose
+    every byte its offsets reach (`addressable`)."""
+    shapes = _pow2(c) and r % 2 == 0 and _pow2(r // 2)
+    return 0 < tokens <= MAX_TOKENS and dtype == jnp.bfloat16 and shapes and addressable(cache_bytes)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interleave", "interpret"))
@@ -114,11 +123,11 @@ def write_latents(
     b, t, width = kv.shape
     c = weight.shape[-1]
     r = width - c
-    if not applies(b * t, c, r, kv.dtype) or kv_cache.dtype != jnp.int8:
-        raise ValueError(f"latent_write takes a bf16 projection of C, R/2 powers of two into an int8 cache, got "
-                         f"{kv.dtype} [{b}, {t}, {c} + {r}] into {kv_cache.dtype}")  # fmt: skip
+    if not applies(b * t, c, r, kv.dtype, kv_cache.size) or kv_cache.dtype != jnp.int8:
+        raise ValueError(f"latent_write takes a bf16 projection of C, R/2 powers of two into an int8 cache of at "
+                         f"most 2 or over 4 GiB, got {kv.dtype} [{b}, {t}, {c} + {r}] into {kv_cache.dtype} "
+                         f"{kv_cache.shape}")  # fmt: skip
     cos, sin = (a.reshape(b * t, r // 2).astype(jnp.float32) for a in rope_table)
-    rows = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(weight_row, jnp.int32)])
     kernel = functools.partial(
         _kernel, c=c, r=r, t=t, pages=kv_cache.shape[1], eps=eps, interleave=interleave, exact=not interpret
     )
@@ -129,14 +138,16 @@ def write_latents(
             jax.ShapeDtypeStruct(scale_cache.shape, jnp.float32),
         ),
         grid=(b * t,),
-        input_output_aliases={8: 0, 9: 1},
+        input_output_aliases={9: 0, 10: 1},
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="latent_write",
     )(
         kv.reshape(b * t, width),
         weight.reshape(-1, c),
-        rows,
+        # Each index on its own: in the layer loop a stack of the two would be a launch of its own.
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        jnp.asarray(weight_row, jnp.int32).reshape(1),
         cos,
         sin,
         positions.reshape(-1).astype(jnp.int32),
