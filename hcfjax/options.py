@@ -14,7 +14,16 @@ from collections.abc import Mapping
 import jax
 
 KERNEL_MODES = ("auto", "kernel", "interpret", "reference")
-SWITCH = ("auto", True, False)  # auto: on a GPU backend only
+SWITCH = ("auto", True, False)  # the values a switch takes
+SWITCHES = (
+    "unroll_decode",
+    "two_rows",
+    "branch_free_sampling",
+    "sort_free_routing",
+    "fused_routing",
+    "fused_cache_write",
+)
+ON_GPUS = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")  # the switches auto turns on there
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
 PREFILL_ATTENTION = ("auto", "fused", "blocked")
@@ -100,8 +109,7 @@ class Options:
         for name in ("mla", "moe"):
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
-        switches = ("unroll_decode", "two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")
-        for name in (*switches, "fused_cache_write"):
+        for name in SWITCHES:
             if getattr(self, name) not in SWITCH:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -126,12 +134,10 @@ class Options:
         return mode
 
     def on(self, switch: str) -> bool:
-        """unroll_decode / two_rows / branch_free_sampling / sort_free_routing / fused_routing / fused_cache_write
-        resolved for this backend."""
+        """One of SWITCHES resolved for this backend (auto: on for those of ON_GPUS on a GPU, else off)."""
         value = getattr(self, switch)
         if value == "auto":
-            gpu_only = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")
-            return switch in gpu_only and on_gpu()
+            return switch in ON_GPUS and on_gpu()
         return bool(value)
 
     def prefill_attention_mode(self) -> str:
