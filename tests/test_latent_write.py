@@ -60,26 +60,18 @@ def test_applies_to_decode_tokens_in_bf16_and_caches_it_addresses():
     v2_lite = 27 * 2432 * 64 * 576
     assert applies(64, 512, 64, jnp.bfloat16, 2**31) and applies(64, 512, 64, jnp.bfloat16, 2**32 + 1)
     assert not applies(64, 512, 64, jnp.bfloat16, v2_lite) and not applies(64, 512, 64, jnp.bfloat16, 2**32)
-    with pytest.raises(ValueError, match="4 GiB"):
-        spec = jax.ShapeDtypeStruct
-        jax.eval_shape(
-            lambda k, s: write_latents(
-                k,
-                s,
-                0,
-                jnp.zeros((1, 1, 576), jnp.bfloat16),
-                jnp.ones((1, 512), jnp.bfloat16),
-                0,
-                (jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 32))),
-                jnp.zeros((1, 1), jnp.int32),
-                jnp.ones((1, 1), bool),
-                jnp.zeros((1, 38), jnp.int32),
-                eps=1e-6,
-                interleave=True,
-            ),  # fmt: skip
-            spec((27, 2432, 64, 576), jnp.int8),
-            spec((27, 2432, 2, 64), jnp.float32),
+    spec = jax.ShapeDtypeStruct
+    kv, weight, rope = spec((1, 1, 576), jnp.bfloat16), spec((1, 512), jnp.bfloat16), spec((1, 1, 32), jnp.float32)
+    rows, valid, table = spec((1, 1), jnp.int32), spec((1, 1), bool), spec((1, 38), jnp.int32)
+
+    def write(cache, scale, kv, weight, cos, sin, positions, valid, table):
+        return write_latents(
+            cache, scale, 0, kv, weight, 0, (cos, sin), positions, valid, table, eps=1e-6, interleave=True
         )
+
+    with pytest.raises(ValueError, match="4 GiB"):  # V2-Lite's cache at 64 slots and 2k context
+        cache, scale = spec((27, 2432, 64, 576), jnp.int8), spec((27, 2432, 2, 64), jnp.float32)
+        jax.eval_shape(write, cache, scale, kv, weight, rope, rope, rows, valid, table)
 
 
 def test_lowers_for_hopper():
