@@ -9,24 +9,31 @@ import jax.numpy as jnp
 
 from hcfjax import cache as kvcache
 from hcfjax import fp8, quant
-from hcfjax.attention import decode_mode
+from hcfjax.attention import decode_mode, latent_write_mode
 from hcfjax.config import ModelConfig
 from hcfjax.engine import memory
 from hcfjax.moe import route_mode
 from hcfjax.options import Options
 
 
-def kernels_in_use(cfg: ModelConfig, params: dict, cache_dtype, page_size: int, opts: Options) -> str:
+def kernels_in_use(
+    cfg: ModelConfig, params: dict, cache_dtype, page_size: int, opts: Options, cache_shape: tuple | None = None
+) -> str:
     """E.g. "Pallas MLA decode, Pallas int4 grouped GEMM": decode attention over a paged cache of `cache_dtype` in
     pages of `page_size` tokens, and the routed experts of `params` (", Pallas routing" where a decode step routes
-    on its kernels, Options.fused_routing)."""
+    on its kernels, Options.fused_routing; ", Pallas cache writes" where it writes its latents on theirs,
+    Options.fused_cache_write, into a cache of `cache_shape` [L, P, page, C + R], one page where not given)."""
     cache = kvcache.init_cache(cfg, 1, page_size, cache_dtype, num_layers=1)
     one = jnp.zeros((1, 1), jnp.int32)
     mode = decode_mode(cfg, cache, one, one[0], (1, 1), opts)
     mla = {"kernel": "Pallas MLA decode", "reference": "jnp MLA reference"}.get(mode, f"MLA {mode}")
     w = next((seg["mlp"]["experts"]["gate"] for seg in params["segments"] if "experts" in seg["mlp"]), None)
     routing = ", Pallas routing" if w is not None and route_mode(1, w.shape[0], opts) != "reference" else ""
-    return f"{mla}, {_experts_in_use(w, opts)}{routing}"
+    if cache_shape is not None:
+        cache = kvcache.KVCache(jax.ShapeDtypeStruct(cache_shape, cache.kv.dtype))
+    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), params["embed"].dtype)
+    writes = ", Pallas cache writes" if latent_write_mode(cfg, cache, x, opts) != "reference" else ""
+    return f"{mla}, {_experts_in_use(w, opts)}{routing}{writes}"
 
 
 def _experts_in_use(w, opts: Options) -> str:
@@ -47,7 +54,8 @@ def engine_summary(engine) -> str:
     m, c = engine.model, engine.config
     q = m.cfg.quantization
     cache = jnp.dtype(engine.runner.state.cache.kv.dtype).name
-    kernels = kernels_in_use(m.cfg, m.params, cache, c.page_size, c.options)
+    kv = engine.runner.state.cache.kv
+    kernels = kernels_in_use(m.cfg, m.params, cache, c.page_size, c.options, kv.shape)
     weights = f"{q.scheme} weights" if q is not None else f"{jnp.dtype(m.dtype).name} weights"
     if q is not None and q.fp8 is not None:
         block = "x".join(map(str, q.fp8.weight_block_size))

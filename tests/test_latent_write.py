@@ -148,4 +148,11 @@ def test_a_decode_step_writes_its_latents_on_the_kernel(monkeypatch):
     assert attention.latent_write_mode(cfg, cache, x.astype(jnp.float32), interpret) == "reference"
     bf16_cache = kvcache.init_cache(cfg, 2, page, jnp.bfloat16)
     assert attention.latent_write_mode(cfg, bf16_cache, x, interpret) == "reference"
-    assert attention.latent_write_mode(cfg, cache, x, attention.Options()) == "reference"  # auto: GPUs only
+    assert attention.latent_write_mode(cfg, cache, x, attention.Options()) == "reference"  # opt-in
+    from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
+
+    said = kernels_in_use(cfg, m.params, jnp.int8, page, interpret, cache.kv.shape)
+    assert said.endswith(", Pallas cache writes")
+    wraps = (27, 2432, 64, 576)  # a 2.4 GiB cache: XLA writes it
+    assert "cache writes" not in kernels_in_use(cfg, m.params, jnp.int8, page, interpret, wraps)
+    assert "cache writes" not in kernels_in_use(cfg, m.params, jnp.int8, page, attention.Options(mla="interpret"))
