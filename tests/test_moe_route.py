@@ -103,7 +103,7 @@ def test_moe_block_on_the_kernel_equals_the_block_without_it(hidden):
     assert moe.route_mode(257, cfg.n_routed_experts, fused) == "reference"
     from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
 
-    params = {"segments": [{"mlp": {"experts": {"gate": layer["experts"]["gate"]}}}]}
+    params = {"embed": jnp.zeros((1, cfg.hidden_size)), "segments": [{"mlp": {"experts": layer["experts"]}}]}
     said = [kernels_in_use(cfg, params, jnp.float32, 16, o) for o in (fused, Options(moe="interpret"))]
     assert said[0].endswith("XLA ragged_dot experts, Pallas routing") and "routing" not in said[1]
     assert applies(256, 64) and applies(256, 256) and not applies(257, 64) and not applies(64, 4096)
