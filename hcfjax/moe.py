@@ -88,6 +88,16 @@ def route_mode(n: int, num_experts: int, opts: Options = DEFAULT) -> str:
     return opts.mode("moe") if opts.on("fused_routing") and moe_route.applies(n, num_experts) else "reference"
 
 
+def route_on_kernels(partials, spec: RouteSpec, bias, real, x_q, interpret: bool, num_warps=None):
+    """A decode step's routing on the routing kernels, from the router's partial products [C, N, E]: the choice adds
+    them itself where `moe_route.adds_partials` (else XLA sums them first), and the copies' scales come with the
+    zero tail the int4 kernel reads past the last copy (no pad before it). -> `moe_route.route_copies`' outputs."""
+    logits = partials if moe_route.adds_partials(*partials.shape) else partials.sum(0)
+    return moe_route.route_copies(
+        logits, spec, bias, real, x_q, interpret=interpret, num_warps=num_warps, scales_tail=HS_PAD
+    )
+
+
 def experts(
     p: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, opts: Options = DEFAULT, x_q=None, copies=None
 ) -> jax.Array:
@@ -191,15 +201,12 @@ def moe(
     if mode == "reference":
         weights, ids = route_reference(partials.sum(0), route_spec(cfg), p.get("router_bias"))
     else:  # routed and put in expert order by the routing kernels, with the copies' int8 rows for int8 experts
-        logits = partials if moe_route.adds_partials(*partials.shape) else partials.sum(0)
         q = None
         if int8_activations(p["experts"]["gate"]):
             q = flat_q = quantize_tokens(flat, token_quant_mode(flat, opts)) if flat_q is None else flat_q
         keep = None if real is None else real.reshape(-1)
-        # The copies' scales come with the zero tail the int4 kernel reads past the last copy (no pad before it).
-        weights, ids, *copies = moe_route.route_copies(
-            logits, route_spec(cfg), p.get("router_bias"), keep, q, interpret=mode == "interpret", scales_tail=HS_PAD
-        )
+        bias = p.get("router_bias")
+        weights, ids, *copies = route_on_kernels(partials, route_spec(cfg), bias, keep, q, mode == "interpret")
     routed = ids
     if real is not None and experts_fn is None:  # past the last expert: counted in no group, sorted last
         routed = jnp.where(real.reshape(-1, 1), ids, num_experts)

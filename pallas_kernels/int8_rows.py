@@ -49,6 +49,11 @@ def _round(x, exact: bool):
     return _ptx("cvt.rni.f32.f32 $0, $1;", x) if exact else jnp.round(x)
 
 
+def to_int8(v, inv, exact: bool):
+    """f32 values v times their scale's reciprocal `inv`, rounded to even and clipped to [-127, 127], as int8."""
+    return jnp.clip(_round(v * inv, exact), -127.0, 127.0).astype(jnp.int8)
+
+
 def _columns(i, block: int, k: int):
     c = i * block + jnp.arange(block)
     return c, c < k
@@ -79,8 +84,7 @@ def _quantize_pass(row, q_ref, s_ref, *, k: int, block: int, exact: bool):
     @pl.loop(0, steps)
     def _(i):
         c, m = _columns(i, block, k)
-        v = _round(row(i, "evict_first") * inv, exact)
-        plt.store(q_ref.at[c], jnp.clip(v, -127.0, 127.0).astype(jnp.int8), mask=m)
+        plt.store(q_ref.at[c], to_int8(row(i, "evict_first"), inv, exact), mask=m)
 
 
 def _row_kernel(x_ref, q_ref, s_ref, *, k: int, block: int, exact: bool):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.int8_quant import INV_127
-from pallas_kernels.int8_rows import _round, ieee_div
+from pallas_kernels.int8_rows import ieee_div, to_int8
 
 MAX_TOKENS = 1024  # tokens up to which callers use the kernel (decode steps); a prefill chunk writes through XLA
 
@@ -37,7 +37,7 @@ def _quantize(v, exact: bool):
     max(|v|) times f32(1/127), the values times its reciprocal, rounded to even."""
     scale = jnp.full(v.shape, jnp.maximum(jnp.abs(v).max(), 1e-8) * INV_127)
     inv = ieee_div(jnp.full(v.shape, 1.0, jnp.float32), scale, exact)
-    return jnp.clip(_round(v * inv, exact), -127.0, 127.0).astype(jnp.int8), scale, inv
+    return to_int8(v, inv, exact), scale, inv
 
 
 def _kernel(
@@ -77,19 +77,16 @@ def _kernel(
     # The rope's two halves share one scale: quantise them as one vector of their maxima's larger.
     _, s_rope, inv_rope = _quantize(jnp.maximum(jnp.abs(rot1), jnp.abs(rot2)), exact)
 
-    def q_rope(v):
-        return jnp.clip(_round(v * inv_rope, exact), -127.0, 127.0).astype(jnp.int8)
-
     @pl.when(write)
     def _():
         kv_out[layer, page, slot, pl.ds(0, c)] = q_latent
-        kv_out[layer, page, slot, pl.ds(c, half)] = q_rope(rot1)
-        kv_out[layer, page, slot, pl.ds(c + half, half)] = q_rope(rot2)
+        kv_out[layer, page, slot, pl.ds(c, half)] = to_int8(rot1, inv_rope, exact)
+        kv_out[layer, page, slot, pl.ds(c + half, half)] = to_int8(rot2, inv_rope, exact)
         s_out[layer, page, 0, slot] = s_latent.max()
         s_out[layer, page, 1, slot] = s_rope.max()
 
 
-def _pow2(x: int) -> bool:
+def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
@@ -104,7 +101,7 @@ def applies(tokens: int, c: int, r: int, dtype, cache_bytes: int = 0) -> bool:
     """Whether the kernel writes `tokens` new entries of a C + R latent projected in `dtype` into an int8 cache of
     `cache_bytes`: a decode step's tokens, bf16, C and R/2 powers of two (the kernel's vectors), a cache whose
     every byte its offsets reach (`addressable`)."""
-    shapes = _pow2(c) and r % 2 == 0 and _pow2(r // 2)
+    shapes = _is_pow2(c) and r % 2 == 0 and _is_pow2(r // 2)
     return 0 < tokens <= MAX_TOKENS and dtype == jnp.bfloat16 and shapes and addressable(cache_bytes)
 
 

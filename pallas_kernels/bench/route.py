@@ -22,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax.bench.common import header, kernel_seconds, record_counts, traced_planes
-from hcfjax.moe import order_copies, route_spec
+from hcfjax.moe import order_copies, route_on_kernels, route_spec
 from hcfjax.options import Options
 from hcfjax.random_model import preset_config
-from pallas_kernels.moe_int4 import HS_PAD
-from pallas_kernels.moe_route import adds_partials, applies, default_warps, route_copies, route_reference
+from pallas_kernels.moe_route import applies, default_warps, route_reference
 
 
 def xla_routing(spec, e: int):
@@ -97,8 +96,7 @@ def run_case(gate: str, n: int, warps: list[int | None], rng) -> list[list[str]]
     for w in warps:
 
         def kernel(partials, bias, real, x_q, w=w):  # as hcfjax.moe.moe routes on the kernels
-            logits = partials if adds_partials(*partials.shape) else partials.sum(0)
-            return route_copies(logits, spec, bias, real, x_q, interpret=not gpu, num_warps=w, scales_tail=HS_PAD)
+            return route_on_kernels(partials, spec, bias, real, x_q, not gpu, num_warps=w)
 
         fn = jax.jit(kernel)
         us, launches, per = timed(fn, args)
