@@ -426,3 +426,24 @@ def test_route_bench_checks_the_kernel_against_the_models_routing(capsys):
     assert route.kernels_label(8, per) == "kernels, 8 warps (choose 4.1 + place 4.5)"
     got = (w * (1 + 1e-5), ids, sizes, pos[::-1], token, ([2, 2], want[5][1]))
     assert route.check(got, want) == "DIFFERS: weights, places, rows"
+
+
+def test_latent_write_bench_compares_the_whole_cache_with_xlas_path(capsys, monkeypatch):
+    """bench.latent_write on a CPU: the kernel (interpreted) against XLA's norm, rope and cache.write, every byte of
+    the cache compared; a planted difference is counted; a size the kernel's offsets cannot reach runs XLA only."""
+    import numpy as np
+
+    from hcfjax import cache as kvcache
+    from pallas_kernels.bench import latent_write
+
+    latent_write.main(["--preset", "tiny-v3", "--tokens", "8", "--cache-gib", "0.0002"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.00")]
+    assert [r[1] for r in rows[:2]] == ["XLA (the model without it)", "kernel"]
+    assert rows[1][-1] == "identical |" and rows[1][2] == "n/a"
+    a = kvcache.KVCache(jnp.zeros((2, 3, 4, 8), jnp.int8), jnp.ones((2, 3, 2, 4)))
+    b = kvcache.KVCache(a.kv.at[1, 2, 3, :2].set(-3), a.scale.at[0, 0, 1, 1].set(2.0))
+    assert latent_write.differences(a, a) == "identical"
+    assert latent_write.differences(b, a) == "2 bytes differ (by at most 3), 1 scales"
+    monkeypatch.setattr(latent_write, "addressable", lambda size: False)
+    rows = latent_write.run_case("tiny-v3", 8, 0.0002, np.random.default_rng(0))
+    assert rows[1][1:] == ["kernel", "n/a", "n/a", "refused: 32-bit offsets would wrap (2-4 GiB)"]
