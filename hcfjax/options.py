@@ -23,7 +23,8 @@ SWITCHES = (
     "fused_routing",
     "fused_cache_write",
 )
-ON_GPUS = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing")  # the switches auto turns on there
+# The switches auto turns on on GPUs.
+ON_GPUS = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing", "fused_cache_write")
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
 PREFILL_ATTENTION = ("auto", "fused", "blocked")
@@ -76,8 +77,8 @@ class Options:
         (a CPU runs the kernels only in Pallas's interpreter).
     fused_cache_write: a decode step over an int8 cache writes its new latents (the kv_a norm, the rope, the
         quantisation, the paged stores) on one Pallas kernel (pallas_kernels/latent_write.py) where the MLA kernel
-        runs, instead of XLA's six kernels a layer (docs/kernels.md, "Cache entries in one kernel"). auto: off
-        (opt-in until a GPU run has checked its stores into caches over 4 GiB).
+        runs, instead of XLA's six kernels a layer (docs/kernels.md, "Cache entries in one kernel"), in caches the
+        kernel's offsets address (up to 2 GiB or over 4 GiB; `latent_write.addressable`). auto: on GPUs.
     xla_gemm: the library behind XLA's own matrix products on GPUs (the projections the Pallas kernels do not run):
         cublas, or triton (XLA's default: Triton GEMM fusions). Inside the layer loop a product reads its layer's
         weight out of the stacked array: cuBLAS takes that slice where it lies (XLA's dynamic-slice fusion), a

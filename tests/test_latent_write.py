@@ -148,7 +148,7 @@ def test_a_decode_step_writes_its_latents_on_the_kernel(monkeypatch):
     assert attention.latent_write_mode(cfg, cache, x.astype(jnp.float32), interpret) == "reference"
     bf16_cache = kvcache.init_cache(cfg, 2, page, jnp.bfloat16)
     assert attention.latent_write_mode(cfg, bf16_cache, x, interpret) == "reference"
-    assert attention.latent_write_mode(cfg, cache, x, attention.Options()) == "reference"  # opt-in
+    assert attention.latent_write_mode(cfg, cache, x, attention.Options()) == "reference"  # auto: GPUs only
     from hcfjax.kernels import kernels_in_use  # what `serve` and the benchmarks say a decode step runs
 
     said = kernels_in_use(cfg, m.params, jnp.int8, page, interpret, cache.kv.shape)

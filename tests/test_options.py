@@ -63,8 +63,9 @@ def test_fused_routing_is_on_for_gpus_unless_turned_off(monkeypatch):
 
 
 def test_fused_cache_write_is_on_for_gpus_unless_turned_off(monkeypatch):
-    """Options.fused_cache_write: opt-in (auto: off, GPUs included); HCFJAX_FUSED_CACHE_WRITE=1 writes a decode
-    step's latents into an int8 cache on the kernel, in the MLA kernels' mode; other values are refused."""
+    """Options.fused_cache_write: auto is on for GPUs and off elsewhere; HCFJAX_FUSED_CACHE_WRITE=1 writes a decode
+    step's latents into an int8 cache on the kernel, in the MLA kernels' mode, =0 on XLA; other values are
+    refused."""
     import jax.numpy as jnp
 
     from hcfjax import attention, options
@@ -78,8 +79,8 @@ def test_fused_cache_write_is_on_for_gpus_unless_turned_off(monkeypatch):
     forced = Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "1", "HCFJAX_MLA": "interpret"})
     assert attention.latent_write_mode(cfg, cache, x, forced) == "interpret"
     monkeypatch.setattr(options, "on_gpu", lambda: True)
-    assert attention.latent_write_mode(cfg, cache, x, Options()) == "reference"
-    on = Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "1"})
-    assert attention.latent_write_mode(cfg, cache, x, on) == "kernel"
+    assert attention.latent_write_mode(cfg, cache, x, Options()) == "kernel"
+    off = Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "0"})
+    assert attention.latent_write_mode(cfg, cache, x, off) == "reference"
     with pytest.raises(ValueError, match="HCFJAX_FUSED_CACHE_WRITE"):
         Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "yes"})
