@@ -48,6 +48,9 @@ def lower_triton_for_hopper(fn, *args) -> str:
 
 def trace_for_hopper(fn, *args) -> None:
     """Traces fn(*args) as for sm_90 without lowering it: the kernels' Python bodies run (their pipelines and
-    block shapes are built), in a tenth of the time of lower_for_hopper, which also runs Mosaic's lowering."""
-    with hopper_arch():
+    block shapes are built), in a tenth of the time of lower_for_hopper, which also runs Mosaic's lowering (here
+    lowering_cache lowers nothing either)."""
+    from pallas_kernels import lowering_cache  # (which imports this module)
+
+    with hopper_arch(), lowering_cache.inlined():
         jax.jit(fn).trace(*args)

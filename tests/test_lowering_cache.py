@@ -121,6 +121,26 @@ def test_a_discovery_trace_without_processes_lowers_nothing():
     assert lowering_cache.lowered_kernels() == before and out.shape == (24, 128)
 
 
+def test_an_inlined_trace_runs_the_kernel_body_and_lowers_nothing(monkeypatch):
+    """Within `inlined` (cross_lower.trace_for_hopper's trace) a launch traces the kernel into the program: nothing
+    is lowered or registered, and a later trace outside lowers it as usual (the inlined trace is not reused)."""
+    from pallas_kernels.cross_lower import trace_for_hopper
+
+    x = jax.ShapeDtypeStruct((24, 256), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((4, 128, 128), jnp.uint8)
+    scale = jax.ShapeDtypeStruct((4, 2, 128), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    lowerings = []
+    real = mgpu_core.lower_mgpu_module
+    monkeypatch.setattr(mgpu_core, "lower_mgpu_module", lambda *a, **k: lowerings.append(1) or real(*a, **k))
+    before = lowering_cache.lowered_kernels()
+    f = jax.jit(lambda x, q, s, g: int4_ragged_dot(x, q, s, g, act="bf16"))
+    trace_for_hopper(f, x, q, scale, sizes)
+    assert lowering_cache.lowered_kernels() == before and lowerings == []
+    f.trace(x, q, scale, sizes).lower(lowering_platforms=("cuda",))
+    assert lowering_cache.lowered_kernels() == before + 1 and len(lowerings) == 1
+
+
 def test_lowering_contexts_share_one_pool_until_the_last_is_left(monkeypatch):
     """lowering_processes entered again (a prefill worker's warm-up around compile_all, another thread's compiles)
     takes the pool already there; leaving the first context keeps it for the other, leaving the last ends it."""

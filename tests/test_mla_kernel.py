@@ -36,28 +36,30 @@ pytestmark = pytest.mark.usefixtures("reset_interpreter")
 
 def make(seed, lengths, t, h, max_pages, quant=False, zero_latent=False):
     """Random queries and a cache in shuffled pages; spare pages hold garbage that must never be read. zero_latent
-    (int8): every 7th token's latent is zero with a zero scale, as in a zero-initialised cache."""
-    return _make(seed, jnp.asarray(lengths, jnp.int32), t, h, max_pages, quant, zero_latent)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))  # one compiled program, not one per op (the same bits)
-def _make(seed, lengths, t, h, max_pages, quant, zero_latent):
+    (int8): every 7th token's latent is zero with a zero scale, as in a zero-initialised cache. Drawn with numpy (no
+    program to compile per shape; bf16 by ml_dtypes' round-to-nearest-even, as XLA's convert)."""
+    rng = np.random.default_rng(seed)
     b = len(lengths)
-    ks = jax.random.split(jax.random.key(seed), 4)
     n_pages = b * max_pages + 2
-    qn = jax.random.normal(ks[0], (b, t, h, C), jnp.float32).astype(jnp.bfloat16)
-    qp = jax.random.normal(ks[1], (b, t, h, R), jnp.float32).astype(jnp.bfloat16)
-    kv = jax.random.normal(ks[2], (n_pages, PAGE, C + R), jnp.float32)
-    pt = jax.random.permutation(ks[3], n_pages)[: b * max_pages].reshape(b, max_pages).astype(jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
+    qn = rng.standard_normal((b, t, h, C), np.float32).astype(jnp.bfloat16)
+    qp = rng.standard_normal((b, t, h, R), np.float32).astype(jnp.bfloat16)
+    kv = rng.standard_normal((n_pages, PAGE, C + R), np.float32)
+    pt = rng.permutation(n_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    qn, qp, pt, lengths = jnp.asarray(qn), jnp.asarray(qp), jnp.asarray(pt), jnp.asarray(lengths, jnp.int32)
     if quant:
-        qc, sc = quantize_int8(kv[..., :C])
-        qr, sr = quantize_int8(kv[..., C:])
-        if zero_latent:
-            zero = (jnp.arange(PAGE) % 7 == 3)[None, :]
-            qc, sc = jnp.where(zero[..., None], 0, qc).astype(jnp.int8), jnp.where(zero, 0.0, sc)
-        return qn, qp, jnp.concatenate([qc, qr], -1), jnp.stack([sc, sr], -1), pt, lengths
-    return qn, qp, kv.astype(jnp.bfloat16), None, pt, lengths
+        kv, sc = _quantize_cache(kv, zero_latent)
+        return qn, qp, kv, sc, pt, lengths
+    return qn, qp, jnp.asarray(kv.astype(jnp.bfloat16)), None, pt, lengths
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one compiled program, not one per op (the same bits)
+def _quantize_cache(kv, zero_latent):
+    qc, sc = quantize_int8(kv[..., :C])
+    qr, sr = quantize_int8(kv[..., C:])
+    if zero_latent:
+        zero = (jnp.arange(PAGE) % 7 == 3)[None, :]
+        qc, sc = jnp.where(zero[..., None], 0, qc).astype(jnp.int8), jnp.where(zero, 0.0, sc)
+    return jnp.concatenate([qc, qr], -1), jnp.stack([sc, sr], -1)
 
 
 def float64_attention(qn, qp, kv, scales, pt, lengths, scale):
@@ -87,6 +89,15 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+# The kernel (interpreted), the reference and the qk8 queries, each jitted as the model runs them: one compiled
+# program, not one per op (the same numbers either way), shared by the calls of one shape and settings.
+STATIC = ("kv_lora_rank", "blocks_per_split", "return_lse", "interpret", "num_sms", "min_blocks_per_split", "pair")
+STATIC += ("registers", "qk8", "profile", "f16", "transposed", "converters")
+kernel = jax.jit(M.mla_decode, static_argnums=5, static_argnames=STATIC)
+reference = jax.jit(M.mla_decode_reference, static_argnums=5, static_argnames="return_lse")
+_quantized_queries = jax.jit(lambda qn, qp: M.dequantize_queries(*M.quantize_queries(qn, qp)))
+
+
 def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_latent=False, **kw):
     qn, qp, kv, sc, pt, lengths = make(seed, lengths, t, h, max_pages=max_pages, quant=quant, zero_latent=zero_latent)
     scale = C**-0.5 * 3  # sharp enough that a wrong mask or rescale shows
@@ -94,18 +105,15 @@ def check_kernel(seed, lengths, t, h, max_pages, mode=None, quant=False, zero_la
         plan_kw = {k: kw[k] for k in ("num_sms", "min_blocks_per_split", "blocks_per_split") if k in kw}
         plan = jax.eval_shape(lambda lengths: M.mla_plan(lengths, max_pages, PAGE, h, t, **plan_kw), lengths)
         assert plan.mode == mode  # (static: tracing the plan decides it)
-    # jitted as the model runs it: one compiled program, not one per interpreted op (the same numbers either way)
-    kernel = jax.jit(functools.partial(M.mla_decode, return_lse=True, interpret=True, **kw), static_argnums=5)
-    out, lse = kernel(qn, qp, kv, pt, lengths, scale, scales=sc)
+    out, lse = kernel(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True, **kw)
     assert out.shape == (len(lengths), t, h, C) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten (NaN-poisoned) output"
     # qk8: the kernel's function is attention with the queries quantised per head (and part), as the cache is per
     # token; the truth is computed from those queries.
-    q_truth = M.dequantize_queries(*M.quantize_queries(qn, qp)) if kw.get("qk8") else (qn, qp)
+    q_truth = _quantized_queries(qn, qp) if kw.get("qk8") else (qn, qp)
     want, want_lse = float64_attention(*q_truth, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 1e-2
-    reference = jax.jit(functools.partial(M.mla_decode_reference, return_lse=True), static_argnums=5)
-    ref, ref_lse = reference(*q_truth, kv, pt, lengths, scale, scales=sc)
+    ref, ref_lse = reference(*q_truth, kv, pt, lengths, scale, scales=sc, return_lse=True)
     assert rel(np.asarray(ref, np.float32), want) < 1e-2
     # Against the truth, not the reference: the int8 kernel scales S instead of dequantising the cache to bf16.
     finite = np.isfinite(want_lse)
@@ -130,16 +138,18 @@ def test_kernel_matches_reference(lengths, t, h, kw):
 
 
 def test_batch_1_long_context_splits_over_the_chip():
-    # 1000 tokens (16 blocks, the last ending mid-block) over 16 SMs: 16 one-block units merged by log-sum-exp.
-    check_kernel(23, [1000], 1, 16, max_pages=16, num_sms=16, min_blocks_per_split=1, mode="dense")
+    # 400 tokens (7 blocks, the last ending mid-block) over 7 SMs: 7 one-block units merged by log-sum-exp.
+    check_kernel(23, [400], 1, 16, max_pages=7, num_sms=7, min_blocks_per_split=1, mode="dense")
+
+
+# Ragged rows in a 3-page table: lengths 0, 1, a block's end and either side of it, mid-page, a full table. 3 SMs
+# (one unit each, with the rows: 10 CTAs, 3 of them padding) give B * max_units > 2 * units, the sparse merge (as 128
+# rows on 132 SMs would be): single-unit rows are written by the kernel and the combine kernel passes over them.
+RAGGED = [0, 1, 192, 63, 64, 65, 123]
 
 
 def test_ragged_batch_of_mixed_lengths():
-    # 20 rows in a 3-page table: lengths 0, 1, mid-page, a full table and random short ones. 8 SMs gives
-    # B * max_units > 2 * units, so single-unit rows are written by the kernel and the others merged by the combine
-    # kernel (as 128 rows on 132 SMs would be).
-    lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 14))
-    check_kernel(37, lengths, 1, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
+    check_kernel(37, RAGGED, 1, 16, max_pages=3, num_sms=3, min_blocks_per_split=1, mode="sparse")
 
 
 @pytest.mark.parametrize(
@@ -170,9 +180,8 @@ def test_stacked_tokens_match_reference(t, quant, kw):
 
 
 def test_stacked_tokens_through_the_combine_kernel():
-    # T=3 x 16 heads stacked, 20 ragged rows over 8 SMs: the combine kernel merges all of a row's tokens at once.
-    lengths = [0, 1, 192, 63, 64, 65] + list(np.random.default_rng(1).integers(1, 130, 14))
-    check_kernel(47, lengths, 3, 16, max_pages=3, num_sms=8, min_blocks_per_split=1, mode="sparse")
+    # T=3 x 16 heads stacked, the ragged rows over 3 SMs: the combine kernel takes all of a row's tokens at once.
+    check_kernel(47, RAGGED, 3, 16, max_pages=3, num_sms=3, min_blocks_per_split=1, mode="sparse")
 
 
 def test_head_tiles_stack_tokens_that_fit_one_tile():
@@ -193,7 +202,7 @@ def test_int8_kernel_in_fp16_keeps_the_scales_range(lat, rope):
     # softmax scale keeps the usual logits (the rope's, in the second case).
     qn, qp, kv, sc, pt, lengths = make(5, [1, 150, 255], 1, 16, max_pages=4, quant=True)
     sc, scale = sc * jnp.asarray([lat, rope]), C**-0.5 * 3 / rope
-    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True)
+    out, lse = kernel(qn, qp, kv, pt, lengths, scale, scales=sc, return_lse=True, interpret=True)
     want, want_lse = float64_attention(qn, qp, kv, sc, pt, lengths, scale)
     assert rel(np.asarray(out, np.float32), want) < 5e-3
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-3, atol=1e-2)
@@ -294,11 +303,11 @@ def test_plan_picks_the_merge_by_the_static_shapes(b, ctx, min_blocks, mode):
 def test_queries_with_no_visible_key_give_zeros():
     # T=3 with a single cached token: the first two queries sit at negative positions (mock/padding rows).
     qn, qp, kv, _, pt, lengths = make(3, [1], 3, 16, max_pages=1)
-    out, lse = M.mla_decode(qn, qp, kv, pt, lengths, 0.1, return_lse=True, interpret=True)
+    out, lse = kernel(qn, qp, kv, pt, lengths, 0.1, return_lse=True, interpret=True)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any()
     assert (out[0, :2] == 0).all() and np.isneginf(np.asarray(lse)[0, :2]).all()
-    ref, ref_lse = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1, return_lse=True)
+    ref, ref_lse = reference(qn, qp, kv, pt, lengths, 0.1, return_lse=True)
     assert rel(out, np.asarray(ref, np.float32)) < 1e-2
 
 
@@ -307,8 +316,8 @@ def test_positions_match_a_ragged_chunk():
     qn, qp, kv, _, pt, _ = make(5, [1, 1], 3, 16, max_pages=2)
     lengths = jnp.array([100, 42], jnp.int32)
     positions = jnp.array([[97, 98, 99], [40, 41, 0]], jnp.int32)
-    out = M.mla_decode(qn, qp, kv, pt, lengths, 0.2, positions=positions, interpret=True)
-    ref = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.2, positions=positions)
+    out = kernel(qn, qp, kv, pt, lengths, 0.2, positions=positions, interpret=True)
+    ref = reference(qn, qp, kv, pt, lengths, 0.2, positions=positions)
     assert rel(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 1e-2
     # the padded query sees exactly key 0
     np.testing.assert_allclose(np.asarray(ref[1, 2], np.float32), np.broadcast_to(kv[pt[1, 0], 0, :C], (16, C)))
@@ -316,12 +325,10 @@ def test_positions_match_a_ragged_chunk():
 
 def test_reference_int8_dequantizes_per_token():
     qn, qp, kv, sc, pt, lengths = make(11, [70, 5], 2, 16, max_pages=2, quant=True)
-    ref = M.mla_decode_reference(qn.astype(jnp.float32), qp.astype(jnp.float32), kv, pt, lengths, 0.1, scales=sc)
+    ref = reference(qn.astype(jnp.float32), qp.astype(jnp.float32), kv, pt, lengths, 0.1, scales=sc)
     assert rel(np.asarray(ref), float64_attention(qn, qp, kv, sc, pt, lengths, 0.1)[0]) < 1e-5
-    minor = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1, scales=jnp.swapaxes(sc, 1, 2))  # token-minor
-    np.testing.assert_array_equal(
-        np.asarray(minor), np.asarray(M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1, scales=sc))
-    )
+    minor = reference(qn, qp, kv, pt, lengths, 0.1, scales=jnp.swapaxes(sc, 1, 2))  # token-minor
+    np.testing.assert_array_equal(np.asarray(minor), np.asarray(reference(qn, qp, kv, pt, lengths, 0.1, scales=sc)))
 
 
 @pytest.mark.parametrize("layer", [None, 1])
@@ -340,11 +347,11 @@ def test_kernel_scales_index_the_same_token_in_both_layouts(layer):
 
 
 def test_model_layer_index_reads_that_layer():
-    qn, qp, kv, _, pt, lengths = make(17, [50, 130, 7], 1, 16, max_pages=3)
+    qn, qp, kv, _, pt, lengths = make(17, [50, 100, 7], 1, 16, max_pages=2)  # the second row in two units
     decoy = jax.random.normal(jax.random.key(5), kv.shape, jnp.float32).astype(kv.dtype)
     stacked = jnp.stack([decoy, kv, decoy])  # [L=3, P, page, C+R]: any other offset reads a decoy
-    out = M.mla_decode(qn, qp, stacked, pt, lengths, 0.1, layer=jnp.int32(1), interpret=True, blocks_per_split=1)
-    want = M.mla_decode_reference(qn, qp, kv, pt, lengths, 0.1)
+    out = kernel(qn, qp, stacked, pt, lengths, 0.1, layer=jnp.int32(1), interpret=True, blocks_per_split=1)
+    want = reference(qn, qp, kv, pt, lengths, 0.1)
     assert rel(np.asarray(out, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
@@ -353,12 +360,12 @@ def test_int8_kernel_reads_its_layer_of_a_stacked_cache(minor, qk8):
     # The kernel adds the layer's offset to the page table itself, for the cache and for token-minor scales; scales
     # gathered in the table's order are found by row and column (also with Q.K on int8, qk8). Layer 0 is a decoy
     # the kernel must not read.
-    qn, qp, kv, sc, pt, lengths = make(19, [130, 7, 64], 1, 16, max_pages=3, quant=True)
+    qn, qp, kv, sc, pt, lengths = make(19, [100, 7, 64], 1, 16, max_pages=2, quant=True)  # the first in two units
     decoy = jnp.zeros_like(sc).at[..., 0].set(1e3)
     scales = jnp.stack([decoy, sc])
     if minor:
         scales = jnp.swapaxes(scales, -1, -2)
-    out = M.mla_decode(
+    out = kernel(
         qn,
         qp,
         jnp.stack([kv[::-1], kv]),
@@ -429,8 +436,17 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         assert seen.pop() == want, (heads, t, qk8, conv, dtype)
 
 
+@pytest.fixture(scope="module")
+def two_layer_model():
+    """(cfg, model) of a random 2-layer tiny-v3 in bf16 (C=128, R=64), made once for the cases that read it."""
+    from hcfjax.random_model import preset_config, random_model
+
+    cfg = preset_config("tiny-v3", num_hidden_layers=2, kv_lora_rank=128, qk_rope_head_dim=64)
+    return cfg, random_model(cfg, seed=3, dtype=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("int8", [False, True])
-def test_model_decode_shares_one_plan_across_layers(monkeypatch, int8):
+def test_model_decode_shares_one_plan_across_layers(monkeypatch, two_layer_model, int8):
     """A decode step of a 2-layer model (a dense and an MoE segment, so two scans) with the kernel in interpret mode:
     the forward builds one plan for both layers, leaves none behind, and gives the reference path's logits; also
     over an int8 cache, whose token-minor scales the kernel reads in place."""
@@ -438,10 +454,8 @@ def test_model_decode_shares_one_plan_across_layers(monkeypatch, int8):
     from hcfjax.attention import CacheContext
     from hcfjax.model import hidden_states, logits
     from hcfjax.options import Options
-    from hcfjax.random_model import preset_config, random_model
 
-    cfg = preset_config("tiny-v3", num_hidden_layers=2, kv_lora_rank=128, qk_rope_head_dim=64)
-    m = random_model(cfg, seed=3, dtype=jnp.bfloat16)
+    cfg, m = two_layer_model
     b, page, pages = 3, PAGE, 3
     kv = jax.random.normal(jax.random.key(5), (2, b * pages, page, 192), jnp.float32)
     if int8:

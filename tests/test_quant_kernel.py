@@ -14,6 +14,18 @@ from hcfjax import quant
 from hcfjax.cache import quantize_int8
 from tests.conftest import make_tiling
 
+# The references jitted: one compiled program per shape, not one per op (w4a8's is ~40 ops, ~1 s a call op by op);
+# the results are the op-by-op ones, bit for bit, at these shapes.
+ragged_dot_reference = jax.jit(quant.ragged_dot_reference)
+
+
+def gated_reference(x, gate, up, group_sizes, act="bf16", quant_out=False):
+    from pallas_kernels.moe_int4 import int4_gated_reference
+
+    return jax.jit(int4_gated_reference, static_argnames=("act", "quant_out"))(
+        x, gate, up, group_sizes, act=act, quant_out=quant_out
+    )
+
 
 def test_unpack_bit_tricks_give_the_nibbles():
     """The kernel's register-level unpacking (pallas_kernels/int4_unpack.py), run on numpy through the same code the
@@ -77,12 +89,13 @@ def test_kernel_matches_reference_interpret(k, n, sizes, tiling, act):
     from pallas_kernels.moe_int4 import int4_ragged_dot
 
     e, m = len(sizes), sum(sizes) + 3
-    w = jax.random.normal(jax.random.key(k + n), (e, k, n)) / 16
-    x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(k + n)  # (numpy: no program to compile per shape)
+    w = jnp.asarray(rng.standard_normal((e, k, n), np.float32) / 16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
     gs = jnp.array(sizes, jnp.int32)
     qw = quant.quantize(w, 4, act)
     t = make_tiling(tiling)
-    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    ref = np.asarray(ragged_dot_reference(x, qw, gs), np.float32)
     y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
     assert not y[sum(sizes) :].any()
@@ -147,7 +160,7 @@ def test_kernel_group_256_interpret(act):
     x = jax.random.normal(jax.random.key(1), (sum(sizes) + 3, k)).astype(jnp.bfloat16)
     gs = jnp.array(sizes, jnp.int32)
     qw = quant.quantize(w, 4, act, group=256)
-    ref = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    ref = np.asarray(ragged_dot_reference(x, qw, gs), np.float32)
     t = Tiling(32, 64, 2, gps=2)
     y = np.asarray(int4_ragged_dot(x, qw.q, qw.scale, gs, act=act, interpret=True, tiling=t), np.float32)
     np.testing.assert_allclose(y, ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
@@ -157,7 +170,7 @@ def test_kernel_group_256_interpret(act):
 @pytest.mark.parametrize("act", ["bf16", "int8"])
 def test_gated_kernel_matches_reference_interpret(act):
     """silu(x @ Wg) * (x @ Wu) in one kernel (two weights, one token tile), with an empty group and a partial block."""
-    from pallas_kernels.moe_int4 import int4_gated_ragged_dot, int4_gated_reference
+    from pallas_kernels.moe_int4 import int4_gated_ragged_dot
     from pallas_kernels.moe_int4_tiling import Tiling
 
     k, n, sizes = 256, 128, [9, 0, 30]
@@ -167,7 +180,7 @@ def test_gated_kernel_matches_reference_interpret(act):
     x = jax.random.normal(jax.random.key(2), (m, k)).astype(jnp.bfloat16)
     gs = jnp.array(sizes, jnp.int32)
     gate, up = (qg.q, qg.scale), (qu.q, qu.scale)
-    ref = np.asarray(int4_gated_reference(x, gate, up, gs, act), np.float32)
+    ref = np.asarray(gated_reference(x, gate, up, gs, act), np.float32)
     # w4a8 (the fused path the model runs) also split-K (gate and up partials side by side, SiLU after the sum) and
     # with each tile unpacked just before its wgmmas (the order the bench compares against)
     tilings = [Tiling(16, 128, 2)] + [Tiling(16, 128, 1, splits=2), Tiling(16, 128, 2, unpack_first=False)] * (
@@ -203,7 +216,7 @@ def test_warpgroups_sharing_token_tiles_interpret():
     )
     y = single(ws)
     np.testing.assert_array_equal(y, single(one))
-    exact = np.asarray(quant.ragged_dot_reference(x, qw, gs), np.float32)
+    exact = np.asarray(ragged_dot_reference(x, qw, gs), np.float32)
     np.testing.assert_allclose(y, exact, atol=1e-2 * np.abs(exact).max(), rtol=1e-2)
     assert not y[sum(sizes) :].any()
     gated = lambda t: np.asarray(  # noqa: E731
@@ -219,7 +232,7 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     group, a partial block, rows past the groups, two groups per N tile); the down projection takes those per-group
     scales and matches the reference given the same operands, also over an odd number of K groups two per step."""
     from hcfjax.quant import quantize_int8_groups
-    from pallas_kernels.moe_int4 import HS_PAD, int4_gated_ragged_dot, int4_gated_reference, int4_ragged_dot
+    from pallas_kernels.moe_int4 import HS_PAD, int4_gated_ragged_dot, int4_ragged_dot
     from pallas_kernels.moe_int4_tiling import Tiling
 
     k, n, sizes = 256, 256, [9, 0, 30]
@@ -237,14 +250,14 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     want_q, want_s = quantize_int8_groups(h)
     np.testing.assert_array_equal(np.asarray(hq), np.asarray(want_q))
     np.testing.assert_array_equal(np.asarray(hs[:, :m]), np.asarray(want_s))
-    ref_q, ref_s = int4_gated_reference(x, gate, up, gs, "int8", quant_out=True)  # bf16-rounding away from it
+    ref_q, ref_s = gated_reference(x, gate, up, gs, "int8", quant_out=True)  # bf16-rounding away from it
     got, want = (np.asarray(quant.dequantize_int8_groups(*pair)) for pair in ((hq, hs), (ref_q, ref_s)))
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
     y = int4_ragged_dot(h, qd.q, qd.scale, gs, act="int8", interpret=True, tiling=Tiling(16, 128, 2), x_q=(hq, hs))
-    ref = np.asarray(quant.ragged_dot_reference(h, qd, gs, x_q=(hq, hs)), np.float32)
+    ref = np.asarray(ragged_dot_reference(h, qd, gs, x_q=(hq, hs)), np.float32)
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=1e-2 * np.abs(ref).max(), rtol=1e-2)
     assert not np.asarray(y, np.float32)[sum(sizes) :].any()
-    per_token = np.asarray(quant.ragged_dot_reference(h, qd, gs), np.float32)  # finer scales, the same product
+    per_token = np.asarray(ragged_dot_reference(h, qd, gs), np.float32)  # finer scales, the same product
     np.testing.assert_allclose(ref, per_token, atol=0.03 * np.abs(per_token).max())
     # three K groups in two pipeline steps (V2-Lite's down projection is eleven): the last step's TMAs run past K
     # for the weights, their scales, the tokens and the tokens' per-group scales, and must add nothing
@@ -254,5 +267,5 @@ def test_gated_kernel_quantises_its_output_for_the_down_projection_interpret():
     qd3 = quant.quantize(jax.random.normal(kd, (e, 3 * 128, k)) / 4, 4, "int8")
     t3 = Tiling(16, 128, 2, gps=2)
     y3 = int4_ragged_dot(h3, qd3.q, qd3.scale, gs, act="int8", interpret=True, tiling=t3, x_q=(hq3, hs3))
-    ref3 = np.asarray(quant.ragged_dot_reference(h3, qd3, gs, x_q=(hq3, hs3)), np.float32)
+    ref3 = np.asarray(ragged_dot_reference(h3, qd3, gs, x_q=(hq3, hs3)), np.float32)
     np.testing.assert_allclose(np.asarray(y3, np.float32), ref3, atol=1e-2 * np.abs(ref3).max(), rtol=1e-2)
