@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -40,12 +42,20 @@ def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens, excha
     ranks = plan.mesh.shape["ep"]
     tokens, b = pad_rows(np.asarray(tokens, np.int32), ranks)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-    specs = param_specs(params, plan)
+    spec_leaves, spec_tree = jax.tree.flatten(param_specs(params, plan))
+    fn = _decode_plan_forward(plan, cfg, exchange, tuple(spec_leaves), spec_tree)
+    rows = NamedSharding(plan.mesh, P("ep"))
+    return fn(params, jax.device_put(tokens, rows), jax.device_put(positions, rows))[:b]
+
+
+@functools.cache
+def _decode_plan_forward(plan: Plan, cfg: ModelConfig, exchange: str, spec_leaves: tuple, spec_tree):
+    """decode_plan_logits' jitted shard_map, one per plan, model and params' layout (a second call with the same
+    ones compiles nothing)."""
+    specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
     def local(p, t, pos):
         h, _ = hidden_states(p, cfg, t, pos, experts_fn=ep_experts("ep", exchange))
         return logits(p, h)
 
-    fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P("ep"), P("ep")), out_specs=P("ep")))
-    rows = NamedSharding(plan.mesh, P("ep"))
-    return fn(params, jax.device_put(tokens, rows), jax.device_put(positions, rows))[:b]
+    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P("ep"), P("ep")), out_specs=P("ep")))
