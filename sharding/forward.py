@@ -48,7 +48,7 @@ def decode_plan_logits(plan: Plan, params: dict, cfg: ModelConfig, tokens, excha
     return fn(params, jax.device_put(tokens, rows), jax.device_put(positions, rows))[:b]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)
 def _decode_plan_forward(plan: Plan, cfg: ModelConfig, exchange: str, spec_leaves: tuple, spec_tree):
     """decode_plan_logits' jitted shard_map, one per plan, model and params' layout (a second call with the same
     ones compiles nothing)."""
