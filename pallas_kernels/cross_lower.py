@@ -11,6 +11,14 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax._src import config as jax_config
+
+_trace_only = jax_config.bool_state(
+    "hcfjax_kernel_trace_only",
+    False,
+    "pallas_kernels.cross_lower.trace_for_hopper: kernels traced into the program, none lowered",
+    include_in_trace_context=True,  # such a trace is never reused for a program to run
+)
 
 
 @contextlib.contextmanager
@@ -48,9 +56,12 @@ def lower_triton_for_hopper(fn, *args) -> str:
 
 def trace_for_hopper(fn, *args) -> None:
     """Traces fn(*args) as for sm_90 without lowering it: the kernels' Python bodies run (their pipelines and
-    block shapes are built), in a tenth of the time of lower_for_hopper, which also runs Mosaic's lowering (here
-    lowering_cache lowers nothing either)."""
-    from pallas_kernels import lowering_cache  # (which imports this module)
-
-    with hopper_arch(), lowering_cache.inlined():
+    block shapes are built), in a tenth of the time of lower_for_hopper, which also runs Mosaic's lowering. Within,
+    pallas_kernels.lowering_cache lowers nothing either (`trace_only`)."""
+    with hopper_arch(), _trace_only(True):
         jax.jit(fn).trace(*args)
+
+
+def trace_only() -> bool:
+    """Whether this is trace_for_hopper's trace, where a kernel launch traces its kernel into the program."""
+    return _trace_only.value

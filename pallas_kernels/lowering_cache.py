@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
-from pallas_kernels.cross_lower import target_arch
+from pallas_kernels.cross_lower import target_arch, trace_only
 
 _lock = threading.Lock()
 _exported: dict[Hashable, concurrent.futures.Future] = {}
@@ -43,12 +43,6 @@ _discovering = jax_config.bool_state(
     "pallas_kernels.lowering_cache.discovering: launches hand their kernels to the lowering processes and give zeros",
     include_in_trace_context=True,  # the traces made within have caches of their own
 )
-_inline = jax_config.bool_state(
-    "hcfjax_kernel_inline",
-    False,
-    "pallas_kernels.lowering_cache.inlined: launches trace their kernels into the program, lowering nothing",
-    include_in_trace_context=True,
-)
 
 
 def launch(key: Hashable, build: Callable[[], Callable], *args, out=None):
@@ -57,7 +51,7 @@ def launch(key: Hashable, build: Callable[[], Callable], *args, out=None):
     of static arguments) to be lowered in another process. -> the kernel's outputs. Programs traced on several
     threads at once (a server's warm-up) wait for the one thread that lowers a kernel. `out`: the outputs' shapes
     (jax.ShapeDtypeStructs, as the kernel returns them), for `discovering` (else found by tracing the kernel)."""
-    if _inline.value:
+    if trace_only():  # cross_lower.trace_for_hopper: the kernel's body traced, nothing lowered
         return build()(*args)
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     full = (key, avals)
@@ -86,15 +80,6 @@ def discovering():
     `lowering_processes` has them; else it lowers nothing) and returns zeros of its outputs' shapes at once. A trace
     of a program within finds all its kernels; nothing traced within is a program to run."""
     with _discovering(True):
-        yield
-
-
-@contextlib.contextmanager
-def inlined():
-    """Within (this thread): `launch` traces each kernel into the program as jax would without this module, and
-    lowers nothing: for a trace that only needs the kernels' Python bodies run (their pipelines and block shapes
-    built), not their Mosaic lowering."""
-    with _inline(True):
         yield
 
 

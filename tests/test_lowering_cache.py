@@ -121,9 +121,9 @@ def test_a_discovery_trace_without_processes_lowers_nothing():
     assert lowering_cache.lowered_kernels() == before and out.shape == (24, 128)
 
 
-def test_an_inlined_trace_runs_the_kernel_body_and_lowers_nothing(monkeypatch):
-    """Within `inlined` (cross_lower.trace_for_hopper's trace) a launch traces the kernel into the program: nothing
-    is lowered or registered, and a later trace outside lowers it as usual (the inlined trace is not reused)."""
+def test_a_trace_for_hopper_lowers_nothing(monkeypatch):
+    """In cross_lower.trace_for_hopper's trace a launch traces the kernel into the program: nothing is lowered or
+    registered, and a later trace outside lowers it as usual (that trace is not reused)."""
     from pallas_kernels.cross_lower import trace_for_hopper
 
     x = jax.ShapeDtypeStruct((24, 256), jnp.bfloat16)
