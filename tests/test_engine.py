@@ -294,8 +294,11 @@ def test_decode_steps_pack_their_requests_into_the_fewest_rows(model, eos_ref):
     requests decoding, wherever their slots are. Three requests of 4, 6 and 8 tokens decode in slots 0-2 (3 rows)
     when a long one joins in slot 3; once they end, the long one decodes alone (one row, reading and writing slot 3).
     All give generate's greedy tokens. (Speculative steps of fewer rows than slots:
-    test_sampled_request_does_not_depend_on_its_batch.)"""
-    engine = Engine(model, EngineConfig(max_slots=4, min_decode_rows=1, token_budget=64))
+    test_sampled_request_does_not_depend_on_its_batch.)
+    The plain sampled test's config, branch-free sampling included (these greedy rows decode in steps without the
+    filters): the steps it compiled serve this engine too."""
+    config = EngineConfig(max_slots=4, min_decode_rows=1, options=Options(branch_free_sampling=True))
+    engine = Engine(model, config)
     dispatch, rows = engine.runner.dispatch, []
 
     def seen(plan):
@@ -385,7 +388,8 @@ def test_steps_compile_from_shapes_while_the_weights_load(model, eos_ref):
     finally:
         engine.shutdown()
     other = concurrent.futures.Future()
-    other.set_result(jax.tree.map(lambda x: x[..., :1], model.params))
+    cut = jax.jit(lambda params: jax.tree.map(lambda x: x[..., :1], params))  # one program, not one a leaf
+    other.set_result(cut(model.params))
     engine = Engine(dataclasses.replace(model, params=shapes), config, weights=other)
     with pytest.raises(ValueError, match="shapes the steps were compiled for"):
         engine.start()

@@ -27,8 +27,8 @@ def test_ragged_batch_equals_each_prompt_alone(v3_model):
         hcfjax.generate(v3_model, prompts, max_new_tokens=6, stop_token_ids=[], max_prefill_tokens=16).tokens
         == together.tokens
     )
-    ref = hcfjax.forward(v3_model, [prompts[1] + together.tokens[1][:-1]])
-    assert list(np.asarray(jnp.argmax(ref[0, len(prompts[1]) - 1 :], -1))) == together.tokens[1]
+    ref = np.asarray(hcfjax.forward(v3_model, [prompts[1] + together.tokens[1][:-1]]))
+    assert list(np.argmax(ref[0, len(prompts[1]) - 1 :], -1)) == together.tokens[1]
 
 
 def test_limits_and_lengths_within_their_buckets_share_the_compiled_steps(v3_model):
@@ -113,8 +113,13 @@ def test_invalid_sampling_values(kwargs, match):
     assert e.value.param == match
 
 
+# The sampling functions as the steps run them: one compiled program per shape, not one per operation.
+jitted_filtered_logprobs = jax.jit(filtered_logprobs, static_argnames="branch_free")
+jitted_sample = jax.jit(sample, static_argnames="branch_free")
+
+
 def test_sampling_filters_on_a_known_distribution():
-    probs = jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4)
+    probs = np.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4, np.float32)
     sp = SamplingBatch.of(
         [
             SamplingParams(1.0, top_k=2),
@@ -123,7 +128,7 @@ def test_sampling_filters_on_a_known_distribution():
             SamplingParams(1.0),
         ]
     )
-    kept = np.isfinite(np.asarray(filtered_logprobs(jnp.log(probs), sp)))
+    kept = np.isfinite(np.asarray(jitted_filtered_logprobs(jnp.asarray(np.log(probs)), sp)))
     assert kept.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
 
 
@@ -133,21 +138,22 @@ def test_filters_that_are_off_keep_every_token():
     a row with none on keeps every token beside a row that filters."""
     logits = jnp.array([[20.0] + [0.0] * 9, [20.0] + [0.0] * 9])
     temp_only = SamplingBatch.of([SamplingParams(1.0), SamplingParams(1.0, top_p=1.0)])
-    lp = np.asarray(filtered_logprobs(logits, temp_only))
+    lp = np.asarray(jitted_filtered_logprobs(logits, temp_only))
     np.testing.assert_array_equal(lp, np.asarray(jax.nn.log_softmax(logits, axis=-1)))
     mixed = SamplingBatch.of([SamplingParams(1.0, top_k=1), SamplingParams(1.0)])
-    kept = np.isfinite(np.asarray(filtered_logprobs(logits, mixed)))
+    kept = np.isfinite(np.asarray(jitted_filtered_logprobs(logits, mixed)))
     assert kept.sum(1).tolist() == [1, 10]
 
 
 def test_sampling_frequencies_follow_the_filtered_distribution():
-    logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))
+    logits = jnp.asarray(np.log(np.array([[0.5, 0.3, 0.2]], np.float32)))
     sp = SamplingBatch.of([SamplingParams(temperature=1.0, top_k=2)])
-    draws = jax.vmap(lambda k: sample(logits, sp, k))(jax.random.split(jax.random.key(0), 4000))[:, 0]
-    freq = np.bincount(np.asarray(draws), minlength=3) / 4000
+    draw = jax.jit(jax.vmap(lambda k: sample(logits, sp, k)))
+    draws = np.asarray(draw(jax.random.split(jax.random.key(0), 4000)))[:, 0]
+    freq = np.bincount(draws, minlength=3) / 4000
     assert freq[2] == 0 and abs(freq[0] - 0.625) < 0.03  # renormalised 0.5 / 0.8
     greedy = SamplingBatch.of([SamplingParams()])
-    assert int(sample(logits, greedy, jax.random.key(1))[0]) == 0
+    assert int(jitted_sample(logits, greedy, jax.random.key(1))[0]) == 0
 
 
 def test_seeded_sampling_is_reproducible(v3_model):

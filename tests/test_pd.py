@@ -33,7 +33,7 @@ from tests.pd_procs import start, stop
 PROMPTS = [
     "def fib(n):",
     "import os\n",
-    "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 6,  # 200+ tokens: layerwise at a threshold of 64
+    "# a long one\n" + "x = [i * 2 for i in range(100)]\n" * 9,  # 131 tokens: layerwise (threshold 64), 2 chunks of 128
     "class Foo:\n    def __init__(self):",
     "for i in range(10):\n    ",
 ]
@@ -68,7 +68,10 @@ def run_pd(model, kind: str, plans: bool, merge: bool = True, warm: bool = False
     worker = PrefillWorker(model, transport.sender(), config, prefill_plan(2) if plans else None)
     remote = RemotePrefill(receiver, [LocalPrefill(worker)], timeout_s=60)
     dp = 2 if plans else 1
-    engine = Engine(model, EngineConfig(max_slots=2, dp=dp), decode_plan(2) if plans else None, remote=remote)
+    # a context of the warm-up's 256 tokens: the warm-up compiles a device transport's padding for every page count
+    # up to it (17 pages, not the model context's 129)
+    config = EngineConfig(max_slots=2, dp=dp, max_model_len=256)
+    engine = Engine(model, config, decode_plan(2) if plans else None, remote=remote)
     compiles: list[str] = []  # XLA compiles after the warm-up, eager ops' too (a send's gather, an install's pad)
     count = lambda event, secs, **kw: compiles.append(kw.get("fun_name", "?")) if event == BACKEND_COMPILE else None
     if warm:  # every prefill, decode and install shape compiled first: none compiles while serving
@@ -115,6 +118,8 @@ def test_pd_in_process_equals_colocated_under_both_plans(model, colocated):
     tokens, worker, _ = run_pd(model, "inprocess", plans=True)
     assert tokens == colocated
     assert worker.stats["layerwise"] >= 1 and worker.stats["jobs"] == len(PROMPTS) + 1
+    embeds = [key for key, _ in worker.compiles if key[0] == "embed"]  # ("embed", rows, padded length, chunk)
+    assert any(length > chunk for _, _, length, chunk in embeds), embeds  # a prompt ran as several chunks
 
 
 def test_pd_over_the_jax_transport_after_a_warm_up(model, colocated):

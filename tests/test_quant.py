@@ -3,6 +3,7 @@ products, the quantisation config, and the MoE experts over quantised weights (w
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -12,32 +13,43 @@ import numpy as np
 import pytest
 
 import hcfjax
-from hcfjax import quant
+from hcfjax import moe, quant
 from hcfjax.cache import quantize_int8
 from hcfjax.config import ConfigError, ModelConfig, QuantConfig
 from tests.conftest import rel_err
 
 
+def _as_eager(fn, **jit_kwargs):
+    """fn jitted into one program (one compile, not one per operation) that rounds every intermediate to its dtype
+    as running it op by op does: XLA otherwise may keep a bf16 intermediate in float32 (xla_allow_excess_precision),
+    which changes the bits the exact comparisons below check."""
+    return jax.jit(fn, compiler_options={"xla_allow_excess_precision": False}, **jit_kwargs)
+
+
 def test_int4_pack_round_trip():
+    # each one program, as the model runs them (not one per operation)
+    pack, unpack = jax.jit(quant.pack_int4, static_argnums=1), jax.jit(quant.unpack_int4, static_argnums=1)
     q = jnp.array(np.random.default_rng(0).integers(-8, 8, (3, 5, 64)), jnp.int8)
-    packed = quant.pack_int4(q, 32)
+    packed = pack(q, 32)
     assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 32)
-    np.testing.assert_array_equal(quant.unpack_int4(packed, 32), q)
+    np.testing.assert_array_equal(unpack(packed, 32), q)
     # The documented layout: per group, byte j holds k = j (low nibble) and k = j + G/2 (high nibble).
-    assert int(quant.pack_int4(jnp.array([[-1, 5, 3, 2]], jnp.int8), 4)[0, 0]) == 0x3F
+    assert int(pack(jnp.array([[-1, 5, 3, 2]], jnp.int8), 4)[0, 0]) == 0x3F
 
 
 @pytest.mark.parametrize("bits, k, n", [(4, 256, 96), (4, 48, 40), (8, 256, 96), (8, 48, 40)])
 def test_quantize_round_trip_error_bound(bits, k, n):
-    w = jax.random.normal(jax.random.key(bits + k), (2, k, n)) * jnp.linspace(0.1, 3.0, n)
-    qw = quant.quantize(w, bits)
+    # drawn and checked in numpy: the jitted quantize and dequantize are the only programs compiled
+    rng = np.random.default_rng(bits + k)
+    w = rng.standard_normal((2, k, n), np.float32) * np.linspace(0.1, 3.0, n, dtype=np.float32)
+    qw = quant.quantize(jnp.asarray(w), bits)
     assert qw.shape == w.shape and qw.k == k and qw.n == n
     assert qw.group == (min(quant.GROUP, k) if bits == 4 else k)
     assert qw.scale.shape == (2, k // qw.group, n)  # K-group-major, like W
-    err = jnp.abs(quant.dequantize(qw) - w)  # [2, K, N]
-    half_step = jnp.repeat(qw.scale, qw.group, axis=-2) / 2  # [2, K, N]
-    assert bool(jnp.all(err <= half_step * (1 + 1e-5)))
-    rel = float(jnp.linalg.norm(err) / jnp.linalg.norm(w))
+    err = np.abs(np.asarray(quant.dequantize(qw)) - w)  # [2, K, N]
+    half_step = np.repeat(np.asarray(qw.scale), qw.group, axis=-2) / 2  # [2, K, N]
+    assert bool(np.all(err <= half_step * (1 + 1e-5)))
+    rel = float(np.linalg.norm(err) / np.linalg.norm(w))
     assert rel < (0.12 if bits == 4 else 0.01), rel
     again = quant.quantize(quant.dequantize(qw), bits)  # quantising a dequantised weight gives it back
     np.testing.assert_allclose(quant.dequantize(again), quant.dequantize(qw), rtol=1e-5, atol=1e-6)
@@ -55,23 +67,29 @@ GROUPS = [
 @pytest.mark.parametrize("k, n, sizes", GROUPS)
 def test_reference_ragged_dot(k, n, sizes, bits, act):
     e, m = len(sizes), max(sum(sizes), 80)
-    kw, kx = jax.random.split(jax.random.key(k * n))
-    w = jax.random.normal(kw, (e, k, n)) / np.sqrt(k)
-    x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(k * n)
+    w = jnp.asarray(rng.standard_normal((e, k, n), np.float32) / np.float32(np.sqrt(k)))
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
     gs = jnp.array(sizes, jnp.int32)
     qw = quant.quantize(w, bits, act)
-    y = jax.jit(quant.ragged_dot_reference)(x, qw, gs).astype(jnp.float32)
-    assert y.shape == (m, n) and not bool(jnp.any(y[sum(sizes) :]))
-    # Exactly the quantised function: dequantised weights (and activations) through a float32 ragged_dot.
-    xe = x.astype(jnp.float32)
-    if act == "int8":
-        xq, xs = quant.quantize_int8(x)
-        xe = xq.astype(jnp.float32) * xs[:, None]
-    exact = jax.lax.ragged_dot(xe, quant.dequantize(qw), gs, precision="highest")
-    np.testing.assert_allclose(y, exact, atol=0.02 * float(jnp.abs(exact).max()), rtol=0.02)
+    y = np.asarray(jax.jit(quant.ragged_dot_reference)(x, qw, gs), np.float32)
+    assert y.shape == (m, n) and not y[sum(sizes) :].any()
+
+    @_as_eager  # both references one program
+    def references(x, w, qw, gs):
+        # Exactly the quantised function: dequantised weights (and activations) through a float32 ragged_dot.
+        xe = x.astype(jnp.float32)
+        if act == "int8":
+            xq, xs = quant.quantize_int8(x)
+            xe = xq.astype(jnp.float32) * xs[:, None]
+        exact = jax.lax.ragged_dot(xe, quant.dequantize(qw), gs, precision="highest")
+        # And the unquantised product.
+        return exact, jax.lax.ragged_dot(x.astype(jnp.float32), w, gs, precision="highest")
+
+    exact, full = map(np.asarray, references(x, w, qw, gs))
+    np.testing.assert_allclose(y, exact, atol=0.02 * float(np.abs(exact).max()), rtol=0.02)
     # And close to the unquantised product.
-    full = jax.lax.ragged_dot(x.astype(jnp.float32), w, gs, precision="highest")
-    rel = float(jnp.linalg.norm(y - full) / jnp.linalg.norm(full))
+    rel = float(np.linalg.norm(y - full) / np.linalg.norm(full))
     assert rel < (0.15 if bits == 4 else 0.03), rel
 
 
@@ -89,7 +107,8 @@ def test_int8_activation_reference_is_exact(bits, k):
     x[:, 0] = 127  # token scale 1
     gs = jnp.array([11, 0, 25], jnp.int32)  # rows 36.. are past the groups
     qw = quant.quantize(jnp.asarray(w), bits, "int8")
-    assert bool(jnp.all(qw.scale == 1)) and bool(jnp.all(quant.int_values(qw) == jnp.swapaxes(w, -1, -2)))
+    ints = np.asarray(jax.jit(quant.int_values)(qw))
+    assert bool(np.all(np.asarray(qw.scale) == 1)) and bool(np.all(ints == np.swapaxes(w, -1, -2)))
     y = np.asarray(jax.jit(quant.ragged_dot_reference)(jnp.asarray(x), qw, gs))
     expert = np.repeat(np.arange(e), np.asarray(gs))
     exact = np.einsum("MK,MKN->MN", x[: len(expert)].astype(np.int64), w[expert].astype(np.int64))
@@ -105,18 +124,22 @@ def test_int8_activation_reference_inside_shard_map():
     from jax.sharding import PartitionSpec as P
 
     k, n, ranks = 256, 64, 2  # two K groups: the loop runs
-    w = jax.random.normal(jax.random.key(0), (2 * ranks, k, n)) / np.sqrt(k)
-    x = jax.random.normal(jax.random.key(1), (8 * ranks, k)).astype(jnp.bfloat16)
-    qw = quant.quantize(w, 4, "int8")
-    gs = jnp.array([3, 5] * ranks, jnp.int32)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2 * ranks, k, n), np.float32) / np.float32(np.sqrt(k))
+    x = rng.standard_normal((8 * ranks, k), np.float32).astype(jnp.bfloat16)
+    qw = quant.quantize(jnp.asarray(w), 4, "int8")
+    q, scale = np.asarray(qw.q), np.asarray(qw.scale)  # (sliced per rank on the host)
+    gs = np.array([3, 5] * ranks, np.int32)
     mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks])
     one = lambda x, q, s, g: quant.ragged_dot_reference(x, quant.QWeight(q, s, 4, "int8"), g)
-    args = jax.device_put((x, qw.q, qw.scale, gs), jax.sharding.NamedSharding(mesh, P("ep")))
+    args = jax.device_put((x, q, scale, gs), jax.sharding.NamedSharding(mesh, P("ep")))
     sharded = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(*args)
+    alone_fn = _as_eager(one)  # each rank's share alone: one program for both
     alone = [
-        one(x[8 * r : 8 * (r + 1)], qw.q[2 * r : 2 * (r + 1)], qw.scale[2 * r : 2 * (r + 1)], gs[:2]) for r in (0, 1)
+        alone_fn(x[8 * r : 8 * (r + 1)], q[2 * r : 2 * (r + 1)], scale[2 * r : 2 * (r + 1)], gs[:2]) for r in (0, 1)
     ]
-    np.testing.assert_array_equal(np.asarray(sharded, np.float32), np.asarray(jnp.concatenate(alone), np.float32))
+    want = np.concatenate([np.asarray(a, np.float32) for a in alone])
+    np.testing.assert_array_equal(np.asarray(sharded, np.float32), want)
 
 
 @pytest.mark.parametrize("bits, act", [(4, "bf16"), (4, "int8"), (8, "int8")])
@@ -142,12 +165,14 @@ def test_reference_lowers_for_gpu_without_batched_ragged_dots(bits, act):
 
 @pytest.mark.parametrize("bits, act", [(4, "bf16"), (8, "int8")])
 def test_dense_matmul(bits, act):
-    w = jax.random.normal(jax.random.key(1), (256, 64)) / 16
-    x = jax.random.normal(jax.random.key(2), (2, 3, 256)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((256, 64), np.float32) / 16)
+    x = rng.standard_normal((2, 3, 256), np.float32).astype(jnp.bfloat16)
     qw = quant.quantize(w, bits, act)
-    y = (x @ qw).astype(jnp.float32)  # QWeight.__rmatmul__: model code runs `x @ p["gate"]` unchanged
+    # QWeight.__rmatmul__: model code runs `x @ p["gate"]` unchanged
+    y = np.asarray(_as_eager(lambda x, qw: x @ qw)(jnp.asarray(x), qw), np.float32)
     assert y.shape == (2, 3, 64)
-    ref = x.astype(jnp.float32) @ quant.dequantize(qw)
+    ref = x.astype(np.float32) @ np.asarray(quant.dequantize(qw))
     np.testing.assert_allclose(y, ref, atol=0.05, rtol=0.05)
 
 
@@ -164,21 +189,23 @@ def test_quant_config_round_trip():
         ModelConfig.from_dict({**d, "quantization_config": {"quant_method": "gptq", "bits": 4}})
 
 
+@functools.cache
 def _w4a8_experts(f: int):
     """Six tokens routed top-2 over four w4a8 experts (hidden 256, width f): (params, x, ids, weights), and the
-    routing as moe.experts sorts it (order, source token of each copy, group sizes)."""
+    routing as moe.experts sorts it (order, source token of each copy, group sizes). Drawn with numpy, once per f
+    (the arrays are immutable): jax.random would compile a program per shape."""
     n, d, e, k = 6, 256, 4, 2
-    keys = jax.random.split(jax.random.key(5), 4)
+    rng = np.random.default_rng(5)
     p = {
-        name: quant.quantize(jax.random.normal(kk, shape) / 8, 4, "int8")
-        for name, kk, shape in (("gate", keys[0], (e, d, f)), ("up", keys[1], (e, d, f)), ("down", keys[2], (e, f, d)))
+        name: quant.quantize(jnp.asarray(rng.standard_normal(shape, np.float32) / 8), 4, "int8")
+        for name, shape in (("gate", (e, d, f)), ("up", (e, d, f)), ("down", (e, f, d)))
     }
-    x = jax.random.normal(keys[3], (n, d)).astype(jnp.bfloat16)
-    ids = jnp.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], jnp.int32)
-    weights = jnp.full((n, k), 0.5, jnp.float32)
-    order = jnp.argsort(ids.reshape(-1), stable=True)
-    routing = order, order // k, jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
-    return (p, x, ids, weights), routing
+    x = jnp.asarray(rng.standard_normal((n, d), np.float32).astype(jnp.bfloat16))
+    ids = np.array([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3], [2, 3]], np.int32)
+    weights = np.full((n, k), 0.5, np.float32)
+    order = np.argsort(ids.reshape(-1), kind="stable").astype(np.int32)
+    routing = order, order // k, np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
+    return (p, x, jnp.asarray(ids), jnp.asarray(weights)), tuple(map(jnp.asarray, routing))
 
 
 def _combine(y, weights, order, token, x):
@@ -187,15 +214,22 @@ def _combine(y, weights, order, token, x):
     return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
 
 
+# moe.experts in one program per shape and options (the tests below patch nothing it calls)
+_experts = _as_eager(moe.experts, static_argnames="opts")
+
+
 def test_experts_quantise_tokens_before_gathering_their_copies():
     """w4a8 experts: moe.experts quantises the N tokens and gathers their top-k copies as int8 (x_q); per-row
     quantisation commutes with the gather, so the output is exactly that of gathering bf16 rows and quantising them."""
-    from hcfjax import moe
-
     (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=128)
-    got = moe.experts(p, x, weights, ids)
-    h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs)  # quantised after the gather
-    want = _combine(quant.ragged_dot(h, p["down"], gs), weights, order, token, x)
+    got = _experts(p, x, weights, ids)
+
+    @_as_eager
+    def gathered_then_quantised(p, x, weights, order, token, gs):
+        h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs)  # quantised after the gather
+        return _combine(quant.ragged_dot(h, p["down"], gs), weights, order, token, x)
+
+    want = gathered_then_quantised(p, x, weights, order, token, gs)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -203,20 +237,24 @@ def test_grouped_down_input_is_the_group_quantised_product():
     """Options.grouped_down_input: the down projection takes the gate/up product quantised per row and 128 channels
     (quantize_int8_groups of the bf16 product, as the fused kernel writes it), exactly on the reference path, and
     within quantisation noise of the per-row path."""
-    from hcfjax import moe
     from hcfjax.options import Options
 
     (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=256)
-    per_row = moe.experts(p, x, weights, ids, Options(grouped_down_input=False))
+    per_row = _experts(p, x, weights, ids, Options(grouped_down_input=False))
     e, f, d = p["down"].shape
     assert moe.grouped_down_input(p["down"]) and not moe.grouped_down_input(quant.quantize(jnp.ones((e, f, d)), 4))
     assert not moe.grouped_down_input(p["down"], Options(grouped_down_input=False))
-    got = moe.experts(p, x, weights, ids)
-    xq = quantize_int8(x)
-    h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
-    h_q = quant.quantize_int8_groups(h)
-    assert h_q[1].shape == (f // 128, token.shape[0])
-    want = _combine(quant.ragged_dot(h, p["down"], gs, h_q), weights, order, token, x)
+    got = _experts(p, x, weights, ids)
+
+    @_as_eager
+    def group_quantised(p, x, weights, order, token, gs):
+        xq = quantize_int8(x)
+        h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
+        h_q = quant.quantize_int8_groups(h)
+        return _combine(quant.ragged_dot(h, p["down"], gs, h_q), weights, order, token, x), h_q[1]
+
+    want, h_scales = group_quantised(p, x, weights, order, token, gs)
+    assert h_scales.shape == (f // 128, token.shape[0])
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert rel_err(got, per_row) < 0.02 and not np.array_equal(np.asarray(got), np.asarray(per_row))
 
@@ -268,7 +306,6 @@ def test_padding_tokens_skip_the_experts(mode, monkeypatch):
     int4 kernels run by their interpreter) skip them. The real tokens' outputs are exactly those of the real tokens
     alone; the padding's routed output is zero, whatever the products leave in rows past the groups (a GPU kernel
     leaves them unwritten: NaN here)."""
-    from hcfjax import moe
     from hcfjax.options import Options
 
     if mode.startswith("rows"):
@@ -283,8 +320,10 @@ def test_padding_tokens_skip_the_experts(mode, monkeypatch):
     (p, x, ids, weights), _ = _w4a8_experts(f=128)
     real = np.array([True, False, True, True, False, True])
     opts = Options(moe=mode)
-    got = np.asarray(moe.experts(p, x, weights, jnp.where(real[:, None], ids, 4), opts), np.float32)
-    alone = np.asarray(moe.experts(p, x[real], weights[real], ids[real], opts), np.float32)
+    # one program per shape; a function of this test's own, traced here (with the patched ragged_dot, if patched)
+    experts = _as_eager(lambda p, x, weights, ids: moe.experts(p, x, weights, ids, opts))
+    got = np.asarray(experts(p, x, weights, jnp.where(real[:, None], ids, 4)), np.float32)
+    alone = np.asarray(experts(p, x[real], weights[real], ids[real]), np.float32)
     np.testing.assert_array_equal(got[real], alone)
     np.testing.assert_array_equal(got[~real], 0.0)
     assert np.abs(alone).min(1).max() > 0  # (real rows are not zero themselves)
