@@ -176,7 +176,7 @@ def hidden_states(
 
     Decode forwards (absorbed) unroll the layer loops where opts.unroll_decode says so, and one query token (batch-1
     decode) runs as two identical rows where `two_rows` does."""
-    unroll = bool(absorbed and opts.on("unroll_decode"))
+    unroll = opts.decode_unroll() if absorbed else 1
     if two_rows(tokens, ctx, experts_fn, opts):
         return _as_two_rows(params, cfg, tokens, positions, ctx, absorbed, with_load, unroll, opts)
     x, ctx, *load = run_layers(

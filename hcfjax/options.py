@@ -53,7 +53,8 @@ class Options:
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
     unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
         a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
-        of a V2-Lite step on the H200). auto: off (a server compiles every step shape before it is ready).
+        of a V2-Lite step on the H200). An int n >= 1 runs n layers an iteration (lax.scan's unroll). auto: off (a
+        server compiles every step shape before it is ready).
     prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
         that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys
         causally, then the cached ones a block at a time), blocked (jnp, an online softmax over 512-key blocks whose
@@ -97,7 +98,7 @@ class Options:
     fused_gate_up: tuple[str, ...] = ("int8",)
     grouped_down_input: bool = True
     ep_exchange: str = "dense"
-    unroll_decode: bool | str = "auto"
+    unroll_decode: bool | str | int = "auto"
     two_rows: bool | str = "auto"
     prefill_attention: str = "auto"
     branch_free_sampling: bool | str = "auto"
@@ -111,8 +112,12 @@ class Options:
             if getattr(self, name) not in KERNEL_MODES:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
         for name in SWITCHES:
-            if getattr(self, name) not in SWITCH:
-                raise ValueError(f"Options.{name} must be auto, True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if name == "unroll_decode" and type(value) is int and value >= 1:
+                continue
+            if value not in SWITCH or type(value) is int:
+                also = " or a number of layers (>= 1)" if name == "unroll_decode" else ""
+                raise ValueError(f"Options.{name} must be auto, True or False{also}, got {value!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
                 f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"
@@ -141,6 +146,11 @@ class Options:
             return switch in ON_GPUS and on_gpu()
         return bool(value)
 
+    def decode_unroll(self) -> int | bool:
+        """lax.scan's unroll for a decode forward's layer loops: True (every layer), or layers an iteration."""
+        value = self.unroll_decode
+        return value if type(value) is int else self.on("unroll_decode") or 1
+
     def prefill_attention_mode(self) -> str:
         """prefill_attention resolved for this backend: 'fused' or 'blocked'."""
         if self.prefill_attention == "auto":
@@ -167,7 +177,8 @@ class Options:
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
         HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_FUSED_ROUTING=0|1,
         HCFJAX_FUSED_CACHE_WRITE=0|1, HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
-        HCFJAX_XLA_GEMM=auto|cublas|triton. overrides win over the environment."""
+        HCFJAX_XLA_GEMM=auto|cublas|triton, HCFJAX_UNROLL_DECODE=auto|all|N (N layers a loop iteration). overrides
+        win over the environment."""
         got, source = {}, {}
         if "HCFJAX_MLA" in environ:
             got["mla"], source["mla"] = environ["HCFJAX_MLA"], "HCFJAX_MLA"
@@ -189,6 +200,10 @@ class Options:
             source["prefill_attention"] = "HCFJAX_PREFILL_ATTENTION"
         if environ.get("HCFJAX_XLA_GEMM"):
             got["xla_gemm"], source["xla_gemm"] = environ["HCFJAX_XLA_GEMM"], "HCFJAX_XLA_GEMM"
+        if environ.get("HCFJAX_UNROLL_DECODE"):
+            v = environ["HCFJAX_UNROLL_DECODE"]
+            got["unroll_decode"] = True if v == "all" else _layers(v)
+            source["unroll_decode"] = "HCFJAX_UNROLL_DECODE"
         if environ.get("HCFJAX_EP_EXCHANGE"):
             got["ep_exchange"], source["ep_exchange"] = environ["HCFJAX_EP_EXCHANGE"], "HCFJAX_EP_EXCHANGE"
         try:
@@ -206,6 +221,11 @@ def _flag(var: str, value: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{var} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def _layers(value: str) -> int | str:
+    """A positive layer count, else the text as given (auto, or a value Options refuses, naming it)."""
+    return int(value) if value.isdigit() and int(value) >= 1 else value
 
 
 DEFAULT = Options()

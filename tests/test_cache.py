@@ -165,6 +165,31 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
     assert x2.page_table.shape == (1, 4) and x2.kv_len.shape == (1,)  # the caller's view comes back
 
 
+def test_decode_layers_in_twos_and_threes_change_nothing(v3_model):
+    """Options.unroll_decode=n runs n layers a loop iteration (lax.scan's unroll; the tiny model's runs of two dense
+    and three MoE layers leave a remainder at 2 and 3): the same hidden states and cache as one layer an
+    iteration."""
+    from hcfjax.options import Options
+
+    cfg, p = v3_model.cfg, v3_model.params
+    rng = np.random.default_rng(2)
+    cache = kvcache.init_cache(cfg, 8, 4, jnp.float32)
+    cache = kvcache.KVCache(jnp.asarray(rng.normal(size=cache.kv.shape), jnp.float32), cache.scale)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)))
+    ctx = CacheContext(cache, jnp.asarray(rng.permutation(8).reshape(2, 4)), jnp.array([6, 11]), jnp.ones((2, 1), bool))
+    runs = {}
+    for n in (1, 2, 3):
+        step_fn = jax.jit(
+            functools.partial(hidden_states, opts=Options(unroll_decode=n)), static_argnames=("cfg", "absorbed")
+        )
+        h, out = step_fn(p, cfg, ids, jnp.array([[5], [10]]), ctx, absorbed=True)
+        runs[n] = np.asarray(h), np.asarray(out.cache.kv)
+    for n in (2, 3):
+        assert rel_err(runs[n][0], runs[1][0]) < 1e-6
+        np.testing.assert_array_equal(runs[n][1], runs[1][1])
+    assert not np.array_equal(runs[1][1], np.asarray(cache.kv))  # the step wrote its entries
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
 def test_blockwise_prefill_attention_equals_dense(v3_model, cache_dtype):
     """A prefill chunk attends over the paged cache block by block (attend_expanded_paged, an online softmax over

@@ -84,3 +84,19 @@ def test_fused_cache_write_is_on_for_gpus_unless_turned_off(monkeypatch):
     assert attention.latent_write_mode(cfg, cache, x, off) == "reference"
     with pytest.raises(ValueError, match="HCFJAX_FUSED_CACHE_WRITE"):
         Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "yes"})
+
+
+def test_unroll_decode_takes_a_layer_count():
+    """Options.unroll_decode: off (one layer an iteration) unless asked; True unrolls every layer, an int n runs n
+    layers an iteration; HCFJAX_UNROLL_DECODE takes auto, all or n; zero, negative and other values are refused."""
+    from hcfjax.options import Options
+
+    assert [Options().decode_unroll(), Options(unroll_decode=True).decode_unroll()] == [1, True]
+    assert [Options(unroll_decode=False).decode_unroll(), Options(unroll_decode=3).decode_unroll()] == [1, 3]
+    env = [Options.from_env({"HCFJAX_UNROLL_DECODE": v}).decode_unroll() for v in ("auto", "all", "1", "2")]
+    assert env == [1, True, 1, 2]
+    for bad in (0, -1, 2.0, "on"):
+        with pytest.raises(ValueError, match="unroll_decode"):
+            Options(unroll_decode=bad)
+    with pytest.raises(ValueError, match="HCFJAX_UNROLL_DECODE"):
+        Options.from_env({"HCFJAX_UNROLL_DECODE": "0"})

@@ -9,6 +9,12 @@ import jax
 import jax.numpy as jnp
 
 
+def layers_per_iteration(opts) -> str:
+    """How a decode step's layer loops run under opts (Options.unroll_decode), for a results header."""
+    n = opts.decode_unroll()
+    return "all (unrolled)" if n is True else str(n)
+
+
 def timed(fn, *args, reps: int = 10) -> float:
     """Median seconds of fn(*args) after one warm-up call (which also compiles)."""
     jax.block_until_ready(fn(*args))

@@ -29,6 +29,7 @@ from hcfjax.bench.common import (
     gpu_gaps,
     header,
     kernel_seconds,
+    layers_per_iteration,
     longest,
     record_counts,
     traced_planes,
@@ -187,7 +188,8 @@ def main(argv=None) -> None:
     print(f"## `python -m hcfjax.bench.engine_loop` (preset {args.preset}, random weights, {args.scheme or 'bf16'})")
     print(
         f"\n{header()}; context {args.context}; {config.max_slots} slots; {args.steps} iterations timed; "
-        f"XLA's products (Options.xla_gemm) in decode: {config.options.xla_gemm_mode()}\n"
+        f"XLA's products (Options.xla_gemm) in decode: {config.options.xla_gemm_mode()}; "
+        f"decode layers a loop iteration: {layers_per_iteration(config.options)}\n"
     )
     print(
         "| batch | engine loop (ms / step) | GPU kernels / wall | plan | dispatch | wait for tokens | process | "

@@ -45,6 +45,7 @@ from hcfjax.bench.common import (
     gpu_gaps,
     header,
     kernel_seconds,
+    layers_per_iteration,
     matmul_flops,
     record_counts,
     torch_copy_bandwidth,
@@ -123,7 +124,8 @@ def run(args) -> str:
         f"{header()}; model {args.preset} with random weights, {count(n_params)} parameters, {weights}, "
         f"{jnp.dtype(cache_dtype).name} KV cache, page size 64; "
         + (f"{kernels}; " if "Pallas" in kernels else "")
-        + f"batch-1 decode as two rows: {opts.on('two_rows')}, decode layers unrolled: {opts.on('unroll_decode')}, "
+        + f"batch-1 decode as two rows: {opts.on('two_rows')}, "
+        f"decode layers a loop iteration: {layers_per_iteration(opts)}, "
         f"down projection's input quantised by the gate/up kernel: {opts.grouped_down_input}, "
         f"XLA's products (Options.xla_gemm) in decode: {opts.xla_gemm_mode()}, in prefill: "
         f"{opts.xla_gemm_mode(prefill=True)}.",
@@ -274,9 +276,10 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--unroll-decode",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="unroll the decode step's layer loops (Options.unroll_decode; auto: off)",
+        metavar="{auto,on,off,N}",
+        type=lambda s: s if s in ("auto", "on", "off") else int(s),
+        help="unroll the decode step's layer loops, or run N layers a loop iteration (Options.unroll_decode; "
+        "default: HCFJAX_UNROLL_DECODE, else auto: off)",
     )
     ap.add_argument(
         "--grouped-down-input",
@@ -306,7 +309,9 @@ def main(argv=None) -> None:
             ap.error("--profile covers plain decoding only")
     args.batches = args.batches or ([32] if args.speculative else [1, 32, 128])
     flag = {"auto": "auto", "on": True, "off": False}
-    changes = dict(two_rows=flag[args.two_rows], unroll_decode=flag[args.unroll_decode])
+    changes = dict(two_rows=flag[args.two_rows])
+    if args.unroll_decode is not None:
+        changes["unroll_decode"] = flag.get(args.unroll_decode, args.unroll_decode)
     if args.grouped_down_input != "default":
         changes["grouped_down_input"] = flag[args.grouped_down_input]
     args.options = Options.from_env(os.environ, **changes)  # HCFJAX_MLA etc. (hcfjax.options)

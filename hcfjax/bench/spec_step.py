@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hcfjax import cache as kvcache
-from hcfjax.bench.common import count
+from hcfjax.bench.common import count, layers_per_iteration
 from hcfjax.model import Model
 from hcfjax.options import Options
 from hcfjax.quantize import default_cache_dtype
@@ -176,7 +176,8 @@ def table(model: Model, preset: str, scheme: str, n_params: int, args, opts: Opt
             f"{header}; model {preset} with random weights ({count(n_params)} parameters, {scheme}, "
             f"{n_mtp} MTP module{'s' if n_mtp > 1 else ''}{reuse if n_mtp < args.speculative else ''}"
             f"), {jnp.dtype(default_cache_dtype(model)).name} KV cache, page size 64, method {args.spec_method}, "
-            f"greedy; decode layers unrolled: {opts.on('unroll_decode')}. The acceptance is FORCED: verification "
+            f"greedy; decode layers a loop iteration: {layers_per_iteration(opts)}. "
+            "The acceptance is FORCED: verification "
             "accepts depth i with the given probability after depth i-1 (SpeculativeConfig.forced_acceptance), not "
             f"by the random heads' drafts. {args.steps} steps timed back to back per k, each one call of one compiled "
             "executable (target forward, verification, MTP extend and drafting together).",
