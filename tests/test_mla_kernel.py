@@ -152,6 +152,16 @@ def test_ragged_batch_of_mixed_lengths():
     check_kernel(37, RAGGED, 1, 16, max_pages=3, num_sms=3, min_blocks_per_split=1, mode="sparse")
 
 
+def test_sparse_merge_of_a_split_row():
+    # The sparse merge with a row to merge: over 3 SMs row 0's 190 tokens (its last block ending mid-block) run as two
+    # units, which the combine kernel merges; the other rows (empty ones included) are single units the attention
+    # kernel writes itself.
+    lengths = [190, 0, 64, 1, 0, 0, 33]
+    plan = M.mla_plan(jnp.asarray(lengths, jnp.int32), 3, PAGE, 16, 1, num_sms=3, min_blocks_per_split=1)
+    assert np.asarray(plan.count).tolist() == [2, 1, 1, 1, 1, 1, 1]
+    check_kernel(53, lengths, 1, 16, max_pages=3, num_sms=3, min_blocks_per_split=1, mode="sparse")
+
+
 @pytest.mark.parametrize(
     "f16,transposed,converters", [(True, None, False), (False, None, False), (True, False, False), (True, True, True)]
 )
