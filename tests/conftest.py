@@ -88,6 +88,13 @@ def jaxpr_eqns(jaxpr, within: tuple = ()):
                     yield from jaxpr_eqns(inner, (*within, eqn.primitive.name))
 
 
+def jit_as_eager(fn, **jit_kwargs):
+    """fn jitted into one program (one compile, not one per operation) that rounds every intermediate to its dtype
+    as running it op by op does: XLA otherwise may keep a bf16 intermediate in float32 (xla_allow_excess_precision),
+    which changes the bits an exact comparison checks."""
+    return jax.jit(fn, compiler_options={"xla_allow_excess_precision": False}, **jit_kwargs)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

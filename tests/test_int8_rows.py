@@ -12,7 +12,7 @@ from hcfjax.layers import rms_norm
 from hcfjax.options import Options
 from pallas_kernels.int8_quant import quantize_int8
 from pallas_kernels.int8_rows import BLOCK, MAX_ROWS, norm_quantize_rows, quantize_rows
-from tests.conftest import jaxpr_eqns
+from tests.conftest import jaxpr_eqns, jit_as_eager
 
 
 def _rows(rng, m, k, dtype):
@@ -90,7 +90,7 @@ def test_decode_layers_norm_and_quantise_on_one_kernel(monkeypatch):
 
     def run():  # a new function each time: jax would reuse the first one's trace
         fwd = lambda p: model.hidden_states(p, m.cfg, tokens, positions, opts=Options(moe="interpret"))[0]  # noqa: E731
-        jitted = jax.jit(fwd, compiler_options={"xla_allow_excess_precision": False})
+        jitted = jit_as_eager(fwd)
         eqns = jaxpr_eqns(jitted.trace(m.params).jaxpr.jaxpr)
         calls = [e for e, _ in eqns if e.primitive.name == "pallas_call"]
         names = [e.params["name"] for e in calls]

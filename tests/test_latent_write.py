@@ -110,7 +110,7 @@ def test_a_decode_step_writes_its_latents_on_the_kernel(monkeypatch):
     from hcfjax import attention, model
     from hcfjax.attention import CacheContext
     from hcfjax.random_model import preset_config, random_model
-    from tests.conftest import jaxpr_eqns
+    from tests.conftest import jaxpr_eqns, jit_as_eager
 
     m = random_model(preset_config("tiny-v3"), dtype=jnp.bfloat16)
     cfg, b, pages, page = m.cfg, 3, 2, 4
@@ -125,7 +125,7 @@ def test_a_decode_step_writes_its_latents_on_the_kernel(monkeypatch):
     def step(mode):
         monkeypatch.setattr(attention, "latent_write_mode", lambda *a, **k: mode)
         fwd = lambda p, c: model.hidden_states(p, cfg, ids[:, 5:], positions, c, absorbed=True)  # noqa: E731
-        jitted = jax.jit(fwd, compiler_options={"xla_allow_excess_precision": False})
+        jitted = jit_as_eager(fwd)
         eqns = [e for e, _ in jaxpr_eqns(jitted.trace(m.params, ctx).jaxpr.jaxpr)]
         names = [e.params.get("name") for e in eqns]
         stacks = [e for e in eqns if e.primitive.name == "concatenate" and e.outvars[0].aval.shape == (2,)]

@@ -16,14 +16,7 @@ import hcfjax
 from hcfjax import moe, quant
 from hcfjax.cache import quantize_int8
 from hcfjax.config import ConfigError, ModelConfig, QuantConfig
-from tests.conftest import rel_err
-
-
-def _as_eager(fn, **jit_kwargs):
-    """fn jitted into one program (one compile, not one per operation) that rounds every intermediate to its dtype
-    as running it op by op does: XLA otherwise may keep a bf16 intermediate in float32 (xla_allow_excess_precision),
-    which changes the bits the exact comparisons below check."""
-    return jax.jit(fn, compiler_options={"xla_allow_excess_precision": False}, **jit_kwargs)
+from tests.conftest import jit_as_eager, rel_err
 
 
 def test_int4_pack_round_trip():
@@ -75,7 +68,7 @@ def test_reference_ragged_dot(k, n, sizes, bits, act):
     y = np.asarray(jax.jit(quant.ragged_dot_reference)(x, qw, gs), np.float32)
     assert y.shape == (m, n) and not y[sum(sizes) :].any()
 
-    @_as_eager  # both references one program
+    @jit_as_eager  # both references one program
     def references(x, w, qw, gs):
         # Exactly the quantised function: dequantised weights (and activations) through a float32 ragged_dot.
         xe = x.astype(jnp.float32)
@@ -134,7 +127,7 @@ def test_int8_activation_reference_inside_shard_map():
     one = lambda x, q, s, g: quant.ragged_dot_reference(x, quant.QWeight(q, s, 4, "int8"), g)
     args = jax.device_put((x, q, scale, gs), jax.sharding.NamedSharding(mesh, P("ep")))
     sharded = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(*args)
-    alone_fn = _as_eager(one)  # each rank's share alone: one program for both
+    alone_fn = jit_as_eager(one)  # each rank's share alone: one program for both
     alone = [
         alone_fn(x[8 * r : 8 * (r + 1)], q[2 * r : 2 * (r + 1)], scale[2 * r : 2 * (r + 1)], gs[:2]) for r in (0, 1)
     ]
@@ -170,7 +163,7 @@ def test_dense_matmul(bits, act):
     x = rng.standard_normal((2, 3, 256), np.float32).astype(jnp.bfloat16)
     qw = quant.quantize(w, bits, act)
     # QWeight.__rmatmul__: model code runs `x @ p["gate"]` unchanged
-    y = np.asarray(_as_eager(lambda x, qw: x @ qw)(jnp.asarray(x), qw), np.float32)
+    y = np.asarray(jit_as_eager(lambda x, qw: x @ qw)(jnp.asarray(x), qw), np.float32)
     assert y.shape == (2, 3, 64)
     ref = x.astype(np.float32) @ np.asarray(quant.dequantize(qw))
     np.testing.assert_allclose(y, ref, atol=0.05, rtol=0.05)
@@ -215,7 +208,7 @@ def _combine(y, weights, order, token, x):
 
 
 # moe.experts in one program per shape and options (the tests below patch nothing it calls)
-_experts = _as_eager(moe.experts, static_argnames="opts")
+_experts = jit_as_eager(moe.experts, static_argnames="opts")
 
 
 def test_experts_quantise_tokens_before_gathering_their_copies():
@@ -224,7 +217,7 @@ def test_experts_quantise_tokens_before_gathering_their_copies():
     (p, x, ids, weights), (order, token, gs) = _w4a8_experts(f=128)
     got = _experts(p, x, weights, ids)
 
-    @_as_eager
+    @jit_as_eager
     def gathered_then_quantised(p, x, weights, order, token, gs):
         h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs)  # quantised after the gather
         return _combine(quant.ragged_dot(h, p["down"], gs), weights, order, token, x)
@@ -246,7 +239,7 @@ def test_grouped_down_input_is_the_group_quantised_product():
     assert not moe.grouped_down_input(p["down"], Options(grouped_down_input=False))
     got = _experts(p, x, weights, ids)
 
-    @_as_eager
+    @jit_as_eager
     def group_quantised(p, x, weights, order, token, gs):
         xq = quantize_int8(x)
         h = quant.gated_ragged_dot(x[token], p["gate"], p["up"], gs, (xq[0][token], xq[1][token]))
@@ -321,7 +314,7 @@ def test_padding_tokens_skip_the_experts(mode, monkeypatch):
     real = np.array([True, False, True, True, False, True])
     opts = Options(moe=mode)
     # one program per shape; a function of this test's own, traced here (with the patched ragged_dot, if patched)
-    experts = _as_eager(lambda p, x, weights, ids: moe.experts(p, x, weights, ids, opts))
+    experts = jit_as_eager(lambda p, x, weights, ids: moe.experts(p, x, weights, ids, opts))
     got = np.asarray(experts(p, x, weights, jnp.where(real[:, None], ids, 4)), np.float32)
     alone = np.asarray(experts(p, x[real], weights[real], ids[real]), np.float32)
     np.testing.assert_array_equal(got[real], alone)
