@@ -104,7 +104,8 @@ def run_layers(
 ):
     """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
-    layer on the side of the forward). unroll: lax.scan's, per run of layers. real: decoder_layer's."""
+    layer on the side of the forward). unroll: layers a loop iteration in each run of layers (True: no loop).
+    real: decoder_layer's."""
     loads = []
     if absorbed:
         ctx = with_decode_plan(cfg, ctx, positions, opts)  # one MLA kernel plan for every layer (when it runs)
@@ -129,7 +130,11 @@ def run_layers(
             )
             return (x, ctx), (load[0] if collect else None)
 
-        (x, ctx), load = jax.lax.scan(body, (x, ctx), (rest, first + jnp.arange(count)), unroll=unroll)
+        xs = (rest, first + jnp.arange(count))
+        if type(unroll) is int and 1 < unroll < count:
+            (x, ctx), load = _scan_in_runs(body, (x, ctx), xs, count, unroll)
+        else:
+            (x, ctx), load = jax.lax.scan(body, (x, ctx), xs, unroll=unroll)
         if collect:
             loads.append(load)
     if ctx is not None:
@@ -138,6 +143,36 @@ def run_layers(
         e = cfg.n_routed_experts
         return x, ctx, jnp.concatenate(loads) if loads else jnp.zeros((0, e), jnp.int32)
     return x, ctx
+
+
+def _scan_in_runs(body, carry, xs, length: int, n: int):
+    """lax.scan(body, carry, xs) with n steps a loop iteration, each step indexing the whole of xs at the loop's
+    counter times n plus its place. lax.scan's own unroll first slices a block of n steps out of every leaf of xs,
+    and XLA's GPU backend copies that block each iteration (the layers' weights: half a GB a V2-Lite iteration); a
+    step's own slice goes straight to its kernels, as in a loop of one step. -> (carry, stacked ys)."""
+    trips = length // n
+
+    def take(k):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), xs)
+
+    def put(ys, y, k):
+        return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, k, 0), ys, y)
+
+    y_like = jax.eval_shape(body, carry, take(0))[1]
+    ys = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), y_like)
+
+    def iteration(state):
+        i, carry, ys = state
+        for j in range(n):
+            carry, y = body(carry, take(i * n + j))
+            ys = put(ys, y, i * n + j)
+        return i + 1, carry, ys
+
+    _, carry, ys = jax.lax.while_loop(lambda state: state[0] < trips, iteration, (jnp.int32(0), carry, ys))
+    for k in range(trips * n, length):  # the remainder, at fixed places
+        carry, y = body(carry, take(k))
+        ys = put(ys, y, k)
+    return carry, ys
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:

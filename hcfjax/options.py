@@ -53,7 +53,7 @@ class Options:
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
     unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
         a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
-        of a V2-Lite step on the H200). An int n >= 1 runs n layers an iteration (lax.scan's unroll). auto: off (a
+        of a V2-Lite step on the H200). An int n >= 1 runs n layers an iteration. auto: off (a
         server compiles every step shape before it is ready).
     prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
         that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys

@@ -166,8 +166,8 @@ def test_batch_one_decode_as_two_rows_changes_nothing(v3_model):
 
 
 def test_decode_layers_in_twos_and_threes_change_nothing(v3_model):
-    """Options.unroll_decode=n runs n layers a loop iteration (lax.scan's unroll; the tiny model's runs of two dense
-    and three MoE layers leave a remainder at 2 and 3): the same hidden states and cache as one layer an
+    """Options.unroll_decode=n runs n layers a loop iteration (the tiny model's runs of two dense and three MoE
+    layers leave a remainder at 2 and 3): the same hidden states, cache and expert loads as one layer an
     iteration."""
     from hcfjax.options import Options
 
@@ -182,11 +182,14 @@ def test_decode_layers_in_twos_and_threes_change_nothing(v3_model):
         step_fn = jax.jit(
             functools.partial(hidden_states, opts=Options(unroll_decode=n)), static_argnames=("cfg", "absorbed")
         )
-        h, out = step_fn(p, cfg, ids, jnp.array([[5], [10]]), ctx, absorbed=True)
-        runs[n] = np.asarray(h), np.asarray(out.cache.kv)
+        counted = jnp.ones((2, 1), bool)
+        h, out, load = step_fn(p, cfg, ids, jnp.array([[5], [10]]), ctx, absorbed=True, with_load=counted)
+        runs[n] = np.asarray(h), np.asarray(out.cache.kv), np.asarray(load)
+    assert runs[1][2].shape == (3, cfg.n_routed_experts) and (runs[1][2].sum(1) == 2 * cfg.num_experts_per_tok).all()
     for n in (2, 3):
         assert rel_err(runs[n][0], runs[1][0]) < 1e-6
         np.testing.assert_array_equal(runs[n][1], runs[1][1])
+        np.testing.assert_array_equal(runs[n][2], runs[1][2])
     assert not np.array_equal(runs[1][1], np.asarray(cache.kv))  # the step wrote its entries
 
 
