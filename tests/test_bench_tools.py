@@ -341,6 +341,28 @@ def test_gpu_gaps_from_trace_planes():
     assert record_counts([gpu], reps=2) == pytest.approx({"kernels": 2.5, "copies": 0.5, "copy_s": 5e-6})
 
 
+def test_host_records_per_call_from_trace_planes():
+    """bench.engine_loop's host reading: the host plane's records by name, count and seconds per call, nested ones
+    counted under their own names too; the GPU planes are not the host's. The busiest come first, and XLA's command
+    buffer records are always shown, however short."""
+    from types import SimpleNamespace as NS
+
+    from hcfjax.bench.common import busiest_host, host_seconds
+
+    ev = lambda name, us: NS(name=name, start_ns=0, duration_ns=us * 1e3)  # noqa: E731
+    python = NS(name="python", events=[ev("$engine.py:340 step", 900), ev("$engine.py:340 step", 700)])
+    pjrt = NS(name="tf_pjrt", events=[ev("Execute", 300), ev("command_buffer::update", 40), ev("Execute", 100)])
+    gpu = NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=[ev("kernel", 5000)])])
+    host = host_seconds([NS(name="/host:CPU", lines=[python, pjrt]), gpu], reps=2)
+    assert host == {
+        "$engine.py:340 step": pytest.approx((1.0, 800e-6)),
+        "Execute": pytest.approx((1.0, 200e-6)),
+        "command_buffer::update": pytest.approx((0.5, 20e-6)),
+    }
+    assert busiest_host(host, n=1) == "$engine.py:340 step 1.0 x 0.800, command_buffer::update 0.5 x 0.020"
+    assert busiest_host({}) == "none"
+
+
 def test_layer_scan_bench_runs_every_program(capsys):
     """The layer-scan bench compiles and times each GEMM choice and the unrolled loop, and they compute the same."""
     from hcfjax.bench import layer_scan

@@ -178,6 +178,30 @@ def gpu_gaps(planes, reps: int = 1, min_us: float = 5.0) -> tuple[float, dict[tu
     return idle / reps, by_pair
 
 
+def host_seconds(planes, reps: int = 1) -> dict[str, tuple[float, float]]:
+    """The host's records of a trace by name, per call: name -> (count, seconds). They are the "/host:CPU" plane's:
+    the Python tracer's frames (`$file:line function`) and the runtime's own (PJRT's executes and transfers, XLA's
+    command buffer updates and launches). Records nest, so a name's seconds include those of the records inside
+    it."""
+    per: dict[str, list[float]] = {}
+    for plane in planes:
+        if plane.name.startswith("/host:CPU"):
+            for line in plane.lines:
+                for ev in line.events:
+                    n_s = per.setdefault(ev.name, [0.0, 0.0])
+                    n_s[0] += 1 / reps
+                    n_s[1] += ev.duration_ns * 1e-9 / reps
+    return {name: (n, s) for name, (n, s) in per.items()}
+
+
+def busiest_host(host: dict[str, tuple[float, float]], n: int = 10, always: str = "command_buffer") -> str:
+    """The n host records with the most time per call, and every record whose name holds `always` (XLA's command
+    buffer updates and launches: whether a step re-records its CUDA graphs), as "name count x ms"."""
+    top = sorted(host.items(), key=lambda kv: -kv[1][1])
+    shown = top[:n] + [kv for kv in top[n:] if always in kv[0]]
+    return ", ".join(f"{name[:48]} {c:.1f} x {s * 1e3:.3f}" for name, (c, s) in shown) or "none"
+
+
 def write_records(path: str, planes) -> None:
     """Every record of the busiest GPU plane in start order, as tab-separated name, start (us from the first) and
     duration (us): the sequence of a step's launches, to see which small kernels and copies it runs."""

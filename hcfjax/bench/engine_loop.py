@@ -13,6 +13,11 @@ launch gaps and host work the device waits for). The host's part of an iteration
 tokens (after they are on the host; the wait for them is counted apart). Offline: bench.generate.decode_rate at the
 same batch and context, generate's decode loop; with --profile too, the kernels whose time per step differs most
 between the engine's step and generate's.
+
+Under the profiler XLA runs its command buffers (CUDA graphs) as separate launches unless
+`XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`: the kernels' times are the same either way, but
+the gaps between them and the host's records (`command_buffer::update` when a step re-records a graph) are those
+of the graphs only with the flag.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import jax
 import numpy as np
 
 from hcfjax.bench.common import (
+    busiest_host,
     gpu_gaps,
     header,
+    host_seconds,
     kernel_seconds,
     layers_per_iteration,
     longest,
@@ -126,11 +133,12 @@ def loop_case(
     jax.block_until_ready(engine.runner.state.tok)
     wall = (time.perf_counter() - t0) / steps
     host = {k: v / steps for k, v in timings.seconds.items()}
-    kernels, gaps, counts = None, None, None
-    if profile:  # the same steps under the profiler: the kernels' seconds per step, and where the GPU idled
+    kernels, gaps, counts, host_records = None, None, None, None
+    if profile:  # the same steps under the profiler: the kernels' seconds per step, where the GPU idled, the host
         settled = lambda _: jax.block_until_ready(engine.runner.state.tok)  # noqa: E731
         planes = traced_planes(engine.step, reps=steps, wait=settled)
         kernels, gaps, counts = kernel_seconds(planes, steps), gpu_gaps(planes, steps), record_counts(planes, steps)
+        host_records = host_seconds(planes, steps)
         if records:
             write_records(records.format(batch=batch), planes)
     batch_seen = len(engine.scheduler.running)
@@ -138,7 +146,15 @@ def loop_case(
         engine.abort(req.id)
     while engine.has_work():
         engine.step()
-    return {"batch": batch_seen, "wall": wall, "kernels": kernels, "gaps": gaps, "counts": counts, **host}
+    return {
+        "batch": batch_seen,
+        "wall": wall,
+        "kernels": kernels,
+        "gaps": gaps,
+        "counts": counts,
+        "host_records": host_records,
+        **host,
+    }
 
 
 def main(argv=None) -> None:
@@ -225,6 +241,7 @@ def main(argv=None) -> None:
                 f"({n['copy_s'] * 1e3:.2f} ms)",
                 flush=True,
             )
+            print(f"  host records per step (count x ms, nested): {busiest_host(row['host_records'])}", flush=True)
         if row["kernels"] and off:
             n = off["counts"]
             print(
