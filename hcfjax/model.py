@@ -102,7 +102,7 @@ def run_layers(
     opts: Options = DEFAULT,
     real=None,
 ):
-    """The main layer stack, one lax.scan per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
+    """The main layer stack, one loop per run of same-kind layers.  -> (x [B, T, D] before final norm, ctx),
     plus the routing load of every MoE layer [n_moe_layers, E] when with_load (EPLB's counters, a bincount per
     layer on the side of the forward). unroll: layers a loop iteration in each run of layers (True: no loop).
     real: decoder_layer's."""
@@ -148,8 +148,8 @@ def run_layers(
 def _scan_in_runs(body, carry, xs, length: int, n: int):
     """lax.scan(body, carry, xs) with n steps a loop iteration, each step indexing the whole of xs at the loop's
     counter times n plus its place. lax.scan's own unroll first slices a block of n steps out of every leaf of xs,
-    and XLA's GPU backend copies that block each iteration (the layers' weights: half a GB a V2-Lite iteration); a
-    step's own slice goes straight to its kernels, as in a loop of one step. -> (carry, stacked ys)."""
+    and XLA's GPU backend copies that block of the layers' weights each iteration; a step's own slice goes straight
+    to its kernels, as in a loop of one step. -> (carry, stacked ys)."""
     trips = length // n
 
     def take(k):
