@@ -193,6 +193,26 @@ def test_decode_layers_in_twos_and_threes_change_nothing(v3_model):
     assert not np.array_equal(runs[1][1], np.asarray(cache.kv))  # the step wrote its entries
 
 
+def test_layers_in_runs_equal_lax_scan():
+    """model._scan_in_runs (n steps a loop iteration, each indexing the whole of xs) computes what lax.scan does,
+    carry and stacked outputs, for runs that leave a remainder and for several iterations of the loop."""
+    from hcfjax.model import _scan_in_runs
+
+    def body(carry, xs):
+        w, k = xs
+        h = jnp.tanh(carry["h"] @ w + k)
+        return {"h": h, "n": carry["n"] + 1}, (h.sum(), k * 2)
+
+    rng = np.random.default_rng(3)
+    length = 7
+    xs = (jnp.asarray(rng.normal(size=(length, 4, 4)), jnp.float32), jnp.arange(length, dtype=jnp.int32))
+    carry = {"h": jnp.asarray(rng.normal(size=(2, 4)), jnp.float32), "n": jnp.int32(0)}
+    want = jax.jit(lambda c, x: jax.lax.scan(body, c, x))(carry, xs)
+    for n in (2, 3):
+        got = jax.jit(functools.partial(_scan_in_runs, body, length=length, n=n))(carry, xs)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
 def test_blockwise_prefill_attention_equals_dense(v3_model, cache_dtype):
     """A prefill chunk attends over the paged cache block by block (attend_expanded_paged, an online softmax over
