@@ -53,8 +53,8 @@ class Options:
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
     unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
         a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
-        of a V2-Lite step on the H200). An int n >= 1 runs n layers an iteration. auto: off (a
-        server compiles every step shape before it is ready).
+        of a V2-Lite step on the H200). An int n >= 1 runs n layers a loop iteration. auto: off (a server
+        compiles every step shape before it is ready).
     prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
         that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys
         causally, then the cached ones a block at a time), blocked (jnp, an online softmax over 512-key blocks whose
@@ -147,7 +147,8 @@ class Options:
         return bool(value)
 
     def decode_unroll(self) -> int | bool:
-        """lax.scan's unroll for a decode forward's layer loops: True (every layer), or layers an iteration."""
+        """A decode forward's layers a loop iteration (model.run_layers' unroll): True (every layer, no loop), or a
+        number of layers."""
         value = self.unroll_decode
         return value if type(value) is int else self.on("unroll_decode") or 1
 
