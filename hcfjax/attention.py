@@ -162,10 +162,20 @@ def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1)
 
 
+def up_weights(p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """kv_b [2, H, C, max(N, V)] (tensor_specs._kv_b) -> W_UK [H, C, N], W_UV [H, C, V]."""
+    return p["kv_b"][0, ..., : cfg.qk_nope_head_dim], p["kv_b"][1, ..., : cfg.v_head_dim]
+
+
+def up_project(p, cfg: ModelConfig, ckv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Latents [B, S, C] -> their keys' nope part [B, S, H, N] and values [B, S, H, V]."""
+    w_uk, w_uv = up_weights(p, cfg)
+    return jnp.einsum("BSC,HCN->BSHN", ckv, w_uk), jnp.einsum("BSC,HCV->BSHV", ckv, w_uv)
+
+
 def attend_expanded(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Array:
     """Per-head attention with K/V up-projected from the latent.  -> [B, T, H, V]"""
-    kv = jnp.einsum("BSC,CHK->BSHK", ckv, p["kv_b"])
-    k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+    k_nope, v = up_project(p, cfg, ckv)
     scores = jnp.einsum("BTHN,BSHN->BHTS", q_nope, k_nope, preferred_element_type=jnp.float32)
     scores += jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)
     probs = _softmax(scores * cfg.softmax_scale, mask).astype(v.dtype)
@@ -174,14 +184,13 @@ def attend_expanded(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Ar
 
 def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, ckv, kpe, mask) -> jax.Array:
     """Attention in the latent space: q_nope . W_UK against c_kv, then W_UV.  -> [B, T, H, V]"""
-    w_uk = p["kv_b"][..., : cfg.qk_nope_head_dim]  # [C, H, N]
-    w_uv = p["kv_b"][..., cfg.qk_nope_head_dim :]  # [C, H, V]
-    q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
+    w_uk, w_uv = up_weights(p, cfg)
+    q_lat = jnp.einsum("BTHN,HCN->BTHC", q_nope, w_uk)
     scores = jnp.einsum("BTHC,BSC->BHTS", q_lat, ckv, preferred_element_type=jnp.float32)
     scores += jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)
     probs = _softmax(scores * cfg.softmax_scale, mask).astype(ckv.dtype)
     o_lat = jnp.einsum("BHTS,BSC->BTHC", probs, ckv)
-    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)
+    return jnp.einsum("BTHC,HCV->BTHV", o_lat, w_uv)
 
 
 KEY_BLOCK = 512  # keys per step of attend_expanded_paged (rounded to whole pages)
@@ -206,8 +215,7 @@ def attend_expanded_paged(
         """Block i's scores' row max (at least `top`), exp(scores - max) where visible (else 0), and its values."""
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
         ckv, kpe = kvcache.read(cache, layer, pages, cfg.kv_lora_rank, q_nope.dtype)
-        kv = jnp.einsum("BSC,CHK->BSHK", ckv, p["kv_b"])
-        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+        k_nope, v = up_project(p, cfg, ckv)
         scores = jnp.einsum("BTHN,BSHN->BHTS", q_nope, k_nope, preferred_element_type=jnp.float32)
         scores = (scores + jnp.einsum("BTHR,BSR->BHTS", q_pe, kpe, preferred_element_type=jnp.float32)) * scale
         key_pos = i * keys + jnp.arange(keys)[None, None, :]  # [1, 1, S]
@@ -289,13 +297,13 @@ def attend_expanded_fused(
     as many blocks as the longest row's start needs; the parts are merged by their log-sum-exps. Rows have
     kv_len - start real queries. -> [B, T, H, V]"""
     cache, scale = ctx.cache, cfg.softmax_scale
-    n_nope, h = cfg.qk_nope_head_dim, cfg.num_attention_heads
+    h = cfg.num_attention_heads
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
 
     def keys_values(c, r):  # latents [B, S, C], [B, S, R] -> K [B, S, H, N + R], V [B, S, H, V]
-        kv = jnp.einsum("BSC,CHK->BSHK", c.astype(q.dtype), p["kv_b"])
+        k_nope, v = up_project(p, cfg, c.astype(q.dtype))
         k_pe = jnp.broadcast_to(r.astype(q.dtype)[:, :, None], (*r.shape[:2], h, r.shape[-1]))
-        return jnp.concatenate([kv[..., :n_nope], k_pe], axis=-1), kv[..., n_nope:]
+        return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
     start = positions[:, 0]
     n = jnp.clip(ctx.kv_len - start, 0, q.shape[1])
@@ -325,9 +333,8 @@ def attend_absorbed_paged(
     """attend_absorbed straight over the paged cache (the MLA decode kernel or its jnp reference, as
     `decode_mode` picks); a query at positions [B, T] sees keys at positions <= its own and < kv_len.
     -> [B, T, H, V]"""
-    w_uk = p["kv_b"][..., : cfg.qk_nope_head_dim]  # [C, H, N]
-    w_uv = p["kv_b"][..., cfg.qk_nope_head_dim :]  # [C, H, V]
-    q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
+    w_uk, w_uv = up_weights(p, cfg)
+    q_lat = jnp.einsum("BTHN,HCN->BTHC", q_nope, w_uk)
     cache = ctx.cache
     args = (q_lat, q_pe, cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
     kw = dict(scales=cache.scale, kv_lora_rank=cfg.kv_lora_rank, positions=positions, layer=layer)
@@ -341,7 +348,7 @@ def attend_absorbed_paged(
         conv = opts.mla_converters and converters_apply(h, t, cache.quantized, qk8)
         kw.update(qk8=qk8, pair=pair, converters=conv)
         o_lat = mla_decode(*args, **kw, interpret=mode == "interpret", plan=ctx.plan)
-    return jnp.einsum("BTHC,CHV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
+    return jnp.einsum("BTHC,HCV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 
 
 def mla(

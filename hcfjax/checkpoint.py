@@ -273,8 +273,7 @@ def load_params(
             return quantized.part(spec)
         t = read_weight(sources[spec.name])
         count(sources[spec.name])
-        t = t.T if spec.linear else t
-        return t.astype(stacked[spec.path].dtype, order="C").reshape(spec.pshape)
+        return spec.to_params(t).astype(stacked[spec.path].dtype, order="C")
 
     largest = max(math.prod(s.shape) * stacked[s.path].dtype.itemsize for s in specs)
     whole = {p for p, st in stacked.items() if math.prod(st.shape) * st.dtype.itemsize <= largest}  # fill_params'
@@ -376,7 +375,7 @@ def save_params(params: dict, cfg: ModelConfig, path: str | Path, dtype=None) ->
         if s.path not in host:
             host[s.path] = np.asarray(jax.device_get(get_path(params, s.path)))
         t = host[s.path][s.index]
-        t = t.reshape(s.pshape[0], -1).T if s.linear else t
+        t = s.to_checkpoint(t)
         if dtype is not None and not s.fp32 and s.dtype is None:
             t = t.astype(np.dtype(jnp.dtype(dtype)))
         t = np.ascontiguousarray(t)

@@ -231,9 +231,9 @@ def nbytes(w: Fp8Weight) -> int:
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 
 # The linears DeepSeek ships in fp8 that stay fp8 on the device: MLA's projections and every MLP (dense, shared,
-# routed experts). kv_b is fp8 on disk too but is dequantised on load: attention.py slices it per head into the
-# absorbed query and output (DeepSeek's own inference code dequantises it there). Embeddings, norms, routers, LM
-# heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
+# routed experts). kv_b is fp8 on disk too but is dequantised on load: it is held as W_UK and W_UV, which the
+# absorbed decode folds into the query and the output (DeepSeek's own inference code dequantises it there).
+# Embeddings, norms, routers, LM heads and the MTP combiner are bf16 in DeepSeek's checkpoints.
 LINEARS = ("q_a", "q_b", "q", "kv_a", "o", "gate", "up", "down")
 QUANT = (8, "fp8")  # tensor_specs.TensorSpec.quant of an Fp8Weight's `q`
 

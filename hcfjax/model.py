@@ -361,6 +361,7 @@ def _draw(k, kind: str, shape: tuple[int, ...], dt, scale):
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:
-    """Input width of a stored [in, out...] matrix: the first non-stacking dim, found from the end."""
-    per_head = {"kv_b": 3, "q_b": 3, "q": 3}  # [.., in, H, K]
+    """Input width of a stored [in, out...] matrix: the first non-stacking dim, found from the end (kv_b's
+    [.., 2, H, C, N]: C, second from the end, as in a plain matrix)."""
+    per_head = {"q_b": 3, "q": 3}  # [.., in, H, K]
     return shape[-per_head.get(name, 2)]

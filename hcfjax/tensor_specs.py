@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from hcfjax import fp8
 from hcfjax.config import ModelConfig, QuantConfig
 from hcfjax.quant import QWeight, group_size
@@ -28,6 +30,31 @@ class TensorSpec:
     fp32: bool = False  # kept in float32 whatever the model dtype (router)
     dtype: str | None = None  # stored and loaded in exactly this dtype (the parts of a quantised weight)
     quant: tuple[int, str] | None = None  # (bits, activations) on the `q` part of a quantised weight
+    halves: tuple[int, int] | None = None  # MLA's kv_b: (N, V); see _kv_b
+
+    def to_params(self, t):
+        """This tensor as the checkpoint holds it (numpy) -> its slice of the param."""
+        if self.halves:
+            (n, v), (_, h, c, m) = self.halves, self.pshape
+            t = t.reshape(h, n + v, c)
+            pad = lambda w: np.pad(w, ((0, 0), (0, m - w.shape[1]), (0, 0)))  # noqa: E731
+            return np.stack([pad(t[:, :n]), pad(t[:, n:])]).transpose(0, 1, 3, 2)
+        return (t.T if self.linear else t).reshape(self.pshape)
+
+    def to_checkpoint(self, t):
+        """to_params' inverse: the param's slice -> the tensor as the checkpoint holds it."""
+        if self.halves:
+            n, v = self.halves
+            return np.concatenate([t[0, ..., :n], t[1, ..., :v]], axis=-1).transpose(0, 2, 1).reshape(self.shape)
+        return t.reshape(self.pshape[0], -1).T if self.linear else t
+
+
+def _kv_b(name, path, index, cfg: ModelConfig) -> TensorSpec:
+    """kv_b_proj [H * (N + V), C] as [2, H, C, M] per layer: W_UK [H, C, N] then W_UV [H, C, V], each whole, so
+    the absorbed decode reads them where they lie (a slice of [C, H, N + V] would be copied at every layer).
+    M = max(N, V); the shorter is zero-padded (every DeepSeek model has N = V)."""
+    h, c, n, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    return TensorSpec(name, path, index, (h * (n + v), c), (2, h, c, max(n, v)), True, halves=(n, v))
 
 
 def _linear(name, path, index, d_in, pshape_out) -> TensorSpec:
@@ -57,13 +84,7 @@ def layer_specs(cfg: ModelConfig, layer: int, path: tuple, index: tuple[int, ...
         _vector(p + "post_attention_layernorm.weight", path + ("mlp_norm",), index, d),
         _linear(p + "self_attn.kv_a_proj_with_mqa.weight", a + ("kv_a",), index, d, (cfg.kv_dim,)),
         _vector(p + "self_attn.kv_a_layernorm.weight", a + ("kv_a_norm",), index, cfg.kv_lora_rank),
-        _linear(
-            p + "self_attn.kv_b_proj.weight",
-            a + ("kv_b",),
-            index,
-            cfg.kv_lora_rank,
-            (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ),
+        _kv_b(p + "self_attn.kv_b_proj.weight", a + ("kv_b",), index, cfg),
         _linear(p + "self_attn.o_proj.weight", a + ("o",), index, h * cfg.v_head_dim, (d,)),
     ]
     if cfg.q_lora_rank:

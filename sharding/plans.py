@@ -29,7 +29,8 @@ from sharding.ep import ep_experts
 PREFILL_RULES: tuple[tuple[str, tuple], ...] = (
     (r"experts/(gate|up)$", ("ep", None, "tp")),  # [E, D, F]
     (r"experts/down$", ("ep", "tp", None)),  # [E, F, D]
-    (r"attn/(q_b|q|kv_b)$", (None, "tp", None)),  # [in, H, K]: heads over tp (column parallel)
+    (r"attn/(q_b|q)$", (None, "tp", None)),  # [in, H, K]: heads over tp (column parallel)
+    (r"attn/kv_b$", (None, "tp", None, None)),  # [2, H, C, N]: W_UK and W_UV, heads over tp
     (r"attn/o$", ("tp", None)),  # [H*V, D]: row parallel
     (r"(mlp|shared)/(gate|up)$", (None, "tp")),  # [D, F]
     (r"(mlp|shared)/down$", ("tp", None)),  # [F, D]

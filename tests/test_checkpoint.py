@@ -1,5 +1,6 @@
 """Checkpoint loading and saving: round trips, fp8 block dequantisation, sharded files, and clear errors."""
 
+import dataclasses
 import json
 import shutil
 
@@ -56,6 +57,24 @@ def quantize_fp8_blocks(w: np.ndarray):
     return q, scale
 
 
+@pytest.mark.parametrize("n,v", [(16, 16), (8, 24)])
+def test_kv_b_held_as_w_uk_and_w_uv(n, v):
+    """kv_b_proj [H * (N + V), C] holds each head's N key rows, then its V value rows: params keep them as
+    [2, H, C, max(N, V)], W_UK then W_UV, the shorter zero-padded, and writing them back restores the tensor."""
+    cfg = ModelConfig.from_json(FIXTURES / "tiny_v3" / "config.json")
+    cfg = dataclasses.replace(cfg, qk_nope_head_dim=n, v_head_dim=v)
+    (spec,) = [s for s in tensor_specs(cfg) if s.name == "model.layers.0.self_attn.kv_b_proj.weight"]
+    h, c = cfg.num_attention_heads, cfg.kv_lora_rank
+    t = np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)
+    p = spec.to_params(t)
+    assert p.shape == (2, h, c, max(n, v))
+    heads = t.reshape(h, n + v, c)
+    np.testing.assert_array_equal(p[0, :, :, :n], heads[:, :n].transpose(0, 2, 1))  # W_UK [H, C, N]
+    np.testing.assert_array_equal(p[1, :, :, :v], heads[:, n:].transpose(0, 2, 1))  # W_UV [H, C, V]
+    assert not p[0, :, :, n:].any() and not p[1, :, :, v:].any()
+    np.testing.assert_array_equal(spec.to_checkpoint(p), t)
+
+
 def test_fp8_block_dequantisation():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(300, 200)).astype(np.float32) * np.linspace(0.01, 3, 200)
@@ -99,7 +118,7 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
     assert len(expected) > 100  # attention, dense, expert and MTP projections
     for name, want in expected.items():
         s = specs[name]
-        got = np.asarray(get_path(fp8.params, s.path)[s.index]).reshape(s.pshape[0], -1).T
+        got = s.to_checkpoint(np.asarray(get_path(fp8.params, s.path)[s.index]))
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
 
 

@@ -138,8 +138,9 @@ def test_random_fp8_checkpoint_logits_close_to_dequantised(random_fp8):
     off by up to 2^-4 of itself (2-3% rms of a matmul's input), and each layer chains seven such roundings (q_a, q_b,
     kv_a, o, gate/up, down), the attention scores' through a softmax; over this random model's 3 layers the logits
     move by 0.11 rms relative (measured; a wrong block scale or head split moves them by about 1). Random weights
-    leave small top-1 margins (median 0.24 logit, against 0.1 rms of change), so the greedy run is short; the
-    trained model's test below runs longer."""
+    leave small top-1 margins (median 0.24 logit, against 0.1 rms of change), so the greedy runs may part: each
+    token native fp8 picks must be within 0.5 logit of the dequantised model's best after the same prefix (logits
+    of about unit spread); the trained model's test below compares whole runs."""
     path, _ = random_fp8
     native = hcfjax.load(path, dtype=jnp.float32)
     plain = hcfjax.load(path, dtype=jnp.float32, fp8="dequantize")
@@ -147,8 +148,10 @@ def test_random_fp8_checkpoint_logits_close_to_dequantised(random_fp8):
     a, b = np.asarray(hcfjax.forward(native, tokens)), np.asarray(hcfjax.forward(plain, tokens))
     assert rel_rms(a, b) < 0.15
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.7
-    got = hcfjax.generate(native, tokens, max_new_tokens=4).tokens
-    assert got == hcfjax.generate(plain, tokens, max_new_tokens=4).tokens
+    got = hcfjax.generate(native, tokens, max_new_tokens=8).tokens[0]
+    rows = np.asarray(hcfjax.forward(plain, [tokens[0] + got]))[0, len(tokens[0]) - 1 : -1]  # [8, vocab]
+    gaps = rows.max(-1) - rows[np.arange(len(got)), got]
+    assert gaps.max() < 0.5, gaps
 
 
 def test_save_writes_deepseeks_fp8_layout(random_fp8, tmp_path):
