@@ -3,7 +3,8 @@
 (`quantized_specs`), and the params pytree's paths.
 
 Linear weights are [out, in] in checkpoints and [in, out] (reshaped per head where useful) in params, so einsums
-read left to right. Layers of one kind are stacked along a leading axis per run of layers
+read left to right; MLA's kv_b is held as W_UK and W_UV, each [H, C, N] (`_kv_b`). `TensorSpec.to_params` and
+`to_checkpoint` convert between the two layouts. Layers of one kind are stacked along a leading axis per run of layers
 (`ModelConfig.layer_segments`) so that the forward pass is a `lax.scan`.
 """
 
@@ -26,7 +27,7 @@ class TensorSpec:
     index: tuple[int, ...]  # position inside the stacked param (layer in segment, expert)
     shape: tuple[int, ...]  # checkpoint shape
     pshape: tuple[int, ...]  # params shape of this slice
-    linear: bool  # [out, in] in the checkpoint, [in, out] (then reshaped to pshape) in params
+    linear: bool  # [out, in] in the checkpoint, [in, out] (then reshaped to pshape) in params; kv_b: see halves
     fp32: bool = False  # kept in float32 whatever the model dtype (router)
     dtype: str | None = None  # stored and loaded in exactly this dtype (the parts of a quantised weight)
     quant: tuple[int, str] | None = None  # (bits, activations) on the `q` part of a quantised weight

@@ -103,7 +103,7 @@ def test_fp8_checkpoint_stays_fp8(random_fp8):
     assert len(names) == 5 * 4 + 3 + 3 * (4 + 1) * 3
     kept = 0
     for name in names:
-        if "kv_b_proj" in name:  # dequantised on load: attention slices it per head
+        if "kv_b_proj" in name:  # dequantised on load: held as W_UK and W_UV
             s = specs[name]
             assert not isinstance(get_path(model.params, s.path[:-1])[s.path[-1]], fp8.Fp8Weight), name
             continue
