@@ -24,6 +24,8 @@ SWITCHES = (
     "fused_cache_write",
 )
 # The switches auto turns on on GPUs.
+# A GPU decode step's layers a loop iteration under unroll_decode=auto.
+DECODE_LAYERS_ON_GPUS = 2
 ON_GPUS = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing", "fused_cache_write")
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
@@ -51,10 +53,11 @@ class Options:
         written by the fused gate/up kernel where that pays (DeepSeek-V3's activation grouping), instead of per row.
     ep_exchange: how the decode plan moves routed tokens between ranks: dense (fixed-capacity all_to_all, runs
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
-    unroll_decode: decode forwards unroll their layer loops (XLA then runs the step's kernels with fewer gaps,
-        a few percent of a decode step, but compiles each layer's kernels apart: about five times the compile time
-        of a V2-Lite step on the H200). An int n >= 1 runs n layers a loop iteration. auto: off (a server
-        compiles every step shape before it is ready).
+    unroll_decode: decode forwards run several layers a loop iteration, or unroll the loop (True). Each iteration
+        is a CUDA graph that the host updates before it runs (its layer's weights sit at a new offset), so fewer
+        iterations halve the host's dispatch and the GPU's idle at the boundaries; each layer of an iteration
+        compiles its kernels apart (the whole loop unrolled: about five times a V2-Lite step's compile time). An int
+        n >= 1 runs n layers an iteration. auto: two on GPUs (DECODE_LAYERS_ON_GPUS), one elsewhere.
     prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
         that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys
         causally, then the cached ones a block at a time), blocked (jnp, an online softmax over 512-key blocks whose
@@ -150,7 +153,11 @@ class Options:
         """A decode forward's layers a loop iteration (model.run_layers' unroll): True (every layer, no loop), or a
         number of layers."""
         value = self.unroll_decode
-        return value if type(value) is int else self.on("unroll_decode") or 1
+        if type(value) is int:
+            return value
+        if value == "auto":
+            return DECODE_LAYERS_ON_GPUS if on_gpu() else 1
+        return True if value else 1
 
     def prefill_attention_mode(self) -> str:
         """prefill_attention resolved for this backend: 'fused' or 'blocked'."""

@@ -86,9 +86,11 @@ def test_fused_cache_write_is_on_for_gpus_unless_turned_off(monkeypatch):
         Options.from_env({"HCFJAX_FUSED_CACHE_WRITE": "yes"})
 
 
-def test_unroll_decode_takes_a_layer_count():
-    """Options.unroll_decode: off (one layer an iteration) unless asked; True unrolls every layer, an int n runs n
-    layers an iteration; HCFJAX_UNROLL_DECODE takes auto, all or n; zero, negative and other values are refused."""
+def test_unroll_decode_takes_a_layer_count(monkeypatch):
+    """Options.unroll_decode: one layer an iteration on a CPU and two on a GPU unless asked; True unrolls every
+    layer, an int n runs n layers an iteration; HCFJAX_UNROLL_DECODE takes auto, all or n; zero, negative and other
+    values are refused."""
+    from hcfjax import options
     from hcfjax.options import Options
 
     assert [Options().decode_unroll(), Options(unroll_decode=True).decode_unroll()] == [1, True]
@@ -98,5 +100,8 @@ def test_unroll_decode_takes_a_layer_count():
     for bad in (0, -1, 2.0, "on"):
         with pytest.raises(ValueError, match="unroll_decode"):
             Options(unroll_decode=bad)
+    monkeypatch.setattr(options, "on_gpu", lambda: True)
+    assert [Options().decode_unroll(), Options(unroll_decode=False).decode_unroll()] == [2, 1]
+    assert Options.from_env({"HCFJAX_UNROLL_DECODE": "1"}).decode_unroll() == 1
     with pytest.raises(ValueError, match="HCFJAX_UNROLL_DECODE"):
         Options.from_env({"HCFJAX_UNROLL_DECODE": "0"})

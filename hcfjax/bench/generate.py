@@ -279,7 +279,7 @@ def main(argv=None) -> None:
         metavar="{auto,on,off,N}",
         type=lambda s: s if s in ("auto", "on", "off") else int(s),
         help="unroll the decode step's layer loops, or run N layers a loop iteration (Options.unroll_decode; "
-        "default: HCFJAX_UNROLL_DECODE, else auto: off)",
+        "default: HCFJAX_UNROLL_DECODE, else auto: two layers on GPUs)",
     )
     ap.add_argument(
         "--grouped-down-input",
