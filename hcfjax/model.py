@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hcfjax.attention import CacheContext, mla, with_decode_plan
 from hcfjax.config import ModelConfig
@@ -291,23 +292,23 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
     stacked = {s.path: len(s.index) > 0 for s in specs}
     shapes = sorted(stacked_shapes(specs).items(), key=str)
     # Each random op is a compile of its own, which XLA:CPU makes slow, so tensors up to _SHARED_DRAW elements are
-    # cut from one shared draw; larger ones are drawn one slice at a time (_draw: a program per kind, slice shape
-    # and dtype).
+    # cut from one shared draw, on the host (cutting it in a program made one output a tensor: a compile of a second
+    # or so on a CPU); larger ones are drawn one slice at a time (_draw: a program per kind, slice shape and dtype).
     small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
     large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
 
     def init(name, shape, z, u, dt):
         return _init(_kind(name), z, u, _scale(cfg, name, shape), dt)
 
-    @jax.jit
     def make_small(k_small, k_u):
         sizes = [math.prod(shape) for _, (shape, _) in small]
-        z_all = jax.random.normal(k_small, (sum(sizes),), jnp.float32)
-        u_all = jax.random.uniform(k_u, (sum(sizes),), jnp.float32)
+        z_all, u_all = _shared_draws(k_small, k_u, sum(sizes))
+        if not isinstance(z_all, jax.core.Tracer):  # (traced: under eval_shape, for the params' shapes)
+            z_all, u_all = np.asarray(z_all), np.asarray(u_all)
         out, start = {}, 0
         for (path, (shape, fp32)), n in zip(small, sizes, strict=True):
             z, u = (x[start : start + n].reshape(shape) for x in (z_all, u_all))
-            out[path] = init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype)
+            out[path] = jax.device_put(init(path[-1], shape, z, u, jnp.float32 if fp32 else dtype))
             start += n
         return out
 
@@ -331,6 +332,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
 _SHARED_DRAW = 1 << 20  # elements
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _shared_draws(k_normal, k_uniform, n: int):
+    """n standard normals and n uniforms: the small tensors' shared draw."""
+    return jax.random.normal(k_normal, (n,), jnp.float32), jax.random.uniform(k_uniform, (n,), jnp.float32)
+
+
 def _kind(name: str) -> str:
     return "norm" if "norm" in name else "bias" if name == "router_bias" else "matrix"
 
@@ -343,8 +350,8 @@ def _scale(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> float:
 
 
 def _init(kind: str, z, u, scale, dt):
-    """A tensor from standard normals z or uniforms u: norms 1 + N(0, 0.1^2), router bias U(0, 0.1), matrices
-    N(0, scale^2)."""
+    """A tensor from standard normals z or uniforms u (float32, jax or numpy arrays): norms 1 + N(0, 0.1^2), router
+    bias U(0, 0.1), matrices N(0, scale^2)."""
     if kind == "norm":
         return (1.0 + 0.1 * z).astype(dt)
     if kind == "bias":
