@@ -292,8 +292,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, mtp: bool 
     stacked = {s.path: len(s.index) > 0 for s in specs}
     shapes = sorted(stacked_shapes(specs).items(), key=str)
     # Each random op is a compile of its own, which XLA:CPU makes slow, so tensors up to _SHARED_DRAW elements are
-    # cut from one shared draw, on the host (cutting it in a program made one output a tensor: a compile of a second
-    # or so on a CPU); larger ones are drawn one slice at a time (_draw: a program per kind, slice shape and dtype).
+    # cut from one shared draw, on the host (cut in a program, each tensor is an output of its own: about a second
+    # of compile on a CPU); larger ones are drawn one slice at a time (_draw: a program per kind, slice shape and
+    # dtype).
     small = [(path, spec) for path, spec in shapes if math.prod(spec[0]) <= _SHARED_DRAW]
     large = [(path, spec) for path, spec in shapes if math.prod(spec[0]) > _SHARED_DRAW]
 

@@ -23,9 +23,9 @@ SWITCHES = (
     "fused_routing",
     "fused_cache_write",
 )
-# The switches auto turns on on GPUs.
 # A GPU decode step's layers a loop iteration under unroll_decode=auto.
 DECODE_LAYERS_ON_GPUS = 2
+# The switches auto turns on on GPUs.
 ON_GPUS = ("two_rows", "branch_free_sampling", "sort_free_routing", "fused_routing", "fused_cache_write")
 EXCHANGES = ("dense", "ragged")
 INT4_ACTS = ("bf16", "int8")
@@ -54,10 +54,10 @@ class Options:
     ep_exchange: how the decode plan moves routed tokens between ranks: dense (fixed-capacity all_to_all, runs
         everywhere) or ragged (lax.ragged_all_to_all of the real rows; GPU only).
     unroll_decode: decode forwards run several layers a loop iteration, or unroll the loop (True). Each iteration
-        is a CUDA graph that the host updates before it runs (its layer's weights sit at a new offset), so fewer
-        iterations halve the host's dispatch and the GPU's idle at the boundaries; each layer of an iteration
-        compiles its kernels apart (the whole loop unrolled: about five times a V2-Lite step's compile time). An int
-        n >= 1 runs n layers an iteration. auto: two on GPUs (DECODE_LAYERS_ON_GPUS), one elsewhere.
+        is a CUDA graph that the host updates before it runs (its layer's weights sit at a new offset): two layers
+        an iteration halve the updates, the host's dispatch and the GPU's idle at the boundaries. Each layer of an
+        iteration compiles its kernels apart (the whole loop unrolled: about five times a V2-Lite step's compile
+        time). An int n >= 1 runs n layers an iteration. auto: two on GPUs (DECODE_LAYERS_ON_GPUS), one elsewhere.
     prefill_attention: a prefill chunk's attention over the paged cache: fused (jax.nn.dot_product_attention calls
         that keep the scores on chip: cuDNN's flash attention on a GPU, XLA's elsewhere; the chunk's own keys
         causally, then the cached ones a block at a time), blocked (jnp, an online softmax over 512-key blocks whose
