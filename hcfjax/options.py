@@ -16,7 +16,6 @@ import jax
 KERNEL_MODES = ("auto", "kernel", "interpret", "reference")
 SWITCH = ("auto", True, False)  # the values a switch takes
 SWITCHES = (
-    "unroll_decode",
     "two_rows",
     "branch_free_sampling",
     "sort_free_routing",
@@ -116,11 +115,11 @@ class Options:
                 raise ValueError(f"Options.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
         for name in SWITCHES:
             value = getattr(self, name)
-            if name == "unroll_decode" and type(value) is int and value >= 1:
-                continue
             if value not in SWITCH or type(value) is int:
-                also = " or a number of layers (>= 1)" if name == "unroll_decode" else ""
-                raise ValueError(f"Options.{name} must be auto, True or False{also}, got {value!r}")
+                raise ValueError(f"Options.{name} must be auto, True or False, got {value!r}")
+        u = self.unroll_decode
+        if not (u in SWITCH and type(u) is not int or type(u) is int and u >= 1):
+            raise ValueError(f"Options.unroll_decode must be auto, True, False or a number of layers (>= 1), got {u!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
                 f"Options.prefill_attention must be one of {PREFILL_ATTENTION}, got {self.prefill_attention!r}"
@@ -144,6 +143,8 @@ class Options:
 
     def on(self, switch: str) -> bool:
         """One of SWITCHES resolved for this backend (auto: on for those of ON_GPUS on a GPU, else off)."""
+        if switch not in SWITCHES:
+            raise ValueError(f"{switch!r} is not an on/off switch of Options ({', '.join(SWITCHES)})")
         value = getattr(self, switch)
         if value == "auto":
             return switch in ON_GPUS and on_gpu()

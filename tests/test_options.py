@@ -100,6 +100,8 @@ def test_unroll_decode_takes_a_layer_count(monkeypatch):
     for bad in (0, -1, 2.0, "on"):
         with pytest.raises(ValueError, match="unroll_decode"):
             Options(unroll_decode=bad)
+    with pytest.raises(ValueError, match="not an on/off switch"):
+        Options().on("unroll_decode")  # a layer count: decode_unroll() says it
     monkeypatch.setattr(options, "on_gpu", lambda: True)
     assert [Options().decode_unroll(), Options(unroll_decode=False).decode_unroll()] == [2, 1]
     assert Options.from_env({"HCFJAX_UNROLL_DECODE": "1"}).decode_unroll() == 1
