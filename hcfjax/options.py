@@ -118,7 +118,7 @@ class Options:
             if value not in SWITCH or type(value) is int:
                 raise ValueError(f"Options.{name} must be auto, True or False, got {value!r}")
         u = self.unroll_decode
-        if not (u in SWITCH and type(u) is not int or type(u) is int and u >= 1):
+        if not (u >= 1 if type(u) is int else u in SWITCH):
             raise ValueError(f"Options.unroll_decode must be auto, True, False or a number of layers (>= 1), got {u!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
