@@ -163,8 +163,16 @@ def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def up_weights(p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """kv_b [2, H, C, max(N, V)] (tensor_specs._kv_b) -> W_UK [H, C, N], W_UV [H, C, V]."""
-    return p["kv_b"][0, ..., : cfg.qk_nope_head_dim], p["kv_b"][1, ..., : cfg.v_head_dim]
+    """kv_b [2, H, C, max(N, V)] (tensor_specs._kv_b), or a StackRow of it, -> W_UK [H, C, N], W_UV [H, C, V].
+    From a StackRow each is one slice of the stack, which XLA's GPU backend reads in place inside the product;
+    slicing the row first and then its halves copied the row (a kernel a loop iteration)."""
+    kv_b, n, v = p["kv_b"], cfg.qk_nope_head_dim, cfg.v_head_dim
+    if isinstance(kv_b, StackRow):
+        stack, row, (heads, c) = kv_b.stack, kv_b.index, kv_b.stack.shape[2:4]
+        uk = jax.lax.dynamic_slice(stack, (row, 0, 0, 0, 0), (1, 1, heads, c, n))
+        uv = jax.lax.dynamic_slice(stack, (row, 1, 0, 0, 0), (1, 1, heads, c, v))
+        return uk[0, 0], uv[0, 0]
+    return kv_b[0, ..., :n], kv_b[1, ..., :v]
 
 
 def up_project(p, cfg: ModelConfig, ckv: jax.Array) -> tuple[jax.Array, jax.Array]:

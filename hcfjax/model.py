@@ -114,28 +114,28 @@ def run_layers(
         ctx = dataclasses.replace(ctx, rope_table=rope_table(positions, cfg.rope, cfg.qk_rope_head_dim))
     for seg, (first, count, is_moe) in zip(params["segments"], cfg.layer_segments, strict=True):
         collect = with_load is not False and is_moe
-        # The norms' weights are read by row in place (layers.StackRow), the latent's too.
+        # The norms' weights are read by row in place (layers.StackRow), the latent's norm and kv_b too.
         norms = {k: seg[k] for k in ("attn_norm", "mlp_norm")}
-        kv_norm = seg["attn"]["kv_a_norm"]
+        kv_norm, kv_b = seg["attn"]["kv_a_norm"], seg["attn"]["kv_b"]
         rest = {k: v for k, v in seg.items() if k not in norms}
-        rest["attn"] = {k: v for k, v in seg["attn"].items() if k != "kv_a_norm"}
+        rest["attn"] = {k: v for k, v in seg["attn"].items() if k not in ("kv_a_norm", "kv_b")}
 
-        def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, kv_norm=kv_norm, first=first):
+        def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, kv_norm=kv_norm, kv_b=kv_b, first=first):
             x, ctx = carry
-            p, layer = xs
-            p = p | {k: StackRow(stack, layer - first) for k, stack in norms.items()}
-            p["attn"] = p["attn"] | {"kv_a_norm": StackRow(kv_norm, layer - first)}
+            p, k = xs  # the layer's params and its place in the run
+            layer = first + k
+            p = p | {name: StackRow(stack, k) for name, stack in norms.items()}
+            p["attn"] = p["attn"] | {"kv_a_norm": StackRow(kv_norm, k), "kv_b": StackRow(kv_b, k)}
             load_mask = with_load if collect else False
             x, ctx, *load = decoder_layer(
                 p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, load_mask, opts, real
             )
             return (x, ctx), (load[0] if collect else None)
 
-        xs = (rest, first + jnp.arange(count))
         if type(unroll) is int and 1 < unroll < count:
-            (x, ctx), load = _scan_in_runs(body, (x, ctx), xs, count, unroll)
+            (x, ctx), load = _scan_in_runs(body, (x, ctx), rest, count, unroll)
         else:
-            (x, ctx), load = jax.lax.scan(body, (x, ctx), xs, unroll=unroll)
+            (x, ctx), load = jax.lax.scan(body, (x, ctx), (rest, jnp.arange(count)), unroll=unroll)
         if collect:
             loads.append(load)
     if ctx is not None:
@@ -147,19 +147,21 @@ def run_layers(
 
 
 def _scan_in_runs(body, carry, xs, length: int, n: int):
-    """lax.scan(body, carry, xs) with n steps a loop iteration, each step indexing the whole of xs at the loop's
-    counter times n plus its place. lax.scan's own unroll first slices a block of n steps out of every leaf of xs,
-    and XLA's GPU backend copies that block of the layers' weights each iteration; a step's own slice goes straight
-    to its kernels, as in a loop of one step. -> (carry, stacked ys)."""
+    """lax.scan(body, carry, (xs, jnp.arange(length))) with n steps a loop iteration, each step indexing the whole
+    of xs at the loop's counter times n plus its place. lax.scan's own unroll first slices a block of n steps out of
+    every leaf of xs, and XLA's GPU backend copies that block of the layers' weights each iteration; a step's own
+    slice goes straight to its kernels, as in a loop of one step. The step's index is computed from the counter, so
+    a slice the step takes at it is also one XLA reads in place (a slice of an array of indices is not).
+    -> (carry, stacked ys)."""
     trips = length // n
 
     def take(k):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), xs)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), xs), k
 
     def put(ys, y, k):
         return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, k, 0), ys, y)
 
-    y_like = jax.eval_shape(body, carry, take(0))[1]
+    y_like = jax.eval_shape(body, carry, take(jnp.int32(0)))[1]
     ys = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), y_like)
 
     def iteration(state):
@@ -171,7 +173,7 @@ def _scan_in_runs(body, carry, xs, length: int, n: int):
 
     _, carry, ys = jax.lax.while_loop(lambda state: state[0] < trips, iteration, (jnp.int32(0), carry, ys))
     for k in range(trips * n, length):  # the remainder, at fixed places
-        carry, y = body(carry, take(k))
+        carry, y = body(carry, take(jnp.int32(k)))
         ys = put(ys, y, k)
     return carry, ys
 

@@ -194,22 +194,24 @@ def test_decode_layers_in_twos_and_threes_change_nothing(v3_model):
 
 
 def test_layers_in_runs_equal_lax_scan():
-    """model._scan_in_runs (n steps a loop iteration, each indexing the whole of xs) computes what lax.scan does,
-    carry and stacked outputs, for runs that leave a remainder and for several iterations of the loop."""
+    """model._scan_in_runs (n steps a loop iteration, each indexing the whole of xs and given its index) computes
+    what lax.scan over (xs, arange) does, carry and stacked outputs, for runs that leave a remainder and for several
+    iterations of the loop."""
     from hcfjax.model import _scan_in_runs
 
     def body(carry, xs):
-        w, k = xs
-        h = jnp.tanh(carry["h"] @ w + k)
+        (w, b), k = xs
+        h = jnp.tanh(carry["h"] @ w + b + k)
         return {"h": h, "n": carry["n"] + 1}, (h.sum(), k * 2)
 
     rng = np.random.default_rng(3)
     length = 7
-    xs = (jnp.asarray(rng.normal(size=(length, 4, 4)), jnp.float32), jnp.arange(length, dtype=jnp.int32))
+    ws = (jnp.asarray(rng.normal(size=(length, 4, 4)), jnp.float32), jnp.asarray(rng.normal(size=(length, 4))))
     carry = {"h": jnp.asarray(rng.normal(size=(2, 4)), jnp.float32), "n": jnp.int32(0)}
-    want = jax.jit(lambda c, x: jax.lax.scan(body, c, x))(carry, xs)
+    want = jax.jit(lambda c, x: jax.lax.scan(body, c, (x, jnp.arange(length))))(carry, ws)
+    np.testing.assert_array_equal(want[1][1], 2 * np.arange(length))
     for n in (2, 3):
-        got = jax.jit(functools.partial(_scan_in_runs, body, length=length, n=n))(carry, xs)
+        got = jax.jit(functools.partial(_scan_in_runs, body, length=length, n=n))(carry, ws)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
 
 
