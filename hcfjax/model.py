@@ -121,21 +121,24 @@ def run_layers(
         rest["attn"] = {k: v for k, v in seg["attn"].items() if k not in ("kv_a_norm", "kv_b")}
 
         def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, kv_norm=kv_norm, kv_b=kv_b, first=first):
+            # The layer's params, its number and its place in the run (_scan_in_runs: computed from the loop's
+            # counter). The kernels' layer operands come from the numbers, which XLA slices in one kernel an
+            # iteration; kv_b's rows from the place, so that XLA reads them in place inside the products.
             x, ctx = carry
-            p, k = xs  # the layer's params and its place in the run
-            layer = first + k
-            p = p | {name: StackRow(stack, k) for name, stack in norms.items()}
-            p["attn"] = p["attn"] | {"kv_a_norm": StackRow(kv_norm, k), "kv_b": StackRow(kv_b, k)}
+            (p, layer), k = xs
+            p = p | {name: StackRow(stack, layer - first) for name, stack in norms.items()}
+            p["attn"] = p["attn"] | {"kv_a_norm": StackRow(kv_norm, layer - first), "kv_b": StackRow(kv_b, k)}
             load_mask = with_load if collect else False
             x, ctx, *load = decoder_layer(
                 p, cfg, x, positions, ctx, layer, is_moe, absorbed, experts_fn, load_mask, opts, real
             )
             return (x, ctx), (load[0] if collect else None)
 
+        xs = (rest, first + jnp.arange(count))
         if type(unroll) is int and 1 < unroll < count:
-            (x, ctx), load = _scan_in_runs(body, (x, ctx), rest, count, unroll)
+            (x, ctx), load = _scan_in_runs(body, (x, ctx), xs, count, unroll)
         else:
-            (x, ctx), load = jax.lax.scan(body, (x, ctx), (rest, jnp.arange(count)), unroll=unroll)
+            (x, ctx), load = jax.lax.scan(body, (x, ctx), (xs, jnp.arange(count)), unroll=unroll)
         if collect:
             loads.append(load)
     if ctx is not None:

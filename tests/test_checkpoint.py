@@ -75,6 +75,25 @@ def test_kv_b_held_as_w_uk_and_w_uv(n, v):
     np.testing.assert_array_equal(spec.to_checkpoint(p), t)
 
 
+@pytest.mark.parametrize("n,v", [(16, 16), (8, 24)])
+def test_kv_b_halves_of_a_stack_row_are_the_rows(n, v):
+    """In the layer loop kv_b is a StackRow of the stacked [L, 2, H, C, max(N, V)]: attention.up_weights slices W_UK
+    and W_UV out of the stack at a traced row, the same arrays as from that row taken alone."""
+    from hcfjax.attention import up_weights
+    from hcfjax.layers import StackRow
+
+    cfg = ModelConfig.from_json(FIXTURES / "tiny_v3" / "config.json")
+    cfg = dataclasses.replace(cfg, qk_nope_head_dim=n, v_head_dim=v)
+    shape = (3, 2, cfg.num_attention_heads, cfg.kv_lora_rank, max(n, v))
+    stack = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.bfloat16)
+    halves = jax.jit(lambda s, row: up_weights({"kv_b": StackRow(s, row)}, cfg))
+    for row in range(3):
+        got, want = halves(stack, jnp.int32(row)), up_weights({"kv_b": stack[row]}, cfg)
+        assert [g.shape for g in got] == [(*shape[2:4], n), (*shape[2:4], v)]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_fp8_block_dequantisation():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(300, 200)).astype(np.float32) * np.linspace(0.01, 3, 200)
