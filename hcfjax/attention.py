@@ -20,7 +20,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import StackRow, apply_rope, rms_norm, rope_table
 from hcfjax.options import DEFAULT, Options, on_gpu
-from hcfjax.quant import linear
+from hcfjax.quant import linear, linear_partials
 from pallas_kernels import latent_write
 from pallas_kernels.mla_decode import (
     MlaPlan,
@@ -144,7 +144,8 @@ def write_new_latents(
     if mode == "reference":
         ckv, kpe = project_kv(p, cfg, x, positions, opts, ctx.rope_table, x_q)
         return kvcache.write(ctx.cache, layer, ckv, kpe, positions, ctx.valid, ctx.page_table)
-    kv = linear(x, p["kv_a"], opts, x_q)
+    kv = linear_partials(x, p["kv_a"], opts, x_q)  # the kernel adds a split-K product's partials itself
+    kv = linear(x, p["kv_a"], opts, x_q) if kv is None else kv
     norm = p["kv_a_norm"]
     stack, row = (norm.stack, norm.index) if isinstance(norm, StackRow) else (norm, 0)
     table = ctx.rope_table or rope_table(positions, cfg.rope, cfg.qk_rope_head_dim)

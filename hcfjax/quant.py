@@ -228,6 +228,22 @@ def linear(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     return x @ w
 
 
+def linear_partials(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.Array | None:
+    """x [..., K] @ W as the dense int8 kernel's split-K partial products [S, ..., N] f32, where `linear` runs the
+    product on that kernel and its tiling splits K (a decode step's kv_a); else None. Their sum in split order,
+    rounded to x's dtype, is `linear`'s result; a consumer that adds them itself (pallas_kernels.latent_write)
+    saves the pass that sums them."""
+    from pallas_kernels.moe_fp8 import int8_matmul, int8_tiling
+
+    mode = int8_kernel_mode(x, w, opts)
+    flat = x.reshape(-1, x.shape[-1])
+    if mode == "reference" or int8_tiling(flat.shape[0], 1, w.n, w.k).splits == 1:
+        return None
+    xq, xs = _int8_tokens(flat, mode, x_q)
+    parts = int8_matmul(xq, xs, w.q, w.scale, interpret=mode == "interpret", partials=True)
+    return parts.reshape(parts.shape[0], *x.shape[:-1], w.n)
+
+
 def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT, x_q=None) -> jax.Array:
     """silu(x @ gate) * (x @ up), the first half of a SwiGLU MLP: fp8 and int8 per-channel weights fused in one
     kernel where it runs (x_q: `linear`'s)."""
@@ -281,13 +297,18 @@ def _int8_kernel(x: jax.Array, weights: tuple, mode: str, x_q=None) -> jax.Array
     from pallas_kernels.moe_fp8 import int8_gated_matmul, int8_matmul
 
     flat = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_tokens(flat, mode) if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
+    xq, xs = _int8_tokens(flat, mode, x_q)
     interpret = mode == "interpret"
     if len(weights) == 1:
         y = int8_matmul(xq, xs, weights[0].q, weights[0].scale, interpret=interpret)
     else:
         y = int8_gated_matmul(xq, xs, *[(w.q, w.scale) for w in weights], interpret=interpret)
     return y.reshape(*x.shape[:-1], weights[0].n).astype(x.dtype)
+
+
+def _int8_tokens(flat: jax.Array, mode: str, x_q=None) -> tuple[jax.Array, jax.Array]:
+    """The dense int8 kernel's tokens: rows flat [M, K] quantised (int8 [M, K], scales [M]), or x_q as given."""
+    return quantize_tokens(flat, mode) if x_q is None else (x_q[0].reshape(flat.shape), x_q[1].reshape(-1))
 
 
 def nbytes(w) -> int:

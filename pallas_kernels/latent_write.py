@@ -45,11 +45,23 @@ def _kernel(
     *, c: int, r: int, t: int, pages: int, eps: float, interleave: bool, exact: bool,
 ):  # fmt: skip
     """One token: its entry from the projection's row, stored at (cache layer, page, slot) unless the token is not
-    valid or its page lies outside the page table or the cache."""
+    valid or its page lies outside the page table or the cache. kv_ref: the rows [N, C + R] bf16, or the split-K
+    partial products [S, N, C + R] f32 that sum to them."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
     n = pl.program_id(0)
+
+    def projected(cols):
+        """The projection's row at columns cols (a pl.ds or an index vector), in f32: a bf16 row's values, or the
+        partials added in split order and rounded to bf16, as the product's own sum rounds them."""
+        if len(kv_ref.shape) == 2:
+            return plt.load(kv_ref.at[n, cols]).astype(jnp.float32)
+        total = plt.load(kv_ref.at[jnp.int32(0), n, cols])
+        for split in range(1, kv_ref.shape[0]):
+            total = total + plt.load(kv_ref.at[jnp.int32(split), n, cols])
+        return _bf16(total, exact)
+
     layer, w_row = layer_ref[0], row_ref[0]
     page_size, max_pages = kv_out.shape[2], table_ref.shape[1]
     pos = pos_ref[n]
@@ -59,7 +71,7 @@ def _kernel(
     write = valid_ref[n] & (block < max_pages) & (page >= 0) & (page < pages)
 
     # RMSNorm of the latent, scaled in bf16 (layers.rms_norm); C is a power of two, so the mean's product is exact.
-    x = kv_ref[n, pl.ds(0, c)].astype(jnp.float32)
+    x = projected(pl.ds(0, c))
     norm = lax.rsqrt(jnp.square(x).sum() * (1.0 / c) + eps)
     w = w_ref[w_row, pl.ds(0, c)].astype(jnp.float32)
     latent = _bf16(w * _bf16(x * norm, exact), exact)  # a product of two bf16 values is exact in f32
@@ -69,8 +81,7 @@ def _kernel(
     half = r // 2
     i = jnp.arange(half, dtype=jnp.int32)
     first, second = (c + 2 * i, c + 2 * i + 1) if interleave else (c + i, c + half + i)
-    x1 = plt.load(kv_ref.at[n, first]).astype(jnp.float32)
-    x2 = plt.load(kv_ref.at[n, second]).astype(jnp.float32)
+    x1, x2 = projected(first), projected(second)
     cos, sin = (_bf16(ref[n, pl.ds(0, half)], exact) for ref in (cos_ref, sin_ref))
     rot1 = _bf16(_bf16(x1 * cos, exact) - _bf16(x2 * sin, exact), exact)
     rot2 = _bf16(_bf16(x2 * cos, exact) + _bf16(x1 * sin, exact), exact)
@@ -113,17 +124,23 @@ def write_latents(
     """The cache (kv [L, P, page, C + R] int8, scales [L, P, 2, page] f32) with the entries of kv [B, T, C + R] bf16
     (the kv_a projection of B x T tokens at positions [B, T]) written in `layer`, where valid [B, T]: the latent
     RMSNormed by row `weight_row` of weight [L', C] and quantised, k_pe roped by rope_table ((cos, sin) [B, T, R/2]
-    f32, layers.rope_table's) and quantised. One program per token (`interpret`: Pallas's interpreter)."""
+    f32, layers.rope_table's) and quantised. One program per token (`interpret`: Pallas's interpreter).
+    kv may also be the projection's split-K partial products [S, B, T, C + R] f32 (`quant.linear_partials`), which
+    the kernel adds itself: one pass over them fewer than summing them first."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
-    b, t, width = kv.shape
+    splits = kv.shape[:-3]  # (S,) for partials
+    b, t, width = kv.shape[-3:]
     c = weight.shape[-1]
     r = width - c
-    if not applies(b * t, c, r, kv.dtype, kv_cache.size) or kv_cache.dtype != jnp.int8:
-        raise ValueError(f"latent_write takes a bf16 projection of C, R/2 powers of two into an int8 cache of at "
-                         f"most 2 or over 4 GiB, got {kv.dtype} [{b}, {t}, {c} + {r}] into {kv_cache.dtype} "
-                         f"{kv_cache.shape}")  # fmt: skip
+    projection = kv.dtype
+    if splits:  # split-K partials [S, B, T, C + R] f32 of a bf16 projection
+        projection = jnp.bfloat16 if len(splits) == 1 and kv.dtype == jnp.float32 else None
+    if projection is None or not applies(b * t, c, r, projection, kv_cache.size) or kv_cache.dtype != jnp.int8:
+        raise ValueError(f"latent_write takes a bf16 projection (or its f32 split-K partials) of C, R/2 powers of two "
+                         f"into an int8 cache of at most 2 or over 4 GiB, got {kv.dtype} {list(kv.shape)} into "
+                         f"{kv_cache.dtype} {kv_cache.shape}")  # fmt: skip
     cos, sin = (a.reshape(b * t, r // 2).astype(jnp.float32) for a in rope_table)
     kernel = functools.partial(
         _kernel, c=c, r=r, t=t, pages=kv_cache.shape[1], eps=eps, interleave=interleave, exact=not interpret
@@ -140,7 +157,7 @@ def write_latents(
         interpret=interpret,
         name="latent_write",
     )(
-        kv.reshape(b * t, width),
+        kv.reshape(*splits, b * t, width),
         weight.reshape(-1, c),
         # Each index on its own: in the layer loop a stack of the two would be a launch of its own.
         jnp.asarray(layer, jnp.int32).reshape(1),

@@ -362,8 +362,9 @@ def _int8_body(nw: int, ksteps: int, m: int, t: Fp8Tiling, *refs):
     )
 
 
-def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
-    """The dense int8 kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16."""
+def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None, partials: bool = False):
+    """The dense int8 kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16, or with
+    `partials` and a tiling that splits K its f32 partials [splits, M, N] (one weight)."""
     (m, k), (n, _), nw = xq.shape, weights[0][0].shape, len(weights)
     t = tiling or int8_tiling(m, nw, n, k)
     _check_int8(xq, xs, weights, t)
@@ -381,15 +382,17 @@ def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None):
     kern = functools.partial(
         _kernel, _int8_body, "dense_int8", body_args, out_type, (n // t.bn, rows // t.bm, t.splits)
     )
-    return run_grouped(("dense_int8", body_args), kern, args, out_type, interpret, t.splits, nw)[:m]
+    out = run_grouped(("dense_int8", body_args), kern, args, out_type, interpret, t.splits, nw, not partials)
+    return out[:, :m] if partials and t.splits > 1 else out[:m]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
-def int8_matmul(xq, xs, q, s, interpret: bool = False, tiling: Fp8Tiling | None = None):
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling", "partials"))
+def int8_matmul(xq, xs, q, s, interpret: bool = False, tiling: Fp8Tiling | None = None, partials: bool = False):
     """A dense int8 linear: xq [M, K] int8 with per-row scales xs [M] f32 (quantize_int8) times W stored as q [N, K]
     int8 with per-output-channel scales s ([N] or [1, N] f32) -> [M, N] bf16, on the Mosaic GPU kernel (`interpret`:
-    its interpreter, any backend)."""
-    return _run_int8(xq, xs, ((q, s),), interpret, tiling)
+    its interpreter, any backend). partials: where the tiling splits K (`int8_tiling`), the splits' f32 partial
+    products [splits, M, N] instead, unsummed: their sum in split order, rounded to bf16, is the product."""
+    return _run_int8(xq, xs, ((q, s),), interpret, tiling, partials)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))

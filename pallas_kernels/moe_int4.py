@@ -173,10 +173,11 @@ def _run(x, weights, group_sizes, act, interpret, tiling, x_q=None, quant_out=Fa
     return out[:m]  # [M, N] (a slice only when M < bm)
 
 
-def run_grouped(key, kern, args, out_type, interpret: bool, splits: int, nw: int):
+def run_grouped(key, kern, args, out_type, interpret: bool, splits: int, nw: int, sum_splits: bool = True):
     """A grouped-GEMM kernel's launch (the int4 and fp8 kernels'): kern() run by Mosaic GPU's interpreter, or
     lowered once per process under `key` (lowering_cache); with split-K (splits > 1) its f32 partials [splits, M,
-    nw N] summed, and gate/up's SiLU product formed, in one XLA fusion -> [M, N] bf16."""
+    nw N] summed, and gate/up's SiLU product formed, in one XLA fusion -> [M, N] bf16 (sum_splits=False: the
+    partials as they are, for a consumer that adds them itself)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if interpret:
@@ -184,7 +185,7 @@ def run_grouped(key, kern, args, out_type, interpret: bool, splits: int, nw: int
             out = kern()(*args)
     else:
         out = lowering_cache.launch(key, kern, *args, out=out_type)
-    if splits == 1:
+    if splits == 1 or not sum_splits:
         return out
     out = out.sum(0)
     n = out.shape[1] // nw

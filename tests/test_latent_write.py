@@ -51,6 +51,63 @@ def test_kernel_writes_the_entries_cache_write_writes(interleave):
     assert {tuple(x) for x in changed} == {(2, 2, 1), (2, 2, 2), (2, 4, 0)}  # three entries written
 
 
+def test_kernel_adds_split_k_partials_as_the_product_does():
+    """Given the kv_a product's split-K partials [S, B, T, C + R] f32 (quant.linear_partials), the kernel writes the
+    entries that their sum in split order, rounded to bf16 (the product the dense int8 kernel returns), gives it."""
+    rng = np.random.default_rng(4)
+    b, t = 2, 1
+    _, weight, cache = _case(rng, b, t)
+    parts = jnp.asarray(rng.normal(size=(3, b, t, C + R)) * 2, jnp.float32)
+    rows = ((parts[0] + parts[1]) + parts[2]).astype(jnp.bfloat16)
+    assert (rows.astype(jnp.float32) != parts.sum(0)).any()  # the rounding the kernel must do
+    positions, valid = jnp.asarray([[2], [9]], jnp.int32), jnp.ones((b, t), bool)
+    page_table = jnp.asarray([[3, 1, 0], [6, 2, 5]], jnp.int32)
+    table = rope_table(positions, RopeConfig(theta=10000.0), R)
+    write = lambda kv: write_latents(  # noqa: E731
+        cache.kv, cache.scale, 1, kv, weight, 0, table, positions, valid, page_table,
+        eps=1e-6, interleave=True, interpret=True,
+    )  # fmt: skip
+    got, want = write(parts), write(rows)
+    assert (np.asarray(want[0]) != np.asarray(cache.kv)).any()
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="split-K partials"):
+        write(parts.astype(jnp.bfloat16))
+
+
+@pytest.mark.usefixtures("reset_interpreter")
+def test_an_int8_kv_a_hands_its_partials_to_the_kernel(monkeypatch):
+    """attention.write_new_latents with an int8 kv_a on the dense int8 kernel whose tiling splits K: the cache write
+    takes the product's partials (one launch fewer a layer) and leaves the cache as the summed product does."""
+    import dataclasses
+
+    from hcfjax import attention, quant
+    from hcfjax.attention import CacheContext
+    from hcfjax.random_model import preset_config
+
+    d, c, r = 1024, 128, 64  # kv_a: 8 K blocks over 3 output tiles, split in two
+    cfg = dataclasses.replace(preset_config("tiny-v3"), hidden_size=d, kv_lora_rank=c, qk_rope_head_dim=r)
+    rng = np.random.default_rng(6)
+    p = {
+        "kv_a": quant.quantize(jnp.asarray(rng.normal(size=(d, c + r)) * 0.05), bits=8, act="int8"),
+        "kv_a_norm": jnp.asarray(1 + 0.1 * rng.normal(size=c), jnp.bfloat16),
+    }
+    b, page = 2, 4
+    cache = kvcache.KVCache(jnp.zeros((2, 4, page, c + r), jnp.int8), jnp.zeros((2, 4, 2, page), jnp.float32))
+    ctx = CacheContext(cache, jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([3, 6]), jnp.ones((b, 1), bool))
+    x = jnp.asarray(rng.normal(size=(b, 1, d)), jnp.bfloat16)
+    positions = jnp.asarray([[2], [5]], jnp.int32)
+    opts = attention.Options(mla="interpret", moe="interpret", fused_cache_write=True)
+    assert attention.latent_write_mode(cfg, cache, x, opts) == "interpret"
+    assert quant.linear_partials(x, p["kv_a"], opts).shape == (2, b, 1, c + r)
+    got = attention.write_new_latents(p, cfg, x, positions, ctx, 1, opts)
+    monkeypatch.setattr(attention, "linear_partials", lambda *a, **k: None)
+    want = attention.write_new_latents(p, cfg, x, positions, ctx, 1, opts)
+    assert (np.asarray(want.kv) != 0).any(-1).sum() == b
+    np.testing.assert_array_equal(got.kv, want.kv)
+    np.testing.assert_array_equal(got.scale, want.scale)
+
+
 def test_applies_to_decode_tokens_in_bf16_and_caches_it_addresses():
     """Decode tokens in bf16, and an int8 cache up to 2 GiB or over 4 GiB: in between, the lowering's signed 32-bit
     element offsets would wrap (V2-Lite's 27 layers of 2,432 pages of 64 tokens are 2.4 GiB)."""
@@ -74,9 +131,10 @@ def test_applies_to_decode_tokens_in_bf16_and_caches_it_addresses():
         jax.eval_shape(write, cache, scale, kv, weight, rope, rope, rows, valid, table)
 
 
-def test_lowers_for_hopper():
+@pytest.mark.parametrize("splits", [None, 4])
+def test_lowers_for_hopper(splits):
     """The kernel lowers for sm_90 at V2-Lite's decode shapes, into a cache of 4.8 GiB (64-bit offsets), with IEEE
-    division."""
+    division: from the bf16 projection, and from kv_a's four split-K partials."""
     from pallas_kernels.cross_lower import lower_triton_for_hopper
 
     spec = jax.ShapeDtypeStruct
@@ -87,11 +145,12 @@ def test_lowers_for_hopper():
             kv_cache, scale, 3, kv, weight, 2, (cos, sin), positions, valid, page_table, eps=1e-6, interleave=True
         )
 
+    kv = spec((b, 1, c + r), jnp.bfloat16) if splits is None else spec((splits, b, 1, c + r), jnp.float32)
     text = lower_triton_for_hopper(
         step,
         spec((27, 4864, 64, c + r), jnp.int8),
         spec((27, 4864, 2, 64), jnp.float32),
-        spec((b, 1, c + r), jnp.bfloat16),
+        kv,
         spec((26, c), jnp.bfloat16),
         spec((b, 1, r // 2), jnp.float32),
         spec((b, 1, r // 2), jnp.float32),
