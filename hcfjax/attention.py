@@ -165,8 +165,9 @@ def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
 
 def up_weights(p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """kv_b [2, H, C, max(N, V)] (tensor_specs._kv_b), or a StackRow of it, -> W_UK [H, C, N], W_UV [H, C, V].
-    From a StackRow each is one slice of the stack, which XLA's GPU backend reads in place inside the product;
-    slicing the row first and then its halves copied the row (a kernel a loop iteration)."""
+    From a StackRow each is one slice of the stack, which XLA's GPU backend reads in place inside the product
+    where the row index comes from the layer loop's counter (model._scan_in_runs) and the half is whole (N = V);
+    a slice of the row, then of its halves, makes XLA copy the row each iteration."""
     kv_b, n, v = p["kv_b"], cfg.qk_nope_head_dim, cfg.v_head_dim
     if isinstance(kv_b, StackRow):
         stack, row, (heads, c) = kv_b.stack, kv_b.index, kv_b.stack.shape[2:4]

@@ -121,9 +121,10 @@ def run_layers(
         rest["attn"] = {k: v for k, v in seg["attn"].items() if k not in ("kv_a_norm", "kv_b")}
 
         def body(carry, xs, is_moe=is_moe, collect=collect, norms=norms, kv_norm=kv_norm, kv_b=kv_b, first=first):
-            # The layer's params, its number and its place in the run (_scan_in_runs: computed from the loop's
-            # counter). The kernels' layer operands come from the numbers, which XLA slices in one kernel an
-            # iteration; kv_b's rows from the place, so that XLA reads them in place inside the products.
+            # The layer's params, its number and its place in the run. The kernels' layer operands come from the
+            # numbers, which XLA slices in one kernel an iteration; kv_b's rows from the place, which _scan_in_runs
+            # computes from its loop's counter, so that XLA reads them in place inside the products there (under
+            # lax.scan the place is a slice of an index array too, and the row is copied).
             x, ctx = carry
             (p, layer), k = xs
             p = p | {name: StackRow(stack, layer - first) for name, stack in norms.items()}

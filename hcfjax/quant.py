@@ -229,10 +229,10 @@ def linear(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.Array:
 
 
 def linear_partials(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.Array | None:
-    """x [..., K] @ W as the dense int8 kernel's split-K partial products [S, ..., N] f32, where `linear` runs the
-    product on that kernel and its tiling splits K (a decode step's kv_a); else None. Their sum in split order,
-    rounded to x's dtype, is `linear`'s result; a consumer that adds them itself (pallas_kernels.latent_write)
-    saves the pass that sums them."""
+    """x [..., K] @ W as the dense int8 kernel's split-K partial products, f32 [S, M', N] over x's M rows flattened
+    (M' >= M: the rows past M are the kernel's padding), where `linear` runs the product on that kernel and its
+    tiling splits K (a decode step's kv_a); else None. Their sum in split order, rounded to x's dtype, is
+    `linear`'s result; a consumer that adds them itself (pallas_kernels.latent_write) saves the pass that sums them."""
     from pallas_kernels.moe_fp8 import int8_matmul, int8_tiling
 
     mode = int8_kernel_mode(x, w, opts)
@@ -240,8 +240,7 @@ def linear_partials(x: jax.Array, w, opts: Options = DEFAULT, x_q=None) -> jax.A
     if mode == "reference" or int8_tiling(flat.shape[0], 1, w.n, w.k).splits == 1:
         return None
     xq, xs = _int8_tokens(flat, mode, x_q)
-    parts = int8_matmul(xq, xs, w.q, w.scale, interpret=mode == "interpret", partials=True)
-    return parts.reshape(parts.shape[0], *x.shape[:-1], w.n)
+    return int8_matmul(xq, xs, w.q, w.scale, interpret=mode == "interpret", partials=True)
 
 
 def gated_linear(x: jax.Array, gate, up, opts: Options = DEFAULT, x_q=None) -> jax.Array:

@@ -46,7 +46,7 @@ def _kernel(
 ):  # fmt: skip
     """One token: its entry from the projection's row, stored at (cache layer, page, slot) unless the token is not
     valid or its page lies outside the page table or the cache. kv_ref: the rows [N, C + R] bf16, or the split-K
-    partial products [S, N, C + R] f32 that sum to them."""
+    partial products [S, N', C + R] f32 that sum to them (N' >= N)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
@@ -125,19 +125,19 @@ def write_latents(
     (the kv_a projection of B x T tokens at positions [B, T]) written in `layer`, where valid [B, T]: the latent
     RMSNormed by row `weight_row` of weight [L', C] and quantised, k_pe roped by rope_table ((cos, sin) [B, T, R/2]
     f32, layers.rope_table's) and quantised. One program per token (`interpret`: Pallas's interpreter).
-    kv may also be the projection's split-K partial products [S, B, T, C + R] f32 (`quant.linear_partials`), which
-    the kernel adds itself: one pass over them fewer than summing them first."""
+    kv may also be the projection's split-K partial products [S, M, C + R] f32 over the B x T tokens' rows (M >= B T;
+    rows past B T are ignored; `quant.linear_partials`), which the kernel adds itself: one pass over them fewer
+    than summing them first."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
-    splits = kv.shape[:-3]  # (S,) for partials
-    b, t, width = kv.shape[-3:]
+    (b, t), width = positions.shape, kv.shape[-1]
     c = weight.shape[-1]
     r = width - c
-    projection = kv.dtype
-    if splits:  # split-K partials [S, B, T, C + R] f32 of a bf16 projection
-        projection = jnp.bfloat16 if len(splits) == 1 and kv.dtype == jnp.float32 else None
-    if projection is None or not applies(b * t, c, r, projection, kv_cache.size) or kv_cache.dtype != jnp.int8:
+    partials = kv.dtype == jnp.float32  # the projection itself is bf16
+    shaped = kv.ndim == 3 and kv.shape[1] >= b * t if partials else kv.shape == (b, t, width)
+    projection = jnp.bfloat16 if partials else kv.dtype
+    if not shaped or not applies(b * t, c, r, projection, kv_cache.size) or kv_cache.dtype != jnp.int8:
         raise ValueError(f"latent_write takes a bf16 projection (or its f32 split-K partials) of C, R/2 powers of two "
                          f"into an int8 cache of at most 2 or over 4 GiB, got {kv.dtype} {list(kv.shape)} into "
                          f"{kv_cache.dtype} {kv_cache.shape}")  # fmt: skip
@@ -157,7 +157,7 @@ def write_latents(
         interpret=interpret,
         name="latent_write",
     )(
-        kv.reshape(*splits, b * t, width),
+        kv if partials else kv.reshape(b * t, width),
         weight.reshape(-1, c),
         # Each index on its own: in the layer loop a stack of the two would be a launch of its own.
         jnp.asarray(layer, jnp.int32).reshape(1),

@@ -364,8 +364,10 @@ def _int8_body(nw: int, ksteps: int, m: int, t: Fp8Tiling, *refs):
 
 def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None, partials: bool = False):
     """The dense int8 kernel over weights = ((q, s),) or ((q_gate, s_gate), (q_up, s_up)) -> [M, N] bf16, or with
-    `partials` and a tiling that splits K its f32 partials [splits, M, N] (one weight)."""
+    `partials` (one weight) and a tiling that splits K its f32 partials [splits, M', N] over whole token blocks."""
     (m, k), (n, _), nw = xq.shape, weights[0][0].shape, len(weights)
+    if partials and nw != 1:
+        raise ValueError("the dense int8 kernel gives split-K partials of one weight's product, not gate and up's")
     t = tiling or int8_tiling(m, nw, n, k)
     _check_int8(xq, xs, weights, t)
     rows = -(-m // t.bm) * t.bm  # whole token blocks: each block's rows and scales load in bounds
@@ -383,7 +385,7 @@ def _run_int8(xq, xs, weights, interpret: bool, tiling: Fp8Tiling | None, partia
         _kernel, _int8_body, "dense_int8", body_args, out_type, (n // t.bn, rows // t.bm, t.splits)
     )
     out = run_grouped(("dense_int8", body_args), kern, args, out_type, interpret, t.splits, nw, not partials)
-    return out[:, :m] if partials and t.splits > 1 else out[:m]
+    return out if partials and t.splits > 1 else out[:m]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling", "partials"))
@@ -391,7 +393,9 @@ def int8_matmul(xq, xs, q, s, interpret: bool = False, tiling: Fp8Tiling | None 
     """A dense int8 linear: xq [M, K] int8 with per-row scales xs [M] f32 (quantize_int8) times W stored as q [N, K]
     int8 with per-output-channel scales s ([N] or [1, N] f32) -> [M, N] bf16, on the Mosaic GPU kernel (`interpret`:
     its interpreter, any backend). partials: where the tiling splits K (`int8_tiling`), the splits' f32 partial
-    products [splits, M, N] instead, unsummed: their sum in split order, rounded to bf16, is the product."""
+    products [splits, M', N] instead, unsummed, over the kernel's whole token blocks (M' >= M rows, those past M
+    padding: cutting them off would be a copy). Their sum in split order, rounded to bf16, is the product (XLA's
+    sum of them is a loop fusion, which adds in index order)."""
     return _run_int8(xq, xs, ((q, s),), interpret, tiling, partials)
 
 

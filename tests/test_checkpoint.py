@@ -75,7 +75,7 @@ def test_kv_b_held_as_w_uk_and_w_uv(n, v):
     np.testing.assert_array_equal(spec.to_checkpoint(p), t)
 
 
-@pytest.mark.parametrize("n,v", [(16, 16), (8, 24)])
+@pytest.mark.parametrize("n,v", [(16, 16), (8, 24), (24, 8)])
 def test_kv_b_halves_of_a_stack_row_are_the_rows(n, v):
     """In the layer loop kv_b is a StackRow of the stacked [L, 2, H, C, max(N, V)]: attention.up_weights slices W_UK
     and W_UV out of the stack at a traced row, the same arrays as from that row taken alone."""

@@ -86,9 +86,10 @@ def test_model_linears_take_the_kernel_where_options_say():
 
 @pytest.mark.usefixtures("reset_interpreter")
 def test_split_k_partials_add_up_to_the_product():
-    """int8_matmul(partials=True) gives a split-K tiling's f32 partial products, whose sum in split order rounded to
-    bf16 is the product's bits; quant.linear_partials gives them, shaped as x, where linear runs the kernel with
-    split-K (kv_a's K of 16 blocks over a few output tiles), and None where it would not split K or not run it."""
+    """int8_matmul(partials=True) gives a split-K tiling's f32 partial products over whole token blocks, whose sum in
+    split order rounded to bf16 is the product's bits; quant.linear_partials gives them where linear runs the
+    kernel with split-K (kv_a's K of 16 blocks over a few output tiles), and None where it would not split K or not
+    run it. Gate and up's product has no partials."""
     rng = np.random.default_rng(5)
     m, k, n = 8, 8 * BLOCK, 128
     x = jnp.asarray(rng.normal(size=(2, m // 2, k)), jnp.bfloat16)
@@ -96,12 +97,15 @@ def test_split_k_partials_add_up_to_the_product():
     assert int8_tiling(m, 1, n, k).splits == 2
     xq, xs = quant.quantize_int8(x.reshape(m, k))
     parts = int8_matmul(xq, xs, w.q, w.scale, interpret=True, partials=True)
-    assert parts.shape == (2, m, n) and parts.dtype == jnp.float32
+    assert parts.shape == (2, 16, n) and parts.dtype == jnp.float32  # a 16-row token block
     whole = int8_matmul(xq, xs, w.q, w.scale, interpret=True)
-    np.testing.assert_array_equal(np.asarray((parts[0] + parts[1]).astype(jnp.bfloat16)), np.asarray(whole))
-    _close(parts.sum(0), _exact(xq, xs, w.q, w.scale))
-    got = quant.linear_partials(x, w, INTERPRET)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(parts.reshape(2, *x.shape[:-1], n)))
+    np.testing.assert_array_equal(np.asarray((parts[0, :m] + parts[1, :m]).astype(jnp.bfloat16)), np.asarray(whole))
+    _close(parts[:, :m].sum(0), _exact(xq, xs, w.q, w.scale))
+    np.testing.assert_array_equal(np.asarray(quant.linear_partials(x, w, INTERPRET)), np.asarray(parts))
+    from pallas_kernels.moe_fp8 import _run_int8
+
+    with pytest.raises(ValueError, match="one weight"):
+        _run_int8(xq, xs, ((w.q, w.scale), (w.q, w.scale)), True, None, partials=True)
     assert quant.linear_partials(x, w) is None  # XLA's product on a CPU by default
     short = quant.quantize(quant.dequantize(w)[: 2 * BLOCK], bits=8, act="int8")  # two K blocks: no split
     assert quant.linear_partials(x[..., : 2 * BLOCK], short, INTERPRET) is None

@@ -52,14 +52,15 @@ def test_kernel_writes_the_entries_cache_write_writes(interleave):
 
 
 def test_kernel_adds_split_k_partials_as_the_product_does():
-    """Given the kv_a product's split-K partials [S, B, T, C + R] f32 (quant.linear_partials), the kernel writes the
-    entries that their sum in split order, rounded to bf16 (the product the dense int8 kernel returns), gives it."""
+    """Given the kv_a product's split-K partials [S, M, C + R] f32 over the tokens' rows and the kernel's padding rows
+    (quant.linear_partials), the kernel writes the entries that their sum in split order, rounded to bf16 (the
+    product the dense int8 kernel returns), gives it."""
     rng = np.random.default_rng(4)
     b, t = 2, 1
     _, weight, cache = _case(rng, b, t)
-    parts = jnp.asarray(rng.normal(size=(3, b, t, C + R)) * 2, jnp.float32)
-    rows = ((parts[0] + parts[1]) + parts[2]).astype(jnp.bfloat16)
-    assert (rows.astype(jnp.float32) != parts.sum(0)).any()  # the rounding the kernel must do
+    parts = jnp.asarray(rng.normal(size=(3, b * t + 5, C + R)) * 2, jnp.float32)  # 5 padding rows
+    rows = ((parts[0] + parts[1]) + parts[2])[: b * t].reshape(b, t, C + R).astype(jnp.bfloat16)
+    assert (rows.astype(jnp.float32) != parts[:, : b * t].sum(0).reshape(rows.shape)).any()  # the kernel rounds
     positions, valid = jnp.asarray([[2], [9]], jnp.int32), jnp.ones((b, t), bool)
     page_table = jnp.asarray([[3, 1, 0], [6, 2, 5]], jnp.int32)
     table = rope_table(positions, RopeConfig(theta=10000.0), R)
@@ -99,7 +100,7 @@ def test_an_int8_kv_a_hands_its_partials_to_the_kernel(monkeypatch):
     positions = jnp.asarray([[2], [5]], jnp.int32)
     opts = attention.Options(mla="interpret", moe="interpret", fused_cache_write=True)
     assert attention.latent_write_mode(cfg, cache, x, opts) == "interpret"
-    assert quant.linear_partials(x, p["kv_a"], opts).shape == (2, b, 1, c + r)
+    assert quant.linear_partials(x, p["kv_a"], opts).shape == (2, 16, c + r)  # a 16-row token block
     got = attention.write_new_latents(p, cfg, x, positions, ctx, 1, opts)
     monkeypatch.setattr(attention, "linear_partials", lambda *a, **k: None)
     want = attention.write_new_latents(p, cfg, x, positions, ctx, 1, opts)
@@ -145,7 +146,7 @@ def test_lowers_for_hopper(splits):
             kv_cache, scale, 3, kv, weight, 2, (cos, sin), positions, valid, page_table, eps=1e-6, interleave=True
         )
 
-    kv = spec((b, 1, c + r), jnp.bfloat16) if splits is None else spec((splits, b, 1, c + r), jnp.float32)
+    kv = spec((b, 1, c + r), jnp.bfloat16) if splits is None else spec((splits, b, c + r), jnp.float32)
     text = lower_triton_for_hopper(
         step,
         spec((27, 4864, 64, c + r), jnp.int8),
