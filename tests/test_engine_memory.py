@@ -116,6 +116,36 @@ def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
     assert len(measured) == len(engine.runner.executables) >= 2 and all(t > 0 for t in measured)
 
 
+def test_a_derived_int8_pool_steps_past_the_cache_writes_window(monkeypatch):
+    """An int8 cache array of 2-4 GiB is one the cache-write kernel cannot address (its offsets would wrap): a
+    derived pool there grows just past 4 GiB (then fit_pages trims it to the memory as ever); elsewhere, and for a
+    size the user gave, a float cache or the cache write off, the engine's pool is as derived."""
+    from hcfjax.options import Options
+
+    v2_lite = 27 * 64 * 576  # a page's int8 entries over V2-Lite's layers: 64 slots at 8k derive 4,128 pages
+    assert memory.past_write_window(4128, v2_lite) == 4316 and 4315 * v2_lite <= 2**32 < 4316 * v2_lite
+    assert memory.past_write_window(2000, v2_lite) == 2000  # 1.9 GB: addressed in 32 bits
+    assert memory.past_write_window(5000, v2_lite) == 5000  # past 4 GiB: 64-bit offsets
+    asked = []
+
+    def spy(pages, entry_bytes):
+        asked.append((pages, entry_bytes))
+        return pages + 3
+
+    monkeypatch.setattr(memory, "past_write_window", spy)
+    model = hcfjax.load(dtype=jnp.float32)
+    cfg = model.cfg
+    config = EngineConfig(max_slots=4, token_budget=16, max_prefill_rows=1, page_size=16, max_model_len=256)
+    on = dataclasses.replace(config, cache_dtype="int8", options=Options(fused_cache_write=True))
+    assert Engine(model, on).total_pages == 34 + 3  # 17 pages a request at max_model_len, 4 slots
+    assert asked == [(34, cfg.num_hidden_layers * 16 * cfg.kv_dim)]
+    assert Engine(model, dataclasses.replace(on, dp=2)).total_pages == 2 * (34 + 3)  # two ranks in one array
+    assert asked[-1] == (34, 2 * cfg.num_hidden_layers * 16 * cfg.kv_dim)
+    for other in (dataclasses.replace(on, num_pages=34), dataclasses.replace(on, cache_dtype="float"), config):
+        assert Engine(model, other).total_pages == 34
+    assert len(asked) == 2
+
+
 def test_serve_refuses_a_pool_or_steps_that_do_not_fit():
     """`hcfjax serve` on a device stand-in (its own process, as a user runs it): an explicit --num-pages past what
     fits, and steps whose temporaries do not fit after warm-up, end the command with exit 2 and the sizes before it

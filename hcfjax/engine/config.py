@@ -21,7 +21,8 @@ class EngineStopped(RuntimeError):
 class EngineConfig:
     """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages
     per rank (default: room for every slot at max_model_len / 2, or what the device's memory holds where that is
-    less: `hcfjax.engine.memory`); token_budget: tokens per step (decode rows plus
+    less: `hcfjax.engine.memory`; an int8 pool that would be 2-4 GiB grows past 4 GiB, for the cache-write
+    kernel, where the memory holds it); token_budget: tokens per step (decode rows plus
     prefill chunks); mixed_token_budget: tokens in a step that also decodes (at most token_budget, the default; a
     smaller one bounds the decoding requests' time per token, at some prefill throughput); max_queue: waiting
     requests beyond this are refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first window and

@@ -89,8 +89,11 @@ class Engine(Submitting):
         layers = self.cfg.num_hidden_layers + (len(model.params["mtp"]) if spec else 0)
         self._page_bytes = memory.page_bytes(self.cfg.kv_dim, layers, c.page_size, dtype)
         ranks_here = c.dp if decode_plan is None else 1  # the ranks whose pages share the device
+        wanted = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
+        if c.num_pages is None and np.dtype(dtype) == np.int8 and c.options.on("fused_cache_write"):
+            wanted = memory.past_write_window(wanted, layers * c.page_size * self.cfg.kv_dim * ranks_here)
         num_pages = memory.fit_pages(
-            c.num_pages or max(max_pages, c.max_slots * max_pages // 2),
+            wanted,
             c.num_pages is not None,
             self._page_bytes * ranks_here,
             memory.device_memory(self._device),

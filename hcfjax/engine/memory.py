@@ -58,6 +58,19 @@ def page_bytes(kv_dim: int, layers: int, page_size: int, dtype) -> int:
     return layers * page_size * entry_bytes(kv_dim, dtype)
 
 
+def past_write_window(pages: int, entry_bytes_per_page: int) -> int:
+    """A derived int8 pool's page count moved past 4 GiB where its cache array would fall in 2-4 GiB: there the
+    cache-write kernel's offsets would wrap (pallas_kernels.latent_write.addressable), and XLA writes each layer's
+    new latents in six kernels instead of one. entry_bytes_per_page: a page's int8 entries in the array (over its
+    layers and the ranks that share it). `fit_pages` then trims it where the device's memory has no room for more,
+    and the pool stays as it was. Unchanged outside the window."""
+    from pallas_kernels.latent_write import addressable
+
+    if addressable(pages * entry_bytes_per_page):
+        return pages
+    return 2**32 // entry_bytes_per_page + 1
+
+
 def fit_pages(
     wanted: int,
     explicit: bool,
