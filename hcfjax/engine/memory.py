@@ -62,8 +62,8 @@ def past_write_window(pages: int, entry_bytes_per_page: int) -> int:
     """A derived int8 pool's page count moved past 4 GiB where its cache array would fall in 2-4 GiB: there the
     cache-write kernel's offsets would wrap (pallas_kernels.latent_write.addressable), and XLA writes each layer's
     new latents in six kernels instead of one. entry_bytes_per_page: a page's int8 entries in the array (over its
-    layers and the ranks that share it). `fit_pages` then trims it where the device's memory has no room for more,
-    and the pool stays as it was. Unchanged outside the window."""
+    layers and the ranks that share it). `fit_pages` then trims it to what the device's memory holds beside the
+    steps' reserve, as any derived pool, which may leave it in the window (and XLA writing). Unchanged outside."""
     from pallas_kernels.latent_write import addressable
 
     if addressable(pages * entry_bytes_per_page):
