@@ -118,30 +118,42 @@ def test_engine_pool_and_warm_up_on_a_device_with_a_limit(monkeypatch):
 
 def test_a_derived_int8_pool_steps_past_the_cache_writes_window(monkeypatch):
     """An int8 cache array of 2-4 GiB is one the cache-write kernel cannot address (its offsets would wrap): a
-    derived pool there grows just past 4 GiB (then fit_pages trims it to the memory as ever); elsewhere, and for a
-    size the user gave, a float cache or the cache write off, the engine's pool is as derived."""
+    derived pool there grows just past 4 GiB where decode steps would write on the kernel (then fit_pages trims it
+    to the memory as ever). Not outside the window, nor where the kernel would not write: the write off, MLA on
+    XLA, float32 activations. The engine asks for every derived int8 pool, never for a size the user gave or a
+    float cache."""
     from hcfjax.options import Options
+    from hcfjax.random_model import preset_config
 
-    v2_lite = 27 * 64 * 576  # a page's int8 entries over V2-Lite's layers: 64 slots at 8k derive 4,128 pages
-    assert memory.past_write_window(4128, v2_lite) == 4316 and 4315 * v2_lite <= 2**32 < 4316 * v2_lite
-    assert memory.past_write_window(2000, v2_lite) == 2000  # 1.9 GB: addressed in 32 bits
-    assert memory.past_write_window(5000, v2_lite) == 5000  # past 4 GiB: 64-bit offsets
+    v2 = preset_config("v2-lite")
+    on = Options(fused_cache_write=True, mla="interpret")  # (on a GPU: the defaults)
+    grow = lambda pages, ranks=1, dtype=jnp.bfloat16, opts=on: memory.past_write_window(  # noqa: E731
+        pages, v2, 27, 64, ranks, dtype, opts
+    )
+    entry = 27 * 64 * 576  # a page's int8 entries over V2-Lite's layers: 64 slots at 8k derive 4,128 pages
+    assert grow(4128) == 4316 and 4315 * entry <= 2**32 < 4316 * entry
+    assert grow(2064, ranks=2) == 2158 and 2 * 2157 * entry <= 2**32 < 2 * 2158 * entry  # two ranks, one array
+    assert grow(2000) == 2000 and grow(5000) == 5000  # 32-bit offsets reach it; past 4 GiB, 64-bit ones
+    assert grow(4128, opts=Options(fused_cache_write=False, mla="interpret")) == 4128
+    assert grow(4128, opts=Options(fused_cache_write=True, mla="reference")) == 4128
+    assert grow(4128, dtype=jnp.float32) == 4128
+
     asked = []
 
-    def spy(pages, entry_bytes):
-        asked.append((pages, entry_bytes))
+    def spy(pages, cfg, layers, page_size, ranks, dtype, opts):
+        asked.append((pages, layers, page_size, ranks, dtype, opts))
         return pages + 3
 
     monkeypatch.setattr(memory, "past_write_window", spy)
     model = hcfjax.load(dtype=jnp.float32)
-    cfg = model.cfg
+    layers = model.cfg.num_hidden_layers
     config = EngineConfig(max_slots=4, token_budget=16, max_prefill_rows=1, page_size=16, max_model_len=256)
-    on = dataclasses.replace(config, cache_dtype="int8", options=Options(fused_cache_write=True))
-    assert Engine(model, on).total_pages == 34 + 3  # 17 pages a request at max_model_len, 4 slots
-    assert asked == [(34, cfg.num_hidden_layers * 16 * cfg.kv_dim)]
-    assert Engine(model, dataclasses.replace(on, dp=2)).total_pages == 2 * (34 + 3)  # two ranks in one array
-    assert asked[-1] == (34, 2 * cfg.num_hidden_layers * 16 * cfg.kv_dim)
-    for other in (dataclasses.replace(on, num_pages=34), dataclasses.replace(on, cache_dtype="float"), config):
+    int8 = dataclasses.replace(config, cache_dtype="int8", options=on)
+    assert Engine(model, int8).total_pages == 34 + 3  # 17 pages a request at max_model_len, 4 slots
+    assert asked == [(34, layers, 16, 1, model.dtype, on)]
+    assert Engine(model, dataclasses.replace(int8, dp=2)).total_pages == 2 * (34 + 3)  # two ranks in one array
+    assert asked[-1][:4] == (34, layers, 16, 2)
+    for other in (dataclasses.replace(int8, num_pages=34), dataclasses.replace(int8, cache_dtype="float"), config):
         assert Engine(model, other).total_pages == 34
     assert len(asked) == 2
 

@@ -90,8 +90,8 @@ class Engine(Submitting):
         self._page_bytes = memory.page_bytes(self.cfg.kv_dim, layers, c.page_size, dtype)
         ranks_here = c.dp if decode_plan is None else 1  # the ranks whose pages share the device
         wanted = c.num_pages or max(max_pages, c.max_slots * max_pages // 2)
-        if c.num_pages is None and np.dtype(dtype) == np.int8 and c.options.on("fused_cache_write"):
-            wanted = memory.past_write_window(wanted, layers * c.page_size * self.cfg.kv_dim * ranks_here)
+        if c.num_pages is None and np.dtype(dtype) == np.int8:
+            wanted = memory.past_write_window(wanted, self.cfg, layers, c.page_size, ranks_here, model.dtype, c.options)
         num_pages = memory.fit_pages(
             wanted,
             c.num_pages is not None,

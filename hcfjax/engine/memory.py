@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hcfjax.cache import entry_bytes
@@ -58,17 +59,29 @@ def page_bytes(kv_dim: int, layers: int, page_size: int, dtype) -> int:
     return layers * page_size * entry_bytes(kv_dim, dtype)
 
 
-def past_write_window(pages: int, entry_bytes_per_page: int) -> int:
-    """A derived int8 pool's page count moved past 4 GiB where its cache array would fall in 2-4 GiB: there the
-    cache-write kernel's offsets would wrap (pallas_kernels.latent_write.addressable), and XLA writes each layer's
-    new latents in six kernels instead of one. entry_bytes_per_page: a page's int8 entries in the array (over its
-    layers and the ranks that share it). `fit_pages` then trims it to what the device's memory holds beside the
-    steps' reserve, as any derived pool, which may leave it in the window (and XLA writing). Unchanged outside."""
+def past_write_window(pages: int, cfg, layers: int, page_size: int, ranks: int, dtype, opts) -> int:
+    """A derived int8 pool's pages per rank moved past 4 GiB where its cache array would be 2-4 GiB and a decode
+    step would otherwise write its latents on the cache-write kernel (`attention.latent_write_mode`): in that
+    window the kernel's offsets would wrap (pallas_kernels.latent_write.addressable), and XLA writes each layer's
+    new latents in six kernels instead of one. The array holds `layers` (MTP layers included) and the pages of the
+    `ranks` that share it; dtype: the model's activations. `fit_pages` then trims the pool to what the device's
+    memory holds beside the steps' reserve, as any derived pool, which may leave it in the window (and XLA
+    writing). Unchanged outside the window or where the kernel would not write."""
+    from hcfjax import cache as kvcache
+    from hcfjax.attention import latent_write_mode
     from pallas_kernels.latent_write import addressable
 
-    if addressable(pages * entry_bytes_per_page):
+    entry = layers * page_size * cfg.kv_dim * ranks  # int8 bytes a rank's page adds to the array
+    if addressable(pages * entry):
         return pages
-    return 2**32 // entry_bytes_per_page + 1
+    grown = 2**32 // entry + 1
+    rows = grown * ranks
+    cache = kvcache.KVCache(
+        jax.ShapeDtypeStruct((layers, rows, page_size, cfg.kv_dim), jnp.int8),
+        jax.ShapeDtypeStruct((layers, rows, 2, page_size), jnp.float32),
+    )
+    step = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), dtype)  # a decode step's smallest
+    return grown if latent_write_mode(cfg, cache, step, opts) != "reference" else pages
 
 
 def fit_pages(

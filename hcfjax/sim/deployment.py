@@ -165,7 +165,8 @@ class Deployment:
         return pages
 
     def engine_limits(self, pool: Pool, cfg: ModelConfig) -> tuple[int, int, int]:
-        """(max_model_len, max_pages, num_pages per rank) exactly as hcfjax.engine.Engine sizes them."""
+        """(max_model_len, max_pages, num_pages per rank) as hcfjax.engine.Engine derives them, but for the pages an
+        int8 pool gains past the cache-write kernel's 2-4 GiB window on a GPU (engine.memory.past_write_window)."""
         k = self.spec_k
         max_len = min(cfg.max_position_embeddings, self.max_model_len or 4096)
         max_pages = math.ceil((max_len + 2 * (2 * k + 1)) / pool.page_size)
