@@ -22,6 +22,8 @@ from jax import lax
 from pallas_kernels.int8_quant import INV_127
 from pallas_kernels.int8_rows import ieee_div, to_int8
 
+# int8 cache bytes whose stores the kernel cannot reach: above the first, up to the second (`addressable`)
+WRAPPING = (2**31, 2**32)
 MAX_TOKENS = 1024  # tokens up to which callers use the kernel (decode steps); a prefill chunk writes through XLA
 
 
@@ -105,7 +107,7 @@ def addressable(cache_bytes: int) -> bool:
     """Whether the kernel's stores reach every byte of an int8 cache of this size. Pallas's Triton lowering takes
     32-bit element offsets up to 2^32 bytes and 64-bit ones past that; a signed 32-bit offset wraps past 2^31, so an
     int8 cache between 2 and 4 GiB would have its last layers' entries stored outside it."""
-    return cache_bytes <= 2**31 or cache_bytes > 2**32
+    return cache_bytes <= WRAPPING[0] or cache_bytes > WRAPPING[1]
 
 
 def applies(tokens: int, c: int, r: int, dtype, cache_bytes: int = 0) -> bool:

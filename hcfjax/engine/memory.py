@@ -69,12 +69,12 @@ def past_write_window(pages: int, cfg, layers: int, page_size: int, ranks: int, 
     writing). Unchanged outside the window or where the kernel would not write."""
     from hcfjax import cache as kvcache
     from hcfjax.attention import latent_write_mode
-    from pallas_kernels.latent_write import addressable
+    from pallas_kernels.latent_write import WRAPPING, addressable
 
     entry = layers * page_size * cfg.kv_dim * ranks  # int8 bytes a rank's page adds to the array
     if addressable(pages * entry):
         return pages
-    grown = 2**32 // entry + 1
+    grown = WRAPPING[1] // entry + 1
     rows = grown * ranks
     cache = kvcache.KVCache(
         jax.ShapeDtypeStruct((layers, rows, page_size, cfg.kv_dim), jnp.int8),
