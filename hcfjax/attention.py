@@ -344,20 +344,22 @@ def attend_absorbed_paged(
     `decode_mode` picks); a query at positions [B, T] sees keys at positions <= its own and < kv_len.
     -> [B, T, H, V]"""
     w_uk, w_uv = up_weights(p, cfg)
-    q_lat = jnp.einsum("BTHN,HCN->BTHC", q_nope, w_uk)
     cache = ctx.cache
-    args = (q_lat, q_pe, cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
     kw = dict(scales=cache.scale, kv_lora_rank=cfg.kv_lora_rank, positions=positions, layer=layer)
     mode = decode_mode(cfg, cache, ctx.page_table, ctx.kv_len, q_pe.shape[:2], opts)
+    rest = (cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
     if mode == "reference":
-        o_lat = mla_decode_reference(*args, **kw)
+        q_lat = jnp.einsum("BTHN,HCN->BTHC", q_nope, w_uk)
+        o_lat = mla_decode_reference(q_lat, q_pe, *rest, **kw)
     else:
+        # The product over the heads makes [H, B, T, C]; the kernel reads it so (no transpose in between).
+        q_lat = jnp.einsum("BTHN,HCN->HBTC", q_nope, w_uk)
         qk8 = opts.mla_qk8 and cache.quantized
         pair = None if opts.mla_pair else False
         h, t = q_pe.shape[2], q_pe.shape[1]
         conv = opts.mla_converters and converters_apply(h, t, cache.quantized, qk8)
-        kw.update(qk8=qk8, pair=pair, converters=conv)
-        o_lat = mla_decode(*args, **kw, interpret=mode == "interpret", plan=ctx.plan)
+        kw.update(qk8=qk8, pair=pair, converters=conv, heads_first=True)
+        o_lat = mla_decode(q_lat, q_pe, *rest, **kw, interpret=mode == "interpret", plan=ctx.plan)
     return jnp.einsum("BTHC,HCV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 
 

@@ -138,6 +138,14 @@ def check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora
         raise ValueError(f"lengths must be integer [B={b}], got {lengths.shape} {lengths.dtype}")
 
 
+def _tokens_first(q_nope):
+    """The shape and dtype of heads-first q_nope [H, B, T, C] as [B, T, H, C] (for the checks)."""
+    if q_nope.ndim != 4:
+        raise ValueError(f"heads-first q_nope must be [H, B, T, C], got {q_nope.shape}")
+    h, b, t, c = q_nope.shape
+    return jax.ShapeDtypeStruct((b, t, h, c), q_nope.dtype)
+
+
 def _num_sms(num_sms):
     return num_sms if num_sms is not None else getattr(jax.devices()[0], "core_count", 132) or 132
 
@@ -216,6 +224,7 @@ def mla_decode(
     f16=None,
     transposed=None,
     converters=False,
+    heads_first=False,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -239,10 +248,15 @@ def mla_decode(
     a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
     does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed tiles;
     opt-in until timed on the GPU): two warpgroups convert each block as it lands while the leader runs both P.V
-    halves (mla_kernel.KernelSpec.converters).
+    halves (mla_kernel.KernelSpec.converters). `heads_first`: q_nope is [H, B, T, C], as the absorbed query's batched
+    product over the heads makes it; the kernel reads it as it lies (mla_kernel.KernelSpec.heads_first), or, where
+    the queries are padded to whole tiles or quantised (qk8), it is moved to [B, T, H, C] first.
     """
-    check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
-    b, t, h, c = q_nope.shape
+    if heads_first:
+        check_supported(_tokens_first(q_nope), q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
+    else:
+        check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
+    b, t, h, c = q_pe.shape[:3] + q_nope.shape[-1:]
     r = q_pe.shape[-1]
     quant = kv_pages.dtype == jnp.int8
     ps = kv_pages.shape[-2]
@@ -265,6 +279,8 @@ def mla_decode(
         transposed = transposes(q_heads, stack, qk8)
     if f16 is None:
         f16 = quant and not qk8
+    if heads_first and (qk8 or (heads != h and not q_heads)):
+        q_nope, heads_first = jnp.moveaxis(q_nope, 0, 2), False
     qs = None
     if qk8:  # [B, T, H, *] int8 and [B, T, 3, H] f32 scales: per head and part (the latent's halves A, B; rope)
         qn, qp, qs = quantize_queries(q_nope, q_pe)
@@ -316,6 +332,7 @@ def mla_decode(
         converters=converters,
         layer_pages=0 if layer is None else n_pages,
         scale_rows=scale_rows,
+        heads_first=heads_first,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pt, plan.vis, plan.work, qs, layer_op)
 

@@ -138,7 +138,12 @@ class Cta:
             for k in range(self.spec.stack):
                 for name, dst in zip(("q_nope", "q_pe"), self.q_in, strict=True):
                     dst = self.spec.token_rows(dst, k)
-                    plgpu.copy_gmem_to_smem(self.ins[name].at[self.b, self.t + k, heads], dst, q_bar.at[0])
+                    src = self.ins[name]
+                    if name == "q_nope" and self.spec.heads_first:
+                        src = src.at[heads, self.b, self.t + k]
+                    else:
+                        src = src.at[self.b, self.t + k, heads]
+                    plgpu.copy_gmem_to_smem(src, dst, q_bar.at[0])
             if self.spec.qk8:  # (the scales are padded to whole tiles)
                 plgpu.copy_gmem_to_smem(
                     self.ins["qs"].at[self.b, self.t, :, pl.ds(self.h0, BLOCK)], self.qs, q_bar.at[0]

@@ -132,6 +132,9 @@ class KernelSpec:
     # int8 scales gathered into the table's order, [B * max_pages, 2, page] (`mla_decode.kernel_scales`): row b's
     # block j is at b * max_pages + j. Otherwise the scales are token-minor and lie at the cache's page.
     scale_rows: bool = False
+    # q_nope arrives heads first, [H, B, T, C], as the absorbed query's batched product over the heads makes it: the
+    # kernel's TMA reads a head tile's rows at their stride, so no transpose runs before it (q_pe stays [B, T, H, R]).
+    heads_first: bool = False
 
     def __post_init__(self):
         if not self.sm_scale > 0:  # the softmax takes the scale on its row max (v3, bf16)
@@ -156,6 +159,8 @@ class KernelSpec:
             raise ValueError("converters need an int8 cache and transposed tiles")
         if self.scale_rows and not self.quant:
             raise ValueError("scale_rows needs an int8 cache")
+        if self.heads_first and self.qk8:  # (qk8's queries are quantised per head in the [B, T, H, C] layout)
+            raise ValueError("heads_first queries are not quantised (qk8)")
         if self.layer_pages < 0:
             raise ValueError(f"layer_pages must be >= 0, got {self.layer_pages}")
 

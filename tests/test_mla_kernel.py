@@ -92,7 +92,7 @@ def rel(a, b):
 # The kernel (interpreted), the reference and the qk8 queries, each jitted as the model runs them: one compiled
 # program, not one per op (the same numbers either way), shared by the calls of one shape and settings.
 STATIC = ("kv_lora_rank", "blocks_per_split", "return_lse", "interpret", "num_sms", "min_blocks_per_split", "pair")
-STATIC += ("registers", "qk8", "profile", "f16", "transposed", "converters")
+STATIC += ("registers", "qk8", "profile", "f16", "transposed", "converters", "heads_first")
 kernel = jax.jit(M.mla_decode, static_argnums=5, static_argnames=STATIC)
 reference = jax.jit(M.mla_decode_reference, static_argnums=5, static_argnames="return_lse")
 _quantized_queries = jax.jit(lambda qn, qp: M.dequantize_queries(*M.quantize_queries(qn, qp)))
@@ -192,6 +192,37 @@ def test_stacked_tokens_match_reference(t, quant, kw):
 def test_stacked_tokens_through_the_combine_kernel():
     # T=3 x 16 heads stacked, the ragged rows over 3 SMs: the combine kernel takes all of a row's tokens at once.
     check_kernel(47, RAGGED, 3, 16, max_pages=3, num_sms=3, min_blocks_per_split=1, mode="sparse")
+
+
+@pytest.mark.parametrize(
+    "t,h,kw",
+    [
+        (1, 16, dict(quant=True, converters=True, blocks_per_split=3)),  # V2-Lite's decode: 16 heads, converters
+        (2, 16, dict(quant=False)),  # two stacked tokens, each token's rows at its own place in [H, B, T, C]
+        (1, 80, dict(quant=False)),  # padded to two tiles: moved to [B, T, H, C] before the padding
+    ],
+)
+def test_heads_first_queries_give_the_same_attention(t, h, kw):
+    # q_nope [H, B, T, C], as the absorbed product makes it: the kernel's TMA reads each tile's rows at their stride
+    # (or the wrapper moves them where it pads), so the output is the [B, T, H, C] layout's, bit for bit.
+    quant = kw.pop("quant")
+    qn, qp, kv, sc, pt, lengths = make(71 + t + h, [1, 150, 255][: 3 - t], t, h, max_pages=4, quant=quant)
+    want = kernel(qn, qp, kv, pt, lengths, 0.1, scales=sc, return_lse=True, interpret=True, **kw)
+    got = kernel(
+        jnp.moveaxis(qn, 2, 0),
+        qp,
+        kv,
+        pt,
+        lengths,
+        0.1,
+        scales=sc,
+        return_lse=True,
+        interpret=True,
+        heads_first=True,
+        **kw,
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 def test_head_tiles_stack_tokens_that_fit_one_tile():
@@ -418,7 +449,13 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
     from hcfjax.random_model import preset_config, random_model
 
     seen = []
-    monkeypatch.setattr(attention, "mla_decode", lambda *a, **k: seen.append((k["qk8"], k["converters"])) or a[0])
+
+    def asked(q_lat, q_pe, *a, **k):  # -> an output of the kernel's shape, [B, T, H, C]
+        seen.append((k["qk8"], k["converters"]))
+        assert k["heads_first"] and q_lat.shape[:3] == (q_pe.shape[2],) + q_pe.shape[:2]
+        return jnp.moveaxis(q_lat, 0, 2)
+
+    monkeypatch.setattr(attention, "mla_decode", asked)
     cases = [  # (heads, tokens, qk8, converters, cache dtype) -> what the kernel is asked for
         ((16, 1, True, False, jnp.int8), (True, False)),
         ((16, 1, True, False, jnp.bfloat16), (False, False)),

@@ -122,11 +122,14 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
     lead = (2,) if layer else ()
     kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     sc = None if dtype == "bf16" else S(lead + ((b * n, 2, page) if minor else (b * n, page, 2)), jnp.float32)
-    qn, qp = S((b, t, h, c), jnp.bfloat16), S((b, t, h, R), jnp.bfloat16)
+    # q_nope heads first ([H, B, T, C], the model's layout) but in the first case and with qk8
+    heads_first = not qk8 and (b, h, dtype) != (128, 128, "bf16")
+    qn = S((h, b, t, c) if heads_first else (b, t, h, c), jnp.bfloat16)
+    qp = S((b, t, h, R), jnp.bfloat16)
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=conv)
+        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=conv, heads_first=heads_first)
         return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, **kw)
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
