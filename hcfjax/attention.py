@@ -347,10 +347,10 @@ def attend_absorbed_paged(
     cache = ctx.cache
     kw = dict(scales=cache.scale, kv_lora_rank=cfg.kv_lora_rank, positions=positions, layer=layer)
     mode = decode_mode(cfg, cache, ctx.page_table, ctx.kv_len, q_pe.shape[:2], opts)
-    rest = (cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
+    cache_args = (cache.kv, ctx.page_table, ctx.kv_len, cfg.softmax_scale)
     if mode == "reference":
         q_lat = jnp.einsum("BTHN,HCN->BTHC", q_nope, w_uk)
-        o_lat = mla_decode_reference(q_lat, q_pe, *rest, **kw)
+        o_lat = mla_decode_reference(q_lat, q_pe, *cache_args, **kw)
     else:
         # The product over the heads makes [H, B, T, C]; the kernel reads it so (no transpose in between).
         q_lat = jnp.einsum("BTHN,HCN->HBTC", q_nope, w_uk)
@@ -359,7 +359,7 @@ def attend_absorbed_paged(
         h, t = q_pe.shape[2], q_pe.shape[1]
         conv = opts.mla_converters and converters_apply(h, t, cache.quantized, qk8)
         kw.update(qk8=qk8, pair=pair, converters=conv, heads_first=True)
-        o_lat = mla_decode(q_lat, q_pe, *rest, **kw, interpret=mode == "interpret", plan=ctx.plan)
+        o_lat = mla_decode(q_lat, q_pe, *cache_args, **kw, interpret=mode == "interpret", plan=ctx.plan)
     return jnp.einsum("BTHC,HCV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 
 

@@ -199,7 +199,7 @@ def test_stacked_tokens_through_the_combine_kernel():
     [
         (1, 16, dict(quant=True, converters=True, blocks_per_split=3)),  # V2-Lite's decode: 16 heads, converters
         (2, 16, dict(quant=False)),  # two stacked tokens, each token's rows at its own place in [H, B, T, C]
-        (1, 80, dict(quant=False)),  # padded to two tiles: moved to [B, T, H, C] before the padding
+        (1, 128, dict(quant=False)),  # two head tiles: the second's rows start at head 64
     ],
 )
 def test_heads_first_queries_give_the_same_attention(t, h, kw):
@@ -450,12 +450,12 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
 
     seen = []
 
-    def asked(q_lat, q_pe, *a, **k):  # -> an output of the kernel's shape, [B, T, H, C]
+    def fake_kernel(q_lat, q_pe, *a, **k):  # records what it is asked for; an output of the kernel's shape
         seen.append((k["qk8"], k["converters"]))
         assert k["heads_first"] and q_lat.shape[:3] == (q_pe.shape[2],) + q_pe.shape[:2]
         return jnp.moveaxis(q_lat, 0, 2)
 
-    monkeypatch.setattr(attention, "mla_decode", asked)
+    monkeypatch.setattr(attention, "mla_decode", fake_kernel)
     cases = [  # (heads, tokens, qk8, converters, cache dtype) -> what the kernel is asked for
         ((16, 1, True, False, jnp.int8), (True, False)),
         ((16, 1, True, False, jnp.bfloat16), (False, False)),

@@ -122,8 +122,9 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
     lead = (2,) if layer else ()
     kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
     sc = None if dtype == "bf16" else S(lead + ((b * n, 2, page) if minor else (b * n, page, 2)), jnp.float32)
-    # q_nope heads first ([H, B, T, C], the model's layout) but in the first case and with qk8
-    heads_first = not qk8 and (b, h, dtype) != (128, 128, "bf16")
+    # q_nope heads first ([H, B, T, C], the model's layout; with qk8 the wrapper moves it back) in every case but
+    # 128 heads over a bf16 cache at batch 128, which keeps the [B, T, H, C] layout covered
+    heads_first = (b, h, dtype) != (128, 128, "bf16")
     qn = S((h, b, t, c) if heads_first else (b, t, h, c), jnp.bfloat16)
     qp = S((b, t, h, R), jnp.bfloat16)
 
