@@ -225,6 +225,7 @@ def mla_decode(
     transposed=None,
     converters=False,
     heads_first=False,
+    leaders=1,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -248,9 +249,11 @@ def mla_decode(
     a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
     does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed tiles;
     opt-in until timed on the GPU): two warpgroups convert each block as it lands while the leader runs both P.V
-    halves (mla_kernel.KernelSpec.converters). `heads_first`: q_nope is [H, B, T, C], as the absorbed query's batched
-    product over the heads makes it; the kernel reads it as it lies (mla_kernel.KernelSpec.heads_first), or, where
-    the queries are padded to whole tiles or quantised (qk8), it is moved to [B, T, H, C] first.
+    halves (mla_kernel.KernelSpec.converters). `leaders` (2, with converters; opt-in until timed on the GPU): two
+    warpgroups lead every other block each, merged at the end (mla_kernel.KernelSpec.leaders). `heads_first`: q_nope
+    is [H, B, T, C], as the absorbed query's batched product over the heads makes it; the kernel reads it as it lies
+    (mla_kernel.KernelSpec.heads_first), or, where the queries are padded to whole tiles or quantised (qk8), it is
+    moved to [B, T, H, C] first.
     """
     if heads_first:
         check_supported(_tokens_first(q_nope), q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
@@ -333,6 +336,7 @@ def mla_decode(
         layer_pages=0 if layer is None else n_pages,
         scale_rows=scale_rows,
         heads_first=heads_first,
+        leaders=leaders,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pt, plan.vis, plan.work, qs, layer_op)
 

@@ -44,6 +44,11 @@ halves (O^T at 16 query rows is 32 registers a half) and releases the slot alone
 slot's round trip is then its load, one part's conversion and the leader's work, where with three warpgroups the
 loader converts between its issues and WG1 converts the next block's half before it releases the current one.
 
+Two leaders (`KernelSpec.leaders`, with converters, opt-in): WG0 leads the unit's even blocks and WG1 its odd ones,
+each in its own slot with its own running max, sum and O^T, converting its block's second half before its Q.K (WG3
+converts every block's first half and rope). At the end WG1 leaves its state in slot 1's bytes and the row vectors;
+WG0 merges the two by their maxima and stores.
+
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
@@ -157,62 +162,57 @@ def _v3(ctx: Cta, wg, active):
     conv = spec.converters  # WG1 and WG3 convert; the leader runs both P.V halves
     log2_scale = spec.sm_scale * LOG2E
 
-    @pl.when(jnp.logical_and(wg == 0, active))
-    def _leader():
-        _set_registers(regs[0], spec)
-        ctx.load_q(issue=True)
-        halves = (A, B) if conv else (A,)  # the output halves (V's parts) this warpgroup accumulates
+    halves = (A, B) if conv else (A,)  # the output halves (V's parts) a leader accumulates
 
-        def step(i, carry):
-            acc, m, den = carry
-            slot = lax.rem(i, 2)
-            with scope("qk"):  # (the waits for the block's parts included)
-                if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
-                    s = ctx.scores_i8(slot, fast=not spec.interpret, factor=log2_scale)
-                else:
-                    s = ctx.scores(slot, (A, B, R))
-            with scope("softmax"):
-                # Where the softmax scale (into the log2 domain) is taken was timed (docs/kernels.md):
-                # qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
-                # argument, one FFMA a score (the max commutes with a positive scale exactly, so m and the lse are
-                # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
-                # it ran 1.2% slower with bf16 parts). sm_scale > 0: KernelSpec checks.
-                if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
-                    sc_v, sc_k = ctx.latent_scale(slot, s.shape)
-                    if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
-                        s = s * sc_k
-                s = ctx.masked(s, i, scaled=spec.quant and not spec.qk8)
-                if spec.quant:
-                    m_new = jnp.maximum(m, s.max(axis=key_axis))
-                    p = jnp.exp2(s - b(m_new, s.shape))
-                else:
-                    m_new = jnp.maximum(m, s.max(axis=key_axis) * log2_scale)
-                    p = jnp.exp2(s * log2_scale - b(m_new, s.shape))
-                alpha = jnp.exp2(m - m_new)
-                den = den * alpha + p.sum(axis=key_axis)
-                # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
-                # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
-                p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
-                p_smem = _p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
-                (p_smem.transpose((1, 0)) if spec.transposed else p_smem)[...] = p
-                if not conv:  # (WG1's rescale)
-                    ctx.query_vector(slot)[...] = alpha
-                plgpu.commit_smem()
-                if not conv:
-                    plgpu.barrier_arrive(bars["sig"].at[slot])
-            if spec.qk8:  # V's first half, converted after this block's Q.K
-                with scope("wait_v"):
-                    plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
-            with scope("pv"):
-                acc = tuple(
-                    _pv(a * b(alpha, a.shape), p_smem, ctx.parts[h].at[slot], spec)
-                    for a, h in zip(acc, halves, strict=True)
-                )
-            plgpu.barrier_arrive(bars["consumed"].at[slot])
-            return acc, m_new, den
+    def one_block(i, slot, carry):
+        """A leader's work on block i in `slot`: Q.K, the online softmax and P.V; the slot is then released."""
+        acc, m, den = carry
+        with scope("qk"):  # (the waits for the block's parts included)
+            if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
+                s = ctx.scores_i8(slot, fast=not spec.interpret, factor=log2_scale)
+            else:
+                s = ctx.scores(slot, (A, B, R))
+        with scope("softmax"):
+            # Where the softmax scale (into the log2 domain) is taken was timed (docs/kernels.md):
+            # qk8 on the per-token scales in `scores_i8`; bf16 on the row max and inside exp2's
+            # argument, one FFMA a score (the max commutes with a positive scale exactly, so m and the lse are
+            # as before; P may differ by an ulp); int8 without qk8 as a multiply on S (on the per-token scales
+            # it ran 1.2% slower with bf16 parts). sm_scale > 0: KernelSpec checks.
+            if spec.quant:  # the latent parts hold the int8 values exactly: P.V takes the latent scale on P
+                sc_v, sc_k = ctx.latent_scale(slot, s.shape)
+                if not spec.qk8:  # (the rope part holds its values relative to the latent scale)
+                    s = s * sc_k
+            s = ctx.masked(s, i, scaled=spec.quant and not spec.qk8)
+            if spec.quant:
+                m_new = jnp.maximum(m, s.max(axis=key_axis))
+                p = jnp.exp2(s - b(m_new, s.shape))
+            else:
+                m_new = jnp.maximum(m, s.max(axis=key_axis) * log2_scale)
+                p = jnp.exp2(s * log2_scale - b(m_new, s.shape))
+            alpha = jnp.exp2(m - m_new)
+            den = den * alpha + p.sum(axis=key_axis)
+            # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
+            # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
+            p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
+            p_smem = _p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
+            (p_smem.transpose((1, 0)) if spec.transposed else p_smem)[...] = p
+            if not conv:  # (WG1's rescale)
+                ctx.query_vector(slot)[...] = alpha
+            plgpu.commit_smem()
+            if not conv:
+                plgpu.barrier_arrive(bars["sig"].at[slot])
+        if spec.qk8:  # V's first half, converted after this block's Q.K
+            with scope("wait_v"):
+                plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
+        with scope("pv"):
+            acc = tuple(
+                _pv(a * b(alpha, a.shape), p_smem, ctx.parts[h].at[slot], spec)
+                for a, h in zip(acc, halves, strict=True)
+            )
+        plgpu.barrier_arrive(bars["consumed"].at[slot])
+        return acc, m_new, den
 
-        acc0, m0, l0 = _init(spec)
-        acc, m, den = lax.fori_loop(0, ctx.n_steps, step, ((acc0,) * len(halves), m0, l0))
+    def finish_and_store(acc, m, den):
         inv_l, lse = _finish(m, den)
         if spec.f16:  # P went out times P_SCALE
             inv_l = inv_l * (1.0 / P_SCALE)
@@ -222,6 +222,57 @@ def _v3(ctx: Cta, wg, active):
             plgpu.barrier_arrive(bars["sig"].at[2])
         for w, a in enumerate(acc):
             ctx.store(a, inv_l, w, lse if w == 0 else None)
+
+    def _half_leader(parity: int):
+        """Two leaders: blocks parity, parity + 2, ... of the unit, all in slot `parity`, each block's second half
+        converted here first; WG1 then hands its max, sum and O^T over (rows 0 and 1, its slot's bytes) and WG0
+        merges them with its own and stores."""
+        _set_registers(regs[parity], spec)
+        if parity == 0:
+            ctx.load_q(issue=True)
+            plgpu.barrier_arrive(bars["sig"].at[2])  # Q is in smem (converted with f16): WG1 may read it
+        else:
+            plgpu.barrier_wait(bars["sig"].at[2])
+
+        def step(j, carry):
+            i = 2 * j + parity
+            slot = lax.rem(i, 2)  # (= parity, as a value of the loop: Mosaic lowers the slot's indexing so)
+            with scope("convert"):
+                ctx.finish(slot, B, scales=False)
+            return one_block(i, slot, carry)
+
+        acc0, m0, l0 = _init(spec)
+        mine = lax.div(ctx.n_steps + (1 - parity), 2)
+        acc, m, den = lax.fori_loop(0, mine, step, ((acc0,) * len(halves), m0, l0))
+        if parity == 1:  # (slot 1 is free: its last block was this warpgroup's)
+            for view, a in zip(ctx.handover, acc, strict=True):
+                view.at[spec.handover_at][...] = a
+            ctx.query_vector(0)[...] = m
+            ctx.query_vector(1)[...] = den
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bars["sig"].at[1])
+            return
+        plgpu.barrier_wait(bars["sig"].at[1])
+        m1 = plgpu.load(ctx.query_vector(0), layout=row)
+        den1 = plgpu.load(ctx.query_vector(1), layout=row)
+        m_new = jnp.maximum(m, m1)
+        s0, s1 = jnp.exp2(m - m_new), jnp.exp2(m1 - m_new)
+        acc = tuple(
+            a * b(s0, a.shape) + plgpu.load(view.at[spec.handover_at], layout=plgpu.Layout.WGMMA) * b(s1, a.shape)
+            for view, a in zip(ctx.handover, acc, strict=True)
+        )
+        finish_and_store(acc, m_new, den * s0 + den1 * s1)
+
+    @pl.when(jnp.logical_and(wg == 0, active))
+    def _leader():
+        if spec.leaders == 2:
+            return _half_leader(0)
+        _set_registers(regs[0], spec)
+        ctx.load_q(issue=True)
+        acc0, m0, l0 = _init(spec)
+        carry = ((acc0,) * len(halves), m0, l0)
+        acc, m, den = lax.fori_loop(0, ctx.n_steps, lambda i, c: one_block(i, lax.rem(i, 2), c), carry)
+        finish_and_store(acc, m, den)
 
     def _second():
         _set_registers(regs[1], spec)
@@ -277,7 +328,10 @@ def _v3(ctx: Cta, wg, active):
                 for p in (A, R):
                     ctx.finish(lax.rem(i, 2), p, scales=p == A)
 
-    if conv:
+    if spec.leaders == 2:
+        pl.when(jnp.logical_and(wg == 1, active))(lambda: _half_leader(1))
+        pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
+    elif conv:
         pl.when(jnp.logical_and(wg == 1, active))(_second_half_converter)
         pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
     else:
@@ -360,8 +414,10 @@ def _kernel(spec: KernelSpec, *refs):
     part_out = (rest.pop(0), rest.pop(0)) if spec.slots else None
     ((q_views, parts, rows, scales, qs), bars) = rest
     q_in, *q_f16, o_smem = q_views  # (with f16, Q's bf16 and fp16 views)
+    handover = ()
     if spec.quant:
         i8 = tuple(u[1] for u in parts)
+        handover = tuple(u[2] for u in parts[:2]) if spec.leaders == 2 else ()
         parts = tuple(u[0] for u in parts)
     else:
         i8 = None
@@ -402,6 +458,7 @@ def _kernel(spec: KernelSpec, *refs):
         vis_tokens=vis_tokens,
         n_steps=n_steps,
         dest=dest,
+        handover=handover,
     )
     _v3(ctx, wg, dest != PADDING)
 

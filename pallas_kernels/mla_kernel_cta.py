@@ -40,6 +40,7 @@ class Cta:
     vis_tokens: tuple  # with stacked tokens, each one's visible keys (spec.stack scalars)
     n_steps: object
     dest: object
+    handover: tuple = ()  # two leaders: per output half, f32 [n, C/2, q_rows] views of parts A and B's bytes
 
     def page(self, i):
         """(page, offset in page) of the unit's block i in the cache, and its page-table column."""

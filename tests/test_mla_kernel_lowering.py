@@ -90,8 +90,10 @@ def test_wrapper_rejects_unabsorbed_query():
         # MTP verification at 16 heads: 3 tokens stacked in one tile (KernelSpec.stack), through the combine kernel
         (64, 2048, "int8", True, False, False, None, 16, 3, False),
         (32, 4096, "bf16", False, False, False, None, 16, 2, False),
-        # int8 transposed tiles with two converter warpgroups (KernelSpec.converters): four warpgroups
+        # int8 transposed tiles with two converter warpgroups (KernelSpec.converters): four warpgroups; conv 2: with
+        # two leaders (KernelSpec.leaders), WG1 leading every other block
         (64, 2048, "int8", True, False, False, None, 16, 1, True),
+        (64, 2048, "int8", True, False, False, None, 16, 1, 2),
     ],
 )
 def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, conv, monkeypatch):
@@ -130,7 +132,8 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=conv, heads_first=heads_first)
+        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=bool(conv), leaders=2 if conv == 2 else 1)
+        kw.update(heads_first=heads_first)
         return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, **kw)
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
@@ -148,12 +151,13 @@ def test_register_splits_fit_the_cta():
     # registers the CTA launches with (a split asking for more leaves setmaxnreg waiting forever on the GPU).
     from pallas_kernels.bench.mla import parse_version
     from pallas_kernels.mla_kernel import REGISTERS, check_registers
-    from pallas_kernels.mla_kernel_spec import CONVERTER_REGISTERS
+    from pallas_kernels.mla_kernel_spec import CONVERTER_REGISTERS, TWO_LEADER_REGISTERS
 
     for split in REGISTERS.values():
         assert check_registers(split) == split
     # four warpgroups (converters) launch with 128 a thread: the leader grows, the loader shrinks, 512 in all
     assert check_registers(CONVERTER_REGISTERS, 4) == CONVERTER_REGISTERS
+    assert check_registers(TWO_LEADER_REGISTERS, 4) == TWO_LEADER_REGISTERS
     for bad in [(168, 128, 56), (176, 128, 64, 152), (128, 128, 56, 152), (168, 128, 128, 88)]:
         with pytest.raises(ValueError, match="register split"):
             check_registers(bad, 4)
@@ -169,6 +173,7 @@ def test_register_splits_fit_the_cta():
     assert parse_version("3t") == (None, None, False, True, False)
     assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False, False)
     assert parse_version("3tc@168/128/56/152") == (None, (168, 128, 56, 152), False, True, True)
+    assert parse_version("3td") == (None, None, False, True, 2)  # two leaders
     with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 

@@ -110,7 +110,8 @@ def fns(scale, version=None, profile=""):
             registers=registers,
             qk8=qk8,
             transposed=transposed,
-            converters=converters,
+            converters=bool(converters),
+            leaders=2 if converters == 2 else 1,
             min_blocks_per_split=MIN_BLOCKS,
             profile=profile,
         )

@@ -84,17 +84,18 @@ def parse_version(text):
     version), "3p" / "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split
     (WG0/WG1/loader[/WG3]), a q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), a t / h below
     64 heads with the MMAs transposed (cache tokens as M) / not (heads as M, padded to 64), a c (int8, transposed) with
-    two converter warpgroups, None the defaults."""
+    two converter warpgroups, a d with converters and two leaders (converters 2: mla_decode's leaders=2), None the
+    defaults."""
     if text is None:
         return None, None, False, None, False
     base, _, regs = str(text).partition("@")
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
     qk8, base = "q" in base, base.replace("q", "")
     transposed = True if "t" in base else False if "h" in base else None
-    converters = "c" in base
-    base = base.replace("t", "").replace("h", "").replace("c", "")
+    converters = 2 if "d" in base else "c" in base
+    base = base.replace("t", "").replace("h", "").replace("c", "").replace("d", "")
     if base.rstrip("pn") != "3":
-        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h, c or @split (version 4 was dropped)")
+        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h, c, d or @split (version 4 was dropped)")
     return {"p": True, "n": False}.get(base[-1]), registers, qk8, transposed, converters
 
 
@@ -113,7 +114,7 @@ def for_case(version, dtype, heads):
     if heads >= 64 or "q" in base:
         base = base.replace("t", "").replace("h", "")
     if dtype == "bf16" or heads >= 64 or "q" in base or "h" in base:
-        base = base.replace("c", "")
+        base = base.replace("c", "").replace("d", "")
     return base + at + regs
 
 
