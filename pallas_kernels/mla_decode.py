@@ -175,6 +175,12 @@ def converters_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
     return quant and t == 1 and transposes(q_heads, stack, qk8)
 
 
+def two_leaders_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
+    """Whether two leaders (`mla_decode(leaders=2)`) can run h heads of t tokens: where the converters apply and
+    the query rows divide 32 (WG1 hands its output over at the start of its slot's bytes)."""
+    return converters_apply(h, t, quant, qk8) and 32 % h == 0
+
+
 def mla_plan(
     lengths,
     max_pages: int,

@@ -167,6 +167,8 @@ class KernelSpec:
             raise ValueError("converters need an int8 cache and transposed tiles")
         if self.leaders not in (1, 2) or (self.leaders == 2 and not self.converters):
             raise ValueError(f"leaders must be 1, or 2 with converters, got {self.leaders}")
+        if self.leaders == 2 and (BLOCK_KV * 2) % (4 * self.q_rows):  # (WG1's f32 O^T must start at slot 1)
+            raise ValueError(f"two leaders need query rows dividing {BLOCK_KV * 2 // 4}, got {self.q_rows}")
         if self.scale_rows and not self.quant:
             raise ValueError("scale_rows needs an int8 cache")
         if self.heads_first and self.qk8:  # (qk8's queries are quantised per head in the [B, T, H, C] layout)

@@ -478,6 +478,7 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         ((16, 1, False, 2, jnp.int8), (False, True, 2)),  # conv 2: converters and two leaders asked for
         ((16, 2, False, 2, jnp.int8), (False, False)),
         ((64, 1, False, 2, jnp.int8), (False, False)),
+        ((24, 1, False, 2, jnp.int8), (False, True)),  # 24 rows do not divide 32: converters, one leader
     ]
     for (heads, t, qk8, conv, dtype), want in cases:
         cfg = preset_config("tiny-v3", num_hidden_layers=1, kv_lora_rank=128, qk_rope_head_dim=64)

@@ -174,6 +174,9 @@ def test_register_splits_fit_the_cta():
     assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False, False)
     assert parse_version("3tc@168/128/56/152") == (None, (168, 128, 56, 152), False, True, True)
     assert parse_version("3td") == (None, None, False, True, 2)  # two leaders
+    with pytest.raises(ValueError, match="query rows dividing 32"):  # WG1's handover would start inside slot 0
+        args, kw = _args(h=24, dtype=jnp.int8, scales=jnp.ones((4, PAGE, 2), jnp.float32))
+        M.mla_decode(*args, **kw, interpret=True, converters=True, leaders=2)
     with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 
