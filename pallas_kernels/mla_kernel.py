@@ -65,14 +65,13 @@ its partial slot, as the work list says (mla_schedule.DIRECT / slot).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import lowering_cache
-from pallas_kernels.mla_kernel_cta import Cta
+from pallas_kernels.mla_kernel_cta import Cta, finish_rows, initial_state, p_tile, pv_update, query_layout
 from pallas_kernels.mla_kernel_spec import (
     LOG2E,
     P_SCALE,
@@ -91,57 +90,6 @@ from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, PADDING
 
 __all__ = ["REGISTERS", "KernelSpec", "attention", "check_registers", "profile_params", "scope", "smem_types"]
 
-_LN2 = math.log(2.0)
-
-
-def _pv(acc, p_smem, v_smem, spec: KernelSpec):
-    """acc + P @ V with P, V in smem (transposed: acc^T + V^T @ P^T, P^T staged as [q_rows, 64]). On the GPU the
-    accumulator is fed to wgmma in place (pl.run_state, which waits for the MMA); GPU interpret mode has no run_state,
-    so there it is a fresh accumulator added in registers."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if spec.transposed:
-        a, b = v_smem.transpose((1, 0)), p_smem.transpose((1, 0))
-    else:
-        a, b = p_smem, v_smem
-    if spec.interpret:
-
-        def fresh(r):
-            plgpu.wgmma(r, a, b)
-            return r[...]
-
-        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
-
-
-def _finish(m, den):
-    """(1 / l, natural-log lse) from the running max (log2 domain) and the row sums; rows with nothing visible get
-    zeros and -inf."""
-    inv_l = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
-    lse = jnp.where(den > 0, (m + jnp.log2(jnp.maximum(den, 1e-30))) * _LN2, -jnp.inf)
-    return inv_l, lse
-
-
-def _init(spec: KernelSpec):
-    """A warpgroup's output half (O, or O^T when transposed) and the running max and sum, one per query row."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    n, half = spec.q_rows, spec.c // 2
-    vec = _query_layout(spec)
-    m0 = plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), vec)
-    l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), vec)
-    shape = (half, n) if spec.transposed else (n, half)
-    acc0 = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return acc0, m0, l0
-
-
-def _query_layout(spec: KernelSpec):
-    """The layout of a vector with one value per query row: S's rows, or S^T's columns when transposed."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return plgpu.Layout.WGMMA.reduce(spec.key_axis)
-
 
 def _v3(ctx: Cta, wg, active):
     """WG0 computes every block's scores and softmax; WG1 follows with the other output half (and, int8,
@@ -151,7 +99,7 @@ def _v3(ctx: Cta, wg, active):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     spec, bars = ctx.spec, ctx.bars
-    row = _query_layout(spec)
+    row = query_layout(spec)
     regs = spec.register_split()
     key_axis = spec.key_axis
     b = lambda x, s: lax.broadcast_in_dim(x, s, [1 - key_axis])  # noqa: E731  (a query-row vector onto S or O)
@@ -194,7 +142,7 @@ def _v3(ctx: Cta, wg, active):
             # P goes into the slot's rope part, dead after Q.K; WG1 reads it and the rescale from here. int8: P
             # times the latent scales, so that P.V over the exact int8 latent is P.V over the dequantised one.
             p = (p * sc_v if spec.quant else p).astype(ctx.parts[R].dtype)
-            p_smem = _p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
+            p_smem = p_tile(ctx, slot)  # (P^T [64 keys, q_rows] staged as [q_rows, 64], K-major for O^T's wgmma)
             (p_smem.transpose((1, 0)) if spec.transposed else p_smem)[...] = p
             if not conv:  # (WG1's rescale)
                 ctx.query_vector(slot)[...] = alpha
@@ -206,14 +154,14 @@ def _v3(ctx: Cta, wg, active):
                 plgpu.barrier_wait(bars["full"].at[slot * 3 + A])
         with scope("pv"):
             acc = tuple(
-                _pv(a * b(alpha, a.shape), p_smem, ctx.parts[h].at[slot], spec)
+                pv_update(a * b(alpha, a.shape), p_smem, ctx.parts[h].at[slot], spec)
                 for a, h in zip(acc, halves, strict=True)
             )
         plgpu.barrier_arrive(bars["consumed"].at[slot])
         return acc, m_new, den
 
     def finish_and_store(acc, m, den):
-        inv_l, lse = _finish(m, den)
+        inv_l, lse = finish_rows(m, den)
         if spec.f16:  # P went out times P_SCALE
             inv_l = inv_l * (1.0 / P_SCALE)
         if not conv:  # (WG1 scales and stores the other half)
@@ -241,7 +189,7 @@ def _v3(ctx: Cta, wg, active):
                 ctx.finish(slot, B, scales=False)
             return one_block(i, slot, carry)
 
-        acc0, m0, l0 = _init(spec)
+        acc0, m0, l0 = initial_state(spec)
         mine = lax.div(ctx.n_steps + (1 - parity), 2)
         acc, m, den = lax.fori_loop(0, mine, step, ((acc0,) * len(halves), m0, l0))
         if parity == 1:  # (slot 1 is free: its last block was this warpgroup's)
@@ -269,7 +217,7 @@ def _v3(ctx: Cta, wg, active):
             return _half_leader(0)
         _set_registers(regs[0], spec)
         ctx.load_q(issue=True)
-        acc0, m0, l0 = _init(spec)
+        acc0, m0, l0 = initial_state(spec)
         carry = ((acc0,) * len(halves), m0, l0)
         acc, m, den = lax.fori_loop(0, ctx.n_steps, lambda i, c: one_block(i, lax.rem(i, 2), c), carry)
         finish_and_store(acc, m, den)
@@ -303,11 +251,11 @@ def _v3(ctx: Cta, wg, active):
                 plgpu.barrier_wait(bars["sig"].at[slot])
             with scope("pv"):
                 alpha = plgpu.load(ctx.query_vector(slot), layout=row)
-                acc = _pv(acc * b(alpha, acc.shape), _p_tile(ctx, slot), ctx.parts[B].at[slot], spec)
+                acc = pv_update(acc * b(alpha, acc.shape), p_tile(ctx, slot), ctx.parts[B].at[slot], spec)
             plgpu.barrier_arrive(bars["consumed"].at[slot])
             return acc
 
-        acc = lax.fori_loop(0, ctx.n_steps, step, _init(spec)[0])
+        acc = lax.fori_loop(0, ctx.n_steps, step, initial_state(spec)[0])
         plgpu.barrier_wait(bars["sig"].at[2])
         ctx.store(acc, plgpu.load(ctx.query_vector(2), layout=row), 1)
 
@@ -395,14 +343,6 @@ def _set_registers(n: int, spec: KernelSpec):
     launch = launch_registers(spec.warpgroups)
     if n != launch:
         plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
-
-
-def _p_tile(ctx: Cta, slot):
-    """Where a block's P goes: its slot's rope part, [64, 64], or its first q_rows rows for P^T when transposed."""
-    import jax.experimental.pallas as pl
-
-    p_smem = ctx.parts[R].at[slot]
-    return p_smem.at[pl.ds(0, ctx.spec.q_rows)] if ctx.spec.transposed else p_smem
 
 
 def _kernel(spec: KernelSpec, *refs):

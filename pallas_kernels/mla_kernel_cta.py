@@ -1,9 +1,11 @@
 """One CTA of the MLA decode kernel (mla_kernel.py): its refs and work unit, and the operations its warpgroups
-share: loading Q, issuing a cache block's TMAs, converting int8 parts, Q.K, masking, storing the output."""
+share: loading Q, issuing a cache block's TMAs, converting int8 parts, Q.K, masking, storing the output; and the
+online softmax's pieces the leaders use (its state, the P.V update, the final 1/l and lse)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,8 @@ from pallas_kernels.int8_f16 import to_f16
 from pallas_kernels.int_sums import MAGIC, MAGIC_F
 from pallas_kernels.mla_kernel_spec import LOG2E, P_SCALE, PART_NAMES, ROPE_SHIFT, A, B, KernelSpec, R, scope
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, DIRECT
+
+LN2 = math.log(2.0)  # log2 -> natural-log lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,3 +305,60 @@ class Cta:
 def _nonzero(scale):
     """Zero scales (all-zero latent rows) as 1: the latent is then 0 whatever scale multiplies it."""
     return jnp.where(scale > 0, scale, 1.0)
+
+
+def pv_update(acc, p_smem, v_smem, spec: KernelSpec):
+    """acc + P @ V with P, V in smem (transposed: acc^T + V^T @ P^T, P^T staged as [q_rows, 64]). On the GPU the
+    accumulator is fed to wgmma in place (pl.run_state, which waits for the MMA); GPU interpret mode has no run_state,
+    so there it is a fresh accumulator added in registers."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if spec.transposed:
+        a, b = v_smem.transpose((1, 0)), p_smem.transpose((1, 0))
+    else:
+        a, b = p_smem, v_smem
+    if spec.interpret:
+
+        def fresh(r):
+            plgpu.wgmma(r, a, b)
+            return r[...]
+
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
+
+
+def finish_rows(m, den):
+    """(1 / l, natural-log lse) from the running max (log2 domain) and the row sums; rows with nothing visible get
+    zeros and -inf."""
+    inv_l = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
+    lse = jnp.where(den > 0, (m + jnp.log2(jnp.maximum(den, 1e-30))) * LN2, -jnp.inf)
+    return inv_l, lse
+
+
+def initial_state(spec: KernelSpec):
+    """A warpgroup's output half (O, or O^T when transposed) and the running max and sum, one per query row."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    n, half = spec.q_rows, spec.c // 2
+    vec = query_layout(spec)
+    m0 = plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), vec)
+    l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), vec)
+    shape = (half, n) if spec.transposed else (n, half)
+    acc0 = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return acc0, m0, l0
+
+
+def query_layout(spec: KernelSpec):
+    """The layout of a vector with one value per query row: S's rows, or S^T's columns when transposed."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.Layout.WGMMA.reduce(spec.key_axis)
+
+
+def p_tile(ctx: Cta, slot):
+    """Where a block's P goes: its slot's rope part, [64, 64], or its first q_rows rows for P^T when transposed."""
+    import jax.experimental.pallas as pl
+
+    p_smem = ctx.parts[R].at[slot]
+    return p_smem.at[pl.ds(0, ctx.spec.q_rows)] if ctx.spec.transposed else p_smem
