@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mla_kernel
 from pallas_kernels.int8_quant import quantize_int8
+from pallas_kernels.mla_kernel_spec import handover_fits
 from pallas_kernels.mla_merge import combine, combine_dense
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, split_schedule, visible_keys
 
@@ -176,9 +177,9 @@ def converters_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
 
 
 def two_leaders_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
-    """Whether two leaders (`mla_decode(leaders=2)`) can run h heads of t tokens: where the converters apply and
-    the query rows divide 32 (WG1 hands its output over at the start of its slot's bytes)."""
-    return converters_apply(h, t, quant, qk8) and 32 % h == 0
+    """Whether two leaders (`mla_decode(leaders=2)`) can run h heads of t tokens: where the converters apply (one
+    token, so h query rows) and WG1's handover fits its slot (`mla_kernel_spec.handover_fits`)."""
+    return converters_apply(h, t, quant, qk8) and handover_fits(h)
 
 
 def mla_plan(
@@ -261,10 +262,8 @@ def mla_decode(
     (mla_kernel.KernelSpec.heads_first), or, where the queries are padded to whole tiles or quantised (qk8), it is
     moved to [B, T, H, C] first.
     """
-    if heads_first:
-        check_supported(_tokens_first(q_nope), q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
-    else:
-        check_supported(q_nope, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
+    as_checked = _tokens_first(q_nope) if heads_first else q_nope
+    check_supported(as_checked, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
     b, t, h, c = q_pe.shape[:3] + q_nope.shape[-1:]
     r = q_pe.shape[-1]
     quant = kv_pages.dtype == jnp.int8

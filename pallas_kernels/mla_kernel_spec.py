@@ -45,6 +45,12 @@ P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16
 ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
 
 
+def handover_fits(q_rows: int) -> bool:
+    """Two leaders: whether WG1's f32 O^T tiles of q_rows columns fill a 16-bit slot of 64 rows whole, so that its
+    handover (`KernelSpec.handover_at`) starts at slot 1 rather than inside slot 0."""
+    return (BLOCK_KV * 2) % (4 * q_rows) == 0
+
+
 def launch_registers(warpgroups: int) -> int:
     """Registers per thread at launch: 64 Ki over the CTA's threads, down to a multiple of 8 (168 for three
     warpgroups, 128 for four)."""
@@ -167,7 +173,7 @@ class KernelSpec:
             raise ValueError("converters need an int8 cache and transposed tiles")
         if self.leaders not in (1, 2) or (self.leaders == 2 and not self.converters):
             raise ValueError(f"leaders must be 1, or 2 with converters, got {self.leaders}")
-        if self.leaders == 2 and (BLOCK_KV * 2) % (4 * self.q_rows):  # (WG1's f32 O^T must start at slot 1)
+        if self.leaders == 2 and not handover_fits(self.q_rows):
             raise ValueError(f"two leaders need query rows dividing {BLOCK_KV * 2 // 4}, got {self.q_rows}")
         if self.scale_rows and not self.quant:
             raise ValueError("scale_rows needs an int8 cache")
