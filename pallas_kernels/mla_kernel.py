@@ -75,6 +75,7 @@ from pallas_kernels.mla_kernel_cta import Cta, finish_rows, initial_state, p_til
 from pallas_kernels.mla_kernel_spec import (
     LOG2E,
     P_SCALE,
+    REDUCTION_SCRATCH,
     REGISTERS,
     A,
     B,
@@ -211,7 +212,6 @@ def _v3(ctx: Cta, wg, active):
         )
         finish_and_store(acc, m_new, den * s0 + den1 * s1)
 
-    @pl.when(jnp.logical_and(wg == 0, active))
     def _leader():
         if spec.leaders == 2:
             return _half_leader(0)
@@ -277,7 +277,15 @@ def _v3(ctx: Cta, wg, active):
                     ctx.finish(lax.rem(i, 2), p, scales=p == A)
 
     if spec.leaders == 2:
-        pl.when(jnp.logical_and(wg == 1, active))(lambda: _half_leader(1))
+        # Both leaders reduce S^T across warps (its key rows), at the same time: WG1's code is lowered inside a
+        # scoped buffer, so that Mosaic puts its reductions' scratch past WG0's (REDUCTION_SCRATCH). The scope's
+        # entry synchronises every warpgroup, so it comes before any of them can wait on another.
+        def _deeper(_):
+            pl.when(jnp.logical_and(wg == 1, active))(lambda: _half_leader(1))
+
+        pl.run_scoped(_deeper, plgpu.SMEM((REDUCTION_SCRATCH,), jnp.int8), collective_axes="wg")
+    pl.when(jnp.logical_and(wg == 0, active))(_leader)
+    if spec.leaders == 2:
         pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
     elif conv:
         pl.when(jnp.logical_and(wg == 1, active))(_second_half_converter)
@@ -429,7 +437,9 @@ def _launch_kernel(spec: KernelSpec):
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=spec.warpgroups,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params(spec.profile)),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH, **profile_params(spec.profile)
+        ),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # in profiles: "mla_decode_bf16_mosaic..."
     )
 

@@ -41,6 +41,10 @@ CONVERTER_REGISTERS = (168, 128, 56, 152)
 # With two leaders (KernelSpec.leaders) each holds both output halves and converts its block's second half; WG3 the
 # first halves and the ropes.
 TWO_LEADER_REGISTERS = (160, 160, 56, 136)
+# Shared memory Mosaic GPU reserves for a cross-warp reduction (CompilerParams.reduction_scratch_bytes, its default
+# passed explicitly). It places that scratch wherever the reduction is lowered, at the smem in use there, so two
+# warpgroups reducing at the same time need their code lowered at different depths (two leaders: `_v3`).
+REDUCTION_SCRATCH = 128 * 4 * 4
 P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
 ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
 

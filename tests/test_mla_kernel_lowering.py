@@ -8,6 +8,7 @@ import pytest
 
 from pallas_kernels import mla_decode as M
 from pallas_kernels import mla_kernel
+from pallas_kernels.mla_kernel_spec import REDUCTION_SCRATCH
 
 C, R, PAGE = 128, 64, 64
 
@@ -119,6 +120,17 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
             yield
 
     monkeypatch.setattr(launch_context.LaunchContext, "named_region", record)
+    # Where each reduction's cross-warp scratch goes (the smem in use where Mosaic lowers it): two leaders reduce
+    # side by side, so theirs must not overlap.
+    from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+
+    scratch, reduce_rule = set(), pallas_lowering._reduce_lowering_rule_wg
+
+    def reduce_at(ctx, *args, **kwargs):
+        scratch.add(ctx.module_ctx.smem_used_bytes)
+        return reduce_rule(ctx, *args, **kwargs)
+
+    monkeypatch.setattr(pallas_lowering, "_reduce_lowering_rule_wg", reduce_at)
 
     page, c, n = 64, 512, ctx // 64
     lead = (2,) if layer else ()
@@ -144,6 +156,10 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
     want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else {"wait_A", "wait_B", "wait_R"}
     want |= {"land"} if dtype == "int8" and not qk8 else set()
     assert want <= regions, want - regions
+    if conv == 2:  # one scratch per leader, disjoint
+        assert len(scratch) == 2 and abs(max(scratch) - min(scratch)) >= REDUCTION_SCRATCH, scratch
+    else:  # (only the leader reduces)
+        assert len(scratch) == 1, scratch
 
 
 def test_register_splits_fit_the_cta():
