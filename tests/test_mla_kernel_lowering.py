@@ -221,6 +221,8 @@ def test_bench_cases_name_their_head_count():
     assert for_case("3tc", "bf16", 16) == "3t"
     assert for_case("3hc", "int8", 16) == "3h"
     assert for_case("3c@168/128/56/152", "int8", 64) == "3@168/128/56/152"
+    assert for_case("3td", "int8", 16) == for_case("3td", "int8", 16, 2) == "3td"  # 16 and 32 query rows
+    assert for_case("3td", "int8", 16, 3) == "3tc"  # 48 rows: WG1's handover would begin inside slot 0
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

@@ -12,6 +12,7 @@ import numpy as np
 
 from hcfjax.bench.common import kernel_time
 from hcfjax.cache import quantize_int8
+from pallas_kernels.mla_kernel_spec import handover_fits
 
 # Priority order (the run prints each row as it finishes): small batches and ragged batches first.
 CASES = (
@@ -99,11 +100,12 @@ def parse_version(text):
     return {"p": True, "n": False}.get(base[-1]), registers, qk8, transposed, converters
 
 
-def for_case(version, dtype, heads):
+def for_case(version, dtype, heads, t=1):
     """The version token as it applies to a case: without p below 128 heads (head tiles pair only in multiples of
     128), without q for a bf16 cache (int8 Q.K is for int8 caches), without t and h from 64 heads (a tile's rows
     are then all heads) or with q (int8 Q.K is not transposed), without c where the tile is not transposed or the
-    cache is bf16 (converters convert int8 parts of transposed tiles)."""
+    cache is bf16 (converters convert int8 parts of transposed tiles), with c for d where the query rows (heads x
+    t tokens) do not divide 32 (two leaders' handover, `mla_kernel_spec.handover_fits`)."""
     if version is None:
         return None
     base, at, regs = str(version).partition("@")
@@ -115,6 +117,8 @@ def for_case(version, dtype, heads):
         base = base.replace("t", "").replace("h", "")
     if dtype == "bf16" or heads >= 64 or "q" in base or "h" in base:
         base = base.replace("c", "").replace("d", "")
+    if not handover_fits(heads * t):
+        base = base.replace("d", "c")
     return base + at + regs
 
 

@@ -98,7 +98,7 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     dtype, b, ctx, kind, heads, t = parse_case(case)
     if dtype == "bf16" and "q" in version:
         raise ValueError(f"version {version} (qk8) needs an int8 cache, got case {case}")
-    version = for_case(version, dtype, heads)
+    version = for_case(version, dtype, heads, t)
     warpgroups = kernel_warpgroups(version)
     os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
