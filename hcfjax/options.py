@@ -42,8 +42,8 @@ class Options:
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
     mla_converters: the MLA kernel's two converter warpgroups where it runs an int8 cache in transposed tiles of one
         query token (16 heads; pallas_kernels.mla_kernel.KernelSpec.converters; mla_decode.converters_apply).
-    mla_two_leaders: with the converters, two warpgroups leading every other block each (KernelSpec.leaders; opt-in
-        until timed on the GPU).
+    mla_two_leaders: with the converters, two warpgroups leading every other block each (KernelSpec.leaders; opt-in:
+        it measured slower than one leader, docs/kernels.md).
     moe: the GEMM kernels: the int4 experts (w4a16, w4a8), fp8 block-scaled weights (experts and dense linears,
         pallas_kernels/moe_fp8.py) and the dense int8 per-channel linears of w4a8c8 / w8a8 (the latter only where
         their shapes suit the kernel, `quant.int8_kernel_mode`): auto / kernel / interpret / reference, as for mla.

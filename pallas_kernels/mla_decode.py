@@ -254,13 +254,13 @@ def mla_decode(
     queries, into fp16 rather than bf16 (mla_kernel.KernelSpec.f16). `profile`: "DIR[:RANGES]" builds the kernel
     with Mosaic GPU's in-kernel profiler (mla_kernel.profile_params; bench.timeline). `transposed` (None: wherever
     a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
-    does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed tiles;
-    opt-in until timed on the GPU): two warpgroups convert each block as it lands while the leader runs both P.V
-    halves (mla_kernel.KernelSpec.converters). `leaders` (2, with converters; opt-in until timed on the GPU): two
-    warpgroups lead every other block each, merged at the end (mla_kernel.KernelSpec.leaders). `heads_first`: q_nope
-    is [H, B, T, C], as the absorbed query's batched product over the heads makes it; the kernel reads it as it lies
-    (mla_kernel.KernelSpec.heads_first), or, where the queries are padded to whole tiles or quantised (qk8), it is
-    moved to [B, T, H, C] first.
+    does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed
+    tiles; the model asks for them where `converters_apply`): two warpgroups convert each block as it lands while the
+    leader runs both P.V halves (mla_kernel.KernelSpec.converters). `leaders` (2, with converters; opt-in, slower so
+    far): two warpgroups lead every other block each, merged at the end (mla_kernel.KernelSpec.leaders).
+    `heads_first`: q_nope is [H, B, T, C], as the absorbed query's batched product over the heads makes it; the
+    kernel reads it as it lies (mla_kernel.KernelSpec.heads_first), or, where the queries are padded to whole tiles
+    or quantised (qk8), it is moved to [B, T, H, C] first.
     """
     as_checked = _tokens_first(q_nope) if heads_first else q_nope
     check_supported(as_checked, q_pe, kv_pages, page_table, lengths, scales, kv_lora_rank, layer)
