@@ -85,6 +85,7 @@ def test_decode_layers_norm_and_quantise_on_one_kernel(monkeypatch):
 
     wide = dict(num_hidden_layers=3, first_k_dense_replace=1, hidden_size=128, q_lora_rank=128, kv_lora_rank=128)
     wide.update(qk_rope_head_dim=64, moe_intermediate_size=128, intermediate_size=128)
+    wide.update(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)  # (interpreted: few experts)
     m = quantize_model(random_model(preset_config("tiny-v3", **wide), dtype=jnp.bfloat16), "w4a8c8")
     tokens, positions = jnp.asarray([[5, 9, 200]], jnp.int32), jnp.arange(3, dtype=jnp.int32)[None]
 
