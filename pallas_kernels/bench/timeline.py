@@ -9,8 +9,9 @@ leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B
 "wait_qk", "convert"; with converters (four warpgroups) WG1's and WG3's "convert"; with an int8 cache "convert > land",
 the wait for a part's TMA inside its conversion) into shared memory, and a callback writes the trace (Perfetto JSON)
 after the run.
-Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
-regions are dropped), so long rows are seen over their first blocks: the steady state, without the drain.
+Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; two
+leaders, `3td`, take 75 at the most; later regions are dropped), so long rows are seen over their first blocks: the
+steady state, without the drain.
 
 The table has, per warpgroup and region: the mean clock cycles of one occurrence, occurrences per CTA, and the
 share of the warpgroup's recorded window (its first region's start to its last region's end) that the region takes;
