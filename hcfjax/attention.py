@@ -29,7 +29,6 @@ from pallas_kernels.mla_decode import (
     mla_decode,
     mla_decode_reference,
     mla_plan,
-    two_leaders_apply,
 )
 
 
@@ -359,8 +358,7 @@ def attend_absorbed_paged(
         pair = None if opts.mla_pair else False
         h, t = q_pe.shape[2], q_pe.shape[1]
         conv = opts.mla_converters and converters_apply(h, t, cache.quantized, qk8)
-        leaders = 2 if conv and opts.mla_two_leaders and two_leaders_apply(h, t, cache.quantized, qk8) else 1
-        kw.update(qk8=qk8, pair=pair, converters=conv, heads_first=True, leaders=leaders)
+        kw.update(qk8=qk8, pair=pair, converters=conv, heads_first=True)
         o_lat = mla_decode(q_lat, q_pe, *cache_args, **kw, interpret=mode == "interpret", plan=ctx.plan)
     return jnp.einsum("BTHC,HCV->BTHV", o_lat, w_uv)  # o_lat [B, T, H, C]
 

@@ -42,8 +42,6 @@ class Options:
     mla_pair: the MLA kernel's multicasting CTA pairs where the padded head count is a multiple of 128.
     mla_converters: the MLA kernel's two converter warpgroups where it runs an int8 cache in transposed tiles of one
         query token (16 heads; pallas_kernels.mla_kernel.KernelSpec.converters; mla_decode.converters_apply).
-    mla_two_leaders: with the converters, two warpgroups leading every other block each (KernelSpec.leaders; opt-in:
-        it measured slower than one leader, docs/kernels.md).
     moe: the GEMM kernels: the int4 experts (w4a16, w4a8), fp8 block-scaled weights (experts and dense linears,
         pallas_kernels/moe_fp8.py) and the dense int8 per-channel linears of w4a8c8 / w8a8 (the latter only where
         their shapes suit the kernel, `quant.int8_kernel_mode`): auto / kernel / interpret / reference, as for mla.
@@ -97,7 +95,6 @@ class Options:
     mla_qk8: bool = False
     mla_pair: bool = True
     mla_converters: bool = True
-    mla_two_leaders: bool = False
     moe: str = "auto"
     int4_digits: bool = True
     fused_gate_up: tuple[str, ...] = ("int8",)
@@ -187,7 +184,6 @@ class Options:
     def from_env(cls, environ: Mapping[str, str], **overrides) -> Options:
         """Options from HCFJAX_* variables (for the CLI and benchmark scripts; library code takes Options):
         HCFJAX_MLA=auto|kernel|interpret|reference, HCFJAX_MLA_QK8=0|1, HCFJAX_MLA_CONVERTERS=0|1,
-        HCFJAX_MLA_TWO_LEADERS=0|1,
         HCFJAX_INT4_KERNEL=0|1 (0: reference experts and fp8 linears), HCFJAX_INT4_DIGITS=0|1, HCFJAX_FUSED_ROUTING=0|1,
         HCFJAX_FUSED_CACHE_WRITE=0|1, HCFJAX_EP_EXCHANGE=dense|ragged, HCFJAX_PREFILL_ATTENTION=auto|fused|blocked,
         HCFJAX_XLA_GEMM=auto|cublas|triton, HCFJAX_UNROLL_DECODE=auto|all|N (N layers a loop iteration). overrides
@@ -198,7 +194,6 @@ class Options:
         flags = (
             ("HCFJAX_MLA_QK8", "mla_qk8"),
             ("HCFJAX_MLA_CONVERTERS", "mla_converters"),
-            ("HCFJAX_MLA_TWO_LEADERS", "mla_two_leaders"),
             ("HCFJAX_INT4_DIGITS", "int4_digits"),
             ("HCFJAX_FUSED_ROUTING", "fused_routing"),
             ("HCFJAX_FUSED_CACHE_WRITE", "fused_cache_write"),

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import mla_kernel
 from pallas_kernels.int8_quant import quantize_int8
-from pallas_kernels.mla_kernel_spec import handover_fits
 from pallas_kernels.mla_merge import combine, combine_dense
 from pallas_kernels.mla_schedule import BLOCK, BLOCK_KV, MlaPlan, make_plan, split_schedule, visible_keys
 
@@ -176,12 +175,6 @@ def converters_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
     return quant and t == 1 and transposes(q_heads, stack, qk8)
 
 
-def two_leaders_apply(h: int, t: int, quant: bool, qk8: bool = False) -> bool:
-    """Whether two leaders (`mla_decode(leaders=2)`) can run h heads of t tokens: where the converters apply (one
-    token, so h query rows) and WG1's handover fits its slot (`mla_kernel_spec.handover_fits`)."""
-    return converters_apply(h, t, quant, qk8) and handover_fits(h)
-
-
 def mla_plan(
     lengths,
     max_pages: int,
@@ -232,7 +225,6 @@ def mla_decode(
     transposed=None,
     converters=False,
     heads_first=False,
-    leaders=1,
 ):
     """Absorbed-MLA decode attention with the Mosaic GPU kernel.
 
@@ -256,8 +248,7 @@ def mla_decode(
     a tile holds at most 32 query rows, without qk8): the MMAs take the cache tokens as M, so a tile of 16 heads
     does 16 rows' work rather than 64's (mla_kernel.KernelSpec.transposed). `converters` (int8 cache, transposed
     tiles; the model asks for them where `converters_apply`): two warpgroups convert each block as it lands while the
-    leader runs both P.V halves (mla_kernel.KernelSpec.converters). `leaders` (2, with converters; opt-in, slower so
-    far): two warpgroups lead every other block each, merged at the end (mla_kernel.KernelSpec.leaders).
+    leader runs both P.V halves (mla_kernel.KernelSpec.converters).
     `heads_first`: q_nope is [H, B, T, C], as the absorbed query's batched product over the heads makes it; the
     kernel reads it as it lies (mla_kernel.KernelSpec.heads_first), or, where the queries are padded to whole tiles
     or quantised (qk8), it is moved to [B, T, H, C] first.
@@ -341,7 +332,6 @@ def mla_decode(
         layer_pages=0 if layer is None else n_pages,
         scale_rows=scale_rows,
         heads_first=heads_first,
-        leaders=leaders,
     )
     outs = mla_kernel.attention(spec, qn, qp, kv_pages, sc, pt, plan.vis, plan.work, qs, layer_op)
 

@@ -15,8 +15,8 @@ The f32 accumulator [64, C] does not fit one warpgroup's registers for C=512: WG
 The schedule (version 3, leader and follower): WG0 computes S = Q.K^T for every block, the online softmax, writes P
 and the row rescale, and updates its half; WG1 waits for that block's P and updates the other half. WG0 does 3/4 of
 the MMA work and all of the softmax, so it is the critical path; with a bf16 cache WG1 mostly waits (with int8 it
-converts: below). A slot is reloaded once both have released it. (Version 4, a seesaw over pairs of blocks that
-split the MMAs evenly, measured 1.7x slower on the H200 and was dropped: docs/kernels.md.)
+converts: below). A slot is reloaded once both have released it. (Schedules that split the leader's work across two
+warpgroups ran slower: docs/kernels.md.)
 
 int8 caches: the loader TMA-loads the int8 part into the 16-bit part's own bytes (a RefUnion: nothing else is free in
 smem beside Q and two 16-bit slots); its converter reads all of it into registers, and only then writes the 16-bit
@@ -44,11 +44,6 @@ halves (O^T at 16 query rows is 32 registers a half) and releases the slot alone
 slot's round trip is then its load, one part's conversion and the leader's work, where with three warpgroups the
 loader converts between its issues and WG1 converts the next block's half before it releases the current one.
 
-Two leaders (`KernelSpec.leaders`, with converters, opt-in): WG0 leads the unit's even blocks and WG1 its odd ones,
-each in its own slot with its own running max, sum and O^T, converting its block's second half before its Q.K (WG3
-converts every block's first half and rope). At the end WG1 leaves its state in slot 1's bytes and the row vectors;
-WG0 merges the two by their maxima and stores.
-
 Head-tile pairs (`KernelSpec.pair`, H a multiple of 128): the CTAs of a token's two head tiles form a cluster; each
 loads half of every block and multicasts it into both, and a slot is reloaded once both CTAs have released it (a
 cluster barrier), so the cache crosses from L2 into the SMs once per 128 heads, not once per 64.
@@ -75,7 +70,6 @@ from pallas_kernels.mla_kernel_cta import Cta, finish_rows, initial_state, p_til
 from pallas_kernels.mla_kernel_spec import (
     LOG2E,
     P_SCALE,
-    REDUCTION_SCRATCH,
     REGISTERS,
     A,
     B,
@@ -105,17 +99,17 @@ def _v3(ctx: Cta, wg, active):
     key_axis = spec.key_axis
     b = lambda x, s: lax.broadcast_in_dim(x, s, [1 - key_axis])  # noqa: E731  (a query-row vector onto S or O)
     # int8 without qk8: WG1 converts each next block's second latent half (a K part of that block's Q.K) while the
-    # leader computes P, the loader the first half and the rope (docs/kernels.md; 451 -> 400 us at
-    # 128 x 4096).
+    # leader computes P, the loader the first half and the rope (docs/kernels.md).
     split = spec.quant and not spec.qk8 and not spec.converters
     conv = spec.converters  # WG1 and WG3 convert; the leader runs both P.V halves
     log2_scale = spec.sm_scale * LOG2E
 
-    halves = (A, B) if conv else (A,)  # the output halves (V's parts) a leader accumulates
+    halves = (A, B) if conv else (A,)  # the output halves (V's parts) the leader accumulates
 
-    def one_block(i, slot, carry):
-        """A leader's work on block i in `slot`: Q.K, the online softmax and P.V; the slot is then released."""
+    def one_block(i, carry):
+        """The leader's work on block i: Q.K, the online softmax and P.V; the block's slot is then released."""
         acc, m, den = carry
+        slot = lax.rem(i, 2)
         with scope("qk"):  # (the waits for the block's parts included)
             if spec.qk8:  # S from the int8 block, all scales applied; its latent is then converted in place
                 s = ctx.scores_i8(slot, fast=not spec.interpret, factor=log2_scale)
@@ -172,54 +166,12 @@ def _v3(ctx: Cta, wg, active):
         for w, a in enumerate(acc):
             ctx.store(a, inv_l, w, lse if w == 0 else None)
 
-    def _half_leader(parity: int):
-        """Two leaders: blocks parity, parity + 2, ... of the unit, all in slot `parity`, each block's second half
-        converted here first; WG1 then hands its max, sum and O^T over (rows 0 and 1, its slot's bytes) and WG0
-        merges them with its own and stores."""
-        _set_registers(regs[parity], spec)
-        if parity == 0:
-            ctx.load_q(issue=True)
-            plgpu.barrier_arrive(bars["sig"].at[2])  # Q is in smem (converted with f16): WG1 may read it
-        else:
-            plgpu.barrier_wait(bars["sig"].at[2])
-
-        def step(j, carry):
-            i = 2 * j + parity
-            slot = lax.rem(i, 2)  # (= parity, as a value of the loop: Mosaic lowers the slot's indexing so)
-            with scope("convert"):
-                ctx.finish(slot, B, scales=False)
-            return one_block(i, slot, carry)
-
-        acc0, m0, l0 = initial_state(spec)
-        mine = lax.div(ctx.n_steps + (1 - parity), 2)
-        acc, m, den = lax.fori_loop(0, mine, step, ((acc0,) * len(halves), m0, l0))
-        if parity == 1:  # (slot 1 is free: its last block was this warpgroup's)
-            for view, a in zip(ctx.handover, acc, strict=True):
-                view.at[spec.handover_at][...] = a
-            ctx.query_vector(0)[...] = m
-            ctx.query_vector(1)[...] = den
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(bars["sig"].at[1])
-            return
-        plgpu.barrier_wait(bars["sig"].at[1])
-        m1 = plgpu.load(ctx.query_vector(0), layout=row)
-        den1 = plgpu.load(ctx.query_vector(1), layout=row)
-        m_new = jnp.maximum(m, m1)
-        s0, s1 = jnp.exp2(m - m_new), jnp.exp2(m1 - m_new)
-        acc = tuple(
-            a * b(s0, a.shape) + plgpu.load(view.at[spec.handover_at], layout=plgpu.Layout.WGMMA) * b(s1, a.shape)
-            for view, a in zip(ctx.handover, acc, strict=True)
-        )
-        finish_and_store(acc, m_new, den * s0 + den1 * s1)
-
     def _leader():
-        if spec.leaders == 2:
-            return _half_leader(0)
         _set_registers(regs[0], spec)
         ctx.load_q(issue=True)
         acc0, m0, l0 = initial_state(spec)
         carry = ((acc0,) * len(halves), m0, l0)
-        acc, m, den = lax.fori_loop(0, ctx.n_steps, lambda i, c: one_block(i, lax.rem(i, 2), c), carry)
+        acc, m, den = lax.fori_loop(0, ctx.n_steps, one_block, carry)
         finish_and_store(acc, m, den)
 
     def _second():
@@ -276,18 +228,8 @@ def _v3(ctx: Cta, wg, active):
                 for p in (A, R):
                     ctx.finish(lax.rem(i, 2), p, scales=p == A)
 
-    if spec.leaders == 2:
-        # Both leaders reduce S^T across warps (its key rows), at the same time: WG1's code is lowered inside a
-        # scoped buffer, so that Mosaic puts its reductions' scratch past WG0's (REDUCTION_SCRATCH). The scope's
-        # entry synchronises every warpgroup, so it comes before any of them can wait on another.
-        def _deeper(_):
-            pl.when(jnp.logical_and(wg == 1, active))(lambda: _half_leader(1))
-
-        pl.run_scoped(_deeper, plgpu.SMEM((REDUCTION_SCRATCH,), jnp.int8), collective_axes="wg")
     pl.when(jnp.logical_and(wg == 0, active))(_leader)
-    if spec.leaders == 2:
-        pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
-    elif conv:
+    if conv:
         pl.when(jnp.logical_and(wg == 1, active))(_second_half_converter)
         pl.when(jnp.logical_and(wg == 3, active))(_first_half_converter)
     else:
@@ -362,10 +304,8 @@ def _kernel(spec: KernelSpec, *refs):
     part_out = (rest.pop(0), rest.pop(0)) if spec.slots else None
     ((q_views, parts, rows, scales, qs), bars) = rest
     q_in, *q_f16, o_smem = q_views  # (with f16, Q's bf16 and fp16 views)
-    handover = ()
     if spec.quant:
         i8 = tuple(u[1] for u in parts)
-        handover = tuple(u[2] for u in parts[:2]) if spec.leaders == 2 else ()
         parts = tuple(u[0] for u in parts)
     else:
         i8 = None
@@ -406,7 +346,6 @@ def _kernel(spec: KernelSpec, *refs):
         vis_tokens=vis_tokens,
         n_steps=n_steps,
         dest=dest,
-        handover=handover,
     )
     _v3(ctx, wg, dest != PADDING)
 
@@ -437,9 +376,7 @@ def _launch_kernel(spec: KernelSpec):
         **(dict(cluster=(2,), cluster_names=("pair",)) if spec.pair else {}),
         num_threads=spec.warpgroups,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH, **profile_params(spec.profile)
-        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **profile_params(spec.profile)),
         kernel_name=f"mla_decode_{'int8' if spec.quant else 'bf16'}",  # in profiles: "mla_decode_bf16_mosaic..."
     )
 

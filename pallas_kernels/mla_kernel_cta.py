@@ -1,6 +1,6 @@
 """One CTA of the MLA decode kernel (mla_kernel.py): its refs and work unit, and the operations its warpgroups
 share: loading Q, issuing a cache block's TMAs, converting int8 parts, Q.K, masking, storing the output; and the
-online softmax's pieces the leaders use (its state, the P.V update, the final 1/l and lse)."""
+online softmax's pieces the leader uses (its state, the P.V update, the final 1/l and lse)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ class Cta:
     vis_tokens: tuple  # with stacked tokens, each one's visible keys (spec.stack scalars)
     n_steps: object
     dest: object
-    handover: tuple = ()  # two leaders: per output half, f32 [n, C/2, q_rows] views of parts A and B's bytes
 
     def page(self, i):
         """(page, offset in page) of the unit's block i in the cache, and its page-table column."""

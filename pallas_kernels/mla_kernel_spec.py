@@ -38,21 +38,8 @@ REGISTERS = {  # by (int8 cache, qk8)
 # 128 registers a thread. The leader holds both output halves (O^T: 2 x 32 registers at 16 query rows), the
 # converters an int8 part and one converted tile, the loader only issues copies.
 CONVERTER_REGISTERS = (168, 128, 56, 152)
-# With two leaders (KernelSpec.leaders) each holds both output halves and converts its block's second half; WG3 the
-# first halves and the ropes.
-TWO_LEADER_REGISTERS = (160, 160, 56, 136)
-# Shared memory Mosaic GPU reserves for a cross-warp reduction (CompilerParams.reduction_scratch_bytes, its default
-# passed explicitly). It places that scratch wherever the reduction is lowered, at the smem in use there, so two
-# warpgroups reducing at the same time need their code lowered at different depths (two leaders: `_v3`).
-REDUCTION_SCRATCH = 128 * 4 * 4
 P_SCALE = 256.0  # f16: P goes out as P x latent scale x P_SCALE (KernelSpec.f16)
 ROPE_SHIFT = 16.0  # f16: the rope part holds int8 x s_rope / s_latent / ROPE_SHIFT, Q's rope part x ROPE_SHIFT
-
-
-def handover_fits(q_rows: int) -> bool:
-    """Two leaders: whether WG1's f32 O^T tiles of q_rows columns fill a 16-bit slot of 64 rows whole, so that its
-    handover (`KernelSpec.handover_at`) starts at slot 1 rather than inside slot 0."""
-    return (BLOCK_KV * 2) % (4 * q_rows) == 0
 
 
 def launch_registers(warpgroups: int) -> int:
@@ -138,11 +125,6 @@ class KernelSpec:
     # slots (three warpgroups: the loader converts the first half and the rope, WG1 the next block's second half
     # before its own P.V).
     converters: bool = False
-    # With converters: 2 has WG0 and WG1 each lead every other block (the unit's even and odd blocks, so each always
-    # in its own slot) with its own running max, sum and O^T, converting the block's second half itself before its
-    # Q.K; WG3 converts every block's first half and rope. At the end WG1 hands its state over through its slot's
-    # bytes and WG0 merges the two. One leader's chain per block (Q.K, softmax, P.V) is then half the block rate.
-    leaders: int = 1
     # The cache holds every layer's pages ([L * P, page, C+R]): the kernel takes the layer as an operand and reads
     # page pt[b, j] + layer * layer_pages (0: a one-layer cache, no operand), so the page table needs no pass per
     # layer.
@@ -175,10 +157,6 @@ class KernelSpec:
             raise ValueError("transposed needs q_heads, and neither qk8 nor pair")
         if self.converters and not (self.transposed and self.quant):
             raise ValueError("converters need an int8 cache and transposed tiles")
-        if self.leaders not in (1, 2) or (self.leaders == 2 and not self.converters):
-            raise ValueError(f"leaders must be 1, or 2 with converters, got {self.leaders}")
-        if self.leaders == 2 and not handover_fits(self.q_rows):
-            raise ValueError(f"two leaders need query rows dividing {BLOCK_KV * 2 // 4}, got {self.q_rows}")
         if self.scale_rows and not self.quant:
             raise ValueError("scale_rows needs an int8 cache")
         if self.heads_first and self.qk8:  # (qk8's queries are quantised per head in the [B, T, H, C] layout)
@@ -220,19 +198,12 @@ class KernelSpec:
         return self.t // self.stack
 
     @property
-    def handover_at(self) -> int:
-        """Two leaders: where slot 1 starts in a part's f32 [n, w, q_rows] view (a 16-bit slot holds 64 x w)."""
-        return BLOCK_KV * 2 // (4 * self.q_rows)
-
-    @property
     def warpgroups(self) -> int:
         return 4 if self.converters else 3
 
     def register_split(self) -> tuple[int, ...]:
         if self.registers:
             return self.registers
-        if self.leaders == 2:
-            return TWO_LEADER_REGISTERS
         return CONVERTER_REGISTERS if self.converters else REGISTERS[(self.quant, self.qk8)]
 
     def compute_dtype(self):
@@ -272,11 +243,7 @@ def smem_types(spec: KernelSpec):
         if spec.quant:
             # The int8 twin [slot, 0] starts where 16-bit slot `slot` starts ([slot, 1] is padding).
             twin = plgpu.SMEM((2, 2, BLOCK_KV, w), jnp.int8, transforms=t64)
-            # Two leaders: WG1's output half O^T [w, q_rows] f32 at the end, in slot 1's bytes (`handover_at`).
-            handover = ()
-            if spec.leaders == 2 and p != R:
-                handover = (plgpu.SMEM((2 * spec.handover_at, w, spec.q_rows), jnp.float32),)
-            part = plgpu.RefUnion(part, twin, *handover)
+            part = plgpu.RefUnion(part, twin)
         parts.append(part)
     smem = (
         q,

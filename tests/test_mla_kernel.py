@@ -92,7 +92,7 @@ def rel(a, b):
 # The kernel (interpreted), the reference and the qk8 queries, each jitted as the model runs them: one compiled
 # program, not one per op (the same numbers either way), shared by the calls of one shape and settings.
 STATIC = ("kv_lora_rank", "blocks_per_split", "return_lse", "interpret", "num_sms", "min_blocks_per_split", "pair")
-STATIC += ("registers", "qk8", "profile", "f16", "transposed", "converters", "heads_first", "leaders")
+STATIC += ("registers", "qk8", "profile", "f16", "transposed", "converters", "heads_first")
 kernel = jax.jit(M.mla_decode, static_argnums=5, static_argnames=STATIC)
 reference = jax.jit(M.mla_decode_reference, static_argnums=5, static_argnames="return_lse")
 _quantized_queries = jax.jit(lambda qn, qp: M.dequantize_queries(*M.quantize_queries(qn, qp)))
@@ -163,22 +163,15 @@ def test_sparse_merge_of_a_split_row():
 
 
 @pytest.mark.parametrize(
-    "f16,transposed,converters,leaders",
-    [
-        (True, None, False, 1),
-        (False, None, False, 1),
-        (True, False, False, 1),
-        (True, True, True, 1),
-        (True, True, True, 2),
-    ],
+    "f16,transposed,converters",
+    [(True, None, False), (False, None, False), (True, False, False), (True, True, True)],
 )
-def test_int8_kernel_matches_reference(f16, transposed, converters, leaders):
+def test_int8_kernel_matches_reference(f16, transposed, converters):
     # The loader and WG1 convert each part in place (the int8 twin overlays the 16-bit part), into fp16 (the
     # default) or bf16; the latent is left unscaled and S and P are scaled per token, where a zero latent scale must
     # not zero the rope's share of S. 16 heads run transposed by default (S^T = K Q^T: the scales go on S^T's rows),
     # or as 16 rows of a 64-row tile.
-    # (Two leaders, in units of 3 blocks and shorter: WG0 takes two, WG1 one or none, and the state merged.)
-    kw = dict(f16=f16, transposed=transposed, converters=converters, leaders=leaders)
+    kw = dict(f16=f16, transposed=transposed, converters=converters)
     kw.update(blocks_per_split=3, zero_latent=True)
     check_kernel(13, [1, 150, 255], 1, 16, max_pages=4, quant=True, **kw)
 
@@ -451,8 +444,7 @@ def test_selection_uses_the_reference_off_gpu():
 
 def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatch):
     """Options.mla_qk8 reaches the kernel over an int8 cache only; Options.mla_converters over an int8 cache whose
-    heads run in transposed tiles of one query token only (16 heads, not 64; not with qk8; not two tokens), and
-    Options.mla_two_leaders only with the converters."""
+    heads run in transposed tiles of one query token only (16 heads, not 64; not with qk8; not two tokens)."""
     from hcfjax import attention
     from hcfjax.attention import CacheContext
     from hcfjax.options import Options
@@ -461,7 +453,7 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
     seen = []
 
     def fake_kernel(q_lat, q_pe, *a, **k):  # records what it is asked for; an output of the kernel's shape
-        seen.append((k["qk8"], k["converters"]) + ((k["leaders"],) if k["leaders"] != 1 else ()))
+        seen.append((k["qk8"], k["converters"]))
         assert k["heads_first"] and q_lat.shape[:3] == (q_pe.shape[2],) + q_pe.shape[:2]
         return jnp.moveaxis(q_lat, 0, 2)
 
@@ -475,10 +467,6 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         ((16, 1, False, True, jnp.bfloat16), (False, False)),
         ((16, 1, True, True, jnp.int8), (True, False)),
         ((64, 1, False, True, jnp.int8), (False, False)),
-        ((16, 1, False, 2, jnp.int8), (False, True, 2)),  # conv 2: converters and two leaders asked for
-        ((16, 2, False, 2, jnp.int8), (False, False)),
-        ((64, 1, False, 2, jnp.int8), (False, False)),
-        ((24, 1, False, 2, jnp.int8), (False, True)),  # 24 rows do not divide 32: converters, one leader
     ]
     for (heads, t, qk8, conv, dtype), want in cases:
         cfg = preset_config("tiny-v3", num_hidden_layers=1, kv_lora_rank=128, qk_rope_head_dim=64)
@@ -489,7 +477,7 @@ def test_qk8_and_converter_switches_reach_the_kernel_where_they_apply(monkeypatc
         q_pe = jnp.zeros((1, t, heads, cfg.qk_rope_head_dim), jnp.bfloat16)
         cache = kvcache.init_cache(cfg, 2, PAGE, dtype, num_layers=1)
         ctx = CacheContext(cache, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), jnp.ones((1, t), bool))
-        opts = Options(mla="kernel", mla_qk8=qk8, mla_converters=bool(conv), mla_two_leaders=conv == 2)
+        opts = Options(mla="kernel", mla_qk8=qk8, mla_converters=conv)
         # traced only: what the kernel is asked for is decided while tracing, and nothing need compile
         pos = jnp.zeros((1, t), jnp.int32)
         attend = functools.partial(attention.attend_absorbed_paged, cfg=cfg, layer=0, positions=pos, opts=opts)

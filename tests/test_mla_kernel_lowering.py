@@ -8,7 +8,6 @@ import pytest
 
 from pallas_kernels import mla_decode as M
 from pallas_kernels import mla_kernel
-from pallas_kernels.mla_kernel_spec import REDUCTION_SCRATCH
 
 C, R, PAGE = 128, 64, 64
 
@@ -91,10 +90,8 @@ def test_wrapper_rejects_unabsorbed_query():
         # MTP verification at 16 heads: 3 tokens stacked in one tile (KernelSpec.stack), through the combine kernel
         (64, 2048, "int8", True, False, False, None, 16, 3, False),
         (32, 4096, "bf16", False, False, False, None, 16, 2, False),
-        # int8 transposed tiles with two converter warpgroups (KernelSpec.converters): four warpgroups; conv 2: with
-        # two leaders (KernelSpec.leaders), WG1 leading every other block
+        # int8 transposed tiles with two converter warpgroups (KernelSpec.converters): four warpgroups
         (64, 2048, "int8", True, False, False, None, 16, 1, True),
-        (64, 2048, "int8", True, False, False, None, 16, 1, 2),
     ],
 )
 def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, conv, monkeypatch):
@@ -120,18 +117,6 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
             yield
 
     monkeypatch.setattr(launch_context.LaunchContext, "named_region", record)
-    # Where each reduction's cross-warp scratch goes (the smem in use where Mosaic lowers it): two leaders reduce
-    # side by side, so theirs must not overlap.
-    from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
-
-    scratch, reduce_rule = set(), pallas_lowering._reduce_lowering_rule_wg
-
-    def reduce_at(ctx, *args, **kwargs):
-        scratch.add(ctx.module_ctx.smem_used_bytes)
-        return reduce_rule(ctx, *args, **kwargs)
-
-    monkeypatch.setattr(pallas_lowering, "_reduce_lowering_rule_wg", reduce_at)
-
     page, c, n = 64, 512, ctx // 64
     lead = (2,) if layer else ()
     kv = S(lead + (b * n, page, c + R), jnp.int8 if dtype == "int8" else jnp.bfloat16)
@@ -144,8 +129,7 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
 
     def f(qn, qp, kv, pt, lengths, sc):
         lay = jnp.int32(1) if layer else None
-        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=bool(conv), leaders=2 if conv == 2 else 1)
-        kw.update(heads_first=heads_first)
+        kw = dict(num_sms=132, pair=pair, qk8=qk8, converters=conv, heads_first=heads_first)
         return M.mla_decode(qn, qp, kv, pt, lengths, 0.04, scales=sc, layer=lay, **kw)
 
     text = lower_for_hopper(f, qn, qp, kv, S((b, n), jnp.int32), S((b,), jnp.int32), sc)
@@ -156,10 +140,6 @@ def test_kernel_lowers_for_hopper(b, ctx, dtype, layer, minor, qk8, pair, h, t, 
     want |= {"wait_v", "wait_qk", "mma", "scale"} if qk8 else {"wait_A", "wait_B", "wait_R"}
     want |= {"land"} if dtype == "int8" and not qk8 else set()
     assert want <= regions, want - regions
-    if conv == 2:  # one scratch per leader, disjoint
-        assert len(scratch) == 2 and abs(max(scratch) - min(scratch)) >= REDUCTION_SCRATCH, scratch
-    else:  # (only the leader reduces)
-        assert len(scratch) == 1, scratch
 
 
 def test_register_splits_fit_the_cta():
@@ -167,13 +147,12 @@ def test_register_splits_fit_the_cta():
     # registers the CTA launches with (a split asking for more leaves setmaxnreg waiting forever on the GPU).
     from pallas_kernels.bench.mla import parse_version
     from pallas_kernels.mla_kernel import REGISTERS, check_registers
-    from pallas_kernels.mla_kernel_spec import CONVERTER_REGISTERS, TWO_LEADER_REGISTERS
+    from pallas_kernels.mla_kernel_spec import CONVERTER_REGISTERS
 
     for split in REGISTERS.values():
         assert check_registers(split) == split
     # four warpgroups (converters) launch with 128 a thread: the leader grows, the loader shrinks, 512 in all
     assert check_registers(CONVERTER_REGISTERS, 4) == CONVERTER_REGISTERS
-    assert check_registers(TWO_LEADER_REGISTERS, 4) == TWO_LEADER_REGISTERS
     for bad in [(168, 128, 56), (176, 128, 64, 152), (128, 128, 56, 152), (168, 128, 128, 88)]:
         with pytest.raises(ValueError, match="register split"):
             check_registers(bad, 4)
@@ -189,10 +168,6 @@ def test_register_splits_fit_the_cta():
     assert parse_version("3t") == (None, None, False, True, False)
     assert parse_version("3h@248/176/80") == (None, (248, 176, 80), False, False, False)
     assert parse_version("3tc@168/128/56/152") == (None, (168, 128, 56, 152), False, True, True)
-    assert parse_version("3td") == (None, None, False, True, 2)  # two leaders
-    with pytest.raises(ValueError, match="query rows dividing 32"):  # WG1's handover would start inside slot 0
-        args, kw = _args(h=24, dtype=jnp.int8, scales=jnp.ones((4, PAGE, 2), jnp.float32))
-        M.mla_decode(*args, **kw, interpret=True, converters=True, leaders=2)
     with pytest.raises(ValueError, match="version 4 was dropped"):
         parse_version("4")
 
@@ -221,8 +196,6 @@ def test_bench_cases_name_their_head_count():
     assert for_case("3tc", "bf16", 16) == "3t"
     assert for_case("3hc", "int8", 16) == "3h"
     assert for_case("3c@168/128/56/152", "int8", 64) == "3@168/128/56/152"
-    assert for_case("3td", "int8", 16) == for_case("3td", "int8", 16, 2) == "3td"  # 16 and 32 query rows
-    assert for_case("3td", "int8", 16, 3) == "3tc"  # 48 rows: WG1's handover would begin inside slot 0
 
 
 def test_head_tile_pairs_need_128_heads_and_a_gpu():

@@ -13,7 +13,6 @@ def test_options_from_the_environment():
     want = ("kernel", True, "reference", "ragged", False, "fused", False)
     assert (got.mla, got.mla_qk8, got.moe, got.ep_exchange, got.two_rows, got.prefill_attention) == want[:6]
     assert got.mla_converters is want[6] and Options().mla_converters is True
-    assert Options.from_env({"HCFJAX_MLA_TWO_LEADERS": "1"}).mla_two_leaders and not Options().mla_two_leaders
     assert Options().prefill_attention_mode() == "blocked"  # auto: fused on GPUs only
     assert Options.from_env({}) == Options() and hash(Options.from_env({})) == hash(Options())
     with pytest.raises(ValueError, match="HCFJAX_MLA_QK8"):

@@ -110,8 +110,7 @@ def fns(scale, version=None, profile=""):
             registers=registers,
             qk8=qk8,
             transposed=transposed,
-            converters=bool(converters),
-            leaders=2 if converters == 2 else 1,
+            converters=converters,
             min_blocks_per_split=MIN_BLOCKS,
             profile=profile,
         )
@@ -121,7 +120,7 @@ def fns(scale, version=None, profile=""):
 
 
 def check(batch, context, dtype, heads=128, c=512, r=64, t=1, kind="full", version=None):
-    version = for_case(version, dtype, heads, t)
+    version = for_case(version, dtype, heads)
     qn, qp, kv, pt, lengths, sc = make_inputs(
         jax.random.key(batch * 7 + context), batch, context, heads, c, r, dtype=dtype, t=t, kind=kind
     )
@@ -255,7 +254,7 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
                 raise  # a CUDA error leaves the context unusable; the rest would fail too
             continue
         timed_rows = []  # (row index, kernel timer, with-plan timer) for the later rounds
-        for version in dict.fromkeys(for_case(v, dtype, heads, t) for v in versions):  # (3p and 3 alike below 128)
+        for version in dict.fromkeys(for_case(v, dtype, heads) for v in versions):  # (3p and 3 alike below 128)
             try:
                 kern, _ = fns(512**-0.5, version)
                 kern_fn = lambda qn, qp, kv, pt, n, sc, plan=None, k=kern: k(qn, qp, kv, pt, n, scales=sc, plan=plan)
@@ -287,9 +286,9 @@ def bench(cases, reps, use_flashinfer=True, versions=(None,), device=False, roun
     by = {(r.dtype, r.batch, r.context, r.kind, r.heads, r.tokens, r.ver): r.t_kern for r in rows}
     pairs = [
         f"{d}/bf16 {b}x{c}{'' if k == 'full' else ' ' + k}{'' if h == 128 else f' H={h}'}{'' if t == 1 else f' T={t}'}"
-        f" v{v} {by[('bf16', b, c, k, h, t, for_case(v, 'bf16', h, t))] / tk:.2f}x"
+        f" v{v} {by[('bf16', b, c, k, h, t, for_case(v, 'bf16', h))] / tk:.2f}x"
         for (d, b, c, k, h, t, v), tk in by.items()
-        if d != "bf16" and ("bf16", b, c, k, h, t, for_case(v, "bf16", h, t)) in by
+        if d != "bf16" and ("bf16", b, c, k, h, t, for_case(v, "bf16", h)) in by
     ]
     if pairs:
         lines += ["", "int8 speedup over bf16: " + ", ".join(pairs)]

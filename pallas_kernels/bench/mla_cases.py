@@ -12,7 +12,6 @@ import numpy as np
 
 from hcfjax.bench.common import kernel_time
 from hcfjax.cache import quantize_int8
-from pallas_kernels.mla_kernel_spec import handover_fits
 
 # Priority order (the run prints each row as it finishes): small batches and ragged batches first.
 CASES = (
@@ -85,27 +84,25 @@ def parse_version(text):
     version), "3p" / "3n" with / without paired head tiles (multicast), "3p@232/232/40" with that register split
     (WG0/WG1/loader[/WG3]), a q (e.g. "3q", "3pq") with Q.K on int8 tensor cores for int8 caches (`qk8`), a t / h below
     64 heads with the MMAs transposed (cache tokens as M) / not (heads as M, padded to 64), a c (int8, transposed) with
-    two converter warpgroups, a d with converters and two leaders (converters 2: mla_decode's leaders=2), None the
-    defaults."""
+    two converter warpgroups, None the defaults."""
     if text is None:
         return None, None, False, None, False
     base, _, regs = str(text).partition("@")
     registers = tuple(int(v) for v in regs.split("/")) if regs else None
     qk8, base = "q" in base, base.replace("q", "")
     transposed = True if "t" in base else False if "h" in base else None
-    converters = 2 if "d" in base else "c" in base
-    base = base.replace("t", "").replace("h", "").replace("c", "").replace("d", "")
+    converters = "c" in base
+    base = base.replace("t", "").replace("h", "").replace("c", "")
     if base.rstrip("pn") != "3":
-        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h, c, d or @split (version 4 was dropped)")
+        raise ValueError(f"version token {text!r}: 3 with p, n, q, t, h, c or @split (version 4 was dropped)")
     return {"p": True, "n": False}.get(base[-1]), registers, qk8, transposed, converters
 
 
-def for_case(version, dtype, heads, t=1):
+def for_case(version, dtype, heads):
     """The version token as it applies to a case: without p below 128 heads (head tiles pair only in multiples of
     128), without q for a bf16 cache (int8 Q.K is for int8 caches), without t and h from 64 heads (a tile's rows
     are then all heads) or with q (int8 Q.K is not transposed), without c where the tile is not transposed or the
-    cache is bf16 (converters convert int8 parts of transposed tiles), with c for d where the query rows (heads x
-    t tokens) do not divide 32 (two leaders' handover, `mla_kernel_spec.handover_fits`)."""
+    cache is bf16 (converters convert int8 parts of transposed tiles)."""
     if version is None:
         return None
     base, at, regs = str(version).partition("@")
@@ -116,9 +113,7 @@ def for_case(version, dtype, heads, t=1):
     if heads >= 64 or "q" in base:
         base = base.replace("t", "").replace("h", "")
     if dtype == "bf16" or heads >= 64 or "q" in base or "h" in base:
-        base = base.replace("c", "").replace("d", "")
-    if not handover_fits(heads * t):
-        base = base.replace("d", "c")
+        base = base.replace("c", "")
     return base + at + regs
 
 

@@ -9,8 +9,8 @@ leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B
 "wait_qk", "convert"; with converters (four warpgroups) WG1's and WG3's "convert"; with an int8 cache "convert > land",
 the wait for a part's TMA inside its conversion) into shared memory, and a callback writes the trace (Perfetto JSON)
 after the run.
-Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; two
-leaders, `3td`, take 75 at the most; later regions are dropped), so long rows are seen over their first blocks: the
+Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
+regions are dropped), so long rows are seen over their first blocks: the
 steady state, without the drain.
 
 The table has, per warpgroup and region: the mean clock cycles of one occurrence, occurrences per CTA, and the
@@ -99,7 +99,7 @@ def run_case(case: str, version: str, ranges: int, out_dir: str) -> dict:
     dtype, b, ctx, kind, heads, t = parse_case(case)
     if dtype == "bf16" and "q" in version:
         raise ValueError(f"version {version} (qk8) needs an int8 cache, got case {case}")
-    version = for_case(version, dtype, heads, t)
+    version = for_case(version, dtype, heads)
     warpgroups = kernel_warpgroups(version)
     os.makedirs(out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="trace-", dir=out_dir)
