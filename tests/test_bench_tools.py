@@ -249,6 +249,39 @@ def test_engine_loop_times_a_decoding_batch():
         assert not engine.has_work() and engine.snapshot()["running"] == 0
 
 
+@pytest.mark.parametrize("batch,budget", [(64, 512), (128, 512), (256, 512), (12, 16)])
+def test_engine_loop_output_room_outlasts_the_last_prefill(batch, budget):
+    """bench.engine_loop's requests may produce output_room tokens each: under the engine's own scheduler (the
+    simulator's instance, one step a second) none finishes before the last prompt has prefilled and the settling,
+    timed and profiled steps have run, though decode rows take budget from the prompts' chunks."""
+    import math
+
+    from hcfjax.bench.engine_loop import output_room
+    from hcfjax.engine.scheduler import SchedulerConfig
+    from hcfjax.engine.shapes import StepShapes
+    from hcfjax.sim.instances import Clock, EngineInstance, new_request
+
+    context, steps, page = 2048 if batch > 12 else 160, 24, 64
+    room = output_room(batch, context, steps, budget)
+    pages = math.ceil((context + room + 2) / page)
+    shapes = StepShapes(budget, 4, 64, False, pages * page)  # as bench.engine_loop's EngineConfig makes them
+    cfg = SchedulerConfig(
+        max_slots=batch, num_pages=batch * pages, page_size=page, token_budget=budget, max_prefill_rows=4, shapes=shapes
+    )
+    clock, finished = Clock(), []
+    inst = EngineInstance(clock, "e", cfg, lambda plan: 1.0, on_finish=lambda req, _: finished.append(req))
+    reqs = [new_request(str(i), context, room, 0.0) for i in range(batch)]
+    for req in reqs:
+        inst.submit(req)
+    clock.run()
+    assert len(finished) == batch
+    last_start = max(r.first_token_time for r in reqs)  # the last prompt's first token: every request decodes
+    first_end = min(r.last_token_time for r in reqs)
+    assert first_end - last_start >= 8 + 2 * steps, (last_start, first_end)
+    with pytest.raises(ValueError, match="must exceed the largest batch"):
+        output_room(budget, context, steps, budget)
+
+
 def test_moe_peers_pad_each_expert_to_the_alignment():
     """The torch peers' layout: every token row once, in its expert's range, in order; each expert's range a
     multiple of the alignment (empty experts included, as zero rows)."""

@@ -95,9 +95,16 @@ def decoding(engine) -> bool:
 
 
 def output_room(batch: int, context: int, steps: int, budget: int) -> int:
-    """Tokens each request may produce: enough that the first to decode still does when the last has prefilled
-    (the prefill steps take batch * context / budget steps at most) and through the timed and profiled steps."""
-    return batch * -(-context // budget) + 2 * steps + 64
+    """Tokens each request may produce: enough that the first to decode still does when the last has prefilled,
+    and through the settling, timed and profiled steps. A step that decodes d requests leaves budget - d tokens to
+    the prompts' chunks (the scheduler's token budget counts decode rows), so each prompt takes at most
+    ceil(context / (budget - batch)) steps."""
+    if budget <= batch:
+        raise ValueError(
+            f"the token budget ({budget}) must exceed the largest batch ({batch}): its decode rows would"
+            " leave no room for the prompts"
+        )
+    return batch * -(-context // (budget - batch)) + 2 * steps + 64
 
 
 def kernel_differences(engine: dict[str, float], offline: dict[str, float], n: int = 10) -> str:
@@ -125,6 +132,11 @@ def loop_case(
         engine.step()
     for _ in range(8):  # the decode rows' inputs settle; every request has a token in flight
         engine.step()
+    if len(engine.scheduler.running) != batch:  # (the timed steps would decode a smaller batch)
+        left = batch - len(engine.scheduler.running)
+        raise RuntimeError(
+            f"{left} of {batch} requests stopped decoding (finished or preempted) before the timed steps"
+        )
     jax.block_until_ready(engine.runner.state.tok)
     timings.reset()
     t0 = time.perf_counter()
@@ -183,7 +195,10 @@ def main(argv=None) -> None:
 
     model = load_model(None, args.preset, args.scheme)
     slots = args.max_slots or max(args.batches)
-    context = args.context + output_room(max(args.batches), args.context, args.steps, args.token_budget)
+    try:
+        context = args.context + output_room(max(args.batches), args.context, args.steps, args.token_budget)
+    except ValueError as e:
+        ap.error(f"--token-budget: {e}")
     config = EngineConfig(
         max_slots=slots,
         num_pages=slots * -(-context // args.page_size),  # every slot its whole context: no request waits
