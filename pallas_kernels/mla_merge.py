@@ -138,6 +138,7 @@ def combine(spec, out, lse, o_part, lse_part, first, count, max_units: int):
         mesh=plgpu.Mesh(grid=(out.shape[0], spec.lse_tokens * n_ht, spec.c // cw), grid_names=("row", "qt", "col")),
         compiler_params=plgpu.CompilerParams(),
         interpret=plgpu.InterpretGPUParams(num_tma_threads_per_device=8) if spec.interpret else False,
+        name="mla_combine",  # in profiles: "mla_combine_mosaic_gpu_kernel"
     )
 
     def run(refs):
