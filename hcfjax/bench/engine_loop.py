@@ -96,9 +96,11 @@ def decoding(engine) -> bool:
 
 def output_room(batch: int, context: int, steps: int, budget: int) -> int:
     """Tokens each request may produce: enough that the first to decode still does when the last has prefilled,
-    and through the settling, timed and profiled steps. A step that decodes d requests leaves budget - d tokens to
-    the prompts' chunks (the scheduler's token budget counts decode rows), so each prompt takes at most
-    ceil(context / (budget - batch)) steps."""
+    and through the settling, timed and profiled steps (the 64 covers the settling and the profiler's warm-up). The
+    scheduler's token budget counts decode rows, and a step's first chunk takes min(what its prompt has left,
+    budget - decode rows) tokens: each step finishes that prompt or moves it on by at least budget - batch tokens, so
+    the prompts take at most batch * ceil(context / (budget - batch)) steps (with every request admitted at once:
+    engine_loop gives each slot its whole context in pages)."""
     if budget <= batch:
         raise ValueError(
             f"the token budget ({budget}) must exceed the largest batch ({batch}): its decode rows would"
@@ -132,11 +134,6 @@ def loop_case(
         engine.step()
     for _ in range(8):  # the decode rows' inputs settle; every request has a token in flight
         engine.step()
-    if len(engine.scheduler.running) != batch:  # (the timed steps would decode a smaller batch)
-        left = batch - len(engine.scheduler.running)
-        raise RuntimeError(
-            f"{left} of {batch} requests stopped decoding (finished or preempted) before the timed steps"
-        )
     jax.block_until_ready(engine.runner.state.tok)
     timings.reset()
     t0 = time.perf_counter()
@@ -153,13 +150,15 @@ def loop_case(
         host_records = host_seconds(planes, steps)
         if records:
             write_records(records.format(batch=batch), planes)
-    batch_seen = len(engine.scheduler.running)
+    if len(engine.scheduler.running) != batch:  # (the steps timed would have decoded a smaller batch)
+        left = batch - len(engine.scheduler.running)
+        raise RuntimeError(f"{left} of {batch} requests stopped decoding (finished or preempted) while being timed")
     for req in reqs:
         engine.abort(req.id)
     while engine.has_work():
         engine.step()
     return {
-        "batch": batch_seen,
+        "batch": batch,
         "wall": wall,
         "kernels": kernels,
         "gaps": gaps,

@@ -10,8 +10,7 @@ leader's "qk" (inside it its waits for the block's parts, "qk > wait_A", "wait_B
 the wait for a part's TMA inside its conversion) into shared memory, and a callback writes the trace (Perfetto JSON)
 after the run.
 Only --ranges regions per warpgroup and CTA fit beside the kernel's buffers (100 does for bf16, int8 and qk8; later
-regions are dropped), so long rows are seen over their first blocks: the
-steady state, without the drain.
+regions are dropped), so long rows are seen over their first blocks: the steady state, without the drain.
 
 The table has, per warpgroup and region: the mean clock cycles of one occurrence, occurrences per CTA, and the
 share of the warpgroup's recorded window (its first region's start to its last region's end) that the region takes;
