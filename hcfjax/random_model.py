@@ -140,10 +140,22 @@ def preset_config(name: str, **overrides) -> ModelConfig:
     return ModelConfig.from_dict({**PRESETS[name], **overrides})
 
 
-def byte_tokenizer() -> Tokenizer:
-    """A byte-level BPE with no merges: ids 0/1 are <bos>/<eos>, ids 2..257 the 256 bytes."""
+def byte_tokenizer(vocab_size: int = 258) -> Tokenizer:
+    """A byte-level BPE with no merges: ids 0/1 are <bos>/<eos>, ids 2..257 the 256 bytes, and the ids from 258 up to
+    vocab_size words of lowercase letters after a space (" a", " b", ..., " z", " aa", ...). Every id a random model
+    samples then has text, as a real tokenizer's would: an id the tokenizer did not know would have none, and the
+    engine's incremental detokeniser would decode a growing window for each such token (about ten times a real
+    token's time). Text still encodes to bytes only (no merges)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<bos>": 0, "<eos>": 1} | {ch: i + 2 for i, ch in enumerate(sorted(alphabet))}
+    space = "\u0120"  # the byte-level alphabet's character for a space
+    for i in range(258, vocab_size):
+        word, j = "", i - 258
+        while True:  # j in bijective base 26: a .. z, aa .. zz, aaa ...
+            word, j = chr(ord("a") + j % 26) + word, j // 26 - 1
+            if j < 0:
+                break
+        vocab[space + word] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -155,7 +167,7 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scheme: st
     """Random weights of cfg's shape (model.init_params); scheme: quantised as hcfjax.quantize.quantize_model would
     quantise them, the large weights slice by slice as they are made, so the device never holds the float model
     (a V2-Lite in bf16 is 31 GiB, in w4a8c8 9)."""
-    tokenizer = byte_tokenizer() if cfg.vocab_size >= 258 else None
+    tokenizer = byte_tokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None
     each = None if scheme is None else slice_quantizer(cfg, scheme)
     model = Model(cfg, init_params(cfg, jax.random.key(seed), dtype, each=each), tokenizer)
     return model if scheme is None else quantize_model(model, scheme)

@@ -173,3 +173,19 @@ def test_text_stream_holds_back_a_partial_character(parts):
     assert "".join(pieces) == "é€x" and all("\ufffd" not in p for p in pieces)
     stream = TextStream(tok, stops=["€"])
     assert "".join(stream.add(t)[0] for t in ids[:-1]) == "é"
+
+
+def test_a_random_models_tokenizer_gives_every_id_text():
+    """random_model's byte-level tokenizer covers the model's whole vocabulary: ids past the 256 bytes are words, so
+    a random model's sampled tokens stream text one by one as a real model's do (an unknown id has no text, and the
+    stream then decodes a growing window); text still encodes to bytes, as with the bytes alone."""
+    from hcfjax.random_model import byte_tokenizer
+
+    tok, small = byte_tokenizer(1000), byte_tokenizer()
+    assert tok.get_vocab_size() == 1000 and small.get_vocab_size() == 258
+    assert tok.encode("def f(x): return x").ids == small.encode("def f(x): return x").ids
+    assert tok.decode([258, 283, 284, 999]) == " a z aa abn"
+    stream = TextStream(tok, frozenset([1]))
+    ids = list(range(258, 1000, 37)) + [72, 999]
+    pieces = [stream.add(t)[0] for t in ids]
+    assert all(pieces) and "".join(pieces) == tok.decode(ids)

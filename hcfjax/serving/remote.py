@@ -66,7 +66,7 @@ def load_front(path: str | None = None, preset: str | None = None) -> ModelFront
         from hcfjax.random_model import byte_tokenizer, preset_config
 
         cfg = preset_config(preset)
-        return ModelFront(cfg, byte_tokenizer() if cfg.vocab_size >= 258 else None)
+        return ModelFront(cfg, byte_tokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None)
     from tokenizers import Tokenizer
 
     where = Path(path or hcfjax.DEFAULT_MODEL)
