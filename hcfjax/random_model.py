@@ -163,11 +163,17 @@ def byte_tokenizer(vocab_size: int = 258) -> Tokenizer:
     return tok
 
 
+def model_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
+    """A random model's tokenizer: byte_tokenizer over its whole vocabulary, or None for one smaller than the bytes
+    (the model and a front end serving it build the same)."""
+    return byte_tokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None
+
+
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scheme: str | None = None) -> Model:
     """Random weights of cfg's shape (model.init_params); scheme: quantised as hcfjax.quantize.quantize_model would
     quantise them, the large weights slice by slice as they are made, so the device never holds the float model
     (a V2-Lite in bf16 is 31 GiB, in w4a8c8 9)."""
-    tokenizer = byte_tokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None
+    tokenizer = model_tokenizer(cfg)
     each = None if scheme is None else slice_quantizer(cfg, scheme)
     model = Model(cfg, init_params(cfg, jax.random.key(seed), dtype, each=each), tokenizer)
     return model if scheme is None else quantize_model(model, scheme)

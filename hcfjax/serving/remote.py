@@ -63,10 +63,10 @@ def load_front(path: str | None = None, preset: str | None = None) -> ModelFront
     if path and preset:
         raise ValueError("give --model or --preset, not both")
     if preset:
-        from hcfjax.random_model import byte_tokenizer, preset_config
+        from hcfjax.random_model import model_tokenizer, preset_config
 
         cfg = preset_config(preset)
-        return ModelFront(cfg, byte_tokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None)
+        return ModelFront(cfg, model_tokenizer(cfg))
     from tokenizers import Tokenizer
 
     where = Path(path or hcfjax.DEFAULT_MODEL)
