@@ -20,7 +20,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.fp8 import Fp8Weight
 from hcfjax.layers import StackRow, apply_rope, rms_norm, rope_table
 from hcfjax.options import DEFAULT, Options, on_gpu
-from hcfjax.quant import linear, linear_partials
+from hcfjax.quant import QWeight, linear, linear_partials
 from pallas_kernels import latent_write
 from pallas_kernels.mla_decode import (
     MlaPlan,
@@ -73,17 +73,17 @@ def with_decode_plan(
     return dataclasses.replace(ctx, plan=plan)
 
 
-def per_head(x: jax.Array, w, heads: int, opts: Options = DEFAULT) -> jax.Array:
-    """x [B, T, I] through a per-head projection -> [B, T, H, K]: w [I, H, K], or an Fp8Weight of [I, H*K] (one
-    fp8 linear, its output split into heads)."""
-    if isinstance(w, Fp8Weight):
-        return linear(x, w, opts).reshape(*x.shape[:-1], heads, -1)
+def per_head(x: jax.Array, w, heads: int, opts: Options = DEFAULT, x_q=None) -> jax.Array:
+    """x [B, T, I] through a per-head projection -> [B, T, H, K]: w [I, H, K], or a quantised weight (QWeight or
+    Fp8Weight) of [I, H*K] (one linear, its output split into heads; x_q: x quantised, for `linear`)."""
+    if isinstance(w, (QWeight, Fp8Weight)):
+        return linear(x, w, opts, x_q).reshape(*x.shape[:-1], heads, -1)
     return jnp.einsum("BTI,IHK->BTHK", x, w)
 
 
 def out_proj(out: jax.Array, w, cfg: ModelConfig, opts: Options = DEFAULT) -> jax.Array:
-    """Attention output [B, T, H, V] through o [H*V, D] (an array or an Fp8Weight) -> [B, T, D]."""
-    if isinstance(w, Fp8Weight):
+    """Attention output [B, T, H, V] through o [H*V, D] (an array, a QWeight or an Fp8Weight) -> [B, T, D]."""
+    if isinstance(w, (QWeight, Fp8Weight)):
         return linear(out.reshape(*out.shape[:-2], -1), w, opts)
     return jnp.einsum("BTHV,HVD->BTD", out, w.reshape(cfg.num_attention_heads, cfg.v_head_dim, -1))
 
@@ -104,7 +104,7 @@ def project_q(
         q = rms_norm(linear(x, p["q_a"], opts, x_q), p["q_a_norm"], cfg.rms_norm_eps)
         q = per_head(q, p["q_b"], h, opts)
     else:
-        q = per_head(x, p["q"], h, opts)
+        q = per_head(x, p["q"], h, opts, x_q)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, positions, cfg.rope, rope_table)
 

@@ -14,7 +14,8 @@ ROPE_TYPES = ("default", "yarn")
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 # Quantisation schemes: (routed experts, other `x @ W` linears, KV cache). Experts are int4 with group-wise scales
 # (w4a16: bf16 activations, w4a8: per-token int8 activations) or int8 per channel (w8a8); "w8a8" linears are int8 per
-# channel with int8 activations; None keeps them in the model dtype. "fp8" is DeepSeek's own format: e4m3 weights
+# channel with int8 activations (and MLA's per-head q_b / q and o with them: QuantConfig.heads); None keeps them in
+# the model dtype. "fp8" is DeepSeek's own format: e4m3 weights
 # with 128 x 128 block scales and e4m3 activations per token and 128 channels (hcfjax/fp8.py). hcfjax/quantize.py
 # says which linears these are.
 QUANT_SCHEMES = {
@@ -107,6 +108,9 @@ class QuantConfig:
     linear: str | None = None  # w8a8 | fp8 | None (kept in the model dtype)
     kv_cache_dtype: str | None = None  # "int8": the scheme was chosen with the int8 latent cache
     fp8: Fp8Format | None = None  # scheme "fp8": the format of the weights and activations
+    # MLA's per-head q_b (or q) and o: w8a8 (int8 per output channel, as the linears) or None (the model dtype, as
+    # checkpoints written without this key hold them). fp8 quantises them by its own format.
+    heads: str | None = None
 
     @classmethod
     def for_scheme(cls, scheme: str, group_size: int = 128) -> QuantConfig:
@@ -116,8 +120,8 @@ class QuantConfig:
             )
         experts, linear, kv = QUANT_SCHEMES[scheme]
         if scheme == "fp8":
-            return cls(scheme, 128, experts, linear, kv, Fp8Format())
-        return cls(scheme, group_size, experts, linear, kv)
+            return cls(scheme, 128, experts, linear, kv, fp8=Fp8Format())
+        return cls(scheme, group_size, experts, linear, kv, heads=linear)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
@@ -137,6 +141,7 @@ class QuantConfig:
             experts=f.choice("experts", q.experts, ("w4a16", "w4a8", "w8a8")),
             linear=f.choice("linear", None, ("w8a8",)) if "linear" in d else q.linear,
             kv_cache_dtype=f.choice("kv_cache_dtype", None, ("int8",)),
+            heads=f.choice("heads", None, ("w8a8",)),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,16 +3,18 @@
 What each scheme does (config.QUANT_SCHEMES; tensor_specs.QUANTIZABLE names the linears):
   w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
   w4a8    routed experts int4, per-token dynamic int8 activations; everything else as it was.
-  w4a8c8  w4a8 experts; the other `x @ W` linears (dense and shared-expert MLPs, MLA's q_a/kv_a down projections,
-          the MTP combiner) int8 per output channel with int8 activations; the int8 latent KV cache
-          (`quantization_config.kv_cache_dtype`, see `default_cache_dtype`).
-  w8a8    every `x @ W` linear, experts included, int8 per output channel with int8 activations.
+  w4a8c8  w4a8 experts; the other linears (dense and shared-expert MLPs, MLA's q_a/kv_a down projections, its
+          per-head q_b (or q) and o as one linear over the heads each, the MTP combiner) int8 per output channel
+          with int8 activations; the int8 latent KV cache (`quantization_config.kv_cache_dtype`, see
+          `default_cache_dtype`).
+  w8a8    every linear of w4a8c8's, experts included, int8 per output channel with int8 activations.
   fp8     DeepSeek-V3's own format (hcfjax/fp8.py, LINEARS): MLA's projections but kv_b, and every
           MLP, experts included, e4m3 with one scale per 128 x 128 block; e4m3 activations per token and 128
           channels. The checkpoint is DeepSeek's layout (`weight_scale_inv`, quant_method "fp8").
 Kept in the model dtype by every scheme: embeddings, LM heads, routers, norms, and MLA's per-head kv_b (its absorbed
-decode folds kv_b into the query and the output); by the int schemes also q_b and o (per-head einsums in
-attention.py) and, by fp8, the MTP combiner (bf16 in DeepSeek's checkpoints).
+decode folds kv_b into the query and the output); by w4a16 and w4a8 all but the experts, and by fp8 the MTP
+combiner (bf16 in DeepSeek's checkpoints). Checkpoints written before q_b / q / o were quantised by the int schemes
+(no `quantization_config.heads`) load with them in the model dtype, as written.
 """
 
 from __future__ import annotations
@@ -71,11 +73,8 @@ def _quantized_weights(cfg: ModelConfig, qcfg: QuantConfig, mtp: bool) -> dict:
 
 def _quantize_weight(w, spec, group_size: int, lead: int):
     """The weight w [..., K, N...] (the params' shape, per-head outputs split, after `lead` stacking dims) quantised
-    as spec.quant says."""
-    if spec.quant == fp8.QUANT:
-        n, k = spec.shape  # the checkpoint's [out, in]
-        w = w.reshape(*w.shape[:lead], k, n)
-    return _quantize_slices(w, spec.quant, group_size)
+    as spec.quant says: as one [K, N] linear (a per-head weight's heads flattened)."""
+    return _quantize_slices(w.reshape(*w.shape[: lead + 1], -1), spec.quant, group_size)
 
 
 def _quantize_slices(w, how, group_size: int):

@@ -140,9 +140,11 @@ def tensor_specs(cfg: ModelConfig, mtp: bool = True) -> list[TensorSpec]:
 
 
 # Linears the model runs as `x @ W` (so a QWeight can stand in): MLPs (dense, shared, routed experts), MLA's down
-# projections, the MTP combiner. MLA's per-head q_b/q/kv_b/o run as einsums in attention.py and stay unquantised, as
-# do embeddings, LM heads, routers and norms.
+# projections, the MTP combiner. MLA's per-head q_b (or q) and o are quantised by QuantConfig.heads, held as one
+# linear over the heads ([in, H*K] and [H*V, D]); kv_b (folded into the absorbed decode's query and output),
+# embeddings, LM heads, routers and norms stay unquantised.
 QUANTIZABLE = ("gate", "up", "down", "q_a", "kv_a", "eh_proj")
+HEADS = ("q_b", "q", "o")
 _SCHEME_BITS = {"w4a16": (4, "bf16"), "w4a8": (4, "int8"), "w8a8": (8, "int8")}
 
 
@@ -154,8 +156,8 @@ def quantized_specs(specs: list[TensorSpec], q: QuantConfig) -> list[TensorSpec]
         return fp8.checkpoint_specs(specs)
     out = []
     for s in specs:
-        scheme = q.experts if "experts" in s.path else q.linear
-        if not (s.linear and s.path[-1] in QUANTIZABLE and scheme):
+        scheme = q.experts if "experts" in s.path else q.heads if s.path[-1] in HEADS else q.linear
+        if not (s.linear and s.path[-1] in QUANTIZABLE + HEADS and scheme):
             out.append(s)
             continue
         bits, act = _SCHEME_BITS[scheme]

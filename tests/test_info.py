@@ -79,20 +79,20 @@ def test_v3_with_its_mtp_module_is_the_checkpoints_685b():
 
 def test_bytes_per_scheme_follow_hand_counts():
     """DeepSeek-V3's weights counted by hand from its architecture: 58 MoE layers of 256 routed experts and one
-    shared, 3 dense layers, MLA's q_a / kv_a down projections in all 61."""
+    shared, 3 dense layers, MLA's q_a / kv_a down projections and its per-head q_b / o in all 61."""
     cfg = read_config(V3)
     main = main_weights(cfg)
     n = count(main)
     experts = 58 * 256 * 3 * 7168 * 2048
     linear = 3 * 3 * 7168 * 18432 + 58 * 3 * 7168 * 2048 + 61 * 7168 * (1536 + 576)  # w8a8 under w4a8c8
+    heads = 61 * (1536 * 128 * 192 + 128 * 128 * 7168)  # q_b and o: w8a8 under w4a8c8 too, fp8 under fp8
     routers = 58 * (256 * 7168 + 256)  # float32 in memory; bf16 weight + float32 bias in the checkpoint
     bf16 = 2 * n + 2 * routers
     assert total_bytes(main, None) == bf16
     assert total_bytes(main, "w4a16") == total_bytes(main, "w4a8") == pytest.approx(bf16 - experts * (2 - INT4_BYTES))
-    assert total_bytes(main, "w4a8c8") == pytest.approx(total_bytes(main, "w4a16") - linear)
-    assert total_bytes(main, "w8a8") == pytest.approx(bf16 - experts - linear)
-    # fp8 quantises MLA's q_b and o as well (hcfjax/fp8.py's LINEARS), not kv_b
-    heads = 61 * (1536 * 128 * 192 + 128 * 128 * 7168)
+    assert total_bytes(main, "w4a8c8") == pytest.approx(total_bytes(main, "w4a16") - linear - heads)
+    assert total_bytes(main, "w8a8") == pytest.approx(bf16 - experts - linear - heads)
+    # fp8 quantises the same linears (hcfjax/fp8.py's LINEARS), not kv_b
     kv_b = 61 * 512 * 128 * (128 + 128)
     assert total_bytes(main, "fp8") == pytest.approx(bf16 - (experts + linear + heads) * (2 - (1 + 4 / 128**2)))
     unquantised = 2 * 129280 * 7168 + 61 * (2 * 7168 + 1536 + 512) + 7168  # embedding, head, norms
@@ -102,11 +102,11 @@ def test_bytes_per_scheme_follow_hand_counts():
     held = fp8_bytes(main) + kv_b * (2 - (1 + 4 / 128**2)) + 2 * 58 * 256 * 7168
     assert total_bytes(main, "fp8") == pytest.approx(held)
     # the MTP module (one MoE layer): as the main model's layers, and its combiner [2D -> D] kept bf16 by fp8 (as
-    # DeepSeek ships it) but int8 under w4a8c8, with its q_a / kv_a and shared expert
+    # DeepSeek ships it) but int8 under w4a8c8, with its q_a / kv_a, q_b / o and shared expert
     mtp = mtp_weights(cfg)
     fp8_gap = 512 * 128 * 256 * (2 - (1 + 4 / 128**2)) + 2 * 256 * 7168  # one layer's kv_b and router
     assert total_bytes(mtp, "fp8") - fp8_bytes(mtp) == pytest.approx(fp8_gap)
-    int8 = 2 * 7168 * 7168 + 7168 * (1536 + 576) + 3 * 7168 * 2048  # one byte saved each
+    int8 = 2 * 7168 * 7168 + 7168 * (1536 + 576) + heads // 61 + 3 * 7168 * 2048  # one byte saved each
     routed = 256 * 3 * 7168 * 2048 * (2 - INT4_BYTES)
     assert total_bytes(mtp, None) - total_bytes(mtp, "w4a8c8") == pytest.approx(int8 + routed)
 

@@ -106,9 +106,11 @@ def test_decode_layers_norm_and_quantise_on_one_kernel(monkeypatch):
     fused, norms, quantised, weights = run()
     monkeypatch.setattr(model, "int8_tokens", lambda *a, **k: False)
     alone, norms_alone, quantised_alone, _ = run()
-    # Alone: q_a and kv_a in each layer, the dense MLP's gate/up and down, the experts', the shared gate/up and down.
-    # Fused: a norm kernel for each of the four blocks, and only the down projections' hidden quantised.
-    assert (norms, norms_alone, quantised, quantised_alone) == (4, 0, 2, 9)
+    # Per segment traced (one dense layer, then two MoE layers in one loop). Alone: q_a and kv_a, q_b and o, the dense
+    # MLP's gate/up and down, the experts', the shared gate/up and down. Fused: a norm kernel for each of the four
+    # blocks; quantised alone only what no norm feeds: q_b's input (the normed q_a), o's (the attention's output) and
+    # the down projections' hidden.
+    assert (norms, norms_alone, quantised, quantised_alone) == (4, 0, 6, 13)
     assert weights == {(128,), (2 * 128,)}  # each segment's whole stack (one dense layer, two MoE), flattened
     np.testing.assert_array_equal(fused, alone)
 

@@ -59,12 +59,47 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     name = f"model.layers.{loaded.cfg.first_k_dense_replace}.mlp.experts.0.gate_proj.weight_scale"
     np.testing.assert_array_equal(disk[name].T, np.asarray(gate.scale[0, 0]))
     attn = loaded.params["segments"][0]["attn"]
-    assert isinstance(attn["q_a"], quant.QWeight) and attn["q_a"].bits == 8 and attn["q_a"].act == "int8"
-    assert not isinstance(attn["kv_b"], quant.QWeight)  # per-head einsum weights stay bf16
+    for name in ("q_a", "q_b", "o"):  # MLA's per-head q_b and o as one int8 linear over the heads each
+        assert isinstance(attn[name], quant.QWeight) and attn[name].bits == 8 and attn[name].act == "int8", name
+    cfg = loaded.cfg
+    assert attn["q_b"].shape[-2:] == (cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim)
+    assert not isinstance(attn["kv_b"], quant.QWeight)  # folded into the absorbed decode: stays bf16
     lg = np.asarray(hcfjax.forward(loaded, tokens))
     rel = float(np.sqrt(((lg - ref) ** 2).mean() / (ref**2).mean()))
     assert rel < 0.08, rel
     assert cli_main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
+
+
+def test_a_checkpoint_with_float_heads_loads_them_as_written(embedded, tmp_path):
+    """A w4a8c8 checkpoint written before the int schemes quantised MLA's q_b and o (no `heads` in its
+    quantization_config, those weights in bf16 on disk) loads them as written; its logits differ from the scheme's
+    with int8 heads, both within the scheme's error."""
+    import dataclasses
+
+    model, tokens, ref = embedded
+    q = quantize_model(model, "w4a8c8")
+    params = jax.tree.map(lambda x: x, q.params, is_leaf=lambda x: isinstance(x, quant.QWeight))
+    for seg, float_seg in zip(params["segments"], model.params["segments"], strict=True):
+        seg["attn"]["q_b"], seg["attn"]["o"] = float_seg["attn"]["q_b"], float_seg["attn"]["o"]
+    for mtp, float_mtp in zip(params.get("mtp", []), model.params.get("mtp", []), strict=True):
+        mtp["layer"]["attn"]["q_b"], mtp["layer"]["attn"]["o"] = (float_mtp["layer"]["attn"][k] for k in ("q_b", "o"))
+    qcfg = dataclasses.replace(q.cfg.quantization, heads=None)
+    old = dataclasses.replace(q, cfg=dataclasses.replace(q.cfg, quantization=qcfg), params=params)
+    hcfjax.save(old, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = hcfjax.load(tmp_path)
+    assert loaded.cfg == old.cfg and loaded.cfg.quantization.heads is None
+    attn = loaded.params["segments"][1]["attn"]
+    assert not isinstance(attn["q_b"], quant.QWeight) and attn["q_b"].dtype == jnp.bfloat16
+    assert isinstance(attn["q_a"], quant.QWeight)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(old.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lg, lq = np.asarray(hcfjax.forward(loaded, tokens)), np.asarray(hcfjax.forward(q, tokens))
+    assert not np.array_equal(lg, lq)  # the heads' int8 weights do change the logits
+    for x in (lg, lq):
+        assert float(np.sqrt(((x - ref) ** 2).mean() / (ref**2).mean())) < 0.08
 
 
 def test_random_model_quantised_as_made_equals_quantising_it_after(monkeypatch):

@@ -13,10 +13,10 @@ overlap. A step sums its layers, the LM head, the MTP draft passes and fixed ove
 - MoE: the routed experts' weights are read only for experts some token hits (uniform routing:
   E (1 - (1 - k/E)^T) of E for T tokens); their FLOPs scale with T x k. int4 weights are 0.5 byte + a bf16 scale per
   group of 128; a8 schemes run at the int8 rate, a16 at bf16.
-- Quantisation follows hcfjax/quantize.py: w8a8 linears are MLA's down projections, dense and shared MLPs and the
-  MTP combiner; q_b / kv_b / o, routers and LM heads stay bf16. fp8 prices the same linears and the experts as w8a8
-  does, at 1 byte plus a float32 scale per 128 x 128 block, and q_b / o at fp8's bytes too (their FLOPs at the bf16
-  rate, with kv_b's); its MTP combiner stays bf16.
+- Quantisation follows hcfjax/quantize.py: w8a8 linears are MLA's down projections, q_b / o, dense and shared MLPs
+  and the MTP combiner; kv_b, routers and LM heads stay bf16. fp8 prices the same linears and the experts as w8a8
+  does, at 1 byte plus a float32 scale per 128 x 128 block; its MTP combiner stays bf16. q_b / o's FLOPs are priced
+  at the bf16 rate with kv_b's under every scheme.
 - EP all-to-all: a token goes to each rank holding one of its k experts (probability 1 - (1 - 1/ep)^k per rank),
   NVLink inside a node, RDMA across; dispatch in 1 byte per value with a8 experts, combine in bf16; each call pays
   a fixed latency. TP all-reduce: a ring over NVLink, twice per layer.
@@ -101,11 +101,11 @@ class CostModel:
         self.kv_int8 = (kv == "int8") if kv_int8 is None else kv_int8
         c = cfg
         p = LayerParams.of(c)
-        self.p_down, self.p_head, self.p_kvb = p.down, p.heads, p.kv_b  # q_a/kv_a (w8a8 under w4a8c8); q_b + o; kv_b
+        self.p_down, self.p_head, self.p_kvb = p.down, p.heads, p.kv_b  # q_a/kv_a and q_b + o (w8a8 under w4a8c8); kv_b
         self.p_dense, self.p_expert, self.p_shared = p.dense, p.expert, p.shared
         self.p_router, self.p_lm = p.router, p.lm
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
-        # q_b / o (fp8 only) and the MTP combiner (int schemes only) as the weights' table prices them
+        # q_b / o and the MTP combiner (int schemes only) as the weights' table prices them
         self.w_head, self.w_comb = kind_bytes("heads", quant), kind_bytes("combiner", quant)
         # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
         self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")

@@ -10,7 +10,8 @@ Each weight has a kind, which says how hcfjax stores it (hcfjax/quantize.py) and
     mlp      dense MLPs, shared experts                       the scheme's linear format over tp
     down     MLA's q_a / kv_a (kv_a alone without q_lora),    the scheme's linear format replicated
              the MTP combiner eh_proj
-    heads    MLA's per-head q_b (or q), kv_b, o               the model dtype            over tp
+    heads    MLA's per-head q_b (or q), o                     the scheme's linear format over tp
+    kv_b     MLA's per-head kv_b                              the model dtype            over tp
     lm_head  the LM head, each MTP module's own head          the model dtype            over tp (vocab)
     embed    the token embedding                              the model dtype            replicated
     norms    RMSNorm weights                                  the model dtype            replicated
@@ -126,15 +127,15 @@ def count(weights: list[Weights], active: bool = False) -> int:
 
 def kind_bytes(kind: str, quant: str | None) -> float:
     """Bytes per parameter of `kind` under a scheme (None: bf16), as hcfjax/quantize.py quantises: the linears of
-    "mlp" and "down" (q_a / kv_a) by every scheme that quantises linears; MLA's q_b / o ("heads") by fp8 only (the
-    int schemes keep them); the MTP combiner by the int schemes only (fp8 keeps it, as DeepSeek ships it); kv_b,
-    norms, embeddings and heads by none; routers in float32."""
+    "mlp", "down" (q_a / kv_a) and "heads" (MLA's q_b / o) by every scheme that quantises linears; the MTP combiner
+    by the int schemes only (fp8 keeps it, as DeepSeek ships it); kv_b, norms, embeddings and LM heads by none;
+    routers in float32."""
     if quant is not None and quant not in QUANT_SCHEMES:
         raise ValueError(f"quant must be None or one of {sorted(QUANT_SCHEMES)}, got {quant!r}")
     experts, linear, _ = QUANT_SCHEMES[quant] if quant else (None, None, None)
     if kind == "experts":
         return WEIGHT_BYTES[experts]
-    if kind in ("mlp", "down") or (kind == "heads" and linear == "fp8") or (kind == "combiner" and linear != "fp8"):
+    if kind in ("mlp", "down", "heads") or (kind == "combiner" and linear != "fp8"):
         return WEIGHT_BYTES[linear]
     return 4.0 if kind == "router" else 2.0
 
