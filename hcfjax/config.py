@@ -15,9 +15,8 @@ MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 # Quantisation schemes: (routed experts, other `x @ W` linears, KV cache). Experts are int4 with group-wise scales
 # (w4a16: bf16 activations, w4a8: per-token int8 activations) or int8 per channel (w8a8); "w8a8" linears are int8 per
 # channel with int8 activations (and MLA's per-head q_b / q and o with them: QuantConfig.heads); None keeps them in
-# the model dtype. "fp8" is DeepSeek's own format: e4m3 weights
-# with 128 x 128 block scales and e4m3 activations per token and 128 channels (hcfjax/fp8.py). hcfjax/quantize.py
-# says which linears these are.
+# the model dtype. "fp8" is DeepSeek's own format: e4m3 weights with 128 x 128 block scales and e4m3 activations per
+# token and 128 channels (hcfjax/fp8.py). hcfjax/quantize.py says which linears these are.
 QUANT_SCHEMES = {
     "w4a16": ("w4a16", None, None),
     "w4a8": ("w4a8", None, None),

@@ -191,6 +191,8 @@ def test_quantised_weights_split_like_the_weights_they_stand_for(scheme):
     assert experts["down"].scale == P(None, "ep", None if down.scale.shape[-2] == 1 else "tp", None)
     if isinstance(model.params["segments"][0]["mlp"]["gate"], QWeight):  # w8a8 quantises the dense MLP too
         assert dense["gate"].q == P(None, "tp", None) and dense["down"].q == P(None, None, "tp")
+        attn = specs["segments"][1]["attn"]  # and MLA's q_b and o, held flattened: their heads over tp
+        assert attn["q_b"].q == P(None, "tp", None) and attn["o"].q == P(None, None, "tp")
     dspecs = param_specs(model.params, decode_plan(4))["segments"][1]["mlp"]["experts"]
     assert dspecs["gate"].q == dspecs["gate"].scale == P(None, "ep", None, None)
 
