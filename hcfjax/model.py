@@ -76,9 +76,10 @@ def decoder_layer(
 
 def int8_tokens(x: jax.Array, p: dict, opts: Options = DEFAULT, local_experts: bool = True) -> bool:
     """Whether a block (attention, dense MLP or MoE params) multiplies its normed tokens on int8 kernels: its first
-    projections' (q_a, kv_a, gate; the shared experts' gate) or the routed experts' (int8 activations) where they run
-    here (`local_experts`; an expert-parallel experts_fn ships the bf16 tokens and quantises what it receives)."""
-    dense = [p.get("q_a"), p.get("kv_a"), p.get("gate"), p.get("shared", {}).get("gate")]
+    projections' (q_a or q, kv_a, gate; the shared experts' gate) or the routed experts' (int8 activations) where
+    they run here (`local_experts`; an expert-parallel experts_fn ships the bf16 tokens and quantises what it
+    receives)."""
+    dense = [p.get("q_a"), p.get("q"), p.get("kv_a"), p.get("gate"), p.get("shared", {}).get("gate")]
     routed = local_experts and "experts" in p and int8_activations(p["experts"]["gate"])
     return routed or any(int8_kernel_mode(x, w, opts) != "reference" for w in dense)
 

@@ -1,6 +1,6 @@
 """`hcfjax quantize`: a bf16/fp8 checkpoint -> a quantised one (w4a16, w4a8, w4a8c8, w8a8, fp8).
 
-What each scheme does (config.QUANT_SCHEMES; tensor_specs.QUANTIZABLE names the linears):
+What each scheme does (config.QUANT_SCHEMES; tensor_specs.QUANTIZABLE and HEADS name the linears):
   w4a16   routed experts int4 (group 128 along K, symmetric), bf16 activations; everything else as it was.
   w4a8    routed experts int4, per-token dynamic int8 activations; everything else as it was.
   w4a8c8  w4a8 experts; the other linears (dense and shared-expert MLPs, MLA's q_a/kv_a down projections, its

@@ -177,8 +177,9 @@ def spec_for(plan: Plan, path: str, shape: tuple[int, ...]) -> P:
     """The spec of the param at `path` of `shape`. A quantised weight's parts follow the rule of the weight
     W [..., K, N] they stand for: q is stored output-major (its last two dims swapped), and per-channel scales
     ([..., 1, N]) have nothing to split along K. An fp8 weight's block scales are split along the stacking dims
-    alone (the layers, the experts), as q is; a per-head W [K, H, D] (MLA's q_b or q, fp8) is held flattened,
-    [H*D, K], its heads split as the rule splits H. (MLA's attn/q is a plain weight where it is unquantised.)"""
+    alone (the layers, the experts), as q is; a per-head W [K, H, D] (MLA's q_b or q, int8 or fp8) is held
+    flattened, [H*D, K], its heads split as the rule splits H. (MLA's attn/q is a plain weight where it is
+    unquantised.)"""
     parent, _, part = path.rpartition("/")
     if part not in QUANT_PARTS or parent.endswith("attn"):
         return P(*_tail(plan, path, len(shape)))

@@ -215,6 +215,24 @@ def test_quantised_weights_split_like_the_weights_they_stand_for(scheme):
     assert rel_err(lg, single) < max(3e-3, 2 * floor), floor
 
 
+def test_a_q_without_q_lora_is_one_int8_linear_its_heads_over_tp():
+    """V2-Lite's q (no q_lora) under w8a8: one int8 linear over the heads [D -> H*K], its q split by heads over tp in
+    the prefill plan, and the planned forward matches one device (a misplaced head would move every position)."""
+    from hcfjax.quant import QWeight
+    from hcfjax.quantize import quantize_model
+
+    model = quantize_model(hcfjax.load(FIXTURES / "tiny_v2_lite", dtype=jnp.float32), "w8a8")
+    cfg, ref = model.cfg, np.load(FIXTURES / "tiny_v2_lite" / "reference.npz")
+    q = model.params["segments"][1]["attn"]["q"]
+    assert isinstance(q, QWeight) and q.shape[-2:] == (cfg.hidden_size, cfg.num_attention_heads * cfg.qk_head_dim)
+    plan, P = prefill_plan(2, 2), jax.sharding.PartitionSpec
+    spec = param_specs(model.params, plan)["segments"][1]["attn"]["q"]
+    assert spec.q == P(None, "tp", None) and spec.scale == P(None, None, "tp")
+    single = prefill_logits(prefill_plan(1, 1), model.params, cfg, ref["ids"])
+    # (int8 activations: float noise from the split products can flip a rounding, about 3e-3 here)
+    assert rel_err(prefill_logits(plan, shard_params(on_host(model.params), plan), cfg, ref["ids"]), single) < 1e-2
+
+
 def test_fp8_weights_split_like_the_weights_they_stand_for():
     """An Fp8Weight's q splits as its weight does (heads of the flattened q_b over tp, experts over ep), its block
     scales along the stacking dims alone; the decode plan's forward (experts over EP in a shard_map) and the
