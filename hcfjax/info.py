@@ -80,10 +80,18 @@ class PlanFit:
 
 
 def plan_fit(
-    cfg: ModelConfig, mesh: str, gpu_name: str, scheme: str, context: int, spec_k: int = 0, page_size: int = 64
+    cfg: ModelConfig,
+    mesh: str,
+    gpu_name: str,
+    scheme: str,
+    context: int,
+    spec_k: int = 0,
+    page_size: int = 64,
+    float_heads: bool = False,
 ) -> PlanFit:
     """What one GPU holds under the plan `mesh`, with the simulator's deployment defaults (mem_fraction, the
-    activation reserve): weights, then KV pages for a bf16 and an int8 cache."""
+    activation reserve): weights, then KV pages for a bf16 and an int8 cache. float_heads: MLA's q_b / o in bf16
+    whatever the scheme (float_heads(cfg))."""
     pool = dataclasses.replace(plan_pool(mesh), page_size=page_size)
     mesh = f"prefill:tp={pool.tp},ep={pool.dp}" if mesh.startswith("prefill") else f"decode:dp={pool.dp},ep={pool.dp}"
     quant = None if scheme == "bf16" else scheme
@@ -91,12 +99,19 @@ def plan_fit(
     model = (cfg, gpu(gpu_name), DEEPSEEK_KERNELS, quant, pool.tp, pool.dp, pool.ep)
     caches = []
     for dtype in ("bf16", "int8"):
-        cost = CostModel(*model, spec_k=spec_k, kv_int8=dtype == "int8")
+        cost = CostModel(*model, spec_k=spec_k, kv_int8=dtype == "int8", float_heads=float_heads)
         pages = dep.pages_per_rank(pool, cost) if dep.kv_budget(cost) >= cost.kv_bytes(page_size) else 0
         caches.append(CacheFit(dtype, cost.kv_bytes(1), pages * page_size, pages // math.ceil(context / page_size)))
     experts = [w for w in main_weights(cfg) + (mtp_weights(cfg) if spec_k else []) if w.kind == "experts"]
     held, experts_held = cost.weight_bytes_per_gpu(), bytes_per_gpu(experts, quant, pool.tp, pool.gpus)
     return PlanFit(mesh, dep, held, experts_held, dep.kv_budget(cost), tuple(caches))
+
+
+def float_heads(cfg: ModelConfig) -> bool:
+    """Whether a checkpoint quantised by hcfjax holds MLA's q_b / o in bf16: one written without
+    `quantization_config.heads` (hcfjax/quantize.py loads them as written)."""
+    q = cfg.quantization
+    return q is not None and q.fp8 is None and q.linear is not None and q.heads is None
 
 
 def _n(x: float) -> str:
@@ -133,7 +148,8 @@ def report(
     if shipped:
         lines.append(f"  shipped as fp8 {shipped.fmt}, {block[0]}x{block[1]} blocks")
     elif c.quantization is not None:
-        lines.append(f"  quantised by hcfjax: {c.quantization.scheme}")
+        heads = ", MLA's q_b / o in bf16" if float_heads(c) else ""
+        lines.append(f"  quantised by hcfjax: {c.quantization.scheme}{heads}")
     lines += ["", f"{'parameters':<22}{'total':>12}{'per token':>12}"]
     lines.append(f"{'  main model':<22}{_n(count(main)):>12}{_n(count(main, True)):>12}")
     if mtp:
@@ -219,8 +235,9 @@ def run(args) -> int:
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
         scheme = args.scheme or (cfg.quantization.scheme if cfg.quantization else "bf16")
+        held_heads = float_heads(cfg) and scheme == cfg.quantization.scheme
         fits = [
-            plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size)
+            plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size, held_heads)
             for mesh in args.mesh or [DEFAULT_MESH]
         ]
     except (OSError, ValueError) as e:  # ConfigError is a ValueError

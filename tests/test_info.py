@@ -10,8 +10,8 @@ import pytest
 from conftest import FIXTURES
 
 from hcfjax.cli import main
-from hcfjax.config import ConfigError, ModelConfig
-from hcfjax.info import plan_fit, read_config
+from hcfjax.config import ConfigError, ModelConfig, QuantConfig
+from hcfjax.info import float_heads, plan_fit, read_config
 from hcfjax.sim.config import load_config
 from hcfjax.sim.deployment import Deployment, Pool
 from hcfjax.sim.weights import INT4_BYTES, count, fp8_bytes, main_weights, mtp_weights, total_bytes
@@ -178,6 +178,29 @@ def test_cli_prints_the_tables(capsys):
     assert main(["info", "--preset", "v2-lite", "--mesh", "prefill:tp=2,ep=2", "--mesh", "decode:dp=4"]) == 0
     out = capsys.readouterr().out
     assert "prefill:tp=2,ep=2 on 4 x H20" in out and "decode:dp=4,ep=4 on 4 x H20" in out and "15.71 B" in out
+
+
+def test_a_checkpoint_with_float_heads_is_priced_as_it_holds_them(tmp_path, capsys):
+    """A w4a8c8 checkpoint written without `quantization_config.heads` holds MLA's q_b and o in bf16, as it loads
+    them: one byte more per parameter of theirs on every GPU of the decode plan (it replicates them)."""
+    cfg = read_config(V3)
+    d = cfg.to_dict()
+    d["quantization_config"] = QuantConfig.for_scheme("w4a8c8").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    int8_heads = plan_fit(read_config(tmp_path), "decode:dp=8", "H200", "w4a8c8", context=4096)
+    del d["quantization_config"]["heads"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    old = read_config(tmp_path)
+    assert float_heads(old) and not float_heads(cfg) and not float_heads(read_config(V2_LITE))
+    fit = plan_fit(old, "decode:dp=8", "H200", "w4a8c8", context=4096, float_heads=True)
+    q_b = cfg.q_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    o = cfg.num_attention_heads * cfg.v_head_dim * cfg.hidden_size
+    assert fit.weight_bytes - int8_heads.weight_bytes == pytest.approx(cfg.num_hidden_layers * (q_b + o))
+    assert fit.caches[1].tokens < int8_heads.caches[1].tokens
+    assert main(["info", str(tmp_path), "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "quantised by hcfjax: w4a8c8, MLA's q_b / o in bf16" in out
+    assert f"{fit.caches[1].tokens:,}" in out and f"{int8_heads.caches[1].tokens:,}" not in out
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):

@@ -72,7 +72,8 @@ class CostModel:
 
     quant: None (bf16) or a key of config.QUANT_SCHEMES; kv_int8 overrides the scheme's cache dtype;
     imbalance: the EPLB factor (busiest rank's expert load over the mean); spec_k: MTP draft passes per decode step;
-    attn_int8: the attention core runs at the int8/fp8 tensor-core rate (an FP8 MLA kernel), else at bf16's.
+    attn_int8: the attention core runs at the int8/fp8 tensor-core rate (an FP8 MLA kernel), else at bf16's;
+    float_heads: MLA's q_b / o in bf16 whatever the scheme (weights.kind_bytes).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class CostModel:
         spec_k: int = 0,
         kv_int8: bool | None = None,
         attn_int8: bool = False,
+        float_heads: bool = False,
     ):
         if quant is not None and quant not in QUANT_SCHEMES:
             raise ValueError(f"quant must be None or one of {sorted(QUANT_SCHEMES)}, got {quant!r}")
@@ -96,7 +98,7 @@ class CostModel:
             raise ValueError(f"ep={ep} must divide the instance's {self.gpus} GPUs")
         self.cfg, self.gpu, self.eff, self.quant = cfg, gpu, eff, quant
         self.tp, self.dp, self.ep, self.imbalance, self.spec_k = tp, dp, ep, imbalance, spec_k
-        self.attn_int8 = attn_int8
+        self.attn_int8, self.float_heads = attn_int8, float_heads
         experts, linear, kv = QUANT_SCHEMES[quant] if quant else (None, None, None)
         self.kv_int8 = (kv == "int8") if kv_int8 is None else kv_int8
         c = cfg
@@ -106,7 +108,7 @@ class CostModel:
         self.p_router, self.p_lm = p.router, p.lm
         self.w_lin, self.w_exp = WEIGHT_BYTES[linear], WEIGHT_BYTES[experts]
         # q_b / o and the MTP combiner (int schemes only) as the weights' table prices them
-        self.w_head, self.w_comb = kind_bytes("heads", quant), kind_bytes("combiner", quant)
+        self.w_head, self.w_comb = kind_bytes("heads", quant, float_heads), kind_bytes("combiner", quant)
         # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
         self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
         self.comb_int8 = self.lin_int8 and linear != "fp8"
@@ -127,7 +129,7 @@ class CostModel:
         """Weights one GPU holds, split as the sharding plans split them (weights.py); MTP modules counted when
         speculating."""
         weights = main_weights(self.cfg) + (mtp_weights(self.cfg) if self.spec_k else [])
-        return bytes_per_gpu(weights, self.quant, self.tp, self.gpus)
+        return bytes_per_gpu(weights, self.quant, self.tp, self.gpus, self.float_heads)
 
     # -- time ---------------------------------------------------------------------------------------------------------
     def step(self, works: list[Work]) -> StepCost:

@@ -125,14 +125,17 @@ def count(weights: list[Weights], active: bool = False) -> int:
     return sum(w.active if active else w.params for w in weights)
 
 
-def kind_bytes(kind: str, quant: str | None) -> float:
+def kind_bytes(kind: str, quant: str | None, float_heads: bool = False) -> float:
     """Bytes per parameter of `kind` under a scheme (None: bf16), as hcfjax/quantize.py quantises: the linears of
     "mlp", "down" (q_a / kv_a) and "heads" (MLA's q_b / o) by every scheme that quantises linears; the MTP combiner
     by the int schemes only (fp8 keeps it, as DeepSeek ships it); kv_b, norms, embeddings and LM heads by none;
-    routers in float32."""
+    routers in float32. float_heads: the heads in bf16, as a checkpoint without `quantization_config.heads` holds
+    them."""
     if quant is not None and quant not in QUANT_SCHEMES:
         raise ValueError(f"quant must be None or one of {sorted(QUANT_SCHEMES)}, got {quant!r}")
     experts, linear, _ = QUANT_SCHEMES[quant] if quant else (None, None, None)
+    if kind == "heads" and float_heads:
+        return 2.0
     if kind == "experts":
         return WEIGHT_BYTES[experts]
     if kind in ("mlp", "down", "heads") or (kind == "combiner" and linear != "fp8"):
@@ -140,9 +143,9 @@ def kind_bytes(kind: str, quant: str | None) -> float:
     return 4.0 if kind == "router" else 2.0
 
 
-def total_bytes(weights: list[Weights], quant: str | None) -> float:
+def total_bytes(weights: list[Weights], quant: str | None, float_heads: bool = False) -> float:
     """Bytes of the weights as hcfjax holds them under a scheme (None: bf16)."""
-    return sum(w.params * kind_bytes(w.kind, quant) for w in weights)
+    return sum(w.params * kind_bytes(w.kind, quant, float_heads) for w in weights)
 
 
 def fp8_bytes(weights: list[Weights], block: tuple[int, int] = (128, 128)) -> float:
@@ -152,11 +155,11 @@ def fp8_bytes(weights: list[Weights], block: tuple[int, int] = (128, 128)) -> fl
     return sum(w.params * (fp8 if w.fp8 else 4.0 if w.f32 else 2.0) for w in weights)
 
 
-def bytes_per_gpu(weights: list[Weights], quant: str | None, tp: int, gpus: int) -> float:
+def bytes_per_gpu(weights: list[Weights], quant: str | None, tp: int, gpus: int, float_heads: bool = False) -> float:
     """What one GPU of an instance of `gpus` GPUs (tp per DP rank) holds: the kinds in SPLIT_TP over tp, routed
     experts over every GPU (E over ep, each expert's width over the gpus / ep that share it), the rest replicated."""
     total = 0.0
     for w in weights:
         share = 1 / gpus if w.kind == "experts" else 1 / tp if w.kind in SPLIT_TP else 1.0
-        total += w.params * kind_bytes(w.kind, quant) * share
+        total += w.params * kind_bytes(w.kind, quant, float_heads) * share
     return total
