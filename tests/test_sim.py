@@ -368,7 +368,7 @@ def test_validate_builds_the_workers_deployment():
     lines make `hcfjax serve` build exactly those configs."""
     import argparse
 
-    from hcfjax.bench.serve import pd_configs, pd_gpus, pd_role_args, role_env
+    from hcfjax.bench.serve_pd import pd_configs, pd_gpus, pd_role_args, role_env
     from hcfjax.bench.sim_validate_pd import deployment
     from hcfjax.cli import build_parser
     from hcfjax.serving.config import engine_config, prefill_config

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from hcfjax.bench.serve import pd_configs
+from hcfjax.bench.serve_pd import pd_configs
 from hcfjax.bench.sim_profile import predicted
 from hcfjax.bench.sim_validate import add_settings
 from hcfjax.bench.sim_validate_pd import breakdown, deployment, request_marks

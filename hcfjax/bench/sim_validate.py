@@ -225,7 +225,8 @@ def _compile_cache(path: str) -> dict:
 
 
 def main(argv=None) -> None:
-    from hcfjax.bench.serve import pd_configs, pd_gpus, shown_args
+    from hcfjax.bench.serve import shown_args
+    from hcfjax.bench.serve_pd import pd_configs, pd_gpus
 
     args = _parser().parse_args(argv)
     if args.rates and args.pd:

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from hcfjax import trace
-from hcfjax.bench.serve import address_of, launch_role, launch_router, pd_role_args, role_env, stop_pd
 from hcfjax.bench.serve_clients import run_clients, warm_pd
+from hcfjax.bench.serve_pd import address_of, launch_role, launch_router, pd_role_args, role_env, stop_pd
 from hcfjax.sim.deployment import Deployment, Pool
 
 PREFILL_MEM_FRACTION = 0.85  # the prefill worker has its GPU to itself
@@ -33,7 +33,7 @@ DECODE_MEM_FRACTION = 0.4  # the decode worker shares its GPU with this process 
 
 class Workers:
     """The PD processes, running with configs (the prefill worker's PrefillConfig, the decode worker's
-    EngineConfig; hcfjax.bench.serve.pd_configs): the prefill worker starts at once (in the background), the rest
+    EngineConfig; hcfjax.bench.serve_pd.pd_configs): the prefill worker starts at once (in the background), the rest
     with start_decode()."""
 
     def __init__(self, args, configs: tuple, gpus: tuple[str, str] | None, env: dict):
