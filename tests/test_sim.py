@@ -84,6 +84,19 @@ def test_fp8_is_priced_as_deepseek_stores_it_at_the_int8_rate():
         assert got == pytest.approx(w8a8.step(chunk).parts[part]) and got < bf16.step(chunk).parts[part], part
 
 
+def test_q_b_and_o_run_at_their_formats_rate():
+    """w4a8c8 holds MLA's q_b and o in int8, so a prefill chunk (compute-bound) runs them at the int8 rate; a
+    checkpoint that holds them in bf16 (float_heads) runs them at bf16's: every layer's attn_proj differs by their
+    FLOPs at the one rate and at the other, and nothing else does."""
+    from hcfjax.sim.weights import LayerParams
+
+    g, t, heads = gpu("H20"), 8192, LayerParams.of(V3).heads
+    int8, held = (CostModel(V3, g, IDEAL, quant="w4a8c8", float_heads=f).step([Work(t, t)]) for f in (False, True))
+    gap = V3.num_hidden_layers * 2 * t * heads * (1 / g.flops(False) - 1 / g.flops(True))
+    assert held.parts["attn_proj"] - int8.parts["attn_proj"] == pytest.approx(gap)
+    assert held.seconds - int8.seconds == pytest.approx(gap)
+
+
 def test_all_to_all_matches_deepep_low_latency_at_ep16():
     """DeepEP's README (H800, CX7 400 Gb/s, 128 tokens per rank, top-8, fp8 dispatch, bf16 combine), EP16:
     dispatch 118 us + combine 195 us."""

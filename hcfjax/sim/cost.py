@@ -112,6 +112,7 @@ class CostModel:
         # fp8 runs at the int8 rate (the datasheets give both the same TOP/s)
         self.lin_int8, self.exp_int8 = linear in ("w8a8", "fp8"), experts in ("w4a8", "w8a8", "fp8")
         self.comb_int8 = self.lin_int8 and linear != "fp8"
+        self.head_int8 = self.lin_int8 and not float_heads  # q_b / o held as the linears are
         # per token and layer: c_kv and k_pe, int8 with two float32 scales (hcfjax/cache.py) or bf16
         self.kv_bytes_token_layer = c.kv_dim * (1 if self.kv_int8 else 2) + (8 if self.kv_int8 else 0)
         self.n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
@@ -189,8 +190,11 @@ class CostModel:
         gc, gm = eff.gemm_compute, eff.gemm_memory
         if t == 0:
             return 0.0, 0.0, {}, {}
+        # q_b / o run at their format's rate, kv_b at bf16's: one roof over both, q_b / o's FLOPs scaled to bf16's
+        # rate so that they take their own rate's time
+        head_flops = 2 * t * self.p_head * bf16 / g.flops(self.head_int8)
         attn_lin = roof(2 * t * self.p_down / tp, self.p_down * self.w_lin / tp, lin_peak, hbm, gc, gm) + roof(
-            2 * (t * self.p_head + (dec_tokens + w.pre_expand) * self.p_kvb) / tp,
+            (head_flops + 2 * (dec_tokens + w.pre_expand) * self.p_kvb) / tp,
             (self.p_head * self.w_head + self.p_kvb * 2) / tp,
             bf16,
             hbm,
