@@ -19,7 +19,15 @@ from hcfjax.config import QUANT_SCHEMES, ModelConfig
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.deployment import Deployment, Pool
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, GPUS, gpu
-from hcfjax.sim.weights import bytes_per_gpu, count, fp8_bytes, main_weights, mtp_weights, total_bytes
+from hcfjax.sim.weights import (
+    bytes_per_gpu,
+    count,
+    fp8_bytes,
+    holds_float_heads,
+    main_weights,
+    mtp_weights,
+    total_bytes,
+)
 
 SCHEMES = ("bf16", *QUANT_SCHEMES)
 DEFAULT_MESH = "decode:dp=8,ep=8"
@@ -80,24 +88,17 @@ class PlanFit:
 
 
 def plan_fit(
-    cfg: ModelConfig,
-    mesh: str,
-    gpu_name: str,
-    scheme: str,
-    context: int,
-    spec_k: int = 0,
-    page_size: int = 64,
-    float_heads: bool = False,
+    cfg: ModelConfig, mesh: str, gpu_name: str, scheme: str, context: int, spec_k: int = 0, page_size: int = 64
 ) -> PlanFit:
     """What one GPU holds under the plan `mesh`, with the simulator's deployment defaults (mem_fraction, the
-    activation reserve): weights, then KV pages for a bf16 and an int8 cache. float_heads: MLA's q_b / o in bf16
-    whatever the scheme (float_heads(cfg))."""
+    activation reserve): weights, then KV pages for a bf16 and an int8 cache. MLA's q_b / o are priced as the
+    checkpoint holds them (sim.weights.holds_float_heads)."""
     pool = dataclasses.replace(plan_pool(mesh), page_size=page_size)
     mesh = f"prefill:tp={pool.tp},ep={pool.dp}" if mesh.startswith("prefill") else f"decode:dp={pool.dp},ep={pool.dp}"
     quant = None if scheme == "bf16" else scheme
     dep = Deployment(gpu=gpu_name, quant=quant, mode="colocated", colocated=pool)
     model = (cfg, gpu(gpu_name), DEEPSEEK_KERNELS, quant, pool.tp, pool.dp, pool.ep)
-    caches = []
+    caches, float_heads = [], holds_float_heads(cfg, quant)
     for dtype in ("bf16", "int8"):
         cost = CostModel(*model, spec_k=spec_k, kv_int8=dtype == "int8", float_heads=float_heads)
         pages = dep.pages_per_rank(pool, cost) if dep.kv_budget(cost) >= cost.kv_bytes(page_size) else 0
@@ -105,13 +106,6 @@ def plan_fit(
     experts = [w for w in main_weights(cfg) + (mtp_weights(cfg) if spec_k else []) if w.kind == "experts"]
     held, experts_held = cost.weight_bytes_per_gpu(), bytes_per_gpu(experts, quant, pool.tp, pool.gpus)
     return PlanFit(mesh, dep, held, experts_held, dep.kv_budget(cost), tuple(caches))
-
-
-def float_heads(cfg: ModelConfig) -> bool:
-    """Whether a checkpoint quantised by hcfjax holds MLA's q_b / o in bf16: one written without
-    `quantization_config.heads` (hcfjax/quantize.py loads them as written)."""
-    q = cfg.quantization
-    return q is not None and q.fp8 is None and q.linear is not None and q.heads is None
 
 
 def _n(x: float) -> str:
@@ -148,7 +142,7 @@ def report(
     if shipped:
         lines.append(f"  shipped as fp8 {shipped.fmt}, {block[0]}x{block[1]} blocks")
     elif c.quantization is not None:
-        heads = ", MLA's q_b / o in bf16" if float_heads(c) else ""
+        heads = ", MLA's q_b / o in bf16" if holds_float_heads(c, c.quantization.scheme) else ""
         lines.append(f"  quantised by hcfjax: {c.quantization.scheme}{heads}")
     lines += ["", f"{'parameters':<22}{'total':>12}{'per token':>12}"]
     lines.append(f"{'  main model':<22}{_n(count(main)):>12}{_n(count(main, True)):>12}")
@@ -164,7 +158,9 @@ def report(
     row("bf16", lambda w: total_bytes(w, None))
     row("fp8 (as shipped)" if shipped else "fp8 (DeepSeek's format)", lambda w: fp8_bytes(w, block))
     for scheme_name in QUANT_SCHEMES:
-        row(scheme_name, lambda w, s=scheme_name: total_bytes(w, s))
+        held = holds_float_heads(c, scheme_name)  # this checkpoint's scheme, as it holds q_b / o
+        name = f"{scheme_name} (q_b / o bf16)" if held else scheme_name
+        row(name, lambda w, s=scheme_name, f=held: total_bytes(w, s, f))
     lines.append("  (the fp8 checkpoint's bytes on disk; the rest as held in memory: fp8 keeps kv_b bf16, routers f32)")
     g = gpu(gpu_name)
     drafts = f"{spec_k} MTP drafts (MTP weights and {spec_k} cache layers counted)" if spec_k else "no MTP drafts"
@@ -235,9 +231,8 @@ def run(args) -> int:
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
         scheme = args.scheme or (cfg.quantization.scheme if cfg.quantization else "bf16")
-        held_heads = float_heads(cfg) and scheme == cfg.quantization.scheme
         fits = [
-            plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size, held_heads)
+            plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size)
             for mesh in args.mesh or [DEFAULT_MESH]
         ]
     except (OSError, ValueError) as e:  # ConfigError is a ValueError

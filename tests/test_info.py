@@ -11,10 +11,10 @@ from conftest import FIXTURES
 
 from hcfjax.cli import main
 from hcfjax.config import ConfigError, ModelConfig, QuantConfig
-from hcfjax.info import float_heads, plan_fit, read_config
+from hcfjax.info import plan_fit, read_config
 from hcfjax.sim.config import load_config
 from hcfjax.sim.deployment import Deployment, Pool
-from hcfjax.sim.weights import INT4_BYTES, count, fp8_bytes, main_weights, mtp_weights, total_bytes
+from hcfjax.sim.weights import INT4_BYTES, count, fp8_bytes, holds_float_heads, main_weights, mtp_weights, total_bytes
 
 CONFIGS = FIXTURES / "configs"
 V3, R1, V2, V2_LITE = (CONFIGS / n for n in ("deepseek-v3", "deepseek-r1", "deepseek-v2", "deepseek-v2-lite"))
@@ -182,7 +182,8 @@ def test_cli_prints_the_tables(capsys):
 
 def test_a_checkpoint_with_float_heads_is_priced_as_it_holds_them(tmp_path, capsys):
     """A w4a8c8 checkpoint written without `quantization_config.heads` holds MLA's q_b and o in bf16, as it loads
-    them: one byte more per parameter of theirs on every GPU of the decode plan (it replicates them)."""
+    them: one byte more per parameter of theirs on every GPU of the decode plan (it replicates them), in `hcfjax
+    info` and in a simulated deployment of it. Quantising anything else to a scheme gives them in its format."""
     cfg = read_config(V3)
     d = cfg.to_dict()
     d["quantization_config"] = QuantConfig.for_scheme("w4a8c8").to_dict()
@@ -191,15 +192,19 @@ def test_a_checkpoint_with_float_heads_is_priced_as_it_holds_them(tmp_path, caps
     del d["quantization_config"]["heads"]
     (tmp_path / "config.json").write_text(json.dumps(d))
     old = read_config(tmp_path)
-    assert float_heads(old) and not float_heads(cfg) and not float_heads(read_config(V2_LITE))
-    fit = plan_fit(old, "decode:dp=8", "H200", "w4a8c8", context=4096, float_heads=True)
+    assert holds_float_heads(old, "w4a8c8") and not holds_float_heads(old, "w8a8")
+    assert not holds_float_heads(cfg, "w4a8c8") and not holds_float_heads(read_config(V2_LITE), "w4a8c8")
+    fit = plan_fit(old, "decode:dp=8", "H200", "w4a8c8", context=4096)
     q_b = cfg.q_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     o = cfg.num_attention_heads * cfg.v_head_dim * cfg.hidden_size
     assert fit.weight_bytes - int8_heads.weight_bytes == pytest.approx(cfg.num_hidden_layers * (q_b + o))
     assert fit.caches[1].tokens < int8_heads.caches[1].tokens
+    pool = Pool(dp=8, ep=8)
+    sim = Deployment(model=str(tmp_path), gpu="H200", quant="w4a8c8", mode="colocated", colocated=pool)
+    assert sim.cost_model(pool).weight_bytes_per_gpu() == pytest.approx(fit.weight_bytes)
     assert main(["info", str(tmp_path), "--gpu", "H200"]) == 0
     out = capsys.readouterr().out
-    assert "quantised by hcfjax: w4a8c8, MLA's q_b / o in bf16" in out
+    assert "quantised by hcfjax: w4a8c8, MLA's q_b / o in bf16" in out and "w4a8c8 (q_b / o bf16)" in out
     assert f"{fit.caches[1].tokens:,}" in out and f"{int8_heads.caches[1].tokens:,}" not in out
 
 

@@ -12,6 +12,7 @@ from hcfjax.sim.cost import CostModel, Work, tokens_per_step
 from hcfjax.sim.deployment import model_config
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, Efficiency, gpu
 from hcfjax.sim.instances import new_request
+from hcfjax.sim.weights import LayerParams
 from hcfjax.sim.work import EngineShapes, actual_works
 
 IDEAL = Efficiency(1, 1, 1, 1, 1, 1, 1, 1, 0.0)  # the datasheet, no overheads
@@ -78,8 +79,6 @@ def test_q_b_and_o_run_at_their_formats_rate():
     """w4a8c8 holds MLA's q_b and o in int8, so a prefill chunk (compute-bound) runs them at the int8 rate; a
     checkpoint that holds them in bf16 (float_heads) runs them at bf16's: every layer's attn_proj differs by their
     FLOPs at the one rate and at the other, and nothing else does."""
-    from hcfjax.sim.weights import LayerParams
-
     g, t, heads = gpu("H20"), 8192, LayerParams.of(V3).heads
     int8, held = (CostModel(V3, g, IDEAL, quant="w4a8c8", float_heads=f).step([Work(t, t)]) for f in (False, True))
     gap = V3.num_hidden_layers * 2 * t * heads * (1 / g.flops(False) - 1 / g.flops(True))

@@ -15,8 +15,9 @@ overlap. A step sums its layers, the LM head, the MTP draft passes and fixed ove
   group of 128; a8 schemes run at the int8 rate, a16 at bf16.
 - Quantisation follows hcfjax/quantize.py: w8a8 linears are MLA's down projections, q_b / o, dense and shared MLPs
   and the MTP combiner; kv_b, routers and LM heads stay bf16. fp8 prices the same linears and the experts as w8a8
-  does, at 1 byte plus a float32 scale per 128 x 128 block; its MTP combiner stays bf16. q_b / o's FLOPs are priced
-  at the bf16 rate with kv_b's under every scheme.
+  does, at 1 byte plus a float32 scale per 128 x 128 block; its MTP combiner stays bf16. q_b / o run at the int8
+  rate where the scheme holds them in int8 or fp8 (at bf16's where a checkpoint holds them in bf16: float_heads);
+  kv_b at bf16's.
 - EP all-to-all: a token goes to each rank holding one of its k experts (probability 1 - (1 - 1/ep)^k per rank),
   NVLink inside a node, RDMA across; dispatch in 1 byte per value with a8 experts, combine in bf16; each call pays
   a fixed latency. TP all-reduce: a ring over NVLink, twice per layer.
@@ -73,7 +74,7 @@ class CostModel:
     quant: None (bf16) or a key of config.QUANT_SCHEMES; kv_int8 overrides the scheme's cache dtype;
     imbalance: the EPLB factor (busiest rank's expert load over the mean); spec_k: MTP draft passes per decode step;
     attn_int8: the attention core runs at the int8/fp8 tensor-core rate (an FP8 MLA kernel), else at bf16's;
-    float_heads: MLA's q_b / o in bf16 whatever the scheme (weights.kind_bytes).
+    float_heads: MLA's q_b / o in bf16 whatever the scheme, in bytes and rate (weights.holds_float_heads).
     """
 
     def __init__(

@@ -20,6 +20,7 @@ from hcfjax.config import ModelConfig
 from hcfjax.engine.scheduler import SchedulerConfig
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, HCFJAX_XLA_H200_MICRO, Efficiency, gpu
+from hcfjax.sim.weights import holds_float_heads
 from hcfjax.sim.work import EngineShapes, PrefillShapes
 
 PROFILES = {"deepseek-kernels": DEEPSEEK_KERNELS, "hcfjax-xla-h200-micro": HCFJAX_XLA_H200_MICRO}
@@ -132,8 +133,9 @@ class Deployment:
         return model_config(self.model)
 
     def cost_model(self, pool: Pool, cfg: ModelConfig | None = None) -> CostModel:
+        cfg = cfg or self.model_config()
         return CostModel(
-            cfg or self.model_config(),
+            cfg,
             gpu(self.gpu),
             efficiency(pool.efficiency or self.efficiency, self.efficiency_overrides),
             self.quant,
@@ -143,6 +145,7 @@ class Deployment:
             imbalance=self.imbalance,
             spec_k=self.spec_k,
             attn_int8=self.attn_int8,
+            float_heads=holds_float_heads(cfg, self.quant),
         )
 
     def kv_budget(self, cost: CostModel) -> float:

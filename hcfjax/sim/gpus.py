@@ -101,7 +101,7 @@ class Efficiency:
 #   quoted as one number; 0.7 is an assumption.
 # - DeepEP: normal kernels 153-158 GB/s over NVLink (0.77-0.79 of one direction's 200 GB/s) and 43-58 GB/s over
 #   RDMA (about 0.9 of 50 GB/s). Low-latency kernels at 128 tokens/rank, EP16: dispatch 118 us, combine 195 us;
-#   a 40 us fixed latency with rdma 0.9 gives 106 + 172 us (tests/test_sim.py checks the sum within 15%).
+#   a 40 us fixed latency with rdma 0.9 gives 106 + 172 us (tests/test_sim_cost.py checks the sum within 15%).
 DEEPSEEK_KERNELS = Efficiency(
     gemm_compute=0.78,
     gemm_memory=0.7,

@@ -11,6 +11,7 @@ Each weight has a kind, which says how hcfjax stores it (hcfjax/quantize.py) and
     down     MLA's q_a / kv_a (kv_a alone without q_lora),    the scheme's linear format replicated
              the MTP combiner eh_proj
     heads    MLA's per-head q_b (or q), o                     the scheme's linear format over tp
+             (bf16 in checkpoints without quantization_config.heads: holds_float_heads)
     kv_b     MLA's per-head kv_b                              the model dtype            over tp
     lm_head  the LM head, each MTP module's own head          the model dtype            over tp (vocab)
     embed    the token embedding                              the model dtype            replicated
@@ -125,12 +126,19 @@ def count(weights: list[Weights], active: bool = False) -> int:
     return sum(w.active if active else w.params for w in weights)
 
 
+def holds_float_heads(c: ModelConfig, quant: str | None) -> bool:
+    """Whether the checkpoint behind `c`, served in scheme `quant`, holds MLA's q_b / o in bf16: one quantised by
+    hcfjax to int8 linears before `quantization_config.heads` existed (hcfjax/quantize.py loads them as written).
+    A float or fp8 checkpoint quantised as it loads gets them in the scheme's format."""
+    q = c.quantization
+    return q is not None and q.fp8 is None and q.linear is not None and q.heads is None and quant == q.scheme
+
+
 def kind_bytes(kind: str, quant: str | None, float_heads: bool = False) -> float:
     """Bytes per parameter of `kind` under a scheme (None: bf16), as hcfjax/quantize.py quantises: the linears of
     "mlp", "down" (q_a / kv_a) and "heads" (MLA's q_b / o) by every scheme that quantises linears; the MTP combiner
     by the int schemes only (fp8 keeps it, as DeepSeek ships it); kv_b, norms, embeddings and LM heads by none;
-    routers in float32. float_heads: the heads in bf16, as a checkpoint without `quantization_config.heads` holds
-    them."""
+    routers in float32. float_heads: the heads in bf16 (holds_float_heads)."""
     if quant is not None and quant not in QUANT_SCHEMES:
         raise ValueError(f"quant must be None or one of {sorted(QUANT_SCHEMES)}, got {quant!r}")
     experts, linear, _ = QUANT_SCHEMES[quant] if quant else (None, None, None)
