@@ -230,7 +230,12 @@ def run(args) -> int:
             cfg, label = read_config(path), str(path)
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
-        scheme = args.scheme or (cfg.quantization.scheme if cfg.quantization else "bf16")
+        q = cfg.quantization
+        if args.scheme and q is not None and q.fp8 is None and args.scheme != q.scheme:
+            raise ValueError(
+                f"{label} is quantised already ({q.scheme}), not to {args.scheme}: it is served in its own scheme only"
+            )
+        scheme = args.scheme or (q.scheme if q else "bf16")
         fits = [
             plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size)
             for mesh in args.mesh or [DEFAULT_MESH]

@@ -223,6 +223,11 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "dp == ep" in error(str(V2_LITE), "--mesh", "decode:dp=8,ep=4")
     assert "needs MTP layers" in error(str(V2_LITE), "--speculative", "1")
     assert "not both" in error(str(V3), "--preset", "v2-lite")
+    d = json.loads((V2_LITE / "config.json").read_text())
+    d["quantization_config"] = QuantConfig.for_scheme("w4a8c8").to_dict()  # quantised by hcfjax: one scheme only
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert "quantised already (w4a8c8), not to w8a8" in error(str(tmp_path), "--scheme", "w8a8")
+    assert main(["info", str(tmp_path), "--scheme", "w4a8c8"]) == 0
     with pytest.raises(ConfigError, match="JSON list"):
         (tmp_path / "config.json").write_text("[]")
         read_config(tmp_path)
