@@ -131,6 +131,10 @@ def quantize_checkpoint(
     from hcfjax.api import DEFAULT_MODEL, TOKENIZER_FILES, read_config, write_config
 
     src, out = Path(DEFAULT_MODEL if src is None else src), Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} is a file, not a directory to write the checkpoint to")
+    if out.exists() and src.exists() and out.resolve() == src.resolve():
+        raise ValueError(f"{str(out)!r} is the source checkpoint's directory: writing there would destroy it")
     cfg, index = read_config(src, fp8="native" if scheme == "fp8" else "dequantize")
     copy = cfg.quantization is not None and cfg.quantization.scheme == scheme == "fp8"
     if cfg.quantization is not None and not copy:

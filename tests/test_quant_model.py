@@ -70,6 +70,23 @@ def test_quantize_cli_load_round_trip(embedded, tmp_path, capsys):
     assert cli_main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
 
 
+def test_quantize_refuses_to_write_over_its_source(tmp_path, capsys):
+    """--out naming the source checkpoint's directory (by another spelling too) or a file is refused before anything
+    is written: the source's bytes stay as they were."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hcfjax.DEFAULT_MODEL, src)
+    before = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    for out in (src, tmp_path / "src" / ".." / "src"):
+        assert cli_main(["quantize", "--model", str(src), "--out", str(out), "--scheme", "w8a8"]) == 2
+        assert "source checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
+    (tmp_path / "afile").write_text("x")
+    assert cli_main(["quantize", "--model", str(src), "--out", str(tmp_path / "afile"), "--scheme", "w8a8"]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
 def test_a_checkpoint_with_float_heads_loads_them_as_written(embedded, tmp_path):
     """A w4a8c8 checkpoint written before the int schemes quantised MLA's q_b and o (no `heads` in its
     quantization_config, those weights in bf16 on disk) loads them as written; its logits differ from the scheme's
