@@ -25,11 +25,18 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from hcfjax import argtypes, trace
 from hcfjax.serving import command as serve_command
-from hcfjax.serving.config import KV_CACHE, add_precision_flags, generate_plans, load_dtype, parse_meshes, run_options
+from hcfjax.serving.config import (
+    KV_CACHE,
+    add_precision_flags,
+    checkpoint_dir,
+    generate_plans,
+    load_dtype,
+    parse_meshes,
+    run_options,
+)
 
 
 def _generate(args) -> int:
@@ -37,22 +44,15 @@ def _generate(args) -> int:
     import hcfjax
     from hcfjax.quantize import cache_dtype_for
 
-    path = Path(args.model or hcfjax.DEFAULT_MODEL)
-    if not (path / "config.json").is_file():
-        print(f"error: {str(path)!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
-        return 2
     try:
+        path = checkpoint_dir(args.model)
         sampling = hcfjax.SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         plans = generate_plans(parse_meshes(args.mesh or []))
-    except ValueError as e:
+        # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
+        model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"), fp8=args.fp8)
+    except (OSError, ValueError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # streamed straight onto the decode plan's devices (each rank reads its own experts); prefill reshards
-    model = hcfjax.load(path, dtype=load_dtype(args.dtype), plan=plans.get("decode_plan"), fp8=args.fp8)
     prompts = args.prompt
     run = lambda: hcfjax.generate(  # noqa: E731
         model,

@@ -221,13 +221,17 @@ def test_stop_strings_cut_each_row():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--model", "/no/such/dir", "--prompt", "x"], "not a checkpoint directory"),
+        (["--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+        (["--model", "{tmp}", "--prompt", "x"], "not a checkpoint directory"),
+        (["--model", "{tmp}/bad", "--prompt", "x"], "not valid JSON"),  # a clean error, not a traceback
         (["--prompt", "x", "--temperature", "-1", "--model", "{ckpt}"], "temperature"),
         (["--prompt", "", "--model", "{ckpt}"], "empty"),
     ],
 )
-def test_cli_bad_arguments(random_ckpt, capsys, argv, message):
-    argv = [a.replace("{ckpt}", str(random_ckpt)) for a in argv]
+def test_cli_bad_arguments(random_ckpt, tmp_path, capsys, argv, message):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    argv = [a.replace("{ckpt}", str(random_ckpt)).replace("{tmp}", str(tmp_path)) for a in argv]
     try:
         code = cli.main(["generate", *argv])
     except SystemExit as e:  # argparse's error: an option's value out of its range

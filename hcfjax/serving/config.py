@@ -99,12 +99,14 @@ def check_model_args(path: str | None, preset: str | None, scheme: str | None) -
 
 
 def checkpoint_dir(path: str | None):
-    """--model's directory (None: the embedded model), checked to hold a config.json."""
+    """--model's directory (None: the embedded model), checked to exist and to hold a config.json."""
     from pathlib import Path
 
     import hcfjax
 
     where = Path(path or hcfjax.DEFAULT_MODEL)
+    if not where.exists():
+        raise ValueError(f"{str(where)!r} does not exist")
     if not (where / "config.json").is_file():
         raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
     return where

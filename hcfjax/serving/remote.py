@@ -20,7 +20,6 @@ import dataclasses
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -58,7 +57,7 @@ class ModelFront:
 def load_front(path: str | None = None, preset: str | None = None) -> ModelFront:
     """--model PATH | --preset NAME's config and tokenizer, as hcfjax.serving.config.load_model builds them, without
     reading weights (None, None: the embedded model). ValueError as load_model gives."""
-    import hcfjax
+    from hcfjax.serving.config import checkpoint_dir
 
     if path and preset:
         raise ValueError("give --model or --preset, not both")
@@ -69,9 +68,7 @@ def load_front(path: str | None = None, preset: str | None = None) -> ModelFront
         return ModelFront(cfg, model_tokenizer(cfg))
     from tokenizers import Tokenizer
 
-    where = Path(path or hcfjax.DEFAULT_MODEL)
-    if not (where / "config.json").is_file():
-        raise ValueError(f"{str(where)!r} is not a checkpoint directory (no config.json)")
+    where = checkpoint_dir(path)
     tok = where / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok)) if tok.is_file() else None
     return ModelFront(ModelConfig.from_json(where), tokenizer, str(where))
