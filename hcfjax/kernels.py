@@ -64,7 +64,9 @@ def engine_summary(engine) -> str:
     held = memory.size(memory.tree_bytes(engine.runner.state.cache))
     pages = engine.total_pages
     pool = f"{pages:,} pages of {c.page_size} ({pages * c.page_size:,} tokens, {held})"
-    return f"{weights}, {cache} KV cache of {pool}; decode runs {kernels}; prefill attention {prefill}"
+    context = f"requests of up to {engine.max_model_len:,} tokens"
+    context += " (what a rank's pages hold)" if engine.context_from_pages else ""
+    return f"{weights}, {cache} KV cache of {pool}, {context}; decode runs {kernels}; prefill attention {prefill}"
 
 
 def prefill_attention(opts: Options) -> str:

@@ -90,6 +90,29 @@ def test_a_plan_preempts_the_newest_request_of_a_rank_out_of_pages(model):
     assert list(sched.waiting) == [newest] and sched.running == reqs[:2] and sched.preemptions == 1
 
 
+def test_requests_are_bounded_by_what_a_ranks_pages_hold(model):
+    """An explicit pool smaller than one request at max_model_len bounds the context a request may ask for: a longer
+    one could never be admitted and would wait forever, so the front door refuses it (context_length_exceeded). A pool
+    that cannot hold one token of output, or a max_model_len past the model's context, is refused at start."""
+    from hcfjax.engine import InvalidRequest
+    from hcfjax.kernels import engine_summary
+
+    engine = Engine(model, EngineConfig(max_slots=2, page_size=16, num_pages=2))  # 32 tokens, 2 of lookahead
+    assert engine.max_model_len == 30 and engine.context_from_pages
+    assert "requests of up to 30 tokens (what a rank's pages hold)" in engine_summary(engine)
+    with pytest.raises(InvalidRequest, match="exceed the context of 30") as e:
+        engine.submit([5] * 10, max_new_tokens=21)
+    assert e.value.code == "context_length_exceeded"
+    engine.submit([5] * 10, max_new_tokens=20)  # fits: queued
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        Engine(model, EngineConfig(max_slots=2, page_size=2, num_pages=1))
+    too_long = model.cfg.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=f"max_model_len {too_long} is longer than the model's context"):
+        Engine(model, EngineConfig(max_model_len=too_long))
+    roomy = Engine(model, EngineConfig(max_slots=2, page_size=16, num_pages=5, max_model_len=64))
+    assert roomy.max_model_len == 64 and not roomy.context_from_pages
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("remote", [False, True])
 def test_admissions_keep_the_ranks_loads_as_a_fresh_count_gives_them(policy, remote):

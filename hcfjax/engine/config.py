@@ -22,16 +22,17 @@ class EngineConfig:
     """max_slots: decode slots per DP rank; dp: decode ranks (each with its own slots and pages); num_pages: pages per
     rank (default: room for every slot at max_model_len / 2, or what the device's memory holds where that is less:
     `hcfjax.engine.memory`; an int8 cache array whose entries would take 2-4 GiB grows past 4 GiB where decode steps
-    write their latents on the cache-write kernel and the memory holds it); token_budget: tokens per step (decode rows
-    plus prefill chunks); mixed_token_budget: tokens in a step that also decodes (at most token_budget, the default; a
-    smaller one bounds the decoding requests' time per token, at some prefill throughput); max_queue: waiting requests
-    beyond this are refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first window and the starvation
-    bound; balance: round_robin | fewest_requests | least_pages; cache_dtype: auto (the checkpoint scheme's: int8 for
-    w4a8c8, else the model's dtype), float (the model's dtype) or int8; min_prefill_bucket: the smallest prefill chunk
-    shape (chunks are padded to powers of two from here: larger means fewer compiled shapes, more padding);
-    min_decode_rows: the fewest rows a decode step runs per rank (a step packs its decoding requests into N rows, N a
-    power of two or three times one from here that holds them (`shapes.decode_bucket`), or max_slots: one compiled
-    decode step per N).
+    write their latents on the cache-write kernel and the memory holds it; an explicit one smaller than a request at
+    max_model_len bounds the context a request may ask for, `Engine.max_model_len`); token_budget: tokens per step
+    (decode rows plus prefill chunks); mixed_token_budget: tokens in a step that also decodes (at most token_budget,
+    the default; a smaller one bounds the decoding requests' time per token, at some prefill throughput); max_queue:
+    waiting requests beyond this are refused (QueueFull); spf_window_s / max_wait_s: the shortest-prompt-first
+    window and the starvation bound; balance: round_robin | fewest_requests | least_pages; cache_dtype: auto (the
+    checkpoint scheme's: int8 for w4a8c8, else the model's dtype), float (the model's dtype) or int8;
+    min_prefill_bucket: the smallest prefill chunk shape (chunks are padded to powers of two from here: larger means
+    fewer compiled shapes, more padding); min_decode_rows: the fewest rows a decode step runs per rank (a step packs
+    its decoding requests into N rows, N a power of two or three times one from here that holds them
+    (`shapes.decode_bucket`), or max_slots: one compiled decode step per N).
 
     Live EPLB (under a decode plan; without one the experts are not split over ranks and it is skipped):
     eplb_interval: re-place the experts every this many steps, for the expert loads routed in the last

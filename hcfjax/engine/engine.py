@@ -71,8 +71,12 @@ class Engine(Submitting):
         c = config
         if decode_plan is not None and decode_plan.mesh.shape["ep"] != c.dp:
             raise ValueError(f"config.dp={c.dp} but the decode plan has {decode_plan.mesh.shape['ep']} ranks")
+        if c.max_model_len is not None and c.max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {c.max_model_len} is longer than the model's context (max_position_embeddings"
+                f" {self.cfg.max_position_embeddings})"
+            )
         self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
-        self.door = FrontDoor(self.cfg, model.tokenizer, self.max_model_len)
         spec = c.speculative
         if spec is not None and not model.params.get("mtp"):
             raise ValueError(
@@ -81,7 +85,8 @@ class Engine(Submitting):
             )
         k = spec.num_draft_tokens if spec else 0
         # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
-        max_pages = math.ceil((self.max_model_len + 2 * (2 * k + 1)) / c.page_size)
+        lookahead = 2 * (2 * k + 1)
+        max_pages = math.ceil((self.max_model_len + lookahead) / c.page_size)
         dtype = cache_dtype_for(model, c.cache_dtype)
         # the pool fits the device's memory beside the weights (loading, when `weights` is given, or in use)
         self._device = jax.devices()[0] if decode_plan is None else decode_plan.mesh.devices.flat[0]
@@ -100,6 +105,17 @@ class Engine(Submitting):
             self._weight_bytes,
             max_pages,
         )
+        self.context_from_pages = num_pages < max_pages  # an explicit pool smaller than one longest request
+        if self.context_from_pages:
+            if num_pages * c.page_size - lookahead < 2:
+                raise ValueError(
+                    f"num_pages {num_pages} of {c.page_size} tokens cannot hold one request (a prompt token, an"
+                    f" output token and {lookahead} tokens of a step's lookahead)"
+                )
+            # A request runs on one rank's pages: one longer than they hold would wait forever, so the context a
+            # request may ask for is what they hold.
+            self.max_model_len, max_pages = num_pages * c.page_size - lookahead, num_pages
+        self.door = FrontDoor(self.cfg, model.tokenizer, self.max_model_len)
         shapes = StepShapes(
             c.token_budget, c.max_prefill_rows, c.min_prefill_bucket, spec is not None, max_pages * c.page_size
         )
