@@ -50,3 +50,16 @@ def test_cli_uses_the_embedded_model(capsys):
 
     assert cli.main(["generate", "--prompt", "import os\n", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("import os\n")
+
+
+@pytest.mark.parametrize(
+    "tokens,message",
+    [
+        ([[1, 2, 4096]], "token id 4096 is outside the vocabulary"),  # the embedding's gather would clamp it
+        (jnp.asarray([[1, -1]]), "token id -1 is outside the vocabulary"),
+        ([[1, 2, 3], [4]], "rows of one length"),
+    ],
+)
+def test_forward_refuses_what_it_cannot_run(embedded, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        hcfjax.forward(embedded, tokens)
