@@ -144,16 +144,16 @@ def report(
     elif c.quantization is not None:
         heads = ", MLA's q_b / o in bf16" if holds_float_heads(c, c.quantization.scheme) else ""
         lines.append(f"  quantised by hcfjax: {c.quantization.scheme}{heads}")
-    lines += ["", f"{'parameters':<22}{'total':>12}{'per token':>12}"]
-    lines.append(f"{'  main model':<22}{_n(count(main)):>12}{_n(count(main, True)):>12}")
+    lines += ["", f"{'parameters':<26}{'total':>12}{'per token':>12}"]
+    lines.append(f"{'  main model':<26}{_n(count(main)):>12}{_n(count(main, True)):>12}")
     if mtp:
         mtp_label = f"  MTP ({c.num_mtp_layers} module{'s' if c.num_mtp_layers > 1 else ''})"
-        lines.append(f"{mtp_label:<22}{_n(count(mtp)):>12}{_n(count(mtp, True)):>12}")
+        lines.append(f"{mtp_label:<26}{_n(count(mtp)):>12}{_n(count(mtp, True)):>12}")
         lines.append("  (MTP: its decoder layer, combiner, norms and own LM head; the embedding is shared)")
-    lines += ["", f"{'weights':<22}{'main':>12}" + (f"{'MTP':>12}" if mtp else "")]
+    lines += ["", f"{'weights':<26}{'main':>12}" + (f"{'MTP':>12}" if mtp else "")]
 
     def row(name, size):  # size: a list of Weights -> bytes
-        lines.append(f"{'  ' + name:<22}{_gb(size(main)):>12}" + (f"{_gb(size(mtp)):>12}" if mtp else ""))
+        lines.append(f"{'  ' + name:<26}{_gb(size(main)):>12}" + (f"{_gb(size(mtp)):>12}" if mtp else ""))
 
     row("bf16", lambda w: total_bytes(w, None))
     row("fp8 (as shipped)" if shipped else "fp8 (DeepSeek's format)", lambda w: fp8_bytes(w, block))
@@ -201,7 +201,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--gpu", default="H20", choices=sorted(GPUS), help="the GPU's datasheet (default: %(default)s)")
     ap.add_argument(
-        "--context", type=int, default=4096, help="tokens per request, for the requests that fit (default: %(default)s)"
+        "--context",
+        type=int,
+        help="tokens per request, for the requests that fit (default: min(the model's context, 4096), as serve's)",
     )
     ap.add_argument(
         "--speculative",
@@ -217,7 +219,7 @@ def run(args) -> int:
     try:
         if args.preset and args.model:
             raise ValueError("give a MODEL path or --preset, not both")
-        if args.context < 1 or args.page_size < 1 or args.speculative < 0:
+        if args.context is not None and args.context < 1 or args.page_size < 1 or args.speculative < 0:
             raise ValueError("--context and --page-size must be >= 1, --speculative >= 0")
         if args.preset:
             from hcfjax.sim.deployment import model_config
@@ -228,6 +230,12 @@ def run(args) -> int:
 
             path = args.model or DEFAULT_MODEL
             cfg, label = read_config(path), str(path)
+        if args.context is not None and args.context > cfg.max_position_embeddings:
+            raise ValueError(
+                f"--context {args.context} is longer than {label}'s context (max_position_embeddings"
+                f" {cfg.max_position_embeddings})"
+            )
+        context = min(cfg.max_position_embeddings, 4096) if args.context is None else args.context
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
         q = cfg.quantization
@@ -237,11 +245,11 @@ def run(args) -> int:
             )
         scheme = args.scheme or (q.scheme if q else "bf16")
         fits = [
-            plan_fit(cfg, mesh, args.gpu, scheme, args.context, args.speculative, args.page_size)
+            plan_fit(cfg, mesh, args.gpu, scheme, context, args.speculative, args.page_size)
             for mesh in args.mesh or [DEFAULT_MESH]
         ]
     except (OSError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(cfg, label, fits, args.gpu, scheme, args.context, args.speculative))
+    print(report(cfg, label, fits, args.gpu, scheme, context, args.speculative))
     return 0

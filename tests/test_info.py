@@ -166,7 +166,7 @@ def test_cli_prints_the_tables(capsys):
     per = f"{int8.requests:,} per rank, {int8.requests * 16:,} in all"
     for text in (
         "shipped as fp8 e4m3, 128x128 blocks",
-        "main model              671.03 B     36.63 B",
+        "main model                  671.03 B     36.63 B",
         "MTP (1 module)",
         "fp8 (as shipped)",
         "decode:dp=16,ep=16 on 16 x H200 (141 GB), w4a8c8 weights",
@@ -222,6 +222,9 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "is not valid JSON" in error(str(tmp_path / "config.json"))
     assert "dp == ep" in error(str(V2_LITE), "--mesh", "decode:dp=8,ep=4")
     assert "needs MTP layers" in error(str(V2_LITE), "--speculative", "1")
+    assert "--context 163841 is longer than" in error(str(V2_LITE), "--context", "163841")
+    assert main(["info"]) == 0  # the embedded model's context (2,048) is the default's bound
+    assert "requests of 2,048 tokens" in capsys.readouterr().out
     assert "not both" in error(str(V3), "--preset", "v2-lite")
     d = json.loads((V2_LITE / "config.json").read_text())
     d["quantization_config"] = QuantConfig.for_scheme("w4a8c8").to_dict()  # quantised by hcfjax: one scheme only
