@@ -16,7 +16,23 @@ from collections.abc import Callable
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, refusing `--option=--`: Python 3.12's argparse takes that "--" for the end of the
-    options and gives the option an empty list, without calling its type."""
+    options and gives the option an empty list, without calling its type. An argument that no option takes is the
+    error of the command it was given to, with that command's usage (argparse's is the top level's)."""
+
+    _commands = None  # add_subparsers' action, when this parser has commands
+
+    def add_subparsers(self, **kwargs):
+        self._commands = super().add_subparsers(**kwargs)
+        return self._commands
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser = self
+            if self._commands is not None:
+                parser = self._commands.choices.get(getattr(parsed, self._commands.dest, None), self)
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
 
     def parse_known_args(self, args=None, namespace=None):
         for arg in sys.argv[1:] if args is None else args:

@@ -226,6 +226,7 @@ def test_stop_strings_cut_each_row():
         (["--model", "{tmp}/bad", "--prompt", "x"], "not valid JSON"),  # a clean error, not a traceback
         (["--prompt", "x", "--temperature", "-1", "--model", "{ckpt}"], "temperature"),
         (["--prompt", "", "--model", "{ckpt}"], "empty"),
+        (["--prompt", "x", "--bogus"], "hcfjax generate: error: unrecognized arguments: --bogus"),  # its own usage
     ],
 )
 def test_cli_bad_arguments(random_ckpt, tmp_path, capsys, argv, message):
