@@ -254,6 +254,23 @@ def test_invalid_unicode_is_a_400_and_the_connection_serves_on(backend):
     backend.assert_idle()
 
 
+def test_a_body_not_sent_as_json_says_so(backend):
+    """curl's -d without -H sends a form's Content-Type, which FastAPI does not read as JSON: the 400 says why."""
+    conn = http.client.HTTPConnection("127.0.0.1", backend.port, timeout=30)
+    try:
+        for headers, said in [
+            ({"Content-Type": "application/x-www-form-urlencoded"}, "'application/x-www-form"),
+            ({}, "no Content-Type"),
+        ]:
+            conn.request("POST", "/v1/completions", '{"prompt": "x", "max_tokens": 2}', headers)
+            r = conn.getresponse()
+            error = json.loads(r.read())["error"]
+            assert r.status == 400 and "must be JSON sent as application/json" in error["message"], error
+            assert said in error["message"], error
+    finally:
+        conn.close()
+
+
 def test_disconnect_mid_stream_aborts_and_frees_pages(backend):
     before = finished(backend, "abort")
     stream = backend.client.completions.create(model="stdlib-v3", prompt="x = 1", stream=True, **LONG)

@@ -290,11 +290,15 @@ def create_app(service: OpenAIService, api_key: str | None = None, max_body_byte
         return JSONResponse(e.body(), e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
+    async def _invalid(request: HTTPRequest, e: RequestValidationError):
         err = e.errors()[0]
         service.count_refusal(400)
         if err.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
             return JSONResponse(bad_request(f"the body is not valid JSON: {err.get('msg', '')}").body(), 400)
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if err.get("loc") == ("body",) and kind != "application/json":  # FastAPI reads JSON only when told it is
+            where = f"Content-Type {kind!r}" if kind else "no Content-Type"
+            return JSONResponse(bad_request(f"the body must be JSON sent as application/json, not {where}").body(), 400)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the top-level field; the message gives the full location
         return JSONResponse(bad_request(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
