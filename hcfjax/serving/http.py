@@ -296,7 +296,8 @@ def create_app(service: OpenAIService, api_key: str | None = None, max_body_byte
         if err.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
             return JSONResponse(bad_request(f"the body is not valid JSON: {err.get('msg', '')}").body(), 400)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if err.get("loc") == ("body",) and kind != "application/json":  # FastAPI reads JSON only when told it is
+        json_kind = kind == "application/json" or kind.endswith("+json")  # what FastAPI reads as JSON
+        if err.get("loc") == ("body",) and not json_kind:
             where = f"Content-Type {kind!r}" if kind else "no Content-Type"
             return JSONResponse(bad_request(f"the body must be JSON sent as application/json, not {where}").body(), 400)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
