@@ -245,7 +245,7 @@ def _quantize(args) -> int:
 
     try:
         cfg = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size)
-    except (ValueError, FileNotFoundError) as e:
+    except (OSError, ValueError) as e:  # an --out that cannot be written, a broken checkpoint
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.scheme} checkpoint to {args.out} ({cfg.quantization})")

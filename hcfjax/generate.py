@@ -70,23 +70,23 @@ def _forward(params, cfg: ModelConfig, tokens):
 
 def forward(model: Model, tokens) -> jax.Array:
     """Teacher-forced logits: tokens [B, T] (or [T]) -> float32 logits [B, T, V] (expanded MLA, no cache)."""
-    if isinstance(tokens, jax.Array):
-        tokens = tokens.astype(jnp.int32)
-    else:
+    if not isinstance(tokens, jax.Array):
         try:
-            tokens = np.asarray(tokens, np.int32)
+            tokens = np.asarray(tokens)
         except ValueError:  # rows of different lengths
             raise ValueError("tokens must be [B, T]: rows of one length (pad them, or call once per row)") from None
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
     tokens = tokens[None] if tokens.ndim == 1 else tokens
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be [B, T] with T >= 1, got shape {tokens.shape}")
+    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be [B, T] with B, T >= 1, got shape {tokens.shape}")
     if tokens.shape[1] > model.cfg.max_position_embeddings:
         raise ValueError(f"{tokens.shape[1]} tokens exceed the context of {model.cfg.max_position_embeddings}")
     if not isinstance(tokens, jax.core.Tracer):  # an id past the embedding table would be clamped, not refused
-        ids = np.asarray(tokens)
-        if ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= model.cfg.vocab_size)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {model.cfg.vocab_size})")
+        lo, hi = (int(f(tokens)) for f in ((np.min, np.max) if isinstance(tokens, np.ndarray) else (jnp.min, jnp.max)))
+        if lo < 0 or hi >= model.cfg.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {model.cfg.vocab_size})")
+    tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else tokens.astype(np.int32)
     return _forward(model.params, model.cfg, tokens)  # (a host array goes in as it is: no program per shape)
 
 

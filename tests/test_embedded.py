@@ -58,6 +58,8 @@ def test_cli_uses_the_embedded_model(capsys):
         ([[1, 2, 4096]], "token id 4096 is outside the vocabulary"),  # the embedding's gather would clamp it
         (jnp.asarray([[1, -1]]), "token id -1 is outside the vocabulary"),
         ([[1, 2, 3], [4]], "rows of one length"),
+        (np.asarray([[2**32 + 5]]), "token id 4294967301 is outside"),  # not wrapped into range by a cast
+        ("def f", "integer ids"),
     ],
 )
 def test_forward_refuses_what_it_cannot_run(embedded, tokens, message):

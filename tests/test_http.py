@@ -260,7 +260,7 @@ def test_a_body_not_sent_as_json_says_so(backend):
     try:
         for headers, said in [
             ({"Content-Type": "application/x-www-form-urlencoded"}, "'application/x-www-form"),
-            ({}, "no Content-Type"),
+            ({}, "without a Content-Type"),
         ]:
             conn.request("POST", "/v1/completions", '{"prompt": "x", "max_tokens": 2}', headers)
             r = conn.getresponse()

@@ -200,7 +200,8 @@ def main(argv=None) -> None:
         ap.error(f"--token-budget: {e}")
     config = EngineConfig(
         max_slots=slots,
-        num_pages=slots * -(-context // args.page_size),  # every slot its whole context: no request waits
+        # every slot its whole context and a step's lookahead past it (Engine): no request waits
+        num_pages=slots * -(-(context + 2) // args.page_size),
         page_size=args.page_size,
         max_model_len=context,
         token_budget=args.token_budget,

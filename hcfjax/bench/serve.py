@@ -199,6 +199,7 @@ def start(args) -> Served:
         return Served(port, cfg, min(cfg.max_position_embeddings, args.max_model_len), warm, summary, procs=procs)
     model = load_model(args.model, args.preset, args.scheme)
     spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
+    args.max_model_len = min(model.cfg.max_position_embeddings, args.max_model_len)  # as the PD roles take it
     engine = Engine(model, engine_config(args, spec))
     warm = engine.warmup()
     engine.start()

@@ -298,8 +298,8 @@ def create_app(service: OpenAIService, api_key: str | None = None, max_body_byte
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         json_kind = kind == "application/json" or kind.endswith("+json")  # what FastAPI reads as JSON
         if err.get("loc") == ("body",) and not json_kind:
-            where = f"Content-Type {kind!r}" if kind else "no Content-Type"
-            return JSONResponse(bad_request(f"the body must be JSON sent as application/json, not {where}").body(), 400)
+            how = f"not as {kind!r}" if kind else "not without a Content-Type"
+            return JSONResponse(bad_request(f"the body must be JSON sent as application/json, {how}").body(), 400)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the top-level field; the message gives the full location
         return JSONResponse(bad_request(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", param).body(), 400)
