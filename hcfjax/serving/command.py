@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-pages",
         type=engine("num_pages"),
-        help="KV cache pages per rank (default: from --max-slots, at most what the GPU's memory holds)",
+        help="KV cache pages per rank (default: from --max-slots, at most what the GPU's memory holds; fewer than one"
+        " request at --max-model-len bound a request's context to what they hold)",
     )
     parser.add_argument(
         "--page-size",
@@ -91,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache page (the MLA decode kernel takes multiples of 64)",
     )
     parser.add_argument(
-        "--max-model-len", type=engine("max_model_len"), help="context length (default: min(the model's, 4096))"
+        "--max-model-len",
+        type=engine("max_model_len"),
+        help="context length, at most the model's (default: min(the model's, 4096))",
     )
     parser.add_argument("--token-budget", type=engine("token_budget"), default=256, help="tokens per engine step")
     parser.add_argument(
