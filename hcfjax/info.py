@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from hcfjax.config import QUANT_SCHEMES, ModelConfig
+from hcfjax.engine.config import context_length
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.deployment import Deployment, Pool
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, GPUS, gpu
@@ -235,7 +236,7 @@ def run(args) -> int:
                 f"--context {args.context} is longer than {label}'s context (max_position_embeddings"
                 f" {cfg.max_position_embeddings})"
             )
-        context = min(cfg.max_position_embeddings, 4096) if args.context is None else args.context
+        context = context_length(cfg.max_position_embeddings, args.context)
         if args.speculative and not cfg.num_mtp_layers:
             raise ValueError(f"--speculative {args.speculative} needs MTP layers; {label} has none")
         q = cfg.quantization

@@ -171,6 +171,7 @@ def loop_case(
 def main(argv=None) -> None:
     from hcfjax.bench.generate import decode_profile, decode_rate
     from hcfjax.engine import Engine, EngineConfig
+    from hcfjax.engine.config import lookahead_tokens
     from hcfjax.options import Options
     from hcfjax.serving.config import SCHEMES, load_model
 
@@ -200,8 +201,7 @@ def main(argv=None) -> None:
         ap.error(f"--token-budget: {e}")
     config = EngineConfig(
         max_slots=slots,
-        # every slot its whole context and a step's lookahead past it (Engine): no request waits
-        num_pages=slots * -(-(context + 2) // args.page_size),
+        num_pages=slots * -(-(context + lookahead_tokens(0)) // args.page_size),  # every slot its context: no wait
         page_size=args.page_size,
         max_model_len=context,
         token_budget=args.token_budget,

@@ -53,6 +53,7 @@ from hcfjax import trace
 from hcfjax.bench.common import header
 from hcfjax.bench.serve_clients import ClientProcess, warm_pd
 from hcfjax.bench.serve_pd import pd_gpus, start_pd, stop_pd
+from hcfjax.engine.config import context_length
 from hcfjax.serving.config import SCHEMES
 from hcfjax.sim.workload import REFERENCE, workload
 
@@ -196,10 +197,12 @@ def start(args) -> Served:
         summary = f"PD: prefill, decode and router processes, KV over {args.pd}" + (
             " (prefill on GPU {}, decode on GPU {})".format(*pd_gpus(args.pd_gpus)) if args.pd_gpus else ""
         )
-        return Served(port, cfg, min(cfg.max_position_embeddings, args.max_model_len), warm, summary, procs=procs)
+        return Served(
+            port, cfg, context_length(cfg.max_position_embeddings, args.max_model_len), warm, summary, procs=procs
+        )
     model = load_model(args.model, args.preset, args.scheme)
     spec = hcfjax.SpeculativeConfig(args.speculative) if args.speculative else None
-    args.max_model_len = min(model.cfg.max_position_embeddings, args.max_model_len)  # as the PD roles take it
+    args.max_model_len = context_length(model.cfg.max_position_embeddings, args.max_model_len)  # as the PD roles
     engine = Engine(model, engine_config(args, spec))
     warm = engine.warmup()
     engine.start()

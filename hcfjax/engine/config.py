@@ -8,6 +8,19 @@ from hcfjax.options import DEFAULT, Options
 from hcfjax.quantize import CACHE_DTYPES
 from hcfjax.speculative import SpeculativeConfig
 
+DEFAULT_MAX_MODEL_LEN = 4096  # the context a request may ask for when none is given (at most the model's)
+
+
+def context_length(model_context: int, requested: int | None) -> int:
+    """The context of an engine's requests: `requested`, or DEFAULT_MAX_MODEL_LEN, at most the model's."""
+    return min(model_context, requested or DEFAULT_MAX_MODEL_LEN)
+
+
+def lookahead_tokens(k: int) -> int:
+    """Cache positions past a request's context that a step may write, with k draft tokens (0: no speculation): k + 1
+    target positions and the drafts' k past them, one step beyond the host's view."""
+    return 2 * (2 * k + 1)
+
 
 class QueueFull(RuntimeError):
     pass

@@ -22,7 +22,7 @@ import numpy as np
 from hcfjax import trace
 from hcfjax.detokenize import TextStream
 from hcfjax.engine import memory
-from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull
+from hcfjax.engine.config import EngineConfig, EngineStopped, QueueFull, context_length, lookahead_tokens
 from hcfjax.engine.executables import ExecutableCache
 from hcfjax.engine.hooks import Hooks
 from hcfjax.engine.request import FinishReason, Output, Request, Status, stream_events
@@ -76,7 +76,7 @@ class Engine(Submitting):
                 f"max_model_len {c.max_model_len} is longer than the model's context (max_position_embeddings"
                 f" {self.cfg.max_position_embeddings})"
             )
-        self.max_model_len = min(self.cfg.max_position_embeddings, c.max_model_len or 4096)
+        self.max_model_len = context_length(self.cfg.max_position_embeddings, c.max_model_len)
         spec = c.speculative
         if spec is not None and not model.params.get("mtp"):
             raise ValueError(
@@ -84,8 +84,7 @@ class Engine(Submitting):
                 " loaded with mtp=False)"
             )
         k = spec.num_draft_tokens if spec else 0
-        # a step may write k + 1 target positions and the drafts' k past them, one step beyond the host's view
-        lookahead = 2 * (2 * k + 1)
+        lookahead = lookahead_tokens(k)
         max_pages = math.ceil((self.max_model_len + lookahead) / c.page_size)
         dtype = cache_dtype_for(model, c.cache_dtype)
         # the pool fits the device's memory beside the weights (loading, when `weights` is given, or in use)

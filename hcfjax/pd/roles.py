@@ -27,6 +27,7 @@ def _log_to_stderr() -> None:
 
 
 def run_prefill(model, args, plans, prefill_config, announce) -> None:
+    from hcfjax.engine.config import context_length
     from hcfjax.pd.prefill import PrefillWorker
     from hcfjax.pd.service import prefill_server
     from hcfjax.pd.transport import make_transport
@@ -38,7 +39,7 @@ def run_prefill(model, args, plans, prefill_config, announce) -> None:
     plan = prefill_plan(**plans["prefill"]) if "prefill" in plans else None
     worker = PrefillWorker(model, transport.sender(), prefill_config, plan)
     if args.warmup:
-        limit = min(model.cfg.max_position_embeddings, args.max_model_len or 4096)
+        limit = context_length(model.cfg.max_position_embeddings, args.max_model_len)
         progress = CompileProgress("hcfjax serve: compiling prefill programs")
         announce(f"hcfjax serve: prefill programs compiled in {worker.warmup(limit, progress):.1f} s")
     with until_signal(announce):

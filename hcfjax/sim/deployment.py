@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hcfjax.config import ModelConfig
+from hcfjax.engine.config import context_length, lookahead_tokens
 from hcfjax.engine.scheduler import SchedulerConfig
 from hcfjax.sim.cost import CostModel
 from hcfjax.sim.gpus import DEEPSEEK_KERNELS, HCFJAX_XLA_H200_MICRO, Efficiency, gpu
@@ -171,8 +172,8 @@ class Deployment:
         """(max_model_len, max_pages, num_pages per rank) as hcfjax.engine.Engine derives them, but for the pages an
         int8 pool gains past the cache-write kernel's 2-4 GiB window on a GPU (engine.memory.past_write_window)."""
         k = self.spec_k
-        max_len = min(cfg.max_position_embeddings, self.max_model_len or 4096)
-        max_pages = math.ceil((max_len + 2 * (2 * k + 1)) / pool.page_size)
+        max_len = context_length(cfg.max_position_embeddings, self.max_model_len)
+        max_pages = math.ceil((max_len + lookahead_tokens(k)) / pool.page_size)
         return max_len, max_pages, pool.num_pages or max(max_pages, pool.max_slots * max_pages // 2)
 
     def scheduler_config(self, pool: Pool, role: str, num_pages: int, shapes=None) -> SchedulerConfig:
